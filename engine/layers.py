@@ -1,0 +1,51 @@
+"""Thin dtype-safe layers: weights may be fp16/bf16, numerically fragile ops run in fp32.
+
+Following whisper's model.py: LayerNorm, softmax and log-softmax compute in fp32 and cast back, and
+Linear/Conv cast their input to the weight dtype, so a module converted with `.half()` really holds
+half-precision weights and stays finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).type(x.dtype)
+
+
+class GroupNorm(nn.GroupNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.group_norm(x.float(), self.num_groups, weight, bias, self.eps).type(x.dtype)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+class Conv1d(nn.Conv1d):
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
+class ConvTranspose1d(nn.ConvTranspose1d):
+    def forward(self, x: Tensor, output_size: list[int] | None = None) -> Tensor:
+        return super().forward(x.to(self.weight.dtype), output_size)
+
+
+def softmax_fp32(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax computed in fp32, returned in the input dtype."""
+    return torch.softmax(x.float(), dim=dim).type(x.dtype)
+
+
+def log_softmax_fp32(x: Tensor, dim: int = -1) -> Tensor:
+    """Log-softmax in fp32; stays fp32 because sampling compares log-probabilities."""
+    return torch.log_softmax(x.float(), dim=dim)

@@ -1,0 +1,59 @@
+"""Weight precision: real fp16/bf16 casts and INT8 dynamic quantization of Linear layers (CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.ao.nn.quantized import dynamic as quantized_dynamic
+from torch.ao.quantization import quantize_dynamic
+
+from engine import layers
+from engine.errors import InvalidInputError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'float32' / 'float16' / 'bfloat16' (also 'fp32', 'fp16', 'bf16') -> torch dtype."""
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    key = aliases.get(name, name)
+    if key not in DTYPES:
+        raise InvalidInputError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes held by parameters and buffers, counting packed INT8 Linear weights too."""
+    total = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    for child in module.modules():
+        if isinstance(child, quantized_dynamic.Linear):
+            weight, bias = child._packed_params._weight_bias()
+            total += weight.numel() * weight.element_size()
+            total += 0 if bias is None else bias.numel() * bias.element_size()
+    return total
+
+
+def _as_plain_linear(layer: layers.Linear) -> nn.Linear:
+    plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    plain.weight = layer.weight
+    plain.bias = layer.bias
+    return plain
+
+
+def quantize_linear_int8(module: nn.Module) -> nn.Module:
+    """Dynamic INT8 quantization of every Linear layer, in place; for CPU execution in float32.
+
+    torch's dynamic quantization only converts exact `nn.Linear`, so the dtype-casting
+    `layers.Linear` (a no-op in fp32) is swapped for a plain one first.
+    """
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        raise InvalidInputError("INT8 quantization needs a float32 module (it runs on CPU)")
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, layers.Linear):
+                setattr(parent, name, _as_plain_linear(child))
+    with warnings.catch_warnings():  # torch marks quantized tensor creation deprecated; it still works in 2.14
+        warnings.simplefilter("ignore", UserWarning)
+        return quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)
