@@ -54,6 +54,7 @@ def quantize_linear_int8(module: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, layers.Linear):
                 setattr(parent, name, _as_plain_linear(child))
-    with warnings.catch_warnings():  # torch marks quantized tensor creation deprecated; it still works in 2.14
+    with warnings.catch_warnings():  # torch marks eager quantization deprecated; it still works in 2.14
         warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         return quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)

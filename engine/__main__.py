@@ -1,0 +1,46 @@
+"""`python -m engine "text" -o out.wav`: synthesise in-process, no server (tiny dummy model by default)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import soundfile as sf
+
+from engine.errors import CosyVoiceError
+from engine.pipeline import CosyVoice
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    parser.add_argument("text")
+    parser.add_argument("-o", "--output", default="out.wav", help="output wav file")
+    parser.add_argument("--model", default="tiny", help="official model dir, or a preset: tiny, dummy")
+    parser.add_argument("--voice", default=None, help="speaker id (default: the model's first voice)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--int8", action="store_true", help="INT8 Linear layers for CPU execution")
+    parser.add_argument("--instruct", default=None, help="instruct text (Instruct models)")
+    parser.add_argument("--speed", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        tts = CosyVoice.load(args.model, dtype=args.dtype, device=args.device, int8=args.int8)
+        voice = args.voice or tts.voices[0]
+        start = time.perf_counter()
+        audio, rate = tts.synthesize(args.text, voice, instruct_text=args.instruct, speed=args.speed, seed=args.seed)
+        elapsed = time.perf_counter() - start
+    except CosyVoiceError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    sf.write(args.output, audio, rate)
+    seconds = len(audio) / rate
+    print(
+        f"wrote {args.output}: {seconds:.2f} s of audio at {rate} Hz in {elapsed:.2f} s (RTF {elapsed / seconds:.2f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

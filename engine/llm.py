@@ -1,0 +1,283 @@
+"""The CosyVoice v1 speech-token language model (`TransformerLM`), split into the two serving halves.
+
+- Encoder side (CPU replicas): `TransformerLM.encode_text` = text_embedding -> causal Conformer text encoder ->
+  text_encoder_affine_layer, over concat(prompt text, text).
+- Decoder side: `TokenGenerator` decodes speech tokens from already-encoded text with a KV cache, batched and
+  step-wise, so requests can join and leave between steps (continuous batching); `TransformerLM.generate` runs
+  a list of requests to completion on top of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.conformer import EncoderConfig, KVCache, RelPositionEncoder
+from engine.errors import CheckpointError, InvalidInputError
+from engine.layers import Linear, log_softmax_fp32
+from engine.sampling import SamplingOptions, make_generator, sample_token
+from engine.yaml_config import ObjectSpec
+
+SOS, TASK_ID = 0, 1  # rows of llm_embedding
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    text_encoder_input_size: int
+    llm_input_size: int
+    llm_output_size: int
+    text_token_size: int
+    speech_token_size: int  # also the EOS id: llm_decoder has speech_token_size + 1 outputs
+    spk_embed_dim: int
+    text_encoder: EncoderConfig
+    llm: EncoderConfig
+    sampling: SamplingOptions  # the yaml's sampler settings: the default of requests that bring none
+
+    @classmethod
+    def from_yaml(cls, spec: ObjectSpec) -> LLMConfig:
+        """The yaml `llm` node (class `TransformerLM`)."""
+        if not isinstance(spec, ObjectSpec) or spec.class_name != "TransformerLM":
+            target = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
+            raise CheckpointError(f"llm class {target!r} is not supported; only the CosyVoice v1 TransformerLM")
+        for key in ("text_encoder_input_size", "llm_input_size", "llm_output_size", "text_token_size"):
+            if key not in spec.kwargs:
+                raise CheckpointError(f"the TransformerLM config has no {key}")
+        text_encoder = EncoderConfig.from_yaml(spec["text_encoder"], spec["text_encoder_input_size"])
+        llm = EncoderConfig.from_yaml(spec["llm"], spec["llm_input_size"])
+        if text_encoder.input_size != spec["text_encoder_input_size"] or llm.input_size != spec["llm_input_size"]:
+            raise CheckpointError("the TransformerLM encoders' input sizes disagree with its own")
+        if llm.output_size != spec["llm_output_size"]:
+            raise CheckpointError(f"llm output_size {llm.output_size} disagrees with llm_output_size")
+        if not llm.causal:
+            raise CheckpointError("the TransformerLM backbone must be causal (static_chunk_size: 1)")
+        sampler = spec.get("sampling")
+        sampling = SamplingOptions()
+        if isinstance(sampler, ObjectSpec):
+            if sampler.class_name != "ras_sampling":
+                raise CheckpointError(f"llm sampling {sampler.target!r} is not supported; only ras_sampling")
+            keys = ("top_p", "top_k", "win_size", "tau_r")
+            try:
+                sampling = replace(sampling, **{k: sampler[k] for k in keys if k in sampler.kwargs})
+            except InvalidInputError as exc:
+                raise CheckpointError(f"llm sampling config: {exc.message}") from exc
+        return cls(
+            text_encoder_input_size=int(spec["text_encoder_input_size"]),
+            llm_input_size=int(spec["llm_input_size"]),
+            llm_output_size=int(spec["llm_output_size"]),
+            text_token_size=int(spec["text_token_size"]),
+            speech_token_size=int(spec.get("speech_token_size", 4096)),
+            spk_embed_dim=int(spec.get("spk_embed_dim", 192)),
+            text_encoder=text_encoder,
+            llm=llm,
+            sampling=sampling,
+        )
+
+
+@dataclass
+class GenerationRequest:
+    """One utterance to decode. `text_encoded` comes from `encode_text` over (prompt text + text)."""
+
+    text_encoded: Tensor  # [T, llm_input_size]
+    text_len: int  # target text tokens only, without the prompt: sets min/max length
+    embedding: Tensor | None = None  # [spk_embed_dim] or [1, spk_embed_dim]; None or 0 rows: no speaker term
+    prompt_speech_tokens: Tensor | None = None  # [P] speech tokens of the prompt
+    options: SamplingOptions | None = None  # None: the model config's sampler settings
+
+
+@dataclass
+class TokenEvent:
+    """What one `TokenGenerator.step` produced for one request."""
+
+    request_id: int
+    token: int | None  # None when the request stopped on EOS (EOS itself is never yielded)
+    finish_reason: str | None  # "eos" or "max_len" when this was the request's last step, else None
+    logprobs: Tensor  # [speech_token_size + 1] fp32: the scores sampled from (log-softmax, EOS -inf before min_len)
+
+
+class TransformerLM(nn.Module):
+    """Module and parameter names follow the official class, so `llm.pt` loads strictly."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.text_embedding = nn.Embedding(cfg.text_token_size, cfg.text_encoder_input_size)
+        self.text_encoder = RelPositionEncoder(cfg.text_encoder)
+        self.text_encoder_affine_layer = Linear(cfg.text_encoder.output_size, cfg.llm_input_size)
+        self.llm_embedding = nn.Embedding(2, cfg.llm_input_size)
+        self.llm = RelPositionEncoder(cfg.llm)
+        self.llm_decoder = Linear(cfg.llm_output_size, cfg.speech_token_size + 1)
+        self.speech_embedding = nn.Embedding(cfg.speech_token_size, cfg.llm_input_size)
+        self.spk_embed_affine_layer = Linear(cfg.spk_embed_dim, cfg.llm_input_size)
+
+    @property
+    def eos(self) -> int:
+        return self.cfg.speech_token_size
+
+    def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size]."""
+        if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.cfg.text_token_size:
+            raise InvalidInputError(f"text token ids must be in [0, {self.cfg.text_token_size})")
+        x = self.text_embedding(tokens.long())
+        return self.text_encoder_affine_layer(self.text_encoder(x, lengths))
+
+    def lm_input(self, request: GenerationRequest) -> Tensor:
+        """The prefill sequence [S, llm_input_size]: sos, speaker term, encoded text, task id, prompt speech."""
+        weight = self.llm_embedding.weight
+        parts = [weight[SOS : SOS + 1]]
+        embedding = request.embedding
+        if embedding is not None and embedding.numel():
+            unit = F.normalize(embedding.reshape(1, -1).float().to(weight.device), dim=1)
+            parts.append(self.spk_embed_affine_layer(unit))
+        parts += [request.text_encoded.to(weight.device), weight[TASK_ID : TASK_ID + 1]]
+        if request.prompt_speech_tokens is not None:
+            parts.append(self.speech_embedding(request.prompt_speech_tokens.long().to(weight.device).reshape(-1)))
+        return torch.cat([part.to(weight.dtype) for part in parts])
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Tensor]:
+        """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""
+        generator = TokenGenerator(self)
+        ids = [generator.add(request) for request in requests]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        while generator.active:
+            for event in generator.step():
+                if event.token is not None:
+                    tokens[event.request_id].append(event.token)
+        return [torch.tensor(tokens[i], dtype=torch.long) for i in ids]
+
+
+@dataclass
+class _Sequence:
+    request_id: int
+    request: GenerationRequest
+    options: SamplingOptions
+    generator: torch.Generator
+    min_len: int
+    max_len: int
+    tokens: list[int] = field(default_factory=list)
+
+
+class TokenGenerator:
+    """Continuous-batching decoder: `add` requests at any time, `step` advances every active one by a token.
+
+    Requests added since the last step are prefilled together (left-padded) in the next step and join the running
+    batch; finished and cancelled requests leave it. Sampling runs per request on the CPU with its own seeded
+    generator, on the same log-probabilities it would get alone (up to float rounding).
+    """
+
+    def __init__(self, model: TransformerLM) -> None:
+        self.model = model
+        self._pending: list[_Sequence] = []
+        self._running: list[_Sequence] = []  # row i of the cache is self._running[i]
+        self._cache: KVCache | None = None
+        self._next_id = 0
+
+    @property
+    def active(self) -> int:
+        """Requests added and not yet finished or cancelled."""
+        return len(self._pending) + len(self._running)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences holding a row of the KV cache (running, not pending)."""
+        return len(self._running)
+
+    def add(self, request: GenerationRequest) -> int:
+        """Queue a request (validated here); it gets its first token in the next `step`. -> request id."""
+        cfg = self.model.cfg
+        encoded, text_len = request.text_encoded, request.text_len
+        if encoded.dim() != 2 or encoded.shape[1] != cfg.llm_input_size or not len(encoded):
+            raise InvalidInputError(f"text_encoded must be [T >= 1, {cfg.llm_input_size}], got {tuple(encoded.shape)}")
+        if isinstance(text_len, bool) or not isinstance(text_len, int) or not 1 <= text_len <= len(encoded):
+            raise InvalidInputError(f"text_len must be an integer in [1, {len(encoded)}], got {text_len!r}")
+        if request.embedding is not None and request.embedding.numel() not in (0, cfg.spk_embed_dim):
+            raise InvalidInputError(f"the speaker embedding must have {cfg.spk_embed_dim} values")
+        prompt = request.prompt_speech_tokens
+        if prompt is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < self.model.eos:
+            raise InvalidInputError(f"prompt speech tokens must be in [0, {self.model.eos})")
+        options = request.options or cfg.sampling
+        max_len = int(text_len * options.max_token_text_ratio)
+        if max_len < 1:
+            raise InvalidInputError(f"max_token_text_ratio {options.max_token_text_ratio} allows no speech tokens")
+        sequence = _Sequence(
+            request_id=self._next_id,
+            request=request,
+            options=options,
+            generator=make_generator(options.seed),
+            min_len=int(text_len * options.min_token_text_ratio),
+            max_len=max_len,
+        )
+        self._next_id += 1
+        self._pending.append(sequence)
+        return sequence.request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request and free its batch slot; False if it is not active."""
+        for index, sequence in enumerate(self._pending):
+            if sequence.request_id == request_id:
+                del self._pending[index]
+                return True
+        rows = [i for i, s in enumerate(self._running) if s.request_id != request_id]
+        if len(rows) == len(self._running):
+            return False
+        self._retain(rows)
+        return True
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """One token (or the stop) for every active request, running requests first, then the newly joined."""
+        model = self.model
+        hidden = []
+        if self._running:
+            weight = model.speech_embedding.weight
+            last = torch.tensor([s.tokens[-1] for s in self._running], device=weight.device)
+            x = model.speech_embedding(last)[:, None]
+            valid = torch.ones(len(last), 1, dtype=torch.bool, device=weight.device)
+            hidden.append(model.llm.forward_incremental(x, valid, self._cache)[:, -1])
+        if self._pending:
+            hidden.append(self._prefill(self._pending))
+            self._running += self._pending
+            self._pending = []
+        if not hidden:
+            return []
+        logprobs = log_softmax_fp32(model.llm_decoder(torch.cat(hidden))).cpu()
+        events, keep = [], []
+        for row, sequence in enumerate(self._running):
+            scores = logprobs[row]
+            if len(sequence.tokens) < sequence.min_len:
+                scores[model.eos] = float("-inf")
+            token = sample_token(scores, sequence.tokens, sequence.options, sequence.generator)
+            if token == model.eos:
+                events.append(TokenEvent(sequence.request_id, None, "eos", scores))
+                continue
+            sequence.tokens.append(token)
+            finished = len(sequence.tokens) >= sequence.max_len
+            events.append(TokenEvent(sequence.request_id, token, "max_len" if finished else None, scores))
+            if not finished:
+                keep.append(row)
+        self._retain(keep)
+        return events
+
+    def _prefill(self, sequences: list[_Sequence]) -> Tensor:
+        """Prefill the new requests (left-padded) into a cache joined to the running one -> last hidden [N, D]."""
+        inputs = [self.model.lm_input(s.request) for s in sequences]
+        width = max(len(x) for x in inputs)
+        padded = torch.stack([F.pad(x, (0, 0, width - len(x), 0)) for x in inputs])
+        columns = torch.arange(width, device=padded.device)
+        valid = columns >= torch.tensor([width - len(x) for x in inputs], device=padded.device)[:, None]
+        cache = self.model.llm.new_cache(len(inputs), padded.device)
+        hidden = self.model.llm.forward_incremental(padded, valid, cache)[:, -1]
+        self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
+        return hidden
+
+    def _retain(self, rows: list[int]) -> None:
+        """Keep these running rows (finished or cancelled ones leave the batch and the cache)."""
+        if len(rows) == len(self._running):
+            return
+        self._running = [self._running[r] for r in rows]
+        if not rows:
+            self._cache = None
+        else:
+            self._cache.select(rows)

@@ -1,0 +1,190 @@
+"""Build the model from an official model directory, or from a preset with seeded dummy weights.
+
+Load formats (like vLLM's `--load-format`):
+- `official`: a CosyVoice v1 model dir (`cosyvoice.yaml`, `llm.pt`, `flow.pt`, `hift.pt`, optional `spk2info.pt`),
+  every checkpoint loaded strictly with `weights_only=True`;
+- `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`) or a yaml file, seeded random weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.checkpoint import load_strict, read_state_dict
+from engine.errors import CheckpointError
+from engine.flow import FlowConfig, MaskedDiffWithXvec
+from engine.frontend import TextFrontend
+from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
+from engine.llm import LLMConfig, TransformerLM
+from engine.precision import parse_dtype, quantize_linear_int8
+from engine.voices import VoiceBank
+from engine.yaml_config import load_model_yaml
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+PRESETS = {"dummy": "cosyvoice-300m", "cosyvoice-300m": "cosyvoice-300m", "tiny": "tiny"}
+V1_CONFIG = "cosyvoice.yaml"
+V2_CONFIG = "cosyvoice2.yaml"
+CHECKPOINT_FILES = ("llm.pt", "flow.pt", "hift.pt")
+COMPONENTS = ("encoder", "decoder")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """All hyperparameters of a v1 model, read from its yaml."""
+
+    sample_rate: int
+    spk_embed_dim: int
+    mel_bins: int
+    llm: LLMConfig
+    flow: FlowConfig
+    hift: HiFTConfig
+
+    @classmethod
+    def from_yaml_file(cls, path: Path) -> ModelConfig:
+        tree = load_model_yaml(path)
+        for key in ("llm", "flow", "hift", "sample_rate"):
+            if key not in tree:
+                raise CheckpointError(f"model config {path} has no '{key}' entry")
+        return cls(
+            sample_rate=int(tree["sample_rate"]),
+            spk_embed_dim=int(tree.get("spk_embed_dim", 192)),
+            mel_bins=int(tree["flow"].get("output_size", 80)),
+            llm=LLMConfig.from_yaml(tree["llm"]),
+            flow=FlowConfig.from_yaml(tree["flow"]),
+            hift=HiFTConfig.from_yaml(tree["hift"]),
+        )
+
+
+MODULES: dict[str, type[nn.Module]] = {"llm": TransformerLM, "flow": MaskedDiffWithXvec, "hift": HiFTGenerator}
+
+
+@dataclass
+class LoadedModel:
+    """What the stages need. `text_llm` encodes text on CPU; `llm`, `flow`, `hift` decode on `decoder_device`."""
+
+    name: str
+    config: ModelConfig
+    frontend: TextFrontend | None
+    voices: VoiceBank
+    text_llm: TransformerLM | None
+    llm: TransformerLM | None
+    flow: MaskedDiffWithXvec | None
+    hift: HiFTGenerator | None
+    dtype: torch.dtype
+    decoder_device: torch.device
+    text_device: torch.device
+
+
+def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
+    """-> (format, path): the yaml of a preset / dummy file, or an official model directory."""
+    text = str(source)
+    if load_format in (None, "dummy") and text in PRESETS:
+        return "dummy", PRESETS_DIR / f"{PRESETS[text]}.yaml"
+    path = Path(source)
+    if load_format == "dummy" or (load_format is None and path.suffix in (".yaml", ".yml")):
+        if not path.is_file():
+            raise CheckpointError(f"dummy model config {path} not found (presets: {', '.join(PRESETS)})")
+        return "dummy", path
+    if load_format not in (None, "official"):
+        raise CheckpointError(f"unknown load format {load_format!r}; use 'official' or 'dummy'")
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} not found (or use one of the presets: {', '.join(PRESETS)})")
+    if not (path / V1_CONFIG).is_file():
+        if (path / V2_CONFIG).is_file():
+            raise CheckpointError(f"{path} is a CosyVoice2 model ({V2_CONFIG}); only CosyVoice v1 is supported yet")
+        raise CheckpointError(f"model directory {path} has no {V1_CONFIG}")
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
+    return "official", path / V1_CONFIG
+
+
+def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Module:
+    """Load the official checkpoint into `module` (strictly), or keep its seeded random init (dummy)."""
+    if model_dir is not None:
+        path = model_dir / file_name
+        # Files saved with the legacy torch.nn.utils.weight_norm carry weight_g / weight_v keys.
+        load_strict(module, upgrade_legacy_weight_norm(read_state_dict(path)), path)
+    return module.eval().requires_grad_(False)
+
+
+def load_module(model_dir: str | Path, name: str) -> nn.Module:
+    """One official module ("llm", "flow" or "hift") of a v1 model dir, strictly loaded, in eval mode."""
+    if name not in MODULES:
+        raise CheckpointError(f"unknown module {name!r}; use one of {tuple(MODULES)}")
+    _, config_path = _resolve(model_dir, "official")
+    config = ModelConfig.from_yaml_file(config_path)
+    return _build(MODULES[name](getattr(config, name)), config_path.parent, f"{name}.pt")
+
+
+def load_model(
+    source: str | Path = "tiny",
+    *,
+    load_format: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    int8: bool = False,
+    components: tuple[str, ...] = COMPONENTS,
+    seed: int = 0,
+    max_text_chars: int = 2000,
+) -> LoadedModel:
+    """Load a model for the given stage `components` ("encoder": frontend + text encoder, "decoder").
+
+    `dtype` casts the decoder weights (float32 / float16 / bfloat16: real low-precision weights);
+    the text encoder always runs in float32 on CPU, INT8-quantized when `int8` (then a CPU float32
+    decoder LLM is quantized too).
+    """
+    unknown = set(components) - set(COMPONENTS)
+    if unknown or not components:
+        raise CheckpointError(f"components must be among {COMPONENTS}, got {components}")
+    fmt, config_path = _resolve(source, load_format)
+    config = ModelConfig.from_yaml_file(config_path)
+    model_dir = config_path.parent if fmt == "official" else None
+    torch_dtype = parse_dtype(dtype)
+    decoder_device = torch.device(device)
+    cpu = torch.device("cpu")
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        llm = _build(TransformerLM(config.llm), model_dir, "llm.pt")
+        flow = _build(MaskedDiffWithXvec(config.flow), model_dir, "flow.pt") if "decoder" in components else None
+        hift = _build(HiFTGenerator(config.hift), model_dir, "hift.pt") if "decoder" in components else None
+
+    text_llm = None
+    if "encoder" in components:
+        # One LLM copy serves both halves unless the decoder runs on another device or dtype.
+        separate = "decoder" in components and (decoder_device != cpu or torch_dtype != torch.float32)
+        text_llm = copy.deepcopy(llm) if separate else llm
+        if int8 and (separate or "decoder" not in components):
+            quantize_linear_int8(text_llm)
+    decoder_llm = None
+    if "decoder" in components:
+        if int8 and decoder_device == cpu and torch_dtype == torch.float32:
+            quantize_linear_int8(llm)
+        decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
+        flow = flow.to(device=decoder_device, dtype=torch_dtype)
+        hift = hift.to(device=decoder_device, dtype=torch_dtype)
+
+    spk2info = None if model_dir is None else model_dir / "spk2info.pt"
+    if spk2info is not None and spk2info.is_file():
+        voices = VoiceBank.from_spk2info(spk2info, config.spk_embed_dim)
+    else:
+        voices = VoiceBank.dummy(config.spk_embed_dim, seed=seed) if model_dir is None else VoiceBank({})
+    return LoadedModel(
+        name=str(source) if fmt == "dummy" else Path(source).name,
+        config=config,
+        frontend=TextFrontend(max_text_chars=max_text_chars) if "encoder" in components else None,
+        voices=voices,
+        text_llm=text_llm,
+        llm=decoder_llm,
+        flow=flow,
+        hift=hift,
+        dtype=torch_dtype,
+        decoder_device=decoder_device,
+        text_device=cpu,
+    )

@@ -1,0 +1,68 @@
+"""How much accelerator memory a request needs while it is decoded, so batches can be capped by bytes.
+
+The estimate counts the tensors that grow with the request: the LLM's KV cache at the request's
+maximum length, the flow's widest activations (CFG doubles the batch; attention scores are fp32), and
+the vocoder's activations at the waveform rate. Weights are not included: they are paid once per replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.flow import mel_frames
+from engine.loader import ModelConfig
+
+_SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    kv_cache_bytes: int
+    flow_bytes: int
+    vocoder_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return int(_SAFETY_FACTOR * (self.kv_cache_bytes + self.flow_bytes + self.vocoder_bytes))
+
+
+def estimate_request_memory(
+    config: ModelConfig,
+    text_tokens: int,
+    prompt_text_tokens: int = 0,
+    prompt_speech_tokens: int = 0,
+    max_token_text_ratio: float = 20.0,
+    dtype_bytes: int = 2,
+) -> MemoryEstimate:
+    """Peak bytes of one request of `text_tokens` target text tokens, decoded with weights of `dtype_bytes`."""
+    llm = config.llm.llm
+    max_speech = int(text_tokens * max_token_text_ratio)
+    sequence = 2 + prompt_text_tokens + text_tokens + prompt_speech_tokens + max_speech  # + sos, task id
+    kv_cache = 2 * llm.num_blocks * sequence * llm.output_size * dtype_bytes
+
+    flow = config.flow
+    frames = mel_frames(prompt_speech_tokens + max_speech, flow.input_frame_rate)
+    estimator = flow.decoder.estimator
+    width = max(estimator.channels)
+    cfg_rows = 2
+    hidden = cfg_rows * frames * (estimator.in_channels + 4 * width) * dtype_bytes
+    attention = cfg_rows * estimator.num_heads * frames * frames * 4
+    flow_bytes = hidden + attention
+
+    hift = config.hift
+    samples = frames * hift.hop
+    # after the first upsampling every stage holds about base_channels * samples / hop values (channels halve
+    # as the rate doubles); three resblocks' outputs and the source branch live at once: ~4 such tensors, fp32
+    vocoder = 4 * (hift.base_channels // 2) * samples // hift.upsample_rates[0] * 4
+    return MemoryEstimate(kv_cache_bytes=kv_cache, flow_bytes=flow_bytes, vocoder_bytes=vocoder)
+
+
+def max_batch_within(budget_bytes: int, estimates: list[MemoryEstimate], max_batch: int) -> int:
+    """The largest prefix of `estimates` (at most `max_batch`, at least 1) whose total fits in `budget_bytes`."""
+    used, count = 0, 0
+    for estimate in estimates[:max_batch]:
+        used += estimate.total_bytes
+        if used > budget_bytes and count > 0:
+            break
+        count += 1
+    return max(count, 1)

@@ -1,0 +1,231 @@
+"""The two serving stages and the single-request API built from them.
+
+`TextEncoderStage` (CPU: frontend, text encoding, voice features) turns a request into
+`EncodedSegment`s, plain numpy records that can cross a process boundary; `SpeechDecoderStage`
+(GPU or CPU: speech-token generation, flow, vocoder) turns a batch of them into waveforms.
+`CosyVoice.synthesize` runs both in-process.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InvalidInputError, NonFiniteOutputError
+from engine.flow import FlowRequest
+from engine.llm import GenerationRequest
+from engine.loader import LoadedModel, load_model
+from engine.sampling import SamplingOptions
+from engine.streaming import DecodeStream
+
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+INSTRUCT_SUFFIX = "<endofprompt>"
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """What a caller asks for. `seed` makes the request reproducible; None draws one."""
+
+    text: str
+    voice: str
+    instruct_text: str | None = None
+    speed: float = 1.0
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+    def validated(self) -> SynthesisRequest:
+        if not MIN_SPEED <= self.speed <= MAX_SPEED:
+            raise InvalidInputError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {self.speed}")
+        if self.instruct_text is not None and not self.instruct_text.strip():
+            raise InvalidInputError("instruct_text must not be empty when given")
+        if self.sampling.seed is None:
+            return replace(self, sampling=replace(self.sampling, seed=secrets.randbits(31)))
+        return self
+
+
+@dataclass
+class EncodedSegment:
+    """One sentence, encoded on the CPU side, ready for the decoder. Numpy only (zero-copy across Ray)."""
+
+    text_encoded: np.ndarray  # [T, D_llm] float32: text encoder output over (prompt text + text)
+    text_len: int  # target text tokens (without the prompt), sets min/max speech length
+    llm_embedding: np.ndarray | None  # [192] speaker x-vector for the LLM; None in instruct mode
+    flow_embedding: np.ndarray  # [192] speaker x-vector for the flow
+    prompt_speech_tokens: np.ndarray  # [P] int64
+    prompt_feat: np.ndarray  # [Tp, 80] float32 prompt mel
+    sampling: SamplingOptions
+    speed: float
+    segment_index: int = 0
+    num_segments: int = 1
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Arrays arrive read-only from Ray's object store: copy into a writable tensor on `device`."""
+    return torch.from_numpy(np.array(array)).to(device)
+
+
+class TextEncoderStage:
+    """Frontend + text encoder + voice features. Runs on CPU (optionally INT8)."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+
+    @property
+    def voices(self) -> list[str]:
+        return self.model.voices.names
+
+    @property
+    def sample_rate(self) -> int:
+        return self.model.config.sample_rate
+
+    def split_text(self, text: str) -> list[str]:
+        """The sentences that will be synthesised one after another."""
+        return self.model.frontend.split(text)
+
+    @torch.inference_mode()
+    def encode(self, request: SynthesisRequest) -> list[EncodedSegment]:
+        """Validate, normalise, split and encode a request; one segment per sentence, in order."""
+        request = request.validated()
+        speaker = self.model.voices.embedding(request.voice).numpy()
+        frontend = self.model.frontend
+        prompt_tokens: list[int] = []
+        if request.instruct_text is not None:
+            prompt_tokens = frontend.tokenize(frontend.normalize(request.instruct_text) + INSTRUCT_SUFFIX)
+        sentences = frontend.segment_tokens(request.text)
+        segments = []
+        for index, tokens in enumerate(sentences):
+            encoded = self._encode_tokens(prompt_tokens + tokens)
+            segments.append(
+                EncodedSegment(
+                    text_encoded=encoded,
+                    text_len=len(tokens),
+                    llm_embedding=None if request.instruct_text is not None else speaker,
+                    flow_embedding=speaker,
+                    prompt_speech_tokens=np.zeros(0, dtype=np.int64),
+                    prompt_feat=np.zeros((0, self.model.config.mel_bins), dtype=np.float32),
+                    sampling=replace(request.sampling, seed=request.sampling.seed + index),
+                    speed=request.speed,
+                    segment_index=index,
+                    num_segments=len(sentences),
+                )
+            )
+        return segments
+
+    def _encode_tokens(self, tokens: list[int]) -> np.ndarray:
+        vocab = self.model.config.llm.text_token_size
+        if max(tokens) >= vocab:
+            raise InvalidInputError(f"the text has tokens outside this model's text vocabulary ({vocab})")
+        llm = self.model.text_llm
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.text_device)
+        encoded = llm.encode_text(ids, torch.tensor([len(tokens)], device=ids.device))
+        return encoded[0].float().cpu().numpy()
+
+
+class SpeechDecoderStage:
+    """Speech-token generation, flow matching and vocoder over a batch of encoded segments."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+
+    @property
+    def sample_rate(self) -> int:
+        return self.model.config.sample_rate
+
+    @torch.inference_mode()
+    def decode_batch(self, segments: list[EncodedSegment]) -> list[np.ndarray | NonFiniteOutputError]:
+        """Whole-utterance synthesis of a batch: one waveform [N] float32 per segment, or its error."""
+        tokens = self.generate_tokens(segments)
+        mels = self.tokens_to_mel(segments, tokens)
+        return self.vocode(segments, mels)
+
+    def generation_requests(self, segments: list[EncodedSegment]) -> list[GenerationRequest]:
+        device = self.model.decoder_device
+        return [
+            GenerationRequest(
+                text_encoded=_tensor(s.text_encoded, device),
+                text_len=s.text_len,
+                embedding=None if s.llm_embedding is None else _tensor(s.llm_embedding, device),
+                prompt_speech_tokens=_tensor(s.prompt_speech_tokens, device),
+                options=s.sampling,
+            )
+            for s in segments
+        ]
+
+    def flow_request(self, segment: EncodedSegment, tokens: torch.Tensor) -> FlowRequest:
+        device = self.model.decoder_device
+        return FlowRequest(
+            tokens=tokens.to(device),
+            prompt_tokens=_tensor(segment.prompt_speech_tokens, device),
+            prompt_feat=_tensor(segment.prompt_feat, device),
+            embedding=_tensor(segment.flow_embedding, device),
+            seed=segment.sampling.seed,
+        )
+
+    def generate_tokens(self, segments: list[EncodedSegment]) -> list[torch.Tensor]:
+        return self.model.llm.generate(self.generation_requests(segments))
+
+    def tokens_to_mel(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        requests = [self.flow_request(s, t) for s, t in zip(segments, tokens, strict=True)]
+        mels = self.model.flow.inference(requests)
+        return [self.apply_speed(mel, s.speed) for mel, s in zip(mels, segments, strict=True)]
+
+    @staticmethod
+    def apply_speed(mel: torch.Tensor, speed: float) -> torch.Tensor:
+        """Official v1 speed control: stretch the mel [80, T] in time by 1/speed (linear interpolation)."""
+        if speed == 1.0 or mel.shape[-1] == 0:
+            return mel
+        frames = max(1, int(mel.shape[-1] / speed))
+        return F.interpolate(mel[None].float(), size=frames, mode="linear")[0].to(mel.dtype)
+
+    def open_stream(self, segments: list[EncodedSegment]) -> DecodeStream:
+        """Streaming synthesis of a batch: iterate the returned `DecodeStream` (see engine.streaming)."""
+        return DecodeStream(self, segments)
+
+    def vocode(
+        self, segments: list[EncodedSegment], mels: list[torch.Tensor]
+    ) -> list[np.ndarray | NonFiniteOutputError]:
+        waves = self.model.hift.inference(mels, seeds=[s.sampling.seed for s in segments])
+        results: list[np.ndarray | NonFiniteOutputError] = []
+        for wave in waves:
+            audio = wave.float().cpu().numpy()
+            if not np.isfinite(audio).all():
+                results.append(NonFiniteOutputError("the vocoder produced NaN or inf samples; no audio returned"))
+            else:
+                results.append(audio)
+        return results
+
+
+class CosyVoice:
+    """Single-process TTS: `synthesize(text, voice) -> (waveform float32 [N], sample_rate)`."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.encoder = TextEncoderStage(model)
+        self.decoder = SpeechDecoderStage(model)
+
+    @classmethod
+    def load(cls, source: str = "tiny", **kwargs) -> CosyVoice:
+        """`source`: an official model directory, or `dummy` / `tiny` (see `engine.loader.load_model`)."""
+        return cls(load_model(source, **kwargs))
+
+    @property
+    def voices(self) -> list[str]:
+        return self.encoder.voices
+
+    @property
+    def sample_rate(self) -> int:
+        return self.decoder.sample_rate
+
+    def synthesize(self, text: str, voice: str, **options) -> tuple[np.ndarray, int]:
+        """Synthesise `text` in `voice`; sentences are decoded as one batch and joined in order."""
+        sampling_keys = set(SamplingOptions.__dataclass_fields__)
+        sampling = SamplingOptions(**{k: v for k, v in options.items() if k in sampling_keys})
+        rest = {k: v for k, v in options.items() if k not in sampling_keys}
+        request = SynthesisRequest(text=text, voice=voice, sampling=sampling, **rest)
+        results = self.decoder.decode_batch(self.encoder.encode(request))
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return np.concatenate(results), self.sample_rate

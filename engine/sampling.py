@@ -1,0 +1,90 @@
+"""Per-request speech-token sampling: the official repetition-aware sampler (VALL-E 2 RAS) and greedy argmax.
+
+Everything runs on one sequence's log-softmax scores [V] on the CPU, with that request's own
+`torch.Generator`, so a request draws the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.errors import InvalidInputError
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How one request picks its speech tokens, and how long it may speak (in tokens per target text token)."""
+
+    greedy: bool = False
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def number(name: str, integer: bool = False) -> float:
+            value = getattr(self, name)
+            kinds = (int,) if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise InvalidInputError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+            return value
+
+        if not isinstance(self.greedy, bool):
+            raise InvalidInputError(f"greedy must be true or false, got {self.greedy!r}")
+        if not 0.0 < number("top_p") <= 1.0:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if number("top_k", integer=True) < 1:
+            raise InvalidInputError(f"top_k must be at least 1, got {self.top_k}")
+        if number("win_size", integer=True) < 1:
+            raise InvalidInputError(f"win_size must be at least 1, got {self.win_size}")
+        if not 0.0 <= number("tau_r") <= 1.0:
+            raise InvalidInputError(f"tau_r must be in [0, 1], got {self.tau_r}")
+        if number("min_token_text_ratio") < 0:
+            raise InvalidInputError(f"min_token_text_ratio must be >= 0, got {self.min_token_text_ratio}")
+        if number("max_token_text_ratio") <= 0 or self.max_token_text_ratio < self.min_token_text_ratio:
+            raise InvalidInputError(
+                f"max_token_text_ratio must be > 0 and >= min_token_text_ratio, got {self.max_token_text_ratio}"
+            )
+        if self.seed is not None and not 0 <= number("seed", integer=True) <= MAX_SEED:
+            raise InvalidInputError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with `seed`, or with a fresh random seed when None."""
+    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+
+
+def nucleus_sample(probs: Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
+    """Draw from the most likely tokens, taken in order while their summed probability is below top_p, at most
+    top_k of them (so at least the most likely one). probs [V] -> token id."""
+    top_probs, top_ids = probs.topk(min(top_k, probs.shape[0]))
+    mass_before = torch.cumsum(top_probs, dim=0) - top_probs
+    kept = int((mass_before < top_p).sum())  # a prefix: the mass only grows
+    choice = torch.multinomial(top_probs[:kept], 1, replacement=True, generator=generator)
+    return int(top_ids[choice])
+
+
+def sample_token(scores: Tensor, history: Sequence[int], options: SamplingOptions, generator: torch.Generator) -> int:
+    """One token from log-softmax scores [V] (masked entries -inf) given the tokens decoded so far.
+
+    Repetition-aware sampling: a nucleus draw; if that token already fills at least win_size * tau_r of the
+    last win_size tokens, draw again from the whole distribution instead.
+    """
+    if options.greedy:
+        return int(scores.argmax())
+    probs = torch.softmax(scores.float(), dim=0)
+    token = nucleus_sample(probs, options.top_p, options.top_k, generator)
+    repeats = sum(1 for previous in history[-options.win_size :] if previous == token)
+    if repeats >= options.win_size * options.tau_r:
+        token = int(torch.multinomial(probs, 1, replacement=True, generator=generator))
+    return token

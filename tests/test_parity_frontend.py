@@ -1,0 +1,53 @@
+"""Parity of engine.frontend with the official CosyVoiceFrontEnd, on every frontend case of the conformance kit."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from engine.frontend import TextFrontend
+
+WETEXT_INSTALLED = importlib.util.find_spec("wetext") is not None
+
+
+def describe(index: int, case: dict[str, Any]) -> str:
+    return f"frontend case #{index} {case['text'][:40]!r}"
+
+
+@pytest.fixture(scope="module")
+def frontend_cases(kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    cases = kit_cases["frontend"]
+    assert cases, "the kit has no frontend cases"
+    for index, case in enumerate(cases):
+        assert case["allowed_special"] == "all", f"{describe(index, case)} was recorded with another allowed_special"
+    return cases
+
+
+@pytest.fixture(scope="module")
+def frontend() -> TextFrontend:
+    return TextFrontend(use_wetext=WETEXT_INSTALLED)
+
+
+def test_raw_tokens_match_official_tokenizer(frontend: TextFrontend, frontend_cases: list[dict[str, Any]]) -> None:
+    for index, case in enumerate(frontend_cases):
+        assert frontend.tokenize(case["text"]) == case["raw_tokens"].tolist(), describe(index, case)
+
+
+@pytest.mark.skipif(not WETEXT_INSTALLED, reason="wetext is not installed (pip install 'cosyvoice-serve[text]')")
+def test_normalisation_and_segments_match_official_wetext_frontend(
+    frontend: TextFrontend, frontend_cases: list[dict[str, Any]]
+) -> None:
+    wetext_cases = [(i, case) for i, case in enumerate(frontend_cases) if case["text_frontend"] == "wetext"]
+    if not wetext_cases:
+        pytest.skip("no frontend case of this kit was recorded with the wetext backend")
+    for index, case in wetext_cases:
+        what = describe(index, case)
+        assert frontend.normalize(case["text"]) == case["normalized_text"], what
+        segments = frontend.split(case["text"])
+        assert len(segments) == case["num_segments"], what
+        assert "\n".join(segments) == case["segments_joined"], what
+        segment_tokens = frontend.segment_tokens(case["text"])
+        assert [len(tokens) for tokens in segment_tokens] == case["segment_token_lens"].tolist(), what
+        assert [token for tokens in segment_tokens for token in tokens] == case["segment_tokens"].tolist(), what
