@@ -1,0 +1,279 @@
+"""Ray Serve autoscaling policies for the decoder: utilization hysteresis, queue-driven bursts, schedules.
+
+Serve calls a policy on the controller about every 0.1 s with an `AutoscalingContext` and then
+post-processes the returned count (up/downscaling factors, `upscale_delay_s`/`downscale_delay_s`,
+clipping to the deployment's `min_replicas`/`max_replicas`). The policies here keep their own windows
+and cooldowns in `policy_state`, so the recommended configs set Serve's delays to 0; and because
+Serve clips to `min_replicas` last, that must be the lowest floor of any schedule window (0 for a
+night without GPUs) while the policy raises the floor per window.
+
+Rules (`ScalingRules`, all configurable through `policy_kwargs`):
+- +1 replica when the mean utilization of the running replicas stays above `scale_up_utilization`
+  for `scale_up_window_s`, and at least `scale_up_cooldown_s` passed since the target last changed;
+- -1 when it stays below `scale_down_utilization` for `scale_down_window_s`, nothing waits, and
+  `scale_down_cooldown_s` passed since the target last changed;
+- at once, without cooldown: when waiting requests per running replica exceed
+  `target_queue_per_replica`, scale to ceil(waiting / target_queue_per_replica) (proportional), at most
+  `queue_scale_up_factor` x the running replicas per step, so a queue that builds while replicas
+  start (cold start, model load) does not jump to `max_replicas`;
+- the result is clipped to the bounds of the active schedule window (else `min_replicas`/`max_replicas`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from autoscaling.metrics import QUEUE_DEPTH, UTILIZATION
+from autoscaling.schedule import Schedule, ScheduleWindow
+
+# Keys of this policy's memory inside `policy_state` (Serve keeps its own `__decision_*` keys there too).
+STATE_ABOVE_SINCE = "cosyvoice_above_since"
+STATE_BELOW_SINCE = "cosyvoice_below_since"
+STATE_LAST_TARGET = "cosyvoice_last_target"
+STATE_LAST_CHANGE = "cosyvoice_last_change"
+
+DECODER_POLICY_PATH = "autoscaling.policy:DecoderAutoscalingPolicy"
+CPU_FALLBACK_POLICY_PATH = "autoscaling.policy:CpuFallbackAutoscalingPolicy"
+
+DEFAULT_SCHEDULE = Schedule(
+    timezone="UTC",
+    windows=(
+        ScheduleWindow(name="peak", start="09:00", end="21:00", min_replicas=2),
+        ScheduleWindow(name="night", start="02:00", end="06:00", min_replicas=0),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ScalingRules:
+    """Thresholds, windows, cooldowns and bounds of the decoder policy (see the module docstring)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 8
+    scale_up_utilization: float = 0.70
+    scale_up_window_s: float = 300.0
+    scale_down_utilization: float = 0.30
+    scale_down_window_s: float = 1200.0
+    target_queue_per_replica: float = 4.0
+    queue_scale_up_factor: float = 2.0
+    scale_up_cooldown_s: float = 180.0
+    scale_down_cooldown_s: float = 600.0
+    schedule: Schedule = field(default_factory=lambda: DEFAULT_SCHEDULE)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"need 0 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}")
+        if not 0 <= self.scale_down_utilization < self.scale_up_utilization <= 1:
+            raise ValueError("need 0 <= scale_down_utilization < scale_up_utilization <= 1")
+        if self.target_queue_per_replica <= 0:
+            raise ValueError("target_queue_per_replica must be > 0")
+        if self.queue_scale_up_factor < 1:
+            raise ValueError("queue_scale_up_factor must be >= 1")
+        for name in ("scale_up_window_s", "scale_down_window_s", "scale_up_cooldown_s", "scale_down_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ScalingRules:
+        """Build from JSON-style `policy_kwargs` (the schedule as a dict, see `Schedule.from_dict`)."""
+        values = dict(kwargs)
+        unknown = set(values) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown scaling rule(s): {sorted(unknown)}")
+        if "schedule" in values:
+            values["schedule"] = Schedule.from_dict(values["schedule"] or {})
+        return cls(**values)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """JSON-serializable kwargs that `from_kwargs` turns back into these rules."""
+        values = asdict(self)
+        values["schedule"] = self.schedule.to_dict()
+        return values
+
+    def bounds_at(self, timestamp: float) -> tuple[int, int]:
+        return self.schedule.bounds_at(timestamp, self.min_replicas, self.max_replicas)
+
+    def lowest_floor(self) -> int:
+        """The smallest min over the day: the deployment's Serve `min_replicas` must not exceed it."""
+        window_floors = [w.min_replicas for w in self.schedule.windows if w.min_replicas is not None]
+        return min([self.min_replicas, *window_floors])
+
+    def highest_ceiling(self) -> int:
+        window_ceilings = [w.max_replicas for w in self.schedule.windows if w.max_replicas is not None]
+        return max([self.max_replicas, *window_ceilings])
+
+
+def mean_utilization(ctx: Any) -> float | None:
+    """Mean of the running replicas' reported utilization, None before any replica reported."""
+    per_replica = (ctx.aggregated_metrics or {}).get(UTILIZATION) or {}
+    if not per_replica:
+        return None
+    return sum(per_replica.values()) / len(per_replica)
+
+
+def waiting_requests(ctx: Any) -> float:
+    """Requests not yet in a batch: waiting inside replicas plus queued at the handles."""
+    in_replicas = sum(((ctx.aggregated_metrics or {}).get(QUEUE_DEPTH) or {}).values())
+    return in_replicas + (ctx.total_queued_requests or 0.0)
+
+
+def _since(condition: bool, previous: float | None, now: float) -> float | None:
+    """Start time of a condition that holds now, None once it breaks (the hysteresis windows)."""
+    if not condition:
+        return None
+    return now if previous is None else previous
+
+
+def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int, dict[str, Any]]:
+    """One policy tick: the desired replica count within `bounds` and the updated `policy_state`."""
+    now = ctx.current_time if ctx.current_time is not None else time.time()
+    state = dict(ctx.policy_state or {})
+    target = ctx.target_num_replicas
+
+    # Cooldowns count from when Serve actually moved the target, whoever caused it; the windows restart
+    # then, since utilization measured at the old replica count says nothing about the new one.
+    if state.get(STATE_LAST_TARGET) != target:
+        state[STATE_LAST_CHANGE] = now if STATE_LAST_TARGET in state else None
+        state[STATE_LAST_TARGET] = target
+        state[STATE_ABOVE_SINCE] = state[STATE_BELOW_SINCE] = None
+    last_change = state.get(STATE_LAST_CHANGE)
+    quiet_s = math.inf if last_change is None else now - last_change
+
+    utilization = mean_utilization(ctx)
+    known = utilization is not None
+    above_since = _since(known and utilization > rules.scale_up_utilization, state.get(STATE_ABOVE_SINCE), now)
+    below_since = _since(known and utilization < rules.scale_down_utilization, state.get(STATE_BELOW_SINCE), now)
+
+    waiting = waiting_requests(ctx)
+    running = max(ctx.current_num_replicas, 1)
+    desired = target
+    if waiting / running > rules.target_queue_per_replica:
+        proportional = math.ceil(waiting / rules.target_queue_per_replica)
+        desired = max(target, min(proportional, math.ceil(rules.queue_scale_up_factor * running)))
+    elif (
+        above_since is not None
+        and now - above_since >= rules.scale_up_window_s
+        and quiet_s >= rules.scale_up_cooldown_s
+    ):
+        desired = target + 1  # asked for on every tick until Serve applies it (its delays need that)
+    elif (
+        below_since is not None
+        and waiting == 0
+        and now - below_since >= rules.scale_down_window_s
+        and quiet_s >= rules.scale_down_cooldown_s
+    ):
+        desired = target - 1
+
+    state[STATE_ABOVE_SINCE] = above_since
+    state[STATE_BELOW_SINCE] = below_since
+    low, high = bounds
+    high = min(high, ctx.capacity_adjusted_max_replicas)
+    return max(low, min(high, desired)), state
+
+
+class DecoderAutoscalingPolicy:
+    """Serve policy class for the GPU (or CPU-only) decoder: `policy_kwargs` are `ScalingRules` fields."""
+
+    def __init__(self, **policy_kwargs: Any) -> None:
+        self.rules = ScalingRules.from_kwargs(policy_kwargs)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        return decide(ctx, self.rules, self.rules.bounds_at(now))
+
+
+def decoder_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """Plain-function form of `DecoderAutoscalingPolicy` with the default rules."""
+    return _DEFAULT_DECODER_POLICY(ctx)
+
+
+_DEFAULT_DECODER_POLICY = DecoderAutoscalingPolicy()
+
+
+class CpuFallbackAutoscalingPolicy:
+    """Serve policy for the CPU fallback decoder: at least one replica exactly while the GPU schedule's
+    floor is 0, widened by `lead_s` before (so it is warm when the GPU replicas may go) and `handover_s`
+    after (while GPU replicas start again); else scale to 0.
+
+    `gpu` holds the GPU decoder's `ScalingRules` kwargs (its schedule decides); the remaining kwargs
+    are this deployment's own `ScalingRules` (its `min_replicas` is raised to 1 while active).
+    """
+
+    def __init__(
+        self,
+        gpu: Mapping[str, Any] | None = None,
+        lead_s: float = 600.0,
+        handover_s: float = 900.0,
+        **policy_kwargs: Any,
+    ) -> None:
+        if lead_s < 0 or handover_s < 0:
+            raise ValueError("lead_s and handover_s must be >= 0")
+        self.gpu_rules = ScalingRules.from_kwargs(gpu or {})
+        self.lead_s = lead_s
+        self.handover_s = handover_s
+        rules = ScalingRules.from_kwargs({"schedule": {}, **policy_kwargs})
+        self.rules = replace(rules, min_replicas=max(1, rules.min_replicas), max_replicas=max(1, rules.max_replicas))
+
+    def active(self, timestamp: float) -> bool:
+        checked = (timestamp, timestamp + self.lead_s, timestamp - self.handover_s)
+        return any(self.gpu_rules.bounds_at(t)[0] == 0 for t in checked)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        bounds = self.rules.bounds_at(now) if self.active(now) else (0, 0)
+        return decide(ctx, self.rules, bounds)
+
+
+def decoder_autoscaling_config(rules: ScalingRules | None = None) -> dict[str, Any]:
+    """Serve `autoscaling_config` for the GPU decoder with `rules` (defaults: the seed's rules)."""
+    rules = rules or ScalingRules()
+    return {
+        "min_replicas": rules.lowest_floor(),
+        "initial_replicas": max(1, rules.min_replicas),
+        "max_replicas": max(1, rules.highest_ceiling()),
+        "upscale_delay_s": 0.0,  # the policy's windows and cooldowns do the delaying
+        "downscale_delay_s": 0.0,
+        "look_back_period_s": 30.0,
+        "policy": {"policy_function": DECODER_POLICY_PATH, "policy_kwargs": rules.to_kwargs()},
+    }
+
+
+def cpu_fallback_autoscaling_config(
+    gpu_rules: ScalingRules | None = None,
+    cpu_rules: ScalingRules | None = None,
+    lead_s: float = 600.0,
+    handover_s: float = 900.0,
+) -> dict[str, Any]:
+    """Serve `autoscaling_config` for the CPU fallback decoder that covers the GPU decoder's 0-floor windows."""
+    gpu_rules = gpu_rules or ScalingRules()
+    cpu_rules = cpu_rules or ScalingRules(min_replicas=1, max_replicas=4, schedule=Schedule())
+    cpu_kwargs = cpu_rules.to_kwargs()
+    return {
+        "min_replicas": 0,
+        "initial_replicas": 0,
+        "max_replicas": max(1, cpu_rules.max_replicas),
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        "look_back_period_s": 30.0,
+        "policy": {
+            "policy_function": CPU_FALLBACK_POLICY_PATH,
+            "policy_kwargs": {"gpu": gpu_rules.to_kwargs(), "lead_s": lead_s, "handover_s": handover_s, **cpu_kwargs},
+        },
+    }
+
+
+ENCODER_AUTOSCALING_CONFIG: dict[str, Any] = {
+    # Serve's built-in policy on the encoder's own ongoing requests: text frontend + LLM on CPU,
+    # ~2 requests in flight per replica keeps per-request latency near the single-request figure.
+    "min_replicas": 1,
+    "initial_replicas": 1,
+    "max_replicas": 16,
+    "target_ongoing_requests": 2,
+    "upscale_delay_s": 15.0,
+    "downscale_delay_s": 300.0,
+    "look_back_period_s": 30.0,
+}

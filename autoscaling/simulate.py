@@ -1,0 +1,494 @@
+"""Replay a 24-hour request trace through the decoder autoscaling policies and a replica queueing model.
+
+    python -m autoscaling.simulate --out DIR [--trace trace.csv] [--service-rates bench.json]
+
+Writes DIR/summary.json and DIR/autoscaling_day.png (load, replicas, utilization, queue).
+
+Model (per 1 s step): Poisson arrivals at the trace's rate; the ingress rule routes them to the GPU
+decoder pool when it has a running replica, else to the CPU fallback pool when that has one and is
+not saturated, else to the GPU pool (whose queue triggers Serve's cold start). Each pool keeps one
+FIFO queue; a free replica takes min(queue, max_batch_size) requests as one batch that runs
+`batch_latency_s[size]` seconds (one batch at a time per replica). New replicas run after
+`startup_s`; removed replicas stop at once (Serve drains them; their last batch still completes).
+
+The policies are the SAME objects Serve runs, fed a real `AutoscalingContext`; their decisions go
+through Serve 2.60's own post-processing helpers (cold start, scaling factors, delays with the
+simulated clock, min/max clipping) in `serve_decision`. Approximations: the controller is ticked
+every `control_period_s` (Serve: ~0.1 s); replica metrics are the exact busy fraction over the last
+`look_back_period_s` (Serve: samples pushed every `metrics_interval_s`, then averaged), and the
+shared FIFO queue stands in for Serve's power-of-two-choices routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import numpy as np
+from ray.serve._private.common import DeploymentID
+from ray.serve.autoscaling_policy import (
+    _apply_delay_logic,
+    _apply_scaling_factors,
+    _extract_internal_policy_state,
+    _get_cold_start_scale_up_replicas,
+)
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from autoscaling.metrics import QUEUE_DEPTH, UTILIZATION
+from autoscaling.policy import (
+    CpuFallbackAutoscalingPolicy,
+    DecoderAutoscalingPolicy,
+    ScalingRules,
+    cpu_fallback_autoscaling_config,
+    decoder_autoscaling_config,
+)
+
+DAY_S = 86_400
+SIMULATED_DATE = (2025, 1, 6)  # any fixed day; the schedule is evaluated in its own time zone
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    """Batch latency of one replica: `batch_latency_s[b]` seconds for a batch of b (interpolated)."""
+
+    max_batch_size: int
+    batch_latency_s: Mapping[int, float]
+    startup_s: float
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or not self.batch_latency_s or min(self.batch_latency_s.values()) <= 0:
+            raise ValueError("service model needs max_batch_size >= 1 and positive batch latencies")
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any], default: ServiceModel) -> ServiceModel:
+        """From a benchmark JSON section: `batch_latency_s` {size: s} or `throughput_rps` {size: req/s}."""
+        if "batch_latency_s" in spec:
+            latency = {int(size): float(seconds) for size, seconds in spec["batch_latency_s"].items()}
+        elif "throughput_rps" in spec:
+            latency = {int(size): int(size) / float(rps) for size, rps in spec["throughput_rps"].items()}
+        else:
+            latency = dict(default.batch_latency_s)
+        return cls(
+            max_batch_size=int(spec.get("max_batch_size", max(latency))),
+            batch_latency_s=latency,
+            startup_s=float(spec.get("startup_s", default.startup_s)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_batch_size": self.max_batch_size,
+            "batch_latency_s": {str(size): seconds for size, seconds in sorted(self.batch_latency_s.items())},
+            "startup_s": self.startup_s,
+        }
+
+    def latency_table(self) -> list[float]:
+        """Latency for batch sizes 0..max_batch_size (index = size)."""
+        sizes = sorted(self.batch_latency_s)
+        values = [self.batch_latency_s[size] for size in sizes]
+        return [0.0, *np.interp(np.arange(1, self.max_batch_size + 1), sizes, values).tolist()]
+
+    def max_throughput_rps(self) -> float:
+        table = self.latency_table()
+        return max(size / table[size] for size in range(1, self.max_batch_size + 1))
+
+
+# Defaults (assumed until the benchmark JSON is passed): a 0.25-GPU FP16 flow+HiFT decoder replica and a
+# 4-core CPU fallback replica, per request ~5 s of speech.
+DEFAULT_GPU_SERVICE = ServiceModel(
+    max_batch_size=8, batch_latency_s={1: 0.25, 2: 0.30, 4: 0.40, 8: 0.60}, startup_s=90.0
+)
+DEFAULT_CPU_SERVICE = ServiceModel(max_batch_size=4, batch_latency_s={1: 1.5, 2: 2.6, 4: 4.8}, startup_s=60.0)
+
+
+def load_service_rates(path: Path | None) -> tuple[ServiceModel, ServiceModel]:
+    """(gpu, cpu) service models from a JSON file: one section, or `{"gpu": {...}, "cpu": {...}}`."""
+    if path is None:
+        return DEFAULT_GPU_SERVICE, DEFAULT_CPU_SERVICE
+    spec = json.loads(Path(path).read_text())
+    gpu_spec = spec.get("gpu", spec)
+    return (
+        ServiceModel.from_dict(gpu_spec, DEFAULT_GPU_SERVICE),
+        ServiceModel.from_dict(spec.get("cpu", {}), DEFAULT_CPU_SERVICE),
+    )
+
+
+def diurnal_rate(seconds: np.ndarray, peak_rps: float) -> np.ndarray:
+    """Requests/s over a day: a night trough near 3% of peak, a late-morning and a larger evening peak."""
+    hours = seconds / 3600.0
+    shape = (
+        0.03
+        + 0.25 / (1.0 + np.exp(-(hours - 7.5) * 1.5)) * (1.0 / (1.0 + np.exp((hours - 23.0) * 1.5)))
+        + 0.45 * np.exp(-(((hours - 11.0) / 2.0) ** 2))
+        + 0.70 * np.exp(-(((hours - 19.5) / 1.8) ** 2))
+    )
+    return peak_rps * shape / shape.max()
+
+
+def load_trace(path: Path) -> np.ndarray:
+    """Per-second rate over one day from a CSV of `seconds,requests_per_s` rows (header optional)."""
+    points: list[tuple[float, float]] = []
+    with Path(path).open(newline="") as handle:
+        for row in csv.reader(handle):
+            try:
+                points.append((float(row[0]), float(row[1])))
+            except (ValueError, IndexError):
+                if points:
+                    raise ValueError(f"{path}: bad trace row {row!r}") from None
+    if not points:
+        raise ValueError(f"{path}: no `seconds,requests_per_s` rows")
+    points.sort()
+    times, rates = zip(*points, strict=True)
+    return np.clip(np.interp(np.arange(DAY_S), times, rates), 0.0, None)
+
+
+def serve_decision(policy: Callable[[Any], tuple[Any, dict]], ctx: AutoscalingContext, now: float) -> tuple[int, dict]:
+    """The replica target Serve 2.60 would set from `policy`'s answer, with the simulated clock `now`.
+
+    Mirrors `_apply_autoscaling_config` (cold-start fast path, scaling factors, delays) and the
+    controller's `math.ceil` and `apply_bounds` clipping, built from Serve's own helpers.
+    """
+    cold_start = _get_cold_start_scale_up_replicas(ctx)
+    if cold_start is not None:
+        decision, state = cold_start, ctx.policy_state
+    else:
+        internal_state = _extract_internal_policy_state(ctx.policy_state)
+        desired, state = policy(ctx)
+        desired = _apply_scaling_factors(desired, ctx.current_num_replicas, ctx.config)
+        if ctx.current_num_replicas == 0 and desired > 0:
+            decision = desired
+        else:
+            decision, internal_state = _apply_delay_logic(
+                max(0, desired), ctx.target_num_replicas, ctx.config, internal_state, _now=now
+            )
+        state.update(internal_state)
+    decision = math.ceil(decision)
+    return max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, decision)), state
+
+
+@dataclass
+class Replica:
+    """One replica; busy time is booked when a batch starts, `history` holds (t, elapsed busy) samples."""
+
+    replica_id: str
+    free_at: float
+    batch_size: int = 0
+    booked_busy_s: float = 0.0
+    history: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def elapsed_busy_s(self, t: float) -> float:
+        return self.booked_busy_s - max(0.0, self.free_at - t)
+
+    def utilization(self, t: float, window_s: float) -> float:
+        """Busy fraction over the last `window_s` (or since start), what a replica's tracker reports."""
+        elapsed = self.elapsed_busy_s(t)
+        self.history.append((t, elapsed))
+        while len(self.history) > 1 and self.history[1][0] <= t - window_s:
+            self.history.popleft()
+        since, busy_then = self.history[0]
+        return min(1.0, (elapsed - busy_then) / (t - since)) if t > since else 0.0
+
+
+@dataclass
+class PoolStats:
+    wait_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    replica_seconds: float = 0.0
+    max_provisioned: int = 0
+    min_provisioned: int = 1 << 30
+
+
+class ReplicaPool:
+    """One decoder deployment: replicas, its FIFO queue, and its autoscaler state."""
+
+    def __init__(
+        self,
+        name: str,
+        service: ServiceModel,
+        policy: Callable[[Any], tuple[Any, dict]],
+        config: Mapping[str, Any],
+    ) -> None:
+        self.name = name
+        self.service = service
+        self.policy = policy
+        self.config = AutoscalingConfig(**config)
+        self.max_ongoing = 2 * service.max_batch_size
+        self.latency = service.latency_table()
+        self.replicas: list[Replica] = []
+        self.pending_ready_at: list[float] = []
+        self.target = self.config.initial_replicas if self.config.initial_replicas is not None else 0
+        self.queue: deque[list[float]] = deque()  # [arrival_s, count], FIFO
+        self.waiting = 0
+        self.policy_state: dict[str, Any] = {}
+        self.stats = PoolStats()
+        self._next_id = 0
+        self.pending_ready_at = [0.0] * self.target  # the initial replicas run from the start
+
+    @property
+    def running(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def provisioned(self) -> int:
+        return len(self.replicas) + len(self.pending_ready_at)
+
+    def enqueue(self, t: float, count: int) -> None:
+        if count:
+            self.queue.append([t, count])
+            self.waiting += count
+
+    def _take(self, size: int, start: float, latency: float) -> None:
+        while size:
+            group = self.queue[0]
+            taken = min(size, int(group[1]))
+            self.stats.wait_s.append(start - group[0])
+            self.stats.latency_s.append(start - group[0] + latency)
+            self.stats.counts.append(taken)
+            group[1] -= taken
+            size -= taken
+            self.waiting -= taken
+            if group[1] == 0:
+                self.queue.popleft()
+
+    def step(self, t: int) -> None:
+        """Advance [t, t+1): start ready replicas, run batches from the queue."""
+        while self.pending_ready_at and self.pending_ready_at[0] <= t:
+            self.pending_ready_at.pop(0)
+            self.replicas.append(Replica(f"{self.name}-{self._next_id}", free_at=float(t)))
+            self.replicas[-1].history.append((float(t), 0.0))
+            self._next_id += 1
+        end = t + 1.0
+        for replica in self.replicas if self.waiting else ():
+            while self.waiting and replica.free_at < end:
+                start = max(replica.free_at, float(t))
+                size = min(self.waiting, self.service.max_batch_size)
+                latency = self.latency[size]
+                self._take(size, start, latency)
+                replica.free_at = start + latency
+                replica.batch_size = size
+                replica.booked_busy_s += latency
+        provisioned = len(self.replicas) + len(self.pending_ready_at)
+        self.stats.replica_seconds += provisioned
+        self.stats.max_provisioned = max(self.stats.max_provisioned, provisioned)
+        self.stats.min_provisioned = min(self.stats.min_provisioned, provisioned)
+
+    def utilization(self, t: float) -> dict[str, float]:
+        return {r.replica_id: r.utilization(t, self.config.look_back_period_s) for r in self.replicas}
+
+    def context(self, t: int, now: float) -> AutoscalingContext:
+        in_replicas = min(self.waiting, self.running * self.max_ongoing)
+        per_replica_queue = in_replicas / self.running if self.running else 0.0
+        in_batches = sum(r.batch_size for r in self.replicas if r.free_at > t)
+        return AutoscalingContext(
+            deployment_id=DeploymentID(name=self.name, app_name="simulated"),
+            deployment_name=self.name,
+            app_name="simulated",
+            current_num_replicas=self.running,
+            target_num_replicas=self.target,
+            running_replicas=[r.replica_id for r in self.replicas],
+            total_num_requests=float(self.waiting + in_batches),
+            total_queued_requests=float(self.waiting - in_replicas),
+            aggregated_metrics={
+                UTILIZATION: self.utilization(t),
+                QUEUE_DEPTH: {r.replica_id: per_replica_queue for r in self.replicas},
+            },
+            raw_metrics={},
+            capacity_adjusted_min_replicas=self.config.min_replicas,
+            capacity_adjusted_max_replicas=self.config.max_replicas,
+            policy_state=dict(self.policy_state),
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=now,
+            config=self.config,
+        )
+
+    def autoscale(self, t: int, now: float) -> None:
+        self.target, self.policy_state = serve_decision(self.policy, self.context(t, now), now)
+        while self.provisioned < self.target:
+            self.pending_ready_at.append(t + self.service.startup_s)  # stays sorted: t only grows
+        while self.provisioned > self.target:
+            if self.pending_ready_at:
+                self.pending_ready_at.pop()
+            else:  # stop the replica that frees up first
+                self.replicas.remove(min(self.replicas, key=lambda r: r.free_at))
+
+
+def route(gpu: ReplicaPool, cpu: ReplicaPool | None, spill_waiting: float) -> ReplicaPool:
+    """The ingress rule: GPU if it runs, else a running, unsaturated CPU fallback, else GPU (cold start)."""
+    if gpu.running or cpu is None or not cpu.running or cpu.waiting > spill_waiting:
+        return gpu
+    return cpu
+
+
+def weighted_quantile(values: Sequence[float], weights: Sequence[int], q: float) -> float:
+    if not values:
+        return 0.0
+    order = np.argsort(values)
+    cumulative = np.cumsum(np.asarray(weights, dtype=np.float64)[order])
+    index = int(np.searchsorted(cumulative, q * cumulative[-1]))
+    return float(np.asarray(values)[order][min(index, len(order) - 1)])
+
+
+@dataclass
+class SimulationResult:
+    summary: dict[str, Any]
+    timeline: dict[str, np.ndarray]
+
+
+def simulate(
+    rates: np.ndarray,
+    gpu_rules: ScalingRules | None = None,
+    gpu_service: ServiceModel = DEFAULT_GPU_SERVICE,
+    cpu_service: ServiceModel = DEFAULT_CPU_SERVICE,
+    cpu_fallback: bool = True,
+    slo_s: float = 3.0,
+    control_period_s: int = 5,
+    seed: int = 0,
+) -> SimulationResult:
+    """Run one day (len(rates) seconds at `rates` requests/s) and summarize it."""
+    gpu_rules = gpu_rules or ScalingRules()
+    gpu_config = decoder_autoscaling_config(gpu_rules)
+    gpu = ReplicaPool("decoder", gpu_service, DecoderAutoscalingPolicy(**gpu_rules.to_kwargs()), gpu_config)
+    cpu = None
+    if cpu_fallback:
+        cpu_config = cpu_fallback_autoscaling_config(gpu_rules)
+        cpu_policy = CpuFallbackAutoscalingPolicy(**cpu_config["policy"]["policy_kwargs"])
+        cpu = ReplicaPool("decoder_cpu", cpu_service, cpu_policy, cpu_config)
+        spill_waiting = cpu_policy.rules.target_queue_per_replica * cpu_policy.rules.max_replicas
+    else:
+        spill_waiting = 0.0
+    pools = [pool for pool in (gpu, cpu) if pool is not None]
+
+    zone = ZoneInfo(gpu_rules.schedule.timezone)
+    day_start = dt.datetime(*SIMULATED_DATE, tzinfo=zone).timestamp()
+    arrivals = np.random.default_rng(seed).poisson(rates)
+    arrivals_per_s = arrivals.tolist()
+    minutes = math.ceil(len(rates) / 60)
+    timeline = {
+        name: np.zeros(minutes)
+        for name in ("rate_rps", "gpu_replicas", "cpu_replicas", "gpu_utilization", "waiting", "gpu_floor")
+    }
+    for t in range(len(rates)):
+        now = day_start + t
+        route(gpu, cpu, spill_waiting).enqueue(float(t), arrivals_per_s[t])
+        for pool in pools:
+            pool.step(t)
+        if t % control_period_s == 0:
+            for pool in pools:
+                pool.autoscale(t, now)
+        if t % 60 == 0:  # sample the state once a minute
+            minute = t // 60
+            utilization = gpu.utilization(t)
+            timeline["gpu_replicas"][minute] = gpu.provisioned
+            timeline["cpu_replicas"][minute] = cpu.provisioned if cpu else 0
+            timeline["gpu_utilization"][minute] = sum(utilization.values()) / len(utilization) if utilization else 0
+            timeline["waiting"][minute] = sum(pool.waiting for pool in pools)
+            timeline["gpu_floor"][minute] = gpu_rules.bounds_at(now)[0]
+
+    timeline["rate_rps"] = np.add.reduceat(arrivals, np.arange(0, len(rates), 60)) / 60.0
+    waits = [w for pool in pools for w in pool.stats.wait_s]
+    latencies = [x for pool in pools for x in pool.stats.latency_s]
+    counts = [c for pool in pools for c in pool.stats.counts]
+    served = int(sum(counts))
+    violations = sum(c for x, c in zip(latencies, counts, strict=True) if x > slo_s)
+    unserved = int(sum(pool.waiting for pool in pools))
+    hours = len(rates) / 3600.0
+    replica_hours = gpu.stats.replica_seconds / 3600.0
+    peak_replicas = gpu.stats.max_provisioned
+    static_peak_replica_hours = peak_replicas * hours
+    summary = {
+        "replica_hours": replica_hours,
+        "static_peak_replicas": peak_replicas,
+        "static_peak_replica_hours": static_peak_replica_hours,
+        "cost_ratio": replica_hours / static_peak_replica_hours if static_peak_replica_hours else 0.0,
+        "cpu_replica_hours": cpu.stats.replica_seconds / 3600.0 if cpu else 0.0,
+        "p50_queue_s": weighted_quantile(waits, counts, 0.50),
+        "p95_queue_s": weighted_quantile(waits, counts, 0.95),
+        "p95_latency_s": weighted_quantile(latencies, counts, 0.95),
+        "slo_s": slo_s,
+        "slo_violation_fraction": (violations + unserved) / max(1, served + unserved),
+        "requests": int(arrivals.sum()),
+        "served_by_cpu_fallback": int(sum(cpu.stats.counts)) if cpu else 0,
+        "unserved_at_end": unserved,
+        "min_gpu_replicas": gpu.stats.min_provisioned,
+        "max_gpu_replicas": peak_replicas,
+        "serve_min_replicas": gpu.config.min_replicas,
+        "serve_max_replicas": gpu.config.max_replicas,
+        "mean_gpu_utilization_when_running": float(
+            timeline["gpu_utilization"][timeline["gpu_replicas"] > 0].mean()
+            if (timeline["gpu_replicas"] > 0).any()
+            else 0
+        ),
+        "hours": hours,
+        "control_period_s": control_period_s,
+        "gpu_service": gpu_service.to_dict(),
+        "cpu_service": cpu_service.to_dict() if cpu_fallback else None,
+        "rules": gpu_rules.to_kwargs(),
+    }
+    return SimulationResult(summary=summary, timeline=timeline)
+
+
+def plot_day(timeline: Mapping[str, np.ndarray], path: Path) -> None:
+    """Four stacked panels over the day: load, replicas, GPU utilization, waiting requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hours = np.arange(len(timeline["rate_rps"])) / 60.0
+    figure, axes = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
+    axes[0].plot(hours, timeline["rate_rps"], color="tab:blue")
+    axes[0].set_ylabel("load (req/s)")
+    axes[1].step(hours, timeline["gpu_replicas"], where="post", label="GPU decoder replicas")
+    axes[1].step(hours, timeline["cpu_replicas"], where="post", label="CPU fallback replicas")
+    axes[1].step(hours, timeline["gpu_floor"], where="post", linestyle=":", color="gray", label="GPU schedule floor")
+    axes[1].set_ylabel("replicas")
+    axes[1].legend(loc="upper left", fontsize=8)
+    axes[2].plot(hours, timeline["gpu_utilization"], color="tab:green")
+    axes[2].set_ylim(0, 1.05)
+    axes[2].set_ylabel("GPU utilization")
+    axes[3].plot(hours, timeline["waiting"], color="tab:red")
+    axes[3].set_ylabel("waiting requests")
+    axes[3].set_xlabel("hour of day (schedule time zone)")
+    axes[3].set_xlim(0, max(hours[-1] if len(hours) else 24, 1))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m autoscaling.simulate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for summary.json and the PNG")
+    parser.add_argument("--trace", type=Path, help="CSV of `seconds,requests_per_s` (default: diurnal curve)")
+    parser.add_argument("--peak-rps", type=float, default=30.0, help="peak of the default diurnal curve")
+    parser.add_argument("--service-rates", type=Path, help="benchmark JSON with batch latencies (see docs)")
+    parser.add_argument("--rules", type=Path, help="JSON of ScalingRules kwargs for the GPU decoder policy")
+    parser.add_argument("--no-cpu-fallback", action="store_true", help="simulate the GPU decoder alone")
+    parser.add_argument("--slo-s", type=float, default=3.0, help="request latency SLO (queue + batch)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    rates = load_trace(args.trace) if args.trace else diurnal_rate(np.arange(DAY_S, dtype=np.float64), args.peak_rps)
+    gpu_service, cpu_service = load_service_rates(args.service_rates)
+    rules = ScalingRules.from_kwargs(json.loads(args.rules.read_text())) if args.rules else ScalingRules()
+    result = simulate(
+        rates, rules, gpu_service, cpu_service, cpu_fallback=not args.no_cpu_fallback, slo_s=args.slo_s, seed=args.seed
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+    plot_day(result.timeline, args.out / "autoscaling_day.png")
+    print(json.dumps({k: v for k, v in result.summary.items() if not isinstance(v, dict)}, indent=2))
+    return result.summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Decoder autoscaling policy, schedules and the replica metrics tracker, driven over simulated time."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+from zoneinfo import ZoneInfo
+
+import pytest
+from ray.serve._private.common import DeploymentID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from autoscaling.metrics import METRIC_NAMES, QUEUE_DEPTH, UTILIZATION, ReplicaLoadTracker
+from autoscaling.policy import (
+    ENCODER_AUTOSCALING_CONFIG,
+    CpuFallbackAutoscalingPolicy,
+    DecoderAutoscalingPolicy,
+    ScalingRules,
+    cpu_fallback_autoscaling_config,
+    decoder_autoscaling_config,
+    decoder_policy,
+)
+from autoscaling.schedule import Schedule, ScheduleWindow
+
+UTC = ZoneInfo("UTC")
+NO_SCHEDULE = Schedule()
+# A Monday noon in UTC: outside the windows used below unless a test sets its own.
+NOON = dt.datetime(2025, 1, 6, 12, 0, tzinfo=UTC).timestamp()
+
+
+def make_context(
+    now: float,
+    target: int,
+    utilization: float | None,
+    queue_per_replica: float = 0.0,
+    running: int | None = None,
+    policy_state: dict | None = None,
+    max_replicas: int = 8,
+    handle_queued: float = 0.0,
+) -> AutoscalingContext:
+    running = target if running is None else running
+    replicas = [f"r{i}" for i in range(running)]
+    metrics = {QUEUE_DEPTH: dict.fromkeys(replicas, queue_per_replica)}
+    if utilization is not None:
+        metrics[UTILIZATION] = dict.fromkeys(replicas, utilization)
+    return AutoscalingContext(
+        deployment_id=DeploymentID(name="decoder", app_name="test"),
+        deployment_name="decoder",
+        app_name="test",
+        current_num_replicas=running,
+        target_num_replicas=target,
+        running_replicas=replicas,
+        total_num_requests=queue_per_replica * running + handle_queued,
+        total_queued_requests=handle_queued,
+        aggregated_metrics=metrics,
+        raw_metrics={},
+        capacity_adjusted_min_replicas=0,
+        capacity_adjusted_max_replicas=max_replicas,
+        policy_state=dict(policy_state or {}),
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=now,
+        config=AutoscalingConfig(min_replicas=0, max_replicas=max_replicas),
+    )
+
+
+def drive(
+    policy: Callable,
+    start: float,
+    seconds: float,
+    target: int,
+    utilization: Callable[[float], float | None],
+    queue_per_replica: Callable[[float], float] = lambda _: 0.0,
+    step_s: float = 5.0,
+) -> list[tuple[float, int]]:
+    """Tick the policy every `step_s` like the controller, applying each decision at once (delays 0)."""
+    state: dict = {}
+    history = []
+    elapsed = 0.0
+    while elapsed <= seconds:
+        ctx = make_context(
+            start + elapsed, target, utilization(elapsed), queue_per_replica(elapsed), policy_state=state
+        )
+        target, state = policy(ctx)
+        history.append((elapsed, target))
+        elapsed += step_s
+    return history
+
+
+def first_change(history: list[tuple[float, int]], initial: int) -> tuple[float, int] | None:
+    return next(((t, n) for t, n in history if n != initial), None)
+
+
+def rules(**overrides) -> ScalingRules:
+    return ScalingRules(schedule=NO_SCHEDULE, **overrides)
+
+
+def test_defaults_are_the_seed_rules() -> None:
+    defaults = ScalingRules()
+    assert (defaults.scale_up_utilization, defaults.scale_up_window_s) == (0.70, 300.0)
+    assert (defaults.scale_down_utilization, defaults.scale_down_window_s) == (0.30, 1200.0)
+    assert [w.min_replicas for w in defaults.schedule.windows] == [2, 0]
+
+
+def test_scale_up_after_utilization_stays_high_for_the_window() -> None:
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
+    history = drive(policy, NOON, 400, target=2, utilization=lambda _: 0.85)
+    assert first_change(history, 2) == (300.0, 3)
+
+
+def test_a_dip_below_the_threshold_restarts_the_up_window() -> None:
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
+    history = drive(policy, NOON, 600, target=2, utilization=lambda t: 0.5 if t == 200 else 0.85)
+    assert first_change(history, 2) == (505.0, 3)
+
+
+def test_scale_down_only_after_the_long_low_window() -> None:
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
+    history = drive(policy, NOON, 1300, target=3, utilization=lambda _: 0.1)
+    assert first_change(history, 3) == (1200.0, 2)
+
+
+def test_no_scale_down_while_requests_wait() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=100.0).to_kwargs())
+    history = drive(policy, NOON, 1500, target=3, utilization=lambda _: 0.1, queue_per_replica=lambda _: 1.0)
+    assert {n for _, n in history} == {3}
+
+
+def test_dead_band_between_thresholds_holds() -> None:
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
+    history = drive(policy, NOON, 3000, target=2, utilization=lambda _: 0.5)
+    assert {n for _, n in history} == {2}
+
+
+def test_repeated_steps_respect_the_cooldown_and_a_fresh_window() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(scale_up_cooldown_s=400.0).to_kwargs())
+    history = drive(policy, NOON, 1200, target=1, utilization=lambda _: 0.9)
+    changes = [(t, n) for (t, n), (_, previous) in zip(history[1:], history, strict=False) if n != previous]
+    assert changes[0] == (300.0, 2)
+    # the window restarts at the step and is satisfied at 600 s; the cooldown counts from 305 s, the
+    # first tick that sees the new target, and holds until 705 s
+    assert changes[1] == (705.0, 3)
+
+
+def test_cooldown_counts_from_any_change_of_the_target() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(scale_down_window_s=300.0, scale_down_cooldown_s=600.0).to_kwargs())
+    state: dict = {}
+    for elapsed in range(0, 301, 5):
+        target, state = policy(make_context(NOON + elapsed, 3, 0.1, policy_state=state))
+    assert target == 2  # the low window elapsed while the target stayed 3
+    # Serve moved the target (e.g. an operator or a burst) at t=1300: downscale waits for the cooldown
+    history = []
+    for elapsed in range(1300, 2000, 5):
+        target, state = policy(make_context(NOON + elapsed, 4, 0.1, policy_state=state))
+        history.append((elapsed, target))
+    assert first_change(history, 4) == (1900, 3)
+
+
+def test_queue_above_target_scales_at_once_in_proportion() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=4.0, queue_scale_up_factor=3.0).to_kwargs())
+    target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=10.0))
+    assert target == 5  # 20 waiting / 4 per replica
+    target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=40.0))
+    assert target == 6  # capped at 3 x the 2 running replicas
+    target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=4.0))
+    assert target == 2  # at the target: no change
+
+
+def test_queue_scale_up_does_not_compound_while_replicas_start() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=4.0).to_kwargs())
+    state: dict = {}
+    for elapsed in range(0, 60, 5):
+        ctx = make_context(NOON + elapsed, 4, 0.9, queue_per_replica=8.0, running=2, policy_state=state)
+        target, state = policy(ctx)
+        assert target == 4  # 16 waiting need 4, already the target while 2 start
+
+
+def test_handle_queue_counts_as_waiting() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=4.0).to_kwargs())
+    target, _ = policy(make_context(NOON, 1, 0.5, handle_queued=8.0))
+    assert target == 2
+
+
+def test_missing_metrics_hold_the_target() -> None:
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
+    history = drive(policy, NOON, 2000, target=2, utilization=lambda _: None)
+    assert {n for _, n in history} == {2}
+
+
+def test_bounds_and_capacity_are_respected() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(min_replicas=2, max_replicas=3).to_kwargs())
+    history = drive(policy, NOON, 3000, target=3, utilization=lambda _: 1.0, queue_per_replica=lambda _: 50.0)
+    assert {n for _, n in history} == {3}
+    history = drive(policy, NOON, 6000, target=2, utilization=lambda _: 0.0)
+    assert {n for _, n in history} == {2}
+    target, _ = policy(make_context(NOON, 2, 1.0, queue_per_replica=50.0, max_replicas=2))
+    assert target == 2  # Serve's capacity-adjusted max wins
+
+
+def test_foreign_policy_state_keys_are_kept() -> None:
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
+    serve_keys = {"__decision_counter": 3, "__decision_timestamp": 12.5}
+    _, state = policy(make_context(NOON, 2, 0.5, policy_state=serve_keys))
+    assert state.items() >= serve_keys.items()
+    json.dumps(state)  # plain values only
+
+
+def test_plain_function_uses_the_default_rules() -> None:
+    target, state = decoder_policy(make_context(NOON, 1, 0.5))
+    assert target == 2  # noon is inside the default peak window (min 2, UTC)
+    assert isinstance(state, dict)
+
+
+def test_window_contains_and_wraps_midnight() -> None:
+    late = ScheduleWindow(name="late", start="22:00", end="02:00", min_replicas=1)
+    assert late.contains(dt.time(23, 30)) and late.contains(dt.time(1, 59))
+    assert not late.contains(dt.time(2, 0)) and not late.contains(dt.time(21, 59))
+    day = ScheduleWindow(name="day", start="09:00", end="24:00")
+    assert day.contains(dt.time(23, 59)) and not day.contains(dt.time(8, 59))
+    with pytest.raises(ValueError):
+        ScheduleWindow(name="empty", start="03:00", end="03:00")
+    with pytest.raises(ValueError):
+        ScheduleWindow(name="bad", start="9am", end="10:00")
+    with pytest.raises(ValueError):
+        ScheduleWindow(name="inverted", start="01:00", end="02:00", min_replicas=3, max_replicas=1)
+
+
+def test_schedule_uses_its_time_zone() -> None:
+    schedule = Schedule(
+        timezone="Europe/Berlin",
+        windows=(ScheduleWindow(name="peak", start="09:00", end="21:00", min_replicas=2, max_replicas=6),),
+    )
+    berlin_nine = dt.datetime(2025, 1, 6, 9, 0, tzinfo=ZoneInfo("Europe/Berlin")).timestamp()
+    assert schedule.bounds_at(berlin_nine, 1, 8) == (2, 6)
+    assert schedule.bounds_at(berlin_nine - 1, 1, 8) == (1, 8)  # 08:59 Berlin, 07:59 UTC
+    assert Schedule.from_dict(schedule.to_dict()) == schedule
+    with pytest.raises(Exception, match="Nowhere"):
+        Schedule(timezone="Nowhere/Land")
+
+
+def test_schedule_floors_apply_at_once_and_night_allows_zero() -> None:
+    policy = DecoderAutoscalingPolicy()  # default schedule: peak 09-21 min 2, night 02-06 min 0
+    day = dt.datetime(2025, 1, 6, tzinfo=UTC).timestamp()
+    target, _ = policy(make_context(day + 9 * 3600, 1, 0.5))
+    assert target == 2
+    target, _ = policy(make_context(day + 8 * 3600, 0, None))
+    assert target == 1  # base floor outside the windows
+    history = drive(policy, day + 2 * 3600, 1500, target=1, utilization=lambda _: 0.05)
+    assert history[-1][1] == 0  # the night window lets the low-utilization rule reach 0
+
+
+def test_cpu_fallback_covers_exactly_the_gpu_zero_floor() -> None:
+    gpu = ScalingRules()  # night 02:00-06:00 min 0
+    fallback = CpuFallbackAutoscalingPolicy(gpu=gpu.to_kwargs(), lead_s=0.0, handover_s=0.0, schedule={})
+    day = dt.datetime(2025, 1, 6, tzinfo=UTC).timestamp()
+    for minute in range(0, 24 * 60, 10):
+        now = day + minute * 60
+        target, _ = fallback(make_context(now, 0, None))
+        assert (target >= 1) == (gpu.bounds_at(now)[0] == 0), minute
+
+
+def test_cpu_fallback_margins_and_scale_to_zero() -> None:
+    fallback = CpuFallbackAutoscalingPolicy(gpu=ScalingRules().to_kwargs(), lead_s=600.0, handover_s=900.0)
+    day = dt.datetime(2025, 1, 6, tzinfo=UTC).timestamp()
+    assert fallback(make_context(day + 2 * 3600 - 600, 0, None))[0] == 1  # warm before the GPUs may go
+    assert fallback(make_context(day + 2 * 3600 - 601, 0, None))[0] == 0
+    assert fallback(make_context(day + 6 * 3600 + 899, 1, 0.1))[0] == 1  # while the GPU replicas start
+    assert fallback(make_context(day + 6 * 3600 + 900, 1, 0.1))[0] == 0
+    assert fallback(make_context(day + 3 * 3600, 1, 0.9, queue_per_replica=20.0))[0] > 1  # scales while active
+
+
+def test_rules_round_trip_through_json_and_reject_unknown_keys() -> None:
+    custom = ScalingRules(max_replicas=5, scale_up_window_s=60.0)
+    assert ScalingRules.from_kwargs(json.loads(json.dumps(custom.to_kwargs()))) == custom
+    with pytest.raises(ValueError, match="unknown"):
+        ScalingRules.from_kwargs({"scale_up_threshold": 0.8})
+    with pytest.raises(ValueError):
+        ScalingRules(scale_up_utilization=0.2, scale_down_utilization=0.3)
+    with pytest.raises(ValueError):
+        ScalingRules(min_replicas=3, max_replicas=2)
+
+
+def test_recommended_configs_validate_with_serve() -> None:
+    gpu_rules = ScalingRules()
+    decoder = AutoscalingConfig(**decoder_autoscaling_config(gpu_rules))
+    assert decoder.min_replicas == 0  # the night floor: Serve clips to min_replicas after the policy
+    assert decoder.max_replicas == gpu_rules.max_replicas
+    assert decoder.upscale_delay_s == decoder.downscale_delay_s == 0
+    assert decoder.policy.policy_function == "autoscaling.policy:DecoderAutoscalingPolicy"
+    fallback = AutoscalingConfig(**cpu_fallback_autoscaling_config(gpu_rules))
+    assert fallback.min_replicas == 0
+    CpuFallbackAutoscalingPolicy(**fallback.policy.policy_kwargs)  # kwargs build the policy
+    encoder = AutoscalingConfig(**ENCODER_AUTOSCALING_CONFIG)
+    assert encoder.policy.is_default_policy_function()
+    assert encoder.get_target_ongoing_requests() == ENCODER_AUTOSCALING_CONFIG["target_ongoing_requests"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_tracker_reports_busy_fraction_queue_and_batch_fill() -> None:
+    clock = FakeClock()
+    tracker = ReplicaLoadTracker(max_batch_size=4, window_s=10.0, clock=clock)
+    for _ in range(5):
+        tracker.request_accepted()
+    tracker.batch_started(4)
+    clock.now += 3.0
+    tracker.batch_finished()
+    for _ in range(4):
+        tracker.request_finished()
+    clock.now += 5.0
+    tracker.batch_started(1)
+    clock.now += 1.0
+    stats = tracker.snapshot()
+    assert set(stats) == set(METRIC_NAMES)
+    assert all(isinstance(value, float) for value in stats.values())
+    assert stats[UTILIZATION] == pytest.approx(0.4)  # 3 s + 1 s (still running) of 10 s
+    assert stats[QUEUE_DEPTH] == 0.0
+    assert stats["ongoing_requests"] == 1.0
+    assert stats["batch_fill"] == pytest.approx((4 + 1) / 2 / 4)
+    assert stats["gpu_memory_fraction"] == 0.0
+    clock.now += 20.0
+    tracker.batch_finished()
+    clock.now += 11.0
+    assert tracker.snapshot()[UTILIZATION] == 0.0
+    assert tracker.snapshot()["batch_fill"] == 0.0
