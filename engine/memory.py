@@ -55,14 +55,3 @@ def estimate_request_memory(
     # as the rate doubles); three resblocks' outputs and the source branch live at once: ~4 such tensors, fp32
     vocoder = 4 * (hift.base_channels // 2) * samples // hift.upsample_rates[0] * 4
     return MemoryEstimate(kv_cache_bytes=kv_cache, flow_bytes=flow_bytes, vocoder_bytes=vocoder)
-
-
-def max_batch_within(budget_bytes: int, estimates: list[MemoryEstimate], max_batch: int) -> int:
-    """The largest prefix of `estimates` (at most `max_batch`, at least 1) whose total fits in `budget_bytes`."""
-    used, count = 0, 0
-    for estimate in estimates[:max_batch]:
-        used += estimate.total_bytes
-        if used > budget_bytes and count > 0:
-            break
-        count += 1
-    return max(count, 1)

@@ -85,8 +85,9 @@ class _Chunk:
 
 
 class DecodeStream:
-    """Iterate to advance every segment; each step yields one entry per segment, in order:
-    a float32 numpy chunk of new audio (often empty), or None once that segment has finished.
+    """Iterate to advance every segment; each step yields one entry per segment, in order: a float32
+    numpy chunk of new audio (often empty), a `NonFiniteOutputError` that ends that segment, or None once
+    the segment has finished.
     """
 
     def __init__(self, decoder, segments: list) -> None:  # decoder: engine.pipeline.SpeechDecoderStage
@@ -121,12 +122,12 @@ class DecodeStream:
             self.llm.cancel(stream.llm_id)
             stream.finished = True
 
-    def __iter__(self) -> Iterator[list[np.ndarray | None]]:
+    def __iter__(self) -> Iterator[list[np.ndarray | NonFiniteOutputError | None]]:
         while not self.finished:
             yield self.step()
 
     @torch.inference_mode()
-    def step(self) -> list[np.ndarray | None]:
+    def step(self) -> list[np.ndarray | NonFiniteOutputError | None]:
         for event in self.llm.step():
             stream = self._by_llm_id[event.request_id]
             if event.token is not None:
@@ -134,7 +135,7 @@ class DecodeStream:
             stream.tokens_done = stream.tokens_done or event.finish_reason is not None
         chunks = [c for c in map(self._next_chunk, self.streams) if c is not None]
         audio = dict(zip((id(c.stream) for c in chunks), self._synthesize(chunks), strict=True)) if chunks else {}
-        out: list[np.ndarray | None] = []
+        out: list[np.ndarray | NonFiniteOutputError | None] = []
         for stream in self.streams:
             if id(stream) in audio:
                 out.append(audio[id(stream)])
@@ -158,17 +159,18 @@ class DecodeStream:
             return _Chunk(stream, stream.new_tokens, final=True)
         return None
 
-    def _synthesize(self, chunks: list[_Chunk]) -> list[np.ndarray]:
+    def _synthesize(self, chunks: list[_Chunk]) -> list[np.ndarray | NonFiniteOutputError]:
+        """Audio of each chunk; a non-finite chunk ends its segment with an error, the others go on."""
         mels = self._chunk_mels(chunks)
         waves = self._vocode(chunks, mels)
-        out = []
+        out: list[np.ndarray | NonFiniteOutputError] = []
         for chunk, wave in zip(chunks, waves, strict=True):
             audio = wave.float().cpu().numpy()
-            if not np.isfinite(audio).all():
-                raise NonFiniteOutputError("the vocoder produced NaN or inf samples; no audio returned")
-            out.append(audio)
-            if chunk.final:
-                chunk.stream.new_tokens = []
+            if np.isfinite(audio).all():
+                out.append(audio)
+            else:
+                out.append(NonFiniteOutputError("the vocoder produced NaN or inf samples; no audio returned"))
+                self.cancel(self.streams.index(chunk.stream))
         return out
 
     def _chunk_mels(self, chunks: list[_Chunk]) -> list[Tensor]:

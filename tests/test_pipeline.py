@@ -11,8 +11,14 @@ import torch
 
 from engine.errors import CheckpointError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
 from engine.loader import PRESETS_DIR, ModelConfig, load_model, load_module
-from engine.memory import estimate_request_memory, max_batch_within
-from engine.pipeline import CosyVoice, SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.memory import estimate_request_memory
+from engine.pipeline import (
+    NOMINAL_SEGMENT_TEXT_TOKENS,
+    CosyVoice,
+    SpeechDecoderStage,
+    SynthesisRequest,
+    TextEncoderStage,
+)
 from engine.sampling import SamplingOptions
 
 SHORT = SamplingOptions(seed=7, min_token_text_ratio=2, max_token_text_ratio=4)
@@ -150,7 +156,11 @@ def test_memory_estimate_grows_with_text_and_caps_batches() -> None:
     small, large = estimate_request_memory(config, 10), estimate_request_memory(config, 60)
     assert 0 < small.total_bytes < large.total_bytes
     assert large.kv_cache_bytes == 6 * small.kv_cache_bytes - 5 * (2 * 14 * 2 * 1024 * 2)  # linear in length
-    estimates = [small] * 10
-    assert max_batch_within(3 * small.total_bytes, estimates, max_batch=8) == 3
-    assert max_batch_within(100 * small.total_bytes, estimates, max_batch=8) == 8
-    assert max_batch_within(1, estimates, max_batch=8) == 1  # one request always runs
+
+
+def test_memory_budget_caps_the_decoder_batch_size(tts: CosyVoice) -> None:
+    decoder = tts.decoder
+    nominal = estimate_request_memory(decoder.model.config, NOMINAL_SEGMENT_TEXT_TOKENS, dtype_bytes=4).total_bytes
+    assert decoder.max_batch_size_for_memory(3 * nominal + 1, requested=8) == 3
+    assert decoder.max_batch_size_for_memory(100 * nominal, requested=8) == 8
+    assert decoder.max_batch_size_for_memory(1, requested=8) == 1  # one request always runs

@@ -1,0 +1,28 @@
+"""The `Encoder` deployment: frontend, text encoder and voice features, on CPU only (optionally INT8)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from engine.loader import load_model
+from engine.pipeline import EncodedSegment, SynthesisRequest, TextEncoderStage
+
+
+@serve.deployment(name="Encoder", ray_actor_options={"num_gpus": 0})
+class Encoder:
+    def __init__(self, model: str, int8: bool, max_text_chars: int) -> None:
+        loaded = load_model(model, components=("encoder",), int8=int8, max_text_chars=max_text_chars)
+        self.model_name = loaded.name
+        self.stage = TextEncoderStage(loaded)
+
+    def encode(self, request: SynthesisRequest) -> list[EncodedSegment]:
+        """One encoded segment per sentence, in order (engine errors propagate to the caller)."""
+        return self.stage.encode(request)
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.model_name, "voices": self.stage.voices, "sample_rate": self.stage.sample_rate}
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,129 @@
+"""Console entry point `cosyvoice-serve`.
+
+cosyvoice-serve run [--model-dir DIR] [--config FILE]   start a local Ray and the app (tiny model by default)
+cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+def read_serve_config(path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(application entry, http_options) of a Serve config file's first application; defaults without one."""
+    if path is None:
+        return {"name": "cosyvoice", "route_prefix": "/", "args": {}}, {}
+    config = yaml.safe_load(path.read_text()) or {}
+    applications = config.get("applications") or []
+    if not applications:
+        raise SystemExit(f"{path} has no applications")
+    application = applications[0]
+    if application.get("deployments"):
+        print(
+            f"note: `run` applies only the `args` of {path}; for its deployment overrides use `serve run {path}`",
+            file=sys.stderr,
+        )
+    return application, config.get("http_options") or {}
+
+
+def run(options: argparse.Namespace) -> int:
+    # Imported here so that `say` stays light.
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    application, http_options = read_serve_config(options.config)
+    args = dict(application.get("args") or {})
+    if options.model_dir is not None:
+        args["model"] = str(options.model_dir)
+    host = options.host or http_options.get("host", DEFAULT_HOST)
+    port = options.port or int(http_options.get("port", DEFAULT_PORT))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
+    ray.init(include_dashboard=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(
+        build_app(args), name=application.get("name", "cosyvoice"), route_prefix=application.get("route_prefix", "/")
+    )
+    url = f"http://{host}:{port}"
+    print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
+    print(f'  cosyvoice-serve say "Hello from CosyVoice." -o out.wav --url {url}')
+    print(f"  curl {url}/v1/voices")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def say(options: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"text": options.text, "format": options.format, "stream": options.stream}
+    for key in ("voice", "instruct_text", "seed", "speed"):
+        if getattr(options, key) is not None:
+            body[key] = getattr(options, key)
+    try:
+        with (
+            httpx.Client(base_url=options.url, timeout=options.timeout) as client,
+            client.stream("POST", "/v1/tts", json=body) as response,
+        ):
+            if response.status_code != 200:
+                response.read()
+                try:
+                    message = response.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = response.text
+                print(f"error {response.status_code}: {message}", file=sys.stderr)
+                return 1
+            with open(options.output, "wb") as out:
+                for piece in response.iter_bytes():
+                    out.write(piece)
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach {options.url}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {options.output}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    main_parser = argparse.ArgumentParser(prog="cosyvoice-serve", description=__doc__.split("\n")[0])
+    commands = main_parser.add_subparsers(dest="command", required=True)
+
+    run_parser = commands.add_parser("run", help="start a local Ray and the app")
+    run_parser.add_argument("--model-dir", type=Path, default=None, help="official model dir (default: tiny preset)")
+    run_parser.add_argument("--config", type=Path, default=None, help="Serve config file (its `args` are used)")
+    run_parser.add_argument("--host", default=None)
+    run_parser.add_argument("--port", type=int, default=None)
+    run_parser.set_defaults(handler=run)
+
+    say_parser = commands.add_parser("say", help="synthesise text through a running server")
+    say_parser.add_argument("text")
+    say_parser.add_argument("-o", "--output", default="out.wav")
+    say_parser.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}")
+    say_parser.add_argument("--voice", default=None, help="default: the model's first voice")
+    say_parser.add_argument("--format", default="wav")
+    say_parser.add_argument("--stream", action="store_true", help="write audio as it arrives (wav, pcm)")
+    say_parser.add_argument("--instruct-text", dest="instruct_text", default=None)
+    say_parser.add_argument("--seed", type=int, default=None)
+    say_parser.add_argument("--speed", type=float, default=None)
+    say_parser.add_argument("--timeout", type=float, default=300.0)
+    say_parser.set_defaults(handler=say)
+    return main_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser().parse_args(argv)
+    return options.handler(options)
