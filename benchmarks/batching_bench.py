@@ -1,0 +1,139 @@
+"""Batching and streaming benchmark on the real-size dummy model, fixed speech lengths (EOS masked).
+
+For batch sizes 1, 2, 4, 8, 16: throughput (audio seconds per wall second) and per-request latency, for
+the LLM alone and for the whole decoder (LLM + flow + HiFT); then the time to the first streamed chunk
+of a 20 s utterance against its full (non-streaming) synthesis time. All in one process, side by side.
+
+    python -m benchmarks.batching_bench --out out/batching.json [--seconds 2] [--batches 1 2 4 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine_bench import TOKENS_PER_SECOND, fixed_length_request
+from engine.loader import load_model
+from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
+
+
+def _segments(encoder: TextEncoderStage, voice: str, count: int, audio_seconds: float) -> list[EncodedSegment]:
+    text_tokens = len(encoder.model.frontend.tokenize(encoder.model.frontend.normalize(_TEXT)))
+    request = fixed_length_request(text_tokens, audio_seconds, voice)
+    [segment] = encoder.encode(request)
+    return [segment] * count
+
+
+_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
+
+
+def _time(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def measure_batches(decoder: SpeechDecoderStage, segments_for, batches: list[int], audio_seconds: float) -> dict:
+    rows = []
+    for batch in batches:
+        segments = segments_for(batch)
+        llm_s = _time(decoder.generate_tokens, segments)
+        decoder_s = _time(decoder.decode_batch, segments)
+        audio = batch * audio_seconds
+        rows.append(
+            {
+                "batch": batch,
+                "llm_seconds": llm_s,
+                "decoder_seconds": decoder_s,
+                "llm_throughput": audio / llm_s,
+                "decoder_throughput": audio / decoder_s,
+                "llm_ms_per_token_step": 1000 * llm_s / (audio_seconds * TOKENS_PER_SECOND),
+                "latency_s": decoder_s,  # every request of a fixed-length batch finishes with the batch
+            }
+        )
+        row = rows[-1]
+        print(f"batch {batch:2d}: LLM {row['llm_throughput']:.3f}, decoder {row['decoder_throughput']:.3f} audio s/s")
+    return {"rows": rows}
+
+
+def measure_first_chunk(decoder: SpeechDecoderStage, segment: EncodedSegment) -> dict:
+    start = time.perf_counter()
+    first = None
+    for outputs in decoder.open_stream([segment]):
+        if first is None and outputs[0] is not None and len(outputs[0]):
+            first = time.perf_counter() - start
+    stream_total = time.perf_counter() - start
+    full = _time(decoder.decode_batch, [segment])
+    return {"first_chunk_s": first, "stream_total_s": stream_total, "full_synthesis_s": full}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["batching"]["rows"]
+    batches = [r["batch"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(batches, [r["llm_throughput"] for r in rows], "o-", label="LLM alone")
+    left.plot(batches, [r["decoder_throughput"] for r in rows], "s-", label="whole decoder")
+    left.set(xscale="log", xlabel="batch size", ylabel="audio seconds per wall second", title="Throughput")
+    left.set_xticks(batches, [str(b) for b in batches])
+    left.legend()
+    right.plot(batches, [r["latency_s"] for r in rows], "s-", color="C1")
+    right.set(xscale="log", xlabel="batch size", ylabel="seconds", title="Per-request latency (whole decoder)")
+    right.set_xticks(batches, [str(b) for b in batches])
+    fig.suptitle(f"{result['model']}, {result['threads']} threads, {result['audio_seconds_per_request']} s per request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("batching_bench.json"))
+    parser.add_argument("--model", default="dummy")
+    parser.add_argument("--seconds", type=float, default=2.0, help="audio per request in the batch sweep")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--stream-seconds", type=float, default=20.0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = load_model(args.model)
+    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
+    voice = model.voices.names[0]
+    decoder.decode_batch(_segments(encoder, voice, 1, 0.5))  # warm-up
+    batching = measure_batches(
+        decoder, lambda n: _segments(encoder, voice, n, args.seconds), args.batches, args.seconds
+    )
+    streaming = measure_first_chunk(decoder, _segments(encoder, voice, 1, args.stream_seconds)[0])
+    by_batch = {r["batch"]: r for r in batching["rows"]}
+    result = {
+        "model": args.model,
+        "threads": args.threads,
+        "audio_seconds_per_request": args.seconds,
+        "batching": batching,
+        "streaming_20s": streaming,
+        "rtf_b1": 1 / by_batch[1]["decoder_throughput"],
+        "llm_ms_per_token_b1": by_batch[1]["llm_ms_per_token_step"],
+        "first_chunk_fraction_20s": streaming["first_chunk_s"] / streaming["full_synthesis_s"],
+    }
+    if 8 in by_batch:
+        result["llm_throughput_ratio_b8_vs_b1"] = by_batch[8]["llm_throughput"] / by_batch[1]["llm_throughput"]
+        result["decoder_throughput_ratio_b8_vs_b1"] = (
+            by_batch[8]["decoder_throughput"] / by_batch[1]["decoder_throughput"]
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
+    summary = {k: v for k, v in result.items() if not isinstance(v, dict)}
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
