@@ -13,8 +13,10 @@ import copy
 import json
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.loader import load_model
@@ -53,6 +55,26 @@ def model_bytes(model) -> dict[str, dict[str, int]]:
     return result
 
 
+def int8_quality(model, segments) -> dict[str, float]:
+    """INT8 (dynamic, Linear layers) against fp32: text-encoder cosine and greedy token agreement."""
+    fp32_encoder = TextEncoderStage(model)
+    int8_model = load_model(model.name, int8=True)
+    int8_encoder, int8_decoder = TextEncoderStage(int8_model), SpeechDecoderStage(int8_model)
+    request = fixed_length_request(
+        len(model.frontend.tokenize(model.frontend.normalize(TEXT))), 1.0, model.voices.names[0]
+    )
+    a = fp32_encoder.encode(request)[0].text_encoded.ravel()
+    b = int8_encoder.encode(request)[0].text_encoded.ravel()
+    greedy = [replace(s, sampling=replace(s.sampling, greedy=True)) for s in segments]
+    reference = SpeechDecoderStage(model).generate_tokens(greedy)[0]
+    quantized = int8_decoder.generate_tokens(greedy)[0]
+    return {
+        "text_encoder_cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))),
+        "greedy_token_agreement": float((reference == quantized).float().mean()),
+        "greedy_tokens_compared": len(reference),
+    }
+
+
 def run(model_name: str, audio_seconds: float, threads: int) -> dict:
     torch.set_num_threads(threads)
     model = load_model(model_name)
@@ -83,6 +105,7 @@ def run(model_name: str, audio_seconds: float, threads: int) -> dict:
         "llm_ms_per_token": 1000 * t_llm / n_tokens,
         "peak_rss_mb_during_synthesis": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "parameter_bytes": model_bytes(model),
+        "int8_vs_fp32": int8_quality(model, segments),
     }
 
 
