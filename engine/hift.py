@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from engine.checkpoint import load_strict, read_state_dict
+from engine.checkpoint import load_strict
 from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Conv1d, ConvTranspose1d, Linear
-from engine.yaml_config import ObjectSpec, load_model_yaml
+from engine.yaml_config import ObjectSpec
 
 # The official code picks the v1 `SineGen` at 22050 Hz and `SineGen2` (v2, 24 kHz) otherwise.
 _SINE_GEN_SAMPLE_RATE = 22050
@@ -501,15 +501,3 @@ def upgrade_legacy_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:
         prefix, _, leaf = key.rpartition(".")
         upgraded[f"{prefix}.{renamed[leaf]}" if leaf in renamed else key] = value
     return upgraded
-
-
-def load_hift(model_dir: str | Path, config_name: str = "cosyvoice.yaml", checkpoint: str = "hift.pt") -> HiFTGenerator:
-    """Build the vocoder from `<model_dir>/<config_name>` and strictly load `<model_dir>/<checkpoint>` (eval mode)."""
-    model_dir = Path(model_dir)
-    tree = load_model_yaml(model_dir / config_name)
-    if "hift" not in tree:
-        raise CheckpointError(f"model config {model_dir / config_name} has no hift node")
-    model = HiFTGenerator(HiFTConfig.from_yaml(tree["hift"]))
-    path = model_dir / checkpoint
-    model.load_official_state(read_state_dict(path), path)
-    return model.eval()

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_parity_flow import request_of
 from torch import Tensor
 
 from engine.checkpoint import load_strict, read_state_dict
@@ -27,27 +28,10 @@ def flow_yaml(conformance_kit: Path) -> ObjectSpec:
 
 
 @pytest.fixture(scope="module")
-def flow(conformance_kit: Path, flow_yaml: ObjectSpec) -> MaskedDiffWithXvec:
-    path = conformance_kit / "model" / "flow.pt"
-    module = MaskedDiffWithXvec(FlowConfig.from_yaml(flow_yaml))
-    load_strict(module, read_state_dict(path), path)
-    return module.eval()
-
-
-@pytest.fixture(scope="module")
 def requests(kit_cases: dict[str, list[dict[str, Any]]]) -> list[FlowRequest]:
     """Every kit flow case as a request with its recorded noise."""
     assert kit_cases["flow"], "the kit has no flow cases"
-    return [
-        FlowRequest(
-            tokens=case["token"][0],
-            prompt_tokens=case["prompt_token"][0],
-            prompt_feat=case["prompt_feat"][0],
-            embedding=case["embedding"][0],
-            noise=case["noise"][0],
-        )
-        for case in kit_cases["flow"]
-    ]
+    return [request_of(case) for case in kit_cases["flow"]]
 
 
 def max_error(actual: Tensor, expected: Tensor) -> float:
@@ -55,19 +39,19 @@ def max_error(actual: Tensor, expected: Tensor) -> float:
     return (actual.float() - expected.float()).abs().max().item()
 
 
-def test_batched_requests_equal_each_alone(flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
+def test_batched_requests_equal_each_alone(kit_flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
     # the kit cases (with and without prompts) plus a shorter prompt-free one drawn from a seed: mixed lengths
     base = requests[0]
     half = base.tokens[: max(1, len(base.tokens) // 2)]
     requests = [*requests, FlowRequest(half, base.tokens[:0], base.prompt_feat[:0], base.embedding, seed=3)]
-    alone = [flow.inference([r])[0] for r in requests]
-    alone_mu = [flow.prepare([r]).mu[0] for r in requests]
+    alone = [kit_flow.inference([r])[0] for r in requests]
+    alone_mu = [kit_flow.prepare([r]).mu[0] for r in requests]
     assert len({a.shape[-1] for a in alone}) > 1
 
     for order in (list(range(len(requests))), list(reversed(range(len(requests))))):
         batch = [requests[i] for i in order]
-        feats = flow.inference(batch)
-        conditioning = flow.prepare(batch)
+        feats = kit_flow.inference(batch)
+        conditioning = kit_flow.prepare(batch)
         for position, index in enumerate(order):
             assert max_error(feats[position], alone[index]) <= BATCH_ATOL, f"request {index} feat"
             length = conditioning.mel_lengths[position]
@@ -76,43 +60,43 @@ def test_batched_requests_equal_each_alone(flow: MaskedDiffWithXvec, requests: l
             assert conditioning.mask[position, 0, length:].sum() == 0 and conditioning.mask[position, 0, :length].all()
 
 
-def test_seed_makes_the_noise_reproducible(flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
+def test_seed_makes_the_noise_reproducible(kit_flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
     seeded = dataclasses.replace(requests[0], noise=None, seed=1234)
-    first, again = flow.inference([seeded])[0], flow.inference([seeded])[0]
+    first, again = kit_flow.inference([seeded])[0], kit_flow.inference([seeded])[0]
     assert torch.equal(first, again)
-    other = flow.inference([dataclasses.replace(seeded, seed=1235)])[0]
+    other = kit_flow.inference([dataclasses.replace(seeded, seed=1235)])[0]
     assert max_error(first, other) > 1e-2
 
-    (length,) = flow.prepare([seeded]).mel_lengths
-    (noise,) = flow.start_noise([seeded], [length])
+    (length,) = kit_flow.prepare([seeded]).mel_lengths
+    (noise,) = kit_flow.start_noise([seeded], [length])
     assert torch.equal(
-        noise, torch.randn(flow.config.output_size, length, generator=torch.Generator().manual_seed(1234))
+        noise, torch.randn(kit_flow.config.output_size, length, generator=torch.Generator().manual_seed(1234))
     )
-    explicit = flow.inference([dataclasses.replace(seeded, noise=noise, seed=None)])[0]
+    explicit = kit_flow.inference([dataclasses.replace(seeded, noise=noise, seed=None)])[0]
     assert torch.equal(first, explicit)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_weights_run_and_stay_close(
-    flow: MaskedDiffWithXvec, requests: list[FlowRequest], dtype: torch.dtype
+    kit_flow: MaskedDiffWithXvec, requests: list[FlowRequest], dtype: torch.dtype
 ) -> None:
-    low = copy.deepcopy(flow).to(dtype)
+    low = copy.deepcopy(kit_flow).to(dtype)
     assert all(p.dtype == dtype for p in low.parameters())
-    for index, (reference, feat) in enumerate(zip(flow.inference(requests), low.inference(requests), strict=True)):
+    for index, (reference, feat) in enumerate(zip(kit_flow.inference(requests), low.inference(requests), strict=True)):
         assert feat.dtype == torch.float32 and torch.isfinite(feat).all(), f"request {index}"
         scale = reference.abs().max().item()
         assert max_error(feat, reference) <= LOW_PRECISION_RTOL * scale, f"request {index}"
 
 
 def test_wrong_checkpoint_raises_checkpoint_error(
-    flow: MaskedDiffWithXvec, flow_yaml: ObjectSpec, conformance_kit: Path
+    kit_flow: MaskedDiffWithXvec, flow_yaml: ObjectSpec, conformance_kit: Path
 ) -> None:
     fresh = MaskedDiffWithXvec(FlowConfig.from_yaml(flow_yaml))
     hift_path = conformance_kit / "model" / "hift.pt"
     with pytest.raises(CheckpointError, match=re.escape(str(hift_path))):
         load_strict(fresh, read_state_dict(hift_path), hift_path)
 
-    state = flow.state_dict()
+    state = kit_flow.state_dict()
     dropped = {k: v for k, v in state.items() if k != "decoder.estimator.final_proj.bias"}
     with pytest.raises(CheckpointError, match=re.escape("missing keys: decoder.estimator.final_proj.bias")):
         load_strict(fresh, dropped, "dropped.pt")
@@ -152,11 +136,11 @@ def test_unsupported_config_raises_checkpoint_error(
         FlowConfig.from_yaml(_with(flow_yaml, path, value))
 
 
-def test_invalid_requests_raise_invalid_input_error(flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
+def test_invalid_requests_raise_invalid_input_error(kit_flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
     base = dataclasses.replace(requests[0], noise=None, seed=0)
     bad = [
         dataclasses.replace(base, tokens=base.tokens[:0]),
-        dataclasses.replace(base, tokens=torch.tensor([flow.config.vocab_size])),
+        dataclasses.replace(base, tokens=torch.tensor([kit_flow.config.vocab_size])),
         dataclasses.replace(base, prompt_tokens=torch.tensor([1, 2]), prompt_feat=torch.zeros(0, 80)),
         dataclasses.replace(base, prompt_tokens=torch.tensor([], dtype=torch.long), prompt_feat=torch.zeros(3, 80)),
         dataclasses.replace(base, embedding=torch.zeros(10)),
@@ -164,5 +148,5 @@ def test_invalid_requests_raise_invalid_input_error(flow: MaskedDiffWithXvec, re
     ]
     for request in bad:
         with pytest.raises(InvalidInputError):
-            flow.inference([request])
-    assert flow.inference([]) == []
+            kit_flow.inference([request])
+    assert kit_flow.inference([]) == []

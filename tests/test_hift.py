@@ -15,17 +15,13 @@ from torch import Tensor
 
 from engine.checkpoint import read_state_dict
 from engine.errors import CheckpointError, InvalidInputError
-from engine.hift import HiFTConfig, HiFTGenerator, Snake, load_hift
+from engine.hift import HiFTConfig, HiFTGenerator, Snake
+from engine.loader import CHECKPOINT_FILES, load_module
 from engine.yaml_config import ObjectSpec, load_model_yaml
 
 BATCH_ATOL = 1e-4
 # fp32 garbage in the padded region: masking must keep it from reaching the real items
 MEL_PAD_VALUE, SOURCE_PAD_VALUE = 3.0, 0.5
-
-
-@pytest.fixture(scope="module")
-def hift(conformance_kit: Path) -> HiFTGenerator:
-    return load_hift(conformance_kit / "model")
 
 
 @pytest.fixture(scope="module")
@@ -64,44 +60,44 @@ def _assert_batched_decode_matches_alone(model: HiFTGenerator, pairs: list[tuple
 
 
 def test_batched_decode_and_f0_match_each_item_alone(
-    hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]]
+    kit_hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]]
 ) -> None:
-    _assert_batched_decode_matches_alone(hift, mixed_inputs)
+    _assert_batched_decode_matches_alone(kit_hift, mixed_inputs)
     mels, _, lengths = _pad_batch(mixed_inputs)
     with torch.inference_mode():
-        batched = hift.predict_f0(mels, lengths)
+        batched = kit_hift.predict_f0(mels, lengths)
         for i, (mel, _) in enumerate(mixed_inputs):
-            alone = hift.predict_f0(mel[None])[0]
+            alone = kit_hift.predict_f0(mel[None])[0]
             torch.testing.assert_close(batched[i, : mel.shape[-1]], alone, rtol=1e-5, atol=1e-4)
             assert torch.all(batched[i, mel.shape[-1] :] == 0)
 
 
 def test_batched_inference_matches_alone_and_seeds_reproduce(
-    hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]]
+    kit_hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]]
 ) -> None:
     mels = [mel for mel, _ in mixed_inputs]
     seeds = list(range(len(mels)))
-    batched = hift.inference(mels, seeds)
-    again = hift.inference(mels[::-1], seeds[::-1])[::-1]
+    batched = kit_hift.inference(mels, seeds)
+    again = kit_hift.inference(mels[::-1], seeds[::-1])[::-1]
     for mel, seed, speech, repeated in zip(mels, seeds, batched, again, strict=True):
-        alone = hift.inference([mel], [seed])[0]
-        assert speech.shape == (mel.shape[-1] * hift.config.hop,)
+        alone = kit_hift.inference([mel], [seed])[0]
+        assert speech.shape == (mel.shape[-1] * kit_hift.config.hop,)
         assert (speech - alone).abs().max() <= BATCH_ATOL
         assert torch.equal(speech, repeated)
-        assert torch.isfinite(speech).all() and speech.abs().max() <= hift.config.audio_limit
-    reseeded = hift.inference(mels, [seed + 1000 for seed in seeds])
+        assert torch.isfinite(speech).all() and speech.abs().max() <= kit_hift.config.audio_limit
+    reseeded = kit_hift.inference(mels, [seed + 1000 for seed in seeds])
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(batched, reseeded, strict=True))
-    assert all(torch.isfinite(speech).all() for speech in hift.inference(mels))  # global RNG
-    assert hift.inference([]) == []
+    assert all(torch.isfinite(speech).all() for speech in kit_hift.inference(mels))  # global RNG
+    assert kit_hift.inference([]) == []
 
 
-def test_make_source_is_reproducible_per_generator(hift: HiFTGenerator, kit_cases: dict[str, Any]) -> None:
+def test_make_source_is_reproducible_per_generator(kit_hift: HiFTGenerator, kit_cases: dict[str, Any]) -> None:
     f0 = kit_cases["hift"][0]["f0"]
     with torch.inference_mode():
-        first = hift.make_source(f0, torch.Generator().manual_seed(7))
-        second = hift.make_source(f0, torch.Generator().manual_seed(7))
-        other = hift.make_source(f0, torch.Generator().manual_seed(8))
-    assert first.shape == (f0.shape[0], 1, f0.shape[-1] * hift.config.hop) and first.dtype == torch.float32
+        first = kit_hift.make_source(f0, torch.Generator().manual_seed(7))
+        second = kit_hift.make_source(f0, torch.Generator().manual_seed(7))
+        other = kit_hift.make_source(f0, torch.Generator().manual_seed(8))
+    assert first.shape == (f0.shape[0], 1, f0.shape[-1] * kit_hift.config.hop) and first.dtype == torch.float32
     assert torch.equal(first, second) and not torch.equal(first, other)
     assert first.abs().max() <= 1  # tanh output
 
@@ -119,9 +115,9 @@ def test_snake_stays_finite_with_a_tiny_alpha_in_fp16() -> None:
 
 @pytest.mark.parametrize(("dtype", "max_relative_error"), [(torch.float16, 0.03), (torch.bfloat16, 0.15)])
 def test_low_precision_hift_is_finite_and_close_to_fp32(
-    hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]], dtype: torch.dtype, max_relative_error: float
+    kit_hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]], dtype: torch.dtype, max_relative_error: float
 ) -> None:
-    reference = copy.deepcopy(hift)
+    reference = copy.deepcopy(kit_hift)
     with torch.no_grad():  # a tiny alpha: 1/alpha overflows fp16, Snake must stay finite
         reference.resblocks[0].activations1[0].alpha[0] = 1e-6
         reference.source_resblocks[0].activations2[1].alpha[-1] = 1e-6
@@ -134,11 +130,11 @@ def test_low_precision_hift_is_finite_and_close_to_fp32(
         assert all(torch.isfinite(s).all() for s in low.inference([mel for mel, _ in mixed_inputs], [0] * len(mels)))
     assert speech.dtype == torch.float32 and torch.isfinite(speech).all()
     assert ((speech - expected).norm() / expected.norm()) <= max_relative_error
-    clamped = (speech.abs() >= hift.config.audio_limit).float().mean()
-    assert clamped <= (expected.abs() >= hift.config.audio_limit).float().mean() + 0.01  # no saturation
+    clamped = (speech.abs() >= kit_hift.config.audio_limit).float().mean()
+    assert clamped <= (expected.abs() >= kit_hift.config.audio_limit).float().mean() + 0.01  # no saturation
 
 
-def test_legacy_weight_norm_keys_load(conformance_kit: Path, hift: HiFTGenerator, hift_spec: ObjectSpec) -> None:
+def test_legacy_weight_norm_keys_load(conformance_kit: Path, kit_hift: HiFTGenerator, hift_spec: ObjectSpec) -> None:
     official = read_state_dict(conformance_kit / "model" / "hift.pt")
     legacy = {
         key.replace("parametrizations.weight.original0", "weight_g").replace(
@@ -165,10 +161,11 @@ def test_misshaped_or_incomplete_checkpoint_raises(
     incomplete = {k: v for k, v in official.items() if not k.startswith("f0_predictor.classifier")}
     with pytest.raises(CheckpointError, match=r"missing keys: f0_predictor\.classifier"):
         model.load_official_state(incomplete, "hift.pt")
-    shutil.copy(conformance_kit / "model" / "cosyvoice.yaml", tmp_path / "cosyvoice.yaml")
+    for name in ("cosyvoice.yaml", *CHECKPOINT_FILES):  # the kit's model dir, but for a mis-shaped hift.pt
+        shutil.copy(conformance_kit / "model" / name, tmp_path / name)
     torch.save(misshaped, tmp_path / "hift.pt")
     with pytest.raises(CheckpointError, match=r"hift\.pt"):
-        load_hift(tmp_path)
+        load_module(tmp_path, "hift")
 
 
 def test_config_from_the_kit_yaml(hift_spec: ObjectSpec) -> None:
@@ -224,21 +221,21 @@ def test_v2_shaped_hift_builds_and_batches(hift_spec: ObjectSpec) -> None:
     _assert_batched_decode_matches_alone(model, pairs)
 
 
-def test_invalid_inputs_raise(hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]]) -> None:
+def test_invalid_inputs_raise(kit_hift: HiFTGenerator, mixed_inputs: list[tuple[Tensor, Tensor]]) -> None:
     mel, source = mixed_inputs[0]
     with torch.inference_mode():
         with pytest.raises(InvalidInputError, match="source"):
-            hift.decode(mel[None], source[None, :, :-1])
+            kit_hift.decode(mel[None], source[None, :, :-1])
         with pytest.raises(InvalidInputError, match="lengths"):
-            hift.decode(mel[None], source[None], torch.tensor([mel.shape[-1] + 1]))
+            kit_hift.decode(mel[None], source[None], torch.tensor([mel.shape[-1] + 1]))
         with pytest.raises(InvalidInputError, match="mel"):
-            hift.predict_f0(mel[None, :-1])
+            kit_hift.predict_f0(mel[None, :-1])
         with pytest.raises(InvalidInputError, match="mel"):
-            hift.inference([mel[:, :0]])
+            kit_hift.inference([mel[:, :0]])
         with pytest.raises(InvalidInputError, match="seeds"):
-            hift.inference([mel], [1, 2])
+            kit_hift.inference([mel], [1, 2])
 
 
-def test_config_is_frozen(hift: HiFTGenerator) -> None:
+def test_config_is_frozen(kit_hift: HiFTGenerator) -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
-        hift.config.audio_limit = 1.0  # type: ignore[misc]
+        kit_hift.config.audio_limit = 1.0  # type: ignore[misc]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from test_parity_llm import build_kit_llm, case_text, kit_request, run_alone
+from test_parity_llm import case_text, kit_request, run_alone
 
 from engine.conformer import EncoderConfig, RelPositionEncoder
 from engine.errors import CheckpointError, InvalidInputError
@@ -17,11 +18,6 @@ from engine.sampling import SamplingOptions, make_generator, nucleus_sample, sam
 from engine.yaml_config import load_model_yaml
 
 BATCH_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def llm(conformance_kit: Path) -> TransformerLM:
-    return build_kit_llm(conformance_kit)
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +41,15 @@ def assert_same_decoding(got: list[TokenEvent], expected: list[TokenEvent], name
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=BATCH_ATOL, rtol=0, msg=f"{name} step {step}")
 
 
-def test_encode_text_padded_batch_equals_alone(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+def test_encode_text_padded_batch_equals_alone(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
     texts = [case_text(case)[0] for case in llm_cases]
     assert len({len(t) for t in texts}) > 1, "the kit's texts should have mixed lengths"
     lengths = torch.tensor([len(t) for t in texts])
     batch = torch.nn.utils.rnn.pad_sequence(texts, batch_first=True)
     with torch.inference_mode():
-        batched = llm.encode_text(batch, lengths)
+        batched = kit_llm.encode_text(batch, lengths)
         for row, text in enumerate(texts):
-            alone = llm.encode_text(text[None], lengths[row : row + 1])[0]
+            alone = kit_llm.encode_text(text[None], lengths[row : row + 1])[0]
             torch.testing.assert_close(batched[row, : len(text)], alone, atol=BATCH_ATOL, rtol=0)
 
 
@@ -83,25 +79,25 @@ def test_encoder_padding_and_incremental_decoding(causal: bool) -> None:
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=BATCH_ATOL, rtol=0)
 
 
-def test_batched_generation_equals_alone(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
-    requests = [kit_request(llm, case) for case in llm_cases]
-    assert len({len(llm.lm_input(r)) for r in requests}) > 1, "the kit's prefills should have mixed lengths"
-    generator = TokenGenerator(llm)
+def test_batched_generation_equals_alone(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+    requests = [kit_request(kit_llm, case) for case in llm_cases]
+    assert len({len(kit_llm.lm_input(r)) for r in requests}) > 1, "the kit's prefills should have mixed lengths"
+    generator = TokenGenerator(kit_llm)
     ids = [generator.add(r) for r in requests]
     assert generator.active == len(requests) and generator.batch_size == 0
     events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
     collect(generator, events)
     assert generator.batch_size == 0
     for case, request_id, request in zip(llm_cases, ids, requests, strict=True):
-        assert_same_decoding(events[request_id], run_alone(llm, request), case["name"])
-    assert [t.tolist() for t in llm.generate(requests)] == [c["out_tokens"].tolist() for c in llm_cases]
+        assert_same_decoding(events[request_id], run_alone(kit_llm, request), case["name"])
+    assert [t.tolist() for t in kit_llm.generate(requests)] == [c["out_tokens"].tolist() for c in llm_cases]
 
 
 @pytest.mark.parametrize("join_after", [1, 7])
-def test_requests_joining_mid_way(llm: TransformerLM, llm_cases: list[dict[str, Any]], join_after: int) -> None:
+def test_requests_joining_mid_way(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]], join_after: int) -> None:
     """The first case runs alone for a few steps, then the others join (their prefills may be longer or shorter)."""
-    requests = [kit_request(llm, case) for case in llm_cases]
-    generator = TokenGenerator(llm)
+    requests = [kit_request(kit_llm, case) for case in llm_cases]
+    generator = TokenGenerator(kit_llm)
     events: dict[int, list[TokenEvent]] = {}
     first = generator.add(requests[0])
     events[first] = []
@@ -112,12 +108,12 @@ def test_requests_joining_mid_way(llm: TransformerLM, llm_cases: list[dict[str, 
     events.update({i: [] for i in ids[1:]})
     collect(generator, events)
     for case, request_id, request in zip(llm_cases, ids, requests, strict=True):
-        assert_same_decoding(events[request_id], run_alone(llm, request), case["name"])
+        assert_same_decoding(events[request_id], run_alone(kit_llm, request), case["name"])
 
 
-def test_cancel_frees_the_slot(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
-    requests = [kit_request(llm, case) for case in llm_cases]
-    generator = TokenGenerator(llm)
+def test_cancel_frees_the_slot(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+    requests = [kit_request(kit_llm, case) for case in llm_cases]
+    generator = TokenGenerator(kit_llm)
     ids = [generator.add(r) for r in requests]
     events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
     for event in generator.step():
@@ -131,29 +127,29 @@ def test_cancel_frees_the_slot(llm: TransformerLM, llm_cases: list[dict[str, Any
     collect(generator, events)
     assert len(events[ids[0]]) == 1 and pending not in events
     for case, request_id, request in list(zip(llm_cases, ids, requests, strict=True))[1:]:
-        assert_same_decoding(events[request_id], run_alone(llm, request), case["name"])
+        assert_same_decoding(events[request_id], run_alone(kit_llm, request), case["name"])
     assert generator.step() == []
 
 
-def test_sampled_request_is_reproducible_in_any_batch(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+def test_sampled_request_is_reproducible_in_any_batch(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
     options = SamplingOptions(seed=1234, max_token_text_ratio=6.0)
-    request = kit_request(llm, llm_cases[0], options)
-    alone = llm.generate([request])[0]
-    others = [kit_request(llm, case, replace(options, seed=i)) for i, case in enumerate(llm_cases[1:])]
-    in_batch = llm.generate([*others, request])[-1]
+    request = kit_request(kit_llm, llm_cases[0], options)
+    alone = kit_llm.generate([request])[0]
+    others = [kit_request(kit_llm, case, replace(options, seed=i)) for i, case in enumerate(llm_cases[1:])]
+    in_batch = kit_llm.generate([*others, request])[-1]
     assert torch.equal(alone, in_batch) and len(alone) > 0
-    different_seed = llm.generate([replace(request, options=replace(options, seed=4321))])[0]
+    different_seed = kit_llm.generate([replace(request, options=replace(options, seed=4321))])[0]
     assert not torch.equal(alone, different_seed)
 
 
-def test_invalid_requests_are_rejected(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
-    request = kit_request(llm, llm_cases[0])
-    generator = TokenGenerator(llm)
+def test_invalid_requests_are_rejected(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+    request = kit_request(kit_llm, llm_cases[0])
+    generator = TokenGenerator(kit_llm)
     bad = [
         replace(request, text_len=0),
         replace(request, text_encoded=request.text_encoded[:, :-1]),
         replace(request, embedding=torch.ones(3)),
-        replace(request, prompt_speech_tokens=torch.tensor([llm.eos])),
+        replace(request, prompt_speech_tokens=torch.tensor([kit_llm.eos])),
         replace(request, options=SamplingOptions(min_token_text_ratio=0.0, max_token_text_ratio=0.1)),
     ]
     for candidate in bad:
@@ -161,15 +157,15 @@ def test_invalid_requests_are_rejected(llm: TransformerLM, llm_cases: list[dict[
             generator.add(candidate)
     assert generator.active == 0
     with pytest.raises(InvalidInputError):
-        llm.encode_text(torch.tensor([[llm.cfg.text_token_size]]), torch.tensor([1]))
+        kit_llm.encode_text(torch.tensor([[kit_llm.cfg.text_token_size]]), torch.tensor([1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_model_runs_and_stays_close(
-    conformance_kit: Path, llm_cases: list[dict[str, Any]], dtype: torch.dtype
+    kit_llm: TransformerLM, llm_cases: list[dict[str, Any]], dtype: torch.dtype
 ) -> None:
-    reference = build_kit_llm(conformance_kit)
-    low = build_kit_llm(conformance_kit).to(dtype)
+    reference = kit_llm
+    low = copy.deepcopy(kit_llm).to(dtype)
     assert low.llm.encoders[0].self_attn.linear_q.weight.dtype == dtype
     for case in llm_cases:
         text = case_text(case)
@@ -259,14 +255,14 @@ def test_invalid_sampling_options(bad: dict[str, Any]) -> None:
         SamplingOptions(**bad)
 
 
-def test_requests_without_options_use_the_yaml_sampler(conformance_kit: Path, llm: TransformerLM) -> None:
+def test_requests_without_options_use_the_yaml_sampler(conformance_kit: Path, kit_llm: TransformerLM) -> None:
     sampler = load_model_yaml(conformance_kit / "model" / "cosyvoice.yaml")["llm"]["sampling"]
     for key in ("top_p", "top_k", "win_size", "tau_r"):
-        assert getattr(llm.cfg.sampling, key) == sampler[key]
-    encoded = torch.zeros(3, llm.cfg.llm_input_size)
-    tokens = llm.generate([GenerationRequest(encoded, text_len=1)])[0]
-    assert 1 <= len(tokens) <= int(llm.cfg.sampling.max_token_text_ratio)
-    assert int(tokens.max()) < llm.eos
+        assert getattr(kit_llm.cfg.sampling, key) == sampler[key]
+    encoded = torch.zeros(3, kit_llm.cfg.llm_input_size)
+    tokens = kit_llm.generate([GenerationRequest(encoded, text_len=1)])[0]
+    assert 1 <= len(tokens) <= int(kit_llm.cfg.sampling.max_token_text_ratio)
+    assert int(tokens.max()) < kit_llm.eos
 
 
 @pytest.mark.parametrize(

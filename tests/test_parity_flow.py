@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
-from engine.checkpoint import load_strict, read_state_dict
-from engine.flow import FlowConfig, FlowRequest, MaskedDiffWithXvec, mel_frames
-from engine.yaml_config import load_model_yaml
+from engine.flow import FlowRequest, MaskedDiffWithXvec, mel_frames
 
 HIDDEN_ATOL = 5e-5  # the kit README's acceptance for hidden tensors
 FEAT_ATOL = 1e-4  # ... for the estimator output and the mel
 T_SPAN_ATOL = 1e-7  # the float64 re-run deviates by 6.8e-8
-
-
-@pytest.fixture(scope="module")
-def flow(conformance_kit: Path) -> MaskedDiffWithXvec:
-    model_dir = conformance_kit / "model"
-    module = MaskedDiffWithXvec(FlowConfig.from_yaml(load_model_yaml(model_dir / "cosyvoice.yaml")["flow"]))
-    load_strict(module, read_state_dict(model_dir / "flow.pt"), model_dir / "flow.pt")
-    return module.eval()
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +38,13 @@ def assert_close(actual: Tensor, expected: Tensor, atol: float, what: str) -> No
     assert error <= atol, f"{what}: max abs error {error:.3g} > {atol}"
 
 
-def test_conditioning_matches(flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
+def test_conditioning_matches(kit_flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
     for case in flow_cases:
         name = case["name"]
-        conditioning = flow.prepare([request_of(case)])
+        conditioning = kit_flow.prepare([request_of(case)])
         assert conditioning.prompt_frames == [case["mel_len1"]], name
         assert conditioning.mel_lengths == [case["mel_len1"] + case["mel_len2"]], name
-        assert mel_frames(case["token"].shape[1], flow.config.input_frame_rate) == case["mel_len2"], name
+        assert mel_frames(case["token"].shape[1], kit_flow.config.input_frame_rate) == case["mel_len2"], name
         assert_close(conditioning.encoder_out, case["encoder_out"], HIDDEN_ATOL, f"{name} encoder_out")
         assert_close(conditioning.encoder_proj_out, case["encoder_proj_out"], HIDDEN_ATOL, f"{name} encoder_proj_out")
         assert_close(conditioning.mu, case["mu"], HIDDEN_ATOL, f"{name} mu")
@@ -64,27 +53,29 @@ def test_conditioning_matches(flow: MaskedDiffWithXvec, flow_cases: list[dict[st
         assert torch.equal(conditioning.mask, case["mask"]), name
 
 
-def test_time_span_matches(flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
+def test_time_span_matches(kit_flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
     for case in flow_cases:
-        assert_close(flow.decoder.time_span(case["n_timesteps"]), case["t_span"], T_SPAN_ATOL, f"{case['name']} t_span")
+        assert_close(
+            kit_flow.decoder.time_span(case["n_timesteps"]), case["t_span"], T_SPAN_ATOL, f"{case['name']} t_span"
+        )
 
 
-def test_estimator_step0_matches(flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
+def test_estimator_step0_matches(kit_flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
     for case in flow_cases:
         inputs = [case[f"est_in_{k}"] for k in ("x", "mask", "mu", "t", "spks", "cond")]
         with torch.inference_mode():
-            velocity = flow.decoder.estimator(*inputs)
+            velocity = kit_flow.decoder.estimator(*inputs)
         assert_close(velocity, case["est_out_step0"], FEAT_ATOL, f"{case['name']} est_out_step0")
 
 
 def test_cfm_feeds_the_estimator_the_official_cfg_batch(
-    flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]
+    kit_flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]
 ) -> None:
     for case in flow_cases:
         calls: list[tuple[Tensor, ...]] = []
-        hook = flow.decoder.estimator.register_forward_pre_hook(lambda _, args, calls=calls: calls.append(args))
+        hook = kit_flow.decoder.estimator.register_forward_pre_hook(lambda _, args, calls=calls: calls.append(args))
         try:
-            flow.inference([request_of(case)], n_timesteps=case["n_timesteps"])
+            kit_flow.inference([request_of(case)], n_timesteps=case["n_timesteps"])
         finally:
             hook.remove()
         assert len(calls) == case["num_estimator_calls"], case["name"]
@@ -92,15 +83,15 @@ def test_cfm_feeds_the_estimator_the_official_cfg_batch(
             assert_close(value, case[f"est_in_{field}"], HIDDEN_ATOL, f"{case['name']} est_in_{field}")
 
 
-def test_feat_matches(flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
+def test_feat_matches(kit_flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
     for case in flow_cases:
-        (feat,) = flow.inference([request_of(case)], n_timesteps=case["n_timesteps"])
+        (feat,) = kit_flow.inference([request_of(case)], n_timesteps=case["n_timesteps"])
         assert feat.dtype == torch.float32
         assert_close(feat, case["feat"][0], FEAT_ATOL, f"{case['name']} feat")
 
 
-def test_flow_cache_matches(flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
+def test_flow_cache_matches(kit_flow: MaskedDiffWithXvec, flow_cases: list[dict[str, Any]]) -> None:
     for case in flow_cases:
         request = request_of(case)
-        (cache,) = flow.prepare([request]).flow_cache([request.noise])
+        (cache,) = kit_flow.prepare([request]).flow_cache([request.noise])
         assert_close(cache, case["flow_cache_out"][0], HIDDEN_ATOL, f"{case['name']} flow_cache_out")

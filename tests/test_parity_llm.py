@@ -10,21 +10,13 @@ import torch
 
 from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
-from engine.llm import GenerationRequest, LLMConfig, TokenEvent, TokenGenerator, TransformerLM
+from engine.llm import GenerationRequest, TokenEvent, TokenGenerator, TransformerLM
+from engine.loader import ModelConfig
 from engine.sampling import SamplingOptions
-from engine.yaml_config import load_model_yaml
 
 HIDDEN_ATOL = 5e-5
 TOP5_ATOL = 1e-4
 RAW_LOGP_ATOL = 2e-4
-
-
-def build_kit_llm(kit: Path) -> TransformerLM:
-    """The kit's LLM, built from its yaml and loaded strictly from llm.pt."""
-    config = LLMConfig.from_yaml(load_model_yaml(kit / "model" / "cosyvoice.yaml")["llm"])
-    model = TransformerLM(config)
-    load_strict(model, read_state_dict(kit / "model" / "llm.pt"), kit / "model" / "llm.pt")
-    return model.eval().requires_grad_(False)
 
 
 def case_text(case: dict[str, Any]) -> torch.Tensor:
@@ -64,53 +56,48 @@ def run_alone(model: TransformerLM, request: GenerationRequest) -> list[TokenEve
 
 
 @pytest.fixture(scope="module")
-def llm(conformance_kit: Path) -> TransformerLM:
-    return build_kit_llm(conformance_kit)
-
-
-@pytest.fixture(scope="module")
 def llm_cases(kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     cases = kit_cases["llm"]
     assert cases, "the kit has no llm cases"
     return cases
 
 
-def test_text_encoder_out(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+def test_text_encoder_out(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
     for case in llm_cases:
         text = case_text(case)
         with torch.inference_mode():
-            out = llm.encode_text(text, torch.tensor([text.shape[1]]))
+            out = kit_llm.encode_text(text, torch.tensor([text.shape[1]]))
         reference = case["text_encoder_out"]
         assert out.shape == reference.shape, case["name"]
         torch.testing.assert_close(out, reference, atol=HIDDEN_ATOL, rtol=0, msg=case["name"])
 
 
-def test_lm_input_prefill(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+def test_lm_input_prefill(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
     for case in llm_cases:
         with torch.inference_mode():
-            lm_input = llm.lm_input(kit_request(llm, case))
+            lm_input = kit_llm.lm_input(kit_request(kit_llm, case))
         reference = case["lm_input_prefill"][0]
         assert lm_input.shape == reference.shape, case["name"]
         torch.testing.assert_close(lm_input, reference, atol=HIDDEN_ATOL, rtol=0, msg=case["name"])
 
 
-def test_greedy_decoding_step_by_step(llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+def test_greedy_decoding_step_by_step(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
     for case in llm_cases:
         name = case["name"]
-        request = kit_request(llm, case)
+        request = kit_request(kit_llm, case)
         assert int(request.text_len * request.options.min_token_text_ratio) == case["min_len"], name
         assert int(request.text_len * request.options.max_token_text_ratio) == case["max_len"], name
-        events = run_alone(llm, request)
+        events = run_alone(kit_llm, request)
         assert len(events) == case["num_steps"], name
         tokens = [e.token for e in events if e.token is not None]
         assert torch.equal(torch.tensor(tokens, dtype=torch.long), case["out_tokens"]), name
         assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1), name
         assert events[-1].finish_reason == case["stop_reason"], name
         if case["stop_reason"] == "eos":
-            assert events[-1].token is None and case["stop_token"] == llm.eos, name
+            assert events[-1].token is None and case["stop_token"] == kit_llm.eos, name
 
         scores = torch.stack([e.logprobs for e in events])  # what the sampler saw, per step
-        masked = torch.isinf(scores[:, llm.eos])
+        masked = torch.isinf(scores[:, kit_llm.eos])
         assert torch.equal(masked, case["step_eos_masked"].bool()), name
         top5 = scores.topk(5, dim=-1).values
         torch.testing.assert_close(top5, case["step_top5_logp"], atol=TOP5_ATOL, rtol=0, msg=name)
@@ -135,7 +122,7 @@ def test_checkpoint_mismatch_names_the_key(conformance_kit: Path, damage: str) -
         state[key] = torch.zeros(1)
     else:
         state[key] = torch.zeros(state[key].shape[0] + 1, state[key].shape[1])
-    model = TransformerLM(LLMConfig.from_yaml(load_model_yaml(conformance_kit / "model" / "cosyvoice.yaml")["llm"]))
+    model = TransformerLM(ModelConfig.from_yaml_file(conformance_kit / "model" / "cosyvoice.yaml").llm)
     with pytest.raises(CheckpointError, match=key.replace(".", r"\.")) as error:
         load_strict(model, state, path)
     assert damage.replace("misshaped", "mis-shaped") in str(error.value)
