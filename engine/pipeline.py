@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import InvalidInputError, NonFiniteOutputError
 from engine.flow import FlowRequest
@@ -98,33 +99,30 @@ class TextEncoderStage:
         if request.instruct_text is not None:
             prompt_tokens = frontend.tokenize(frontend.normalize(request.instruct_text) + INSTRUCT_SUFFIX)
         sentences = frontend.segment_tokens(request.text)
-        segments = []
-        for index, tokens in enumerate(sentences):
-            encoded = self._encode_tokens(prompt_tokens + tokens)
-            segments.append(
-                EncodedSegment(
-                    text_encoded=encoded,
-                    text_len=len(tokens),
-                    llm_embedding=None if request.instruct_text is not None else speaker,
-                    flow_embedding=speaker,
-                    prompt_speech_tokens=np.zeros(0, dtype=np.int64),
-                    prompt_feat=np.zeros((0, self.model.config.mel_bins), dtype=np.float32),
-                    sampling=replace(request.sampling, seed=request.sampling.seed + index),
-                    speed=request.speed,
-                    segment_index=index,
-                    num_segments=len(sentences),
-                )
+        encoded = self._encode_batch([prompt_tokens + tokens for tokens in sentences])
+        return [
+            EncodedSegment(
+                text_encoded=text_encoded,
+                text_len=len(tokens),
+                llm_embedding=None if request.instruct_text is not None else speaker,
+                flow_embedding=speaker,
+                prompt_speech_tokens=np.zeros(0, dtype=np.int64),
+                prompt_feat=np.zeros((0, self.model.config.mel_bins), dtype=np.float32),
+                sampling=replace(request.sampling, seed=request.sampling.seed + index),
+                speed=request.speed,
+                segment_index=index,
+                num_segments=len(sentences),
             )
-        return segments
+            for index, (tokens, text_encoded) in enumerate(zip(sentences, encoded, strict=True))
+        ]
 
-    def _encode_tokens(self, tokens: list[int]) -> np.ndarray:
-        vocab = self.model.config.llm.text_token_size
-        if max(tokens) >= vocab:
-            raise InvalidInputError(f"the text has tokens outside this model's text vocabulary ({vocab})")
-        llm = self.model.text_llm
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.text_device)
-        encoded = llm.encode_text(ids, torch.tensor([len(tokens)], device=ids.device))
-        return encoded[0].float().cpu().numpy()
+    def _encode_batch(self, token_lists: list[list[int]]) -> list[np.ndarray]:
+        """All sentences through the text encoder as one padded batch -> [T_i, D] float32 each."""
+        device = self.model.text_device
+        lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+        ids = pad_sequence([torch.tensor(tokens, dtype=torch.long) for tokens in token_lists], batch_first=True)
+        encoded = self.model.text_llm.encode_text(ids.to(device), lengths).float().cpu().numpy()
+        return [encoded[i, :length] for i, length in enumerate(lengths.tolist())]
 
 
 class SpeechDecoderStage:
