@@ -5,11 +5,14 @@
 - Decoder side: `TokenGenerator` decodes speech tokens from already-encoded text with a KV cache, batched and
   step-wise, so requests can join and leave between steps (continuous batching); `TransformerLM.generate` runs
   a list of requests to completion on top of it.
+
+The generator drives any `SpeechTokenLM`: this v1 model and the CosyVoice2 `Qwen2LM` (engine/qwen2_llm.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,16 +56,6 @@ class LLMConfig:
             raise CheckpointError(f"llm output_size {llm.output_size} disagrees with llm_output_size")
         if not llm.causal:
             raise CheckpointError("the TransformerLM backbone must be causal (static_chunk_size: 1)")
-        sampler = spec.get("sampling")
-        sampling = SamplingOptions()
-        if isinstance(sampler, ObjectSpec):
-            if sampler.class_name != "ras_sampling":
-                raise CheckpointError(f"llm sampling {sampler.target!r} is not supported; only ras_sampling")
-            keys = ("top_p", "top_k", "win_size", "tau_r")
-            try:
-                sampling = replace(sampling, **{k: sampler[k] for k in keys if k in sampler.kwargs})
-            except InvalidInputError as exc:
-                raise CheckpointError(f"llm sampling config: {exc.message}") from exc
         return cls(
             text_encoder_input_size=int(spec["text_encoder_input_size"]),
             llm_input_size=int(spec["llm_input_size"]),
@@ -72,8 +65,22 @@ class LLMConfig:
             spk_embed_dim=int(spec.get("spk_embed_dim", 192)),
             text_encoder=text_encoder,
             llm=llm,
-            sampling=sampling,
+            sampling=sampling_from_yaml(spec.get("sampling")),
         )
+
+
+def sampling_from_yaml(sampler: object) -> SamplingOptions:
+    """The llm node's `sampling` (a `ras_sampling` partial) as the default options; the defaults when absent."""
+    sampling = SamplingOptions()
+    if isinstance(sampler, ObjectSpec):
+        if sampler.class_name != "ras_sampling":
+            raise CheckpointError(f"llm sampling {sampler.target!r} is not supported; only ras_sampling")
+        keys = ("top_p", "top_k", "win_size", "tau_r")
+        try:
+            sampling = replace(sampling, **{k: sampler[k] for k in keys if k in sampler.kwargs})
+        except InvalidInputError as exc:
+            raise CheckpointError(f"llm sampling config: {exc.message}") from exc
+    return sampling
 
 
 @dataclass
@@ -92,9 +99,39 @@ class TokenEvent:
     """What one `TokenGenerator.step` produced for one request."""
 
     request_id: int
-    token: int | None  # None when the request stopped on EOS (EOS itself is never yielded)
+    token: int | None  # None when the request stopped on a stop token (EOS or above; never yielded)
     finish_reason: str | None  # "eos" or "max_len" when this was the request's last step, else None
-    logprobs: Tensor  # [speech_token_size + 1] fp32: the scores sampled from (log-softmax, EOS -inf before min_len)
+    logprobs: Tensor  # [llm_decoder outputs] fp32: the scores sampled from (log-softmax, EOS -inf before min_len)
+
+
+class DecodingConfig(Protocol):
+    llm_input_size: int
+    sampling: SamplingOptions  # the default of requests that bring no options
+
+
+class IncrementalBackbone(Protocol):
+    def new_cache(self, batch: int, device: torch.device | str = "cpu") -> KVCache: ...
+
+    def forward_incremental(self, x: Tensor, valid: Tensor, cache: KVCache) -> Tensor: ...
+
+
+class SpeechTokenLM(Protocol):
+    """What `TokenGenerator` needs of a speech-token LM (`TransformerLM`, `Qwen2LM`)."""
+
+    cfg: DecodingConfig
+    llm: IncrementalBackbone
+    speech_embedding: nn.Embedding  # the next step's input is the embedding of the token just sampled
+    llm_decoder: nn.Module
+
+    @property
+    def eos(self) -> int:
+        """The EOS id (= speech_token_size); every sampled id >= eos stops the request."""
+
+    @property
+    def speaker_embed_dim(self) -> int | None:
+        """Size of the speaker embedding the LM takes; None when it takes none (a given one is ignored)."""
+
+    def lm_input(self, request: GenerationRequest) -> Tensor: ...
 
 
 class TransformerLM(nn.Module):
@@ -115,6 +152,10 @@ class TransformerLM(nn.Module):
     @property
     def eos(self) -> int:
         return self.cfg.speech_token_size
+
+    @property
+    def speaker_embed_dim(self) -> int | None:
+        return self.cfg.spk_embed_dim
 
     def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size]."""
@@ -138,14 +179,19 @@ class TransformerLM(nn.Module):
 
     def generate(self, requests: list[GenerationRequest]) -> list[Tensor]:
         """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""
-        generator = TokenGenerator(self)
-        ids = [generator.add(request) for request in requests]
-        tokens: dict[int, list[int]] = {i: [] for i in ids}
-        while generator.active:
-            for event in generator.step():
-                if event.token is not None:
-                    tokens[event.request_id].append(event.token)
-        return [torch.tensor(tokens[i], dtype=torch.long) for i in ids]
+        return generate_tokens(self, requests)
+
+
+def generate_tokens(model: SpeechTokenLM, requests: list[GenerationRequest]) -> list[Tensor]:
+    """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""
+    generator = TokenGenerator(model)
+    ids = [generator.add(request) for request in requests]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while generator.active:
+        for event in generator.step():
+            if event.token is not None:
+                tokens[event.request_id].append(event.token)
+    return [torch.tensor(tokens[i], dtype=torch.long) for i in ids]
 
 
 @dataclass
@@ -167,7 +213,7 @@ class TokenGenerator:
     generator, on the same log-probabilities it would get alone (up to float rounding).
     """
 
-    def __init__(self, model: TransformerLM) -> None:
+    def __init__(self, model: SpeechTokenLM) -> None:
         self.model = model
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # row i of the cache is self._running[i]
@@ -192,8 +238,9 @@ class TokenGenerator:
             raise InvalidInputError(f"text_encoded must be [T >= 1, {cfg.llm_input_size}], got {tuple(encoded.shape)}")
         if isinstance(text_len, bool) or not isinstance(text_len, int) or not 1 <= text_len <= len(encoded):
             raise InvalidInputError(f"text_len must be an integer in [1, {len(encoded)}], got {text_len!r}")
-        if request.embedding is not None and request.embedding.numel() not in (0, cfg.spk_embed_dim):
-            raise InvalidInputError(f"the speaker embedding must have {cfg.spk_embed_dim} values")
+        embed_dim = self.model.speaker_embed_dim
+        if embed_dim is not None and request.embedding is not None and request.embedding.numel() not in (0, embed_dim):
+            raise InvalidInputError(f"the speaker embedding must have {embed_dim} values")
         prompt = request.prompt_speech_tokens
         if prompt is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < self.model.eos:
             raise InvalidInputError(f"prompt speech tokens must be in [0, {self.model.eos})")
@@ -249,7 +296,7 @@ class TokenGenerator:
             if len(sequence.tokens) < sequence.min_len:
                 scores[model.eos] = float("-inf")
             token = sample_token(scores, sequence.tokens, sequence.options, sequence.generator)
-            if token == model.eos:
+            if token >= model.eos:
                 events.append(TokenEvent(sequence.request_id, None, "eos", scores))
                 continue
             sequence.tokens.append(token)

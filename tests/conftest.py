@@ -1,7 +1,7 @@
 """Shared fixtures: the conformance kit (overridable through COSYVOICE_CONFORMANCE_KIT) and its modules.
 
-`kit_llm`, `kit_flow` and `kit_hift` are built once per session: a test that changes a module (dtype, weights,
-attributes) must work on a `copy.deepcopy` of it.
+`kit_llm`, `kit_flow`, `kit_hift` (and the CosyVoice2 `kit_qwen2_llm`) are built once per session: a test that
+changes a module (dtype, weights, attributes) must work on a `copy.deepcopy` of it.
 """
 
 from __future__ import annotations
@@ -13,13 +13,18 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from engine.checkpoint import load_strict, read_state_dict
 from engine.flow import MaskedDiffWithXvec
 from engine.hift import HiFTGenerator
 from engine.llm import TransformerLM
 from engine.loader import load_module
+from engine.qwen2_llm import Qwen2LM, Qwen2LMConfig
+from engine.yaml_config import load_model_yaml
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEFAULT_KIT = FIXTURES / "cosyvoice1-tiny"
+DEFAULT_V2_KIT = FIXTURES / "cosyvoice2-tiny"
+KIT_YAMLS = {1: "cosyvoice.yaml", 2: "cosyvoice2.yaml"}  # the model yaml names the CosyVoice version
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
@@ -28,11 +33,46 @@ def kit_dir() -> Path:
     return Path(os.environ.get("COSYVOICE_CONFORMANCE_KIT", DEFAULT_KIT))
 
 
+def kit_model_version(path: Path) -> int | None:
+    """1 or 2: the CosyVoice version of the kit at `path`, from its model yaml's name; None if neither is there."""
+    found = [version for version, name in KIT_YAMLS.items() if (path / "model" / name).is_file()]
+    return found[0] if len(found) == 1 else None
+
+
+@pytest.fixture(scope="session")
+def v2_kit() -> Path:
+    """The CosyVoice2 kit: $COSYVOICE_CONFORMANCE_KIT when that is a v2 kit, else (unset) the v2 copy in
+    tests/fixtures, so a default run checks both versions. A v1 kit in the variable skips the v2 tests."""
+    path = Path(os.environ.get("COSYVOICE_CONFORMANCE_KIT", DEFAULT_V2_KIT))
+    if not (path / "cases.pt").is_file() or not (path / "model").is_dir():
+        pytest.fail(f"conformance kit {path} has no cases.pt or model/ directory")
+    if kit_model_version(path) != 2:
+        pytest.skip(f"conformance kit {path} is not a CosyVoice2 kit (no model/{KIT_YAMLS[2]})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def v2_kit_cases(v2_kit: Path) -> dict[str, list[dict[str, Any]]]:
+    return torch.load(v2_kit / "cases.pt", weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def kit_qwen2_llm(v2_kit: Path) -> Qwen2LM:
+    """The v2 kit's LLM, built from its yaml and Qwen2 config.json, strictly loaded from llm.pt, in eval mode."""
+    model_dir = v2_kit / "model"
+    model = Qwen2LM(Qwen2LMConfig.from_yaml(load_model_yaml(model_dir / KIT_YAMLS[2])["llm"], model_dir))
+    load_strict(model, read_state_dict(model_dir / "llm.pt"), model_dir / "llm.pt")
+    return model.eval().requires_grad_(False)
+
+
 @pytest.fixture(scope="session")
 def conformance_kit() -> Path:
+    """The CosyVoice v1 kit under test; a CosyVoice2 kit in the variable skips the v1 tests."""
     path = kit_dir()
     if not (path / "cases.pt").is_file() or not (path / "model").is_dir():
         pytest.fail(f"conformance kit {path} has no cases.pt or model/ directory")
+    if kit_model_version(path) != 1:
+        pytest.skip(f"conformance kit {path} is not a CosyVoice v1 kit (no model/{KIT_YAMLS[1]})")
     return path
 
 
