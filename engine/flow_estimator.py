@@ -3,7 +3,8 @@
 ResNet1D blocks and diffusers-style transformer blocks at each resolution, downsampled by 2 per level,
 with skip connections. Everything is masked so that a request inside a padded batch sees exactly what it
 would see alone: convolutions read zeros past its length, group norms average over its frames only, and
-attention ignores padded keys. Module names reproduce the official `decoder.estimator.*` keys.
+attention ignores padded keys. A batch without padding (every batch of one) passes `None` for the masks
+and skips all of that work. Module names reproduce the official `decoder.estimator.*` keys.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError
-from engine.layers import Conv1d, ConvTranspose1d, GroupNorm, LayerNorm, Linear, softmax_fp32
+from engine.layers import Conv1d, ConvTranspose1d, GroupNorm, LayerNorm, Linear
 from engine.yaml_config import ObjectSpec
 
 _TIME_SCALE = 1000.0  # Matcha's SinusoidalPosEmb multiplies t in [0, 1] by this
@@ -54,11 +55,18 @@ class EstimatorConfig:
         )
 
 
+def apply_mask(x: Tensor, mask: Tensor | None) -> Tensor:
+    """x * mask; `None` stands for a batch without padding, where the product would only copy x."""
+    return x if mask is None else x * mask
+
+
 class MaskedGroupNorm(GroupNorm):
     """GroupNorm whose statistics cover only the valid frames, so padding does not leak into them."""
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x: [B, C, T], mask: [B, 1, T] (1 = valid) -> [B, C, T], computed in fp32."""
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """x: [B, C, T], mask: [B, 1, T] (1 = valid) or None (all valid) -> [B, C, T], computed in fp32."""
+        if mask is None:
+            return super().forward(x)  # one fused pass instead of the weighted sums below
         batch, channels, frames = x.shape
         grouped = x.float().reshape(batch, self.num_groups, -1, frames)
         weights = mask.float().reshape(batch, 1, 1, frames)
@@ -77,10 +85,10 @@ class Block1D(nn.Module):
             Conv1d(dim, dim_out, 3, padding=1), MaskedGroupNorm(_RESNET_GROUPS, dim_out), nn.Mish()
         )
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x: [B, dim, T], mask: [B, 1, T] -> [B, dim_out, T], zero on padded frames."""
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """x: [B, dim, T], mask: [B, 1, T] or None -> [B, dim_out, T], zero on padded frames."""
         conv, norm, act = self.block
-        return act(norm(conv(x * mask), mask)) * mask
+        return apply_mask(act(norm(conv(apply_mask(x, mask)), mask)), mask)
 
 
 class ResnetBlock1D(nn.Module):
@@ -91,10 +99,10 @@ class ResnetBlock1D(nn.Module):
         self.block2 = Block1D(dim_out, dim_out)
         self.res_conv = Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, time_emb: Tensor) -> Tensor:
-        """x: [B, dim, T], mask: [B, 1, T], time_emb: [B, time_emb_dim] -> [B, dim_out, T]."""
+    def forward(self, x: Tensor, mask: Tensor | None, time_emb: Tensor) -> Tensor:
+        """x: [B, dim, T], mask: [B, 1, T] or None, time_emb: [B, time_emb_dim] -> [B, dim_out, T]."""
         h = self.block1(x, mask) + self.mlp(time_emb).unsqueeze(-1)
-        return self.block2(h, mask) + self.res_conv(x * mask)
+        return self.block2(h, mask) + self.res_conv(apply_mask(x, mask))
 
 
 class Attention(nn.Module):
@@ -110,18 +118,18 @@ class Attention(nn.Module):
         self.to_v = Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([Linear(inner, dim)])  # diffusers keeps a dropout at index 1
 
-    def forward(self, x: Tensor, key_bias: Tensor) -> Tensor:
-        """x: [B, T, dim], key_bias: [B, 1, 1, T] fp32 additive bias -> [B, T, dim]."""
+    def forward(self, x: Tensor, key_bias: Tensor | None) -> Tensor:
+        """x: [B, T, dim], key_bias: [B, 1, 1, T] fp32 additive bias or None (no padding) -> [B, T, dim]."""
         batch, frames, _ = x.shape
-
-        def heads(projection: Linear) -> Tensor:
-            return projection(x).view(batch, frames, self.num_heads, self.head_dim).transpose(1, 2)
-
-        q = heads(self.to_q) * self.head_dim**-0.5  # scale before the product so fp16 scores stay small
-        k, v = heads(self.to_k), heads(self.to_v)
-        weights = softmax_fp32(torch.matmul(q, k.transpose(-1, -2)).float() + key_bias).type(v.dtype)
-        out = torch.matmul(weights, v).transpose(1, 2).reshape(batch, frames, -1)
-        return self.to_out[0](out)
+        q, k, v = (
+            projection(x).view(batch, frames, self.num_heads, self.head_dim).transpose(1, 2)
+            for projection in (self.to_q, self.to_k, self.to_v)
+        )
+        # The fused CPU kernel reads the strided heads in place and accumulates scores and softmax in fp32
+        # (finite and at least as accurate as an fp32 softmax over fp16 scores); its output is laid out
+        # [B, T, heads, head_dim], so merging the heads back is a view.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias)
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, frames, -1))
 
 
 class GELUProjection(nn.Module):
@@ -154,8 +162,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, key_bias: Tensor) -> Tensor:
-        """x: [B, T, dim], key_bias: [B, 1, 1, T] -> [B, T, dim]."""
+    def forward(self, x: Tensor, key_bias: Tensor | None) -> Tensor:
+        """x: [B, T, dim], key_bias: [B, 1, 1, T] or None -> [B, T, dim]."""
         x = x + self.attn1(self.norm1(x), key_bias)
         return x + self.ff(self.norm3(x))
 
@@ -209,17 +217,19 @@ class UNetLevel(nn.ModuleList):
         stage = [ResnetBlock1D(dim, dim_out, _time_embed_dim(config)), nn.ModuleList(blocks)]
         super().__init__(stage if resample is None else [*stage, resample])
 
-    def forward(self, x: Tensor, mask: Tensor, key_bias: Tensor, time_emb: Tensor) -> Tensor:
-        """x: [B, dim, T], mask: [B, 1, T], key_bias: [B, 1, 1, T] -> [B, dim_out, T] (before resampling)."""
+    def forward(self, x: Tensor, mask: Tensor | None, key_bias: Tensor | None, time_emb: Tensor) -> Tensor:
+        """x: [B, dim, T], mask: [B, 1, T], key_bias: [B, 1, 1, T] (both None without padding)
+        -> [B, dim_out, T] (before resampling)."""
         resnet, blocks = self[0], self[1]
-        x = resnet(x, mask, time_emb).transpose(1, 2)
+        # one copy into the [B, T, C] layout here, rather than one inside every norm and projection below
+        x = resnet(x, mask, time_emb).transpose(1, 2).contiguous()
         for block in blocks:
             x = block(x, key_bias)
         return x.transpose(1, 2)
 
-    def resample(self, x: Tensor, mask: Tensor) -> Tensor:
+    def resample(self, x: Tensor, mask: Tensor | None) -> Tensor:
         """x: [B, dim_out, T] -> the next resolution (padded frames zeroed first, as zero padding)."""
-        return self[2](x * mask)
+        return self[2](apply_mask(x, mask))
 
 
 def _time_embed_dim(config: EstimatorConfig) -> int:
@@ -263,10 +273,15 @@ class ConditionalDecoder(nn.Module):
         x = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1)
 
         # per-resolution masks and attention biases, built once and shared by all blocks of a level
-        masks = [mask]
-        for _ in self.config.channels[1:]:
-            masks.append(masks[-1][:, :, ::2])
-        key_biases = [((1.0 - m.float()) * _MASK_BIAS).unsqueeze(1) for m in masks]
+        levels = len(self.config.channels)
+        masks: list[Tensor | None] = [None] * levels
+        key_biases: list[Tensor | None] = [None] * levels
+        if not bool(mask.all()):
+            padded = [mask]
+            for _ in range(1, levels):
+                padded.append(padded[-1][:, :, ::2])
+            masks = list(padded)
+            key_biases = [((1.0 - m.float()) * _MASK_BIAS).unsqueeze(1) for m in padded]
 
         skips = []
         for level, down in enumerate(self.down_blocks):
@@ -283,5 +298,5 @@ class ConditionalDecoder(nn.Module):
             x = up(x, masks[level], key_biases[level], time_emb)
             x = up.resample(x, masks[level])
 
-        x = self.final_block(x, mask)
-        return self.final_proj(x * mask) * mask
+        x = self.final_block(x, masks[0])
+        return apply_mask(self.final_proj(apply_mask(x, masks[0])), masks[0])

@@ -16,6 +16,7 @@ from torch import Tensor
 from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError, InvalidInputError
 from engine.flow import FlowConfig, FlowRequest, MaskedDiffWithXvec
+from engine.flow_estimator import MaskedGroupNorm
 from engine.yaml_config import ObjectSpec, load_model_yaml
 
 BATCH_ATOL = 1e-4  # a request inside a padded batch vs alone, fp32
@@ -150,3 +151,30 @@ def test_invalid_requests_raise_invalid_input_error(kit_flow: MaskedDiffWithXvec
         with pytest.raises(InvalidInputError):
             kit_flow.inference([request])
     assert kit_flow.inference([]) == []
+
+
+def test_unpadded_fast_path_equals_the_masked_path(kit_flow: MaskedDiffWithXvec, kit_cases: dict[str, Any]) -> None:
+    # an all-valid mask skips masking (mask None, F.group_norm, unbiased attention); the same frames followed by
+    # masked padding take the masked path, and the valid frames must not notice the difference
+    estimator = kit_flow.decoder.estimator
+    x, mask, mu, t, spks, cond = (kit_cases["flow"][0][f"est_in_{k}"] for k in ("x", "mask", "mu", "t", "spks", "cond"))
+    assert mask.all()
+    frames, extra = x.shape[-1], 7
+
+    def padded(tensor: Tensor) -> Tensor:
+        return torch.nn.functional.pad(tensor, (0, extra))
+
+    with torch.inference_mode():
+        fast = estimator(x, mask, mu, t, spks, cond)
+        masked = estimator(padded(x), padded(mask), padded(mu), t, spks, padded(cond))
+    assert max_error(masked[..., :frames], fast) <= BATCH_ATOL
+    assert masked[..., frames:].abs().max() == 0
+
+
+def test_masked_group_norm_without_padding_equals_full_mask() -> None:
+    norm = MaskedGroupNorm(4, 16)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(2, 16, 9)
+    assert max_error(norm(x, None), norm(x, torch.ones(2, 1, 9))) <= 1e-5
