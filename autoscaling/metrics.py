@@ -8,8 +8,9 @@ to the policy as `ctx.aggregated_metrics[name][replica_id]`. Both sides import t
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 UTILIZATION = "utilization"
 """Fraction 0..1 of the last window the accelerator was busy: NVML GPU utilization where a GPU
@@ -31,7 +32,10 @@ METRIC_NAMES: tuple[str, ...] = (UTILIZATION, QUEUE_DEPTH, ONGOING_REQUESTS, BAT
 
 
 class GpuProbe:
-    """Reads GPU utilization (NVML) and memory fraction (torch) for one device; unavailable on CPU."""
+    """Reads GPU utilization (NVML) and memory (torch) for one device.
+
+    `available` says whether NVML answers; memory is read through torch whenever CUDA is there.
+    """
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index
@@ -53,13 +57,21 @@ class GpuProbe:
         """NVML's utilization over its last sample period (1/6 s to 1 s), as a fraction."""
         return self._pynvml.nvmlDeviceGetUtilizationRates(self._nvml_handle).gpu / 100.0
 
+    def memory_bytes(self) -> tuple[int, int]:
+        """(allocated, reserved) bytes of torch's caching allocator on the device; (0, 0) without CUDA."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0, 0
+        return torch.cuda.memory_allocated(self.device_index), torch.cuda.memory_reserved(self.device_index)
+
     def memory_fraction(self) -> float:
         import torch
 
         if not torch.cuda.is_available():
             return 0.0
         total = torch.cuda.get_device_properties(self.device_index).total_memory
-        return torch.cuda.memory_allocated(self.device_index) / total
+        return self.memory_bytes()[0] / total
 
 
 class ReplicaLoadTracker:
@@ -67,7 +79,9 @@ class ReplicaLoadTracker:
 
     Call `request_accepted()` when a request enters the replica, `batch_started(n)` when n waiting
     requests enter a batch, `batch_finished()` when that batch ends and `request_finished()` when a
-    request leaves. Busy time is the union of running batches, measured over `window_s`.
+    request leaves. A replica whose batches are not busy all along (a streaming batch waits between
+    steps) calls `record_batch(n)` when the batch forms and wraps the compute in `busy()` instead.
+    Busy time is the union of busy sections (overlapping ones count once), measured over `window_s`.
     """
 
     def __init__(
@@ -82,10 +96,11 @@ class ReplicaLoadTracker:
         self.max_batch_size = max_batch_size
         self.window_s = window_s
         self._clock = clock
-        self._gpu = gpu if gpu is not None and gpu.available else None
+        self._gpu = gpu
         self.waiting = 0
         self.ongoing = 0
-        self._running_batches = 0
+        self.batch_size_counts: Counter[int] = Counter()  # since start, for inspection
+        self._busy_depth = 0
         self._busy_since: float | None = None
         self._busy_intervals: deque[tuple[float, float]] = deque()
         self._batch_sizes: deque[tuple[float, int]] = deque()
@@ -95,22 +110,44 @@ class ReplicaLoadTracker:
         self.waiting += 1
         self.ongoing += 1
 
-    def batch_started(self, batch_size: int) -> None:
-        now = self._clock()
+    def record_batch(self, batch_size: int) -> None:
+        """`batch_size` waiting requests entered a batch."""
         self.waiting = max(0, self.waiting - batch_size)
-        self._batch_sizes.append((now, batch_size))
-        if self._running_batches == 0:
-            self._busy_since = now
-        self._running_batches += 1
+        self._batch_sizes.append((self._clock(), batch_size))
+        self.batch_size_counts[batch_size] += 1
 
-    def batch_finished(self) -> None:
-        self._running_batches = max(0, self._running_batches - 1)
-        if self._running_batches == 0 and self._busy_since is not None:
+    def busy_started(self) -> None:
+        if self._busy_depth == 0:
+            self._busy_since = self._clock()
+        self._busy_depth += 1
+
+    def busy_finished(self) -> None:
+        self._busy_depth = max(0, self._busy_depth - 1)
+        if self._busy_depth == 0 and self._busy_since is not None:
             self._busy_intervals.append((self._busy_since, self._clock()))
             self._busy_since = None
 
-    def request_finished(self) -> None:
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """The replica is busy while the block runs; nested or concurrent blocks count once."""
+        self.busy_started()
+        try:
+            yield
+        finally:
+            self.busy_finished()
+
+    def batch_started(self, batch_size: int) -> None:
+        self.record_batch(batch_size)
+        self.busy_started()
+
+    def batch_finished(self) -> None:
+        self.busy_finished()
+
+    def request_finished(self, waiting: bool = False) -> None:
+        """A request left; `waiting`: it left before any batch took it (cancelled while queued)."""
         self.ongoing = max(0, self.ongoing - 1)
+        if waiting:
+            self.waiting = max(0, self.waiting - 1)
 
     def busy_fraction(self) -> float:
         now = self._clock()
@@ -132,7 +169,7 @@ class ReplicaLoadTracker:
         return min(1.0, mean_size / self.max_batch_size)
 
     def utilization(self) -> float:
-        if self._gpu is None:
+        if self._gpu is None or not self._gpu.available:
             return self.busy_fraction()
         # NVML reports a short recent period; average the samples taken at each snapshot over the window.
         now = self._clock()

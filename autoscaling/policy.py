@@ -21,6 +21,7 @@ Rules (`ScalingRules`, all configurable through `policy_kwargs`):
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -29,6 +30,9 @@ from typing import Any
 
 from autoscaling.metrics import QUEUE_DEPTH, UTILIZATION
 from autoscaling.schedule import Schedule, ScheduleWindow
+from observability.metrics import AutoscalingMetrics
+
+logger = logging.getLogger("ray.serve")
 
 # Keys of this policy's memory inside `policy_state` (Serve keeps its own `__decision_*` keys there too).
 STATE_ABOVE_SINCE = "cosyvoice_above_since"
@@ -128,8 +132,9 @@ def _since(condition: bool, previous: float | None, now: float) -> float | None:
     return now if previous is None else previous
 
 
-def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int, dict[str, Any]]:
-    """One policy tick: the desired replica count within `bounds` and the updated `policy_state`."""
+def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int, dict[str, Any], str]:
+    """One policy tick: the desired replica count within `bounds`, the updated `policy_state`, and the
+    reason (one of `DECISION_REASONS`; "hold" when the count stays)."""
     now = ctx.current_time if ctx.current_time is not None else time.time()
     state = dict(ctx.policy_state or {})
     target = ctx.target_num_replicas
@@ -150,16 +155,18 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
 
     waiting = waiting_requests(ctx)
     running = max(ctx.current_num_replicas, 1)
-    desired = target
+    desired, reason = target, "hold"
     if waiting / running > rules.target_queue_per_replica:
         proportional = math.ceil(waiting / rules.target_queue_per_replica)
         desired = max(target, min(proportional, math.ceil(rules.queue_scale_up_factor * running)))
+        reason = "queue_depth"
     elif (
         above_since is not None
         and now - above_since >= rules.scale_up_window_s
         and quiet_s >= rules.scale_up_cooldown_s
     ):
         desired = target + 1  # asked for on every tick until Serve applies it (its delays need that)
+        reason = "high_utilization"
     elif (
         below_since is not None
         and waiting == 0
@@ -167,15 +174,43 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
         and quiet_s >= rules.scale_down_cooldown_s
     ):
         desired = target - 1
+        reason = "low_utilization"
 
     state[STATE_ABOVE_SINCE] = above_since
     state[STATE_BELOW_SINCE] = below_since
     low, high = bounds
     high = min(high, ctx.capacity_adjusted_max_replicas)
-    return max(low, min(high, desired)), state
+    bounded = max(low, min(high, desired))
+    return bounded, state, reason if bounded == desired else "bounds"
 
 
-class DecoderAutoscalingPolicy:
+DECISION_REASONS = ("hold", "queue_depth", "high_utilization", "low_utilization", "bounds")
+
+
+class _ReportingPolicy:
+    """Counts each change of the target it asks for in `cosyvoice_autoscaling_decisions_total`.
+
+    The metric is built on first use, on the controller (the policy object is pickled before that).
+    """
+
+    _metrics: AutoscalingMetrics | None = None
+    _last_reported: tuple[int, int] | None = None
+
+    def report(self, ctx: Any, decision: tuple[int, dict[str, Any], str]) -> tuple[int, dict[str, Any]]:
+        desired, state, reason = decision
+        target = ctx.target_num_replicas
+        # A decision is asked for on every tick until Serve applies it: count it once.
+        if desired != target and (target, desired) != self._last_reported:
+            if self._metrics is None:
+                self._metrics = AutoscalingMetrics()
+            tags = {"deployment": ctx.deployment_name, "direction": "up" if desired > target else "down"}
+            self._metrics.decisions.inc(tags={**tags, "reason": reason})
+            logger.info("autoscaling %s: %d -> %d replicas (%s)", ctx.deployment_name, target, desired, reason)
+        self._last_reported = (target, desired)
+        return desired, state
+
+
+class DecoderAutoscalingPolicy(_ReportingPolicy):
     """Serve policy class for the GPU (or CPU-only) decoder: `policy_kwargs` are `ScalingRules` fields."""
 
     def __init__(self, **policy_kwargs: Any) -> None:
@@ -183,7 +218,7 @@ class DecoderAutoscalingPolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        return decide(ctx, self.rules, self.rules.bounds_at(now))
+        return self.report(ctx, decide(ctx, self.rules, self.rules.bounds_at(now)))
 
 
 def decoder_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -194,7 +229,7 @@ def decoder_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
 _DEFAULT_DECODER_POLICY = DecoderAutoscalingPolicy()
 
 
-class CpuFallbackAutoscalingPolicy:
+class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
     """Serve policy for the CPU fallback decoder: at least one replica exactly while the GPU schedule's
     floor is 0, widened by `lead_s` before (so it is warm when the GPU replicas may go) and `handover_s`
     after (while GPU replicas start again); else scale to 0.
@@ -225,7 +260,7 @@ class CpuFallbackAutoscalingPolicy:
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
         bounds = self.rules.bounds_at(now) if self.active(now) else (0, 0)
-        return decide(ctx, self.rules, bounds)
+        return self.report(ctx, decide(ctx, self.rules, bounds))
 
 
 def decoder_autoscaling_config(rules: ScalingRules | None = None) -> dict[str, Any]:

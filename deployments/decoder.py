@@ -17,11 +17,12 @@ import numpy as np
 import torch
 from ray import serve
 
-from autoscaling.metrics import BATCH_FILL, GPU_MEMORY_FRACTION, ONGOING_REQUESTS, QUEUE_DEPTH, UTILIZATION
-from deployments.stats import LoadWindow, device_load
+from autoscaling.metrics import GpuProbe, ReplicaLoadTracker
 from engine.errors import CosyVoiceError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
+from observability import STRUCTURED_LOGGING
+from observability.metrics import DecoderMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,6 +35,7 @@ class _Slot:
     """One request inside the replica; `started` once a batch took it, `cancelled` once its caller left."""
 
     segment: EncodedSegment
+    request_id: str
     started: bool = False
     cancelled: bool = False
 
@@ -46,7 +48,7 @@ def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
     return device, "float16" if device == "cuda" else "float32"
 
 
-@serve.deployment(name="Decoder")
+@serve.deployment(name="Decoder", logging_config=STRUCTURED_LOGGING)
 class Decoder:
     def __init__(
         self,
@@ -62,8 +64,10 @@ class Decoder:
         self.device = torch.device(device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
         self.memory_budget_bytes = None if memory_budget_gb is None else int(memory_budget_gb * 2**30)
-        self.load = LoadWindow()
-        self._active: set[_Slot] = set()
+        gpu = GpuProbe(self.device.index or 0) if self.device.type == "cuda" else None
+        self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu)
+        self._gpu = gpu
+        self.metrics = DecoderMetrics()
         self.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.set_max_batch_size(max_batch_size)
         logger.info("Decoder on %s in %s, max batch %d", device, dtype, self.max_batch_size)
@@ -75,6 +79,7 @@ class Decoder:
         self._requested_batch_size = size
         budget = self.memory_budget_bytes
         self.max_batch_size = size if budget is None else self.stage.max_batch_size_for_memory(budget, size)
+        self.load.max_batch_size = self.max_batch_size
         self._decode_whole.set_max_batch_size(self.max_batch_size)
         self._decode_stream.set_max_batch_size(self.max_batch_size)
         return self.max_batch_size
@@ -94,40 +99,54 @@ class Decoder:
     # --- requests --------------------------------------------------------------------------------
 
     @contextmanager
-    def _track(self, segment: EncodedSegment) -> Iterator[_Slot]:
-        slot = _Slot(segment)
-        self._active.add(slot)
+    def _track(self, segment: EncodedSegment, request_id: str) -> Iterator[_Slot]:
+        slot = _Slot(segment, request_id)
+        self.load.request_accepted()
+        self._publish_load()
         try:
             yield slot
         finally:
             slot.cancelled = True
-            self._active.discard(slot)
+            self.load.request_finished(waiting=not slot.started)
+            self._publish_load()
+            logger.info("segment done", extra={"request_id": request_id, "cancelled_while_queued": not slot.started})
 
-    async def synthesize(self, segment: EncodedSegment) -> np.ndarray:
+    async def synthesize(self, segment: EncodedSegment, request_id: str = "") -> np.ndarray:
         """Whole-utterance audio [N] float32 of one segment, decoded in a dynamic batch."""
-        with self._track(segment) as slot:
+        with self._track(segment, request_id) as slot:
             result = await self._decode_whole(slot)
         if isinstance(result, CosyVoiceError):
             raise result
         return result
 
-    async def stream(self, segment: EncodedSegment) -> AsyncIterator[np.ndarray]:
+    async def stream(self, segment: EncodedSegment, request_id: str = "") -> AsyncIterator[np.ndarray]:
         """Audio chunks [n] float32 of one segment as they are decoded, in a batched stream."""
-        with self._track(segment) as slot:
+        with self._track(segment, request_id) as slot:
             async for (item,) in self._decode_stream(slot):
                 if isinstance(item, CosyVoiceError):
                     raise item
                 if item.size:
                     yield item
 
-    def _start_batch(self, slots: list[_Slot]) -> None:
+    def _start_batch(self, slots: list[_Slot], path: str) -> None:
         for slot in slots:
             slot.started = True
         self.load.record_batch(len(slots))
+        self.metrics.batch_size.observe(len(slots), {"path": path})
+        self._publish_load()
+        # Batches run outside any one request's context: name their requests so logs can be joined.
+        logger.info("batch started", extra={"path": path, "request_ids": [slot.request_id for slot in slots]})
+
+    def _publish_load(self) -> None:
+        self.metrics.queue_depth.set(self.load.waiting)
+        self.metrics.ongoing.set(self.load.ongoing)
+        allocated, reserved = self._gpu.memory_bytes() if self._gpu is not None else (0, 0)
+        self.metrics.gpu_allocated.set(allocated)
+        self.metrics.gpu_reserved.set(reserved)
 
     @serve.batch(max_batch_size=_INITIAL_BATCH_SIZE, batch_wait_timeout_s=_INITIAL_WAIT_S)
     async def _decode_whole(self, slots: list[_Slot]) -> list[np.ndarray | CosyVoiceError]:
-        self._start_batch(slots)
+        self._start_batch(slots, "whole")
         with self.load.busy():
             return await asyncio.to_thread(self.stage.decode_batch, [slot.segment for slot in slots])
 
@@ -135,7 +154,7 @@ class Decoder:
     async def _decode_stream(self, slots: list[_Slot]) -> AsyncIterator[list[Any]]:
         # Chunks travel wrapped in 1-tuples: Serve compares each slot with its stop sentinels,
         # which a bare multi-element array cannot answer.
-        self._start_batch(slots)
+        self._start_batch(slots, "stream")
         stream = self.stage.open_stream([slot.segment for slot in slots])
         steps = iter(stream)
         finished = [False] * len(slots)
@@ -165,11 +184,5 @@ class Decoder:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The autoscaling policy's inputs (numbers only: anything else makes Serve stop collecting)."""
-        gpu_utilization, memory_fraction = device_load(self.device)
-        return {
-            UTILIZATION: self.load.busy_fraction() if gpu_utilization is None else gpu_utilization,
-            QUEUE_DEPTH: float(sum(not slot.started for slot in self._active)),
-            ONGOING_REQUESTS: float(len(self._active)),
-            BATCH_FILL: self.load.mean_batch_size() / self.max_batch_size,
-            GPU_MEMORY_FRACTION: memory_fraction,
-        }
+        self._publish_load()
+        return self.load.snapshot()

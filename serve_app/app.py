@@ -9,27 +9,36 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve import Application
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from autoscaling.policy import cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder
 from engine.errors import CosyVoiceError, InvalidInputError
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
-from serve_app.args import AppArgs, LimitsArgs
+from observability import STRUCTURED_LOGGING
+from observability.http import RequestObservability, SynthesisTimer, endpoint_of, request_id_of
+from serve_app.args import AppArgs, LimitsArgs, SecurityArgs
 from serve_app.audio import FORMATS, audio_format, encode_audio, stream_prefix, to_pcm16
+from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
+from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter, running_replicas
 from serve_app.schemas import SpeechRequest, TTSRequest
 
 logger = logging.getLogger("ray.serve")
@@ -43,6 +52,40 @@ class UnknownModelError(CosyVoiceError):
     http_status = 404
 
 
+DEFAULT_RETRY_AFTER_S = 1.0  # where Serve gives none (a lost replica, no backpressure_config)
+
+
+class ServiceUnavailableError(CosyVoiceError):
+    """A full queue (backpressure) or a lost replica: answered 503 with Retry-After."""
+
+    http_status = 503
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = DEFAULT_RETRY_AFTER_S if retry_after_s is None else retry_after_s
+
+
+class DecodeTimeLimitError(CosyVoiceError):
+    """The request decoded for longer than `limits.max_stream_s`."""
+
+    http_status = 413
+
+
+# Raised by deployment handles; Serve answers the first two itself in plain text unless they are translated.
+SERVE_UNAVAILABLE = (BackPressureError, DeploymentUnavailableError)
+
+
+def unavailable_error(exc: BaseException) -> ServiceUnavailableError | None:
+    """The 503 for Serve's overload and replica-failure errors, None for anything else."""
+    if isinstance(exc, BackPressureError):
+        return ServiceUnavailableError(f"the server is at capacity ({exc.message}); retry later", exc.retry_after_s)
+    if isinstance(exc, DeploymentUnavailableError):
+        return ServiceUnavailableError(f"no replica can take the request ({exc.message}); retry later")
+    if isinstance(exc, RayActorError):
+        return ServiceUnavailableError("a replica failed while serving this request; retry")
+    return None
+
+
 def error_body(status: int, message: str, code: str) -> dict[str, Any]:
     """OpenAI's error shape."""
     kind = "invalid_request_error" if status < 500 else "server_error"
@@ -53,7 +96,7 @@ def engine_error(exc: BaseException) -> CosyVoiceError | None:
     """The engine error behind `exc`, looking through Ray's wrapping of errors raised in other replicas."""
     while isinstance(exc, RayTaskError):
         exc = exc.cause
-    return exc if isinstance(exc, CosyVoiceError) else None
+    return exc if isinstance(exc, CosyVoiceError) else unavailable_error(exc)
 
 
 def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -67,7 +110,11 @@ def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_payload(exc)
-    return JSONResponse(body, status_code=status)
+    error = engine_error(exc)
+    headers = None
+    if isinstance(error, ServiceUnavailableError):
+        headers = {"Retry-After": str(max(0, math.ceil(error.retry_after_s)))}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def validation_message(exc: RequestValidationError) -> str:
@@ -81,6 +128,9 @@ def validation_message(exc: RequestValidationError) -> str:
 
 
 api = FastAPI(title="cosyvoice-serve", description="CosyVoice text-to-speech on Ray Serve")
+# The try-it page (GET /) and its script and style: plain files, no build step.
+STATIC_DIR = Path(__file__).parent / "static"
+api.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 
 @api.exception_handler(RequestValidationError)
@@ -93,41 +143,78 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(error_body(exc.status_code, str(exc.detail), "http_error"), status_code=exc.status_code)
 
 
+@api.exception_handler(CosyVoiceError)  # inside the middleware below, which thus counts its real status
 @api.exception_handler(Exception)
 async def _on_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
+
+
+def _reject_request_id(message: str) -> JSONResponse:
+    return JSONResponse(error_body(400, message, "invalid_request_id"), status_code=400)
+
+
+# API keys and the body size limit; added first, so it runs inside the observability middleware (401s are counted).
+api.add_middleware(RequestGuard, error_body=error_body)
+api.add_middleware(RequestObservability, reject=_reject_request_id)
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-@serve.deployment(name="TTSIngress")
+@serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)
 @serve.ingress(api)
 class TTSIngress:
-    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, model_name: str, limits: LimitsArgs):
+    def __init__(
+        self,
+        encoder: DeploymentHandle,
+        decoder: DeploymentHandle,
+        model_name: str,
+        limits: LimitsArgs,
+        security: SecurityArgs | None = None,
+        decoder_cpu: DeploymentHandle | None = None,
+        routing_poll_s: float = 2.0,
+    ):
         self.encoder = encoder
-        self.decoder = decoder
         self.model_name = model_name
         self.limits = limits
         self._info: dict[str, Any] | None = None
+        configure_guard(GuardSettings(load_api_keys(security or SecurityArgs()), limits.max_body_bytes))
+        decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
+        self.router = DecoderRouter(decoders, routing_poll_s)
+        self.router.start(serve.get_replica_context().app_name)
 
     async def model_info(self) -> dict[str, Any]:
         """Voices and sample rate, asked once from an encoder replica."""
         if self._info is None:
-            self._info = await self.encoder.info.remote()
+            self._info = await self.call(self.encoder.info.remote)
         return self._info
+
+    @staticmethod
+    async def call(make_call: Callable[[], Awaitable[Any]]) -> Any:
+        """Await a call to another deployment, retried once if its replica died (decodes are seeded, so the
+        retry gives the same audio); Serve's overload errors become JSON 503s."""
+        try:
+            try:
+                return await make_call()
+            except RayActorError as exc:
+                logger.warning("a replica died during a call (%s); retrying it once", type(exc).__name__)
+                return await make_call()
+        except SERVE_UNAVAILABLE as exc:
+            raise unavailable_error(exc) from exc
 
     # --- metadata ------------------------------------------------------------------------------------
 
+    @api.get("/", include_in_schema=False)
+    async def page(self) -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        """200 once both stages have a running replica, else 503."""
+        """200 once the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503."""
         app_name = serve.get_replica_context().app_name
-        status = await asyncio.to_thread(serve.status)
-        deployments = status.applications[app_name].deployments
-        running = {name: deployments[name].replica_states.get("RUNNING", 0) for name in ("Encoder", "Decoder")}
-        ready = all(running.values())
+        running = await running_replicas(app_name, ("Encoder", *self.router.handles))
+        ready = running["Encoder"] > 0 and any(running[name] for name in self.router.handles)
         body = {"status": "ok" if ready else "unavailable", "running_replicas": running}
         return JSONResponse(body, status_code=200 if ready else 503)
 
@@ -143,57 +230,76 @@ class TTSIngress:
     # --- synthesis -----------------------------------------------------------------------------------
 
     @api.post("/v1/audio/speech")
-    async def openai_speech(self, body: SpeechRequest) -> Response:
+    async def openai_speech(self, body: SpeechRequest, http: Request) -> Response:
         if body.model != self.model_name:
             raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.model_name!r}")
         request = SynthesisRequest(
             text=body.input, voice=body.voice_id, instruct_text=body.instructions, speed=body.speed
         )
         mode: Mode = "sse" if body.stream_format == "sse" else "whole"
-        return await self.respond(request, body.response_format, mode)
+        return await self.respond(request, body.response_format, mode, http)
 
     @api.post("/v1/tts")
-    async def tts(self, body: TTSRequest) -> Response:
+    async def tts(self, body: TTSRequest, http: Request) -> Response:
         voice = body.voice or (await self.model_info())["voices"][0]
         sampling = SamplingOptions(**body.sampling.model_dump(exclude_none=True), seed=body.seed)
         request = SynthesisRequest(
             text=body.text, voice=voice, instruct_text=body.instruct_text, speed=body.speed, sampling=sampling
         )
-        return await self.respond(request, body.format, "stream" if body.stream else "whole")
+        return await self.respond(request, body.format, "stream" if body.stream else "whole", http)
 
-    async def respond(self, request: SynthesisRequest, format_name: str, mode: Mode) -> Response:
+    async def respond(self, request: SynthesisRequest, format_name: str, mode: Mode, http: Request) -> Response:
         """Validate, encode, decode along the path the request calls for, and encode the audio."""
+        request_id = request_id_of(http.scope)
         if not request.text.strip():
             raise InvalidInputError("the input text is empty")
         if len(request.text) > self.limits.max_input_chars:
             raise InvalidInputError(
                 f"the input text has {len(request.text)} characters; the limit is {self.limits.max_input_chars}"
             )
+        check_voice_name(request.voice)
         fmt = audio_format(format_name, streaming=mode != "whole")
         request = request.validated()
-        segments: list[EncodedSegment] = await self.encoder.encode.remote(request)
+        segments: list[EncodedSegment] = await self.call(partial(self.encoder.encode.remote, request, request_id))
         sample_rate = (await self.model_info())["sample_rate"]
+        timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
+        logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
         if mode == "whole":
             if len(request.text) > self.limits.long_text_chars:
-                audio = np.concatenate([chunk async for chunk in self.stream_audio(segments)])
+                audio = np.concatenate([chunk async for chunk in self.stream_audio(segments, request_id)])
             else:
-                audio = np.concatenate(await asyncio.gather(*(self.decoder.synthesize.remote(s) for s in segments)))
-            return Response(encode_audio(audio, sample_rate, fmt.name), media_type=fmt.media_type)
+                decoder = self.router.handle()
+                decoded = (self.call(partial(decoder.synthesize.remote, s, request_id)) for s in segments)
+                audio = np.concatenate(await asyncio.gather(*decoded))
+            body = encode_audio(audio, sample_rate, fmt.name)
+            timer.audio(audio)
+            timer.done()
+            return Response(body, media_type=fmt.media_type)
 
-        chunks = self.stream_audio(segments)
+        chunks = timer.measure(self.stream_audio(segments, request_id))
         first = await anext(chunks, None)  # errors up to the first chunk still get their HTTP status
         prefix = stream_prefix(fmt.name, sample_rate)
         if mode == "sse":
             return StreamingResponse(self.sse_body(prefix, first, chunks), media_type=SSE_MEDIA_TYPE)
         return StreamingResponse(self.audio_body(prefix, first, chunks), media_type=fmt.media_type)
 
-    async def stream_audio(self, segments: list[EncodedSegment]) -> AsyncIterator[np.ndarray]:
-        """Audio chunks of the segments in order, through the decoder's streaming path."""
+    async def stream_audio(self, segments: list[EncodedSegment], request_id: str) -> AsyncIterator[np.ndarray]:
+        """Audio chunks of the segments in order, through the decoder's streaming path, within `max_stream_s`."""
+        decoder = self.router.handle()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.limits.max_stream_s
         for segment in segments:
-            response = self.decoder.stream.options(stream=True).remote(segment)
+            response = decoder.stream.options(stream=True).remote(segment, request_id)
             try:
                 async for chunk in response:
+                    if loop.time() > deadline:
+                        raise DecodeTimeLimitError(
+                            f"the request decoded for longer than the limit of {self.limits.max_stream_s:g} s; "
+                            "send a shorter text"
+                        )
                     yield chunk
+            except SERVE_UNAVAILABLE as exc:
+                raise unavailable_error(exc) from exc
             finally:
                 response.cancel()  # no-op when finished; stops the decoder's work if the client left
 
@@ -224,17 +330,28 @@ class TTSIngress:
         yield sse_event({"type": "speech.audio.done"})
 
 
+def queue_bound(max_queued_requests: int | None) -> int:
+    """Serve's spelling of an unbounded queue is -1."""
+    return -1 if max_queued_requests is None else max_queued_requests
+
+
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The Serve application: ingress -> Encoder (CPU) -> Decoder (GPU fraction or CPU)."""
     args = AppArgs.model_validate(args)
+    # Bounded queues: a request over a bound is answered 503 with Retry-After instead of waiting without end.
+    backpressure = {"retry_after_s": args.limits.retry_after_s}
     encoder = Encoder.options(
         num_replicas=args.encoder.num_replicas,
         max_ongoing_requests=args.encoder.max_ongoing_requests,
+        max_queued_requests=queue_bound(args.encoder.max_queued_requests),
+        backpressure_config=backpressure,
         ray_actor_options={"num_cpus": args.encoder.num_cpus, "num_gpus": 0},
     ).bind(args.model, args.encoder.int8, args.limits.max_input_chars)
     decoder = Decoder.options(
         num_replicas=args.decoder.num_replicas,
         max_ongoing_requests=args.decoder.ongoing_requests_limit,
+        max_queued_requests=queue_bound(args.decoder.max_queued_requests),
+        backpressure_config=backpressure,
         ray_actor_options={"num_cpus": args.decoder.num_cpus, "num_gpus": args.decoder.num_gpus},
     ).bind(
         args.model,
@@ -244,11 +361,39 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         batch_wait_timeout_s=args.decoder.batch_wait_timeout_s,
         memory_budget_gb=args.decoder.memory_budget_gb,
     )
+    fallback = args.decoder_cpu
+    decoder_cpu = None
+    if fallback.enabled:
+        # The same Decoder class on CPU in fp32, scaled by its own policy (up while the GPU decoders may be at 0).
+        decoder_cpu = Decoder.options(
+            name=CPU_DECODER,
+            max_ongoing_requests=fallback.max_ongoing_requests,
+            max_queued_requests=queue_bound(fallback.max_queued_requests),
+            backpressure_config=backpressure,
+            autoscaling_config=fallback.autoscaling_config or cpu_fallback_autoscaling_config(),
+            ray_actor_options={"num_cpus": fallback.num_cpus, "num_gpus": 0},
+        ).bind(
+            args.model,
+            use_gpu=False,
+            dtype="float32",
+            max_batch_size=fallback.max_batch_size,
+            batch_wait_timeout_s=fallback.batch_wait_timeout_s,
+        )
     return TTSIngress.options(
         num_replicas=args.ingress.num_replicas,
         max_ongoing_requests=args.ingress.max_ongoing_requests,
+        max_queued_requests=queue_bound(args.ingress.max_queued_requests),
+        backpressure_config=backpressure,
         ray_actor_options={"num_cpus": args.ingress.num_cpus},
-    ).bind(encoder, decoder, args.served_model_name or Path(args.model).name, args.limits)
+    ).bind(
+        encoder,
+        decoder,
+        args.served_model_name or Path(args.model).name,
+        args.limits,
+        security=args.security,
+        decoder_cpu=decoder_cpu,
+        routing_poll_s=fallback.poll_interval_s,
+    )
 
 
 # The default application (tiny model, CPU), for `serve run serve_app:app` and `serve build serve_app:app`.

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from engine.loader import PRESETS
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Inputs stay out of error messages: they may hold API keys.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+
+QUEUE_DESCRIPTION = "requests waiting for a replica beyond this are answered 503 + Retry-After; None: unbounded"
 
 
 class EncoderArgs(_Strict):
@@ -18,6 +25,7 @@ class EncoderArgs(_Strict):
     num_cpus: float = Field(0.5, gt=0)
     int8: bool = Field(False, description="INT8 dynamic quantization of the text encoder's Linear layers")
     max_ongoing_requests: int = Field(8, ge=1)
+    max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
 
 
 class DecoderArgs(_Strict):
@@ -38,6 +46,7 @@ class DecoderArgs(_Strict):
     memory_budget_gb: float | None = Field(
         None, gt=0, description="device memory a replica may use for activations; caps the batch size"
     )
+    max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
 
     @model_validator(mode="after")
     def _batches_can_fill(self) -> DecoderArgs:
@@ -58,12 +67,60 @@ class LimitsArgs(_Strict):
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
     health_timeout_s: float = Field(2.0, gt=0, description="how long /healthz waits for each stage")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
+    max_stream_s: float = Field(
+        300.0, gt=0, description="wall-clock seconds one request may spend decoding; past it, it ends in an error"
+    )
+    retry_after_s: float = Field(1.0, ge=0, description="the Retry-After of 503 answers (overload, replica lost)")
+    # Voice cloning (a prompt audio per request) does not exist yet: these bound it once it does.
+    max_prompt_audio_bytes: int = Field(10 << 20, ge=1, description="voice cloning, not implemented yet")
+    max_prompt_audio_s: float = Field(30.0, gt=0, description="voice cloning, not implemented yet")
 
 
 class IngressArgs(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.25, gt=0)
     max_ongoing_requests: int = Field(64, ge=1)
+    max_queued_requests: int | None = Field(256, ge=1, description=QUEUE_DESCRIPTION + " (by the HTTP proxy)")
+
+
+class CpuFallbackArgs(_Strict):
+    """The optional `DecoderCPU` deployment: the Decoder on CPU (fp32), up while the GPU decoders may be at 0."""
+
+    enabled: bool = False
+    num_cpus: float = Field(1.0, gt=0)
+    max_batch_size: int = Field(4, ge=1)
+    batch_wait_timeout_s: float = Field(0.05, ge=0)
+    max_ongoing_requests: int = Field(8, ge=1)
+    max_queued_requests: int | None = Field(32, ge=1, description=QUEUE_DESCRIPTION)
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve autoscaling_config; default: autoscaling.policy.cpu_fallback_autoscaling_config()"
+    )
+    poll_interval_s: float = Field(2.0, gt=0, description="how often the ingress re-reads the replica counts")
+
+
+class SecurityArgs(_Strict):
+    api_keys: tuple[SecretStr, ...] = Field((), description="bearer tokens accepted on every endpoint but /healthz")
+    api_keys_env: str | None = Field(
+        "COSYVOICE_API_KEYS", description="env variable read by the ingress replicas: more keys, comma-separated"
+    )
+    allowed_model_roots: tuple[str, ...] | None = Field(
+        None, description="directories a model dir must lie in (symlinks resolved); None: any path without '..'"
+    )
+
+
+def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> None:
+    """A preset, or a path without '..' that resolves inside one of `allowed_roots` (when given)."""
+    if model in PRESETS:
+        return
+    path = Path(model)
+    if ".." in path.parts:
+        raise ValueError(f"model path {model!r} must not contain '..'")
+    if allowed_roots is None:
+        return
+    resolved = path.resolve()
+    if not any(resolved.is_relative_to(Path(root).resolve()) for root in allowed_roots):
+        raise ValueError(f"model path {model!r} is outside the allowed model roots {list(allowed_roots)}")
 
 
 class AppArgs(_Strict):
@@ -75,3 +132,10 @@ class AppArgs(_Strict):
     encoder: EncoderArgs = EncoderArgs()
     decoder: DecoderArgs = DecoderArgs()
     limits: LimitsArgs = LimitsArgs()
+    decoder_cpu: CpuFallbackArgs = CpuFallbackArgs()
+    security: SecurityArgs = SecurityArgs()
+
+    @model_validator(mode="after")
+    def _model_inside_allowed_roots(self) -> AppArgs:
+        check_model_source(self.model, self.security.allowed_model_roots)
+        return self

@@ -2,6 +2,7 @@
 
 cosyvoice-serve run [--model-dir DIR] [--config FILE]   start a local Ray and the app (tiny model by default)
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
+cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
 """
 
 from __future__ import annotations
@@ -98,6 +99,23 @@ def say(options: argparse.Namespace) -> int:
     return 0
 
 
+def bench(options: argparse.Namespace) -> int:
+    from benchmarks.http_bench import Workload
+    from benchmarks.http_bench import bench as run_bench
+
+    workload = Workload(
+        concurrencies=tuple(options.concurrency),
+        modes=tuple(options.modes),
+        requests_per_level=options.requests,
+        max_token_text_ratio=options.max_token_text_ratio or None,
+        timeout_s=options.timeout,
+    )
+    report = run_bench(options.url, workload, options.out, model=options.model)
+    errors = sum(result["errors"] for result in report["results"])
+    print(f"wrote {options.out / 'bench.json'} and {', '.join(report['plots'])}; {errors} error(s)")
+    return 0 if errors == 0 else 1
+
+
 def parser() -> argparse.ArgumentParser:
     main_parser = argparse.ArgumentParser(prog="cosyvoice-serve", description=__doc__.split("\n")[0])
     commands = main_parser.add_subparsers(dest="command", required=True)
@@ -121,6 +139,19 @@ def parser() -> argparse.ArgumentParser:
     say_parser.add_argument("--speed", type=float, default=None)
     say_parser.add_argument("--timeout", type=float, default=300.0)
     say_parser.set_defaults(handler=say)
+
+    bench_parser = commands.add_parser("bench", help="HTTP load benchmark: concurrency sweep, whole and streaming")
+    bench_parser.add_argument("--url", default=None, help="a running server (default: start the local app)")
+    bench_parser.add_argument("--model", default="tiny", help="model of the local app when no --url")
+    bench_parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    bench_parser.add_argument("--modes", nargs="+", choices=["whole", "stream"], default=["whole", "stream"])
+    bench_parser.add_argument("--requests", type=int, default=16, help="requests per mode and concurrency")
+    bench_parser.add_argument(
+        "--max-token-text-ratio", type=float, default=3.0, help="speech-token cap for dummy weights; 0: model default"
+    )
+    bench_parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    bench_parser.add_argument("--out", type=Path, default=Path("out/bench"))
+    bench_parser.set_defaults(handler=bench)
     return main_parser
 
 

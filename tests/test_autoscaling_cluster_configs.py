@@ -9,9 +9,17 @@ from pathlib import Path
 import jsonschema
 import ray.autoscaler
 import yaml
+from ray.serve._private.build_app import build_app as build_deployments
 from ray.serve.schema import ServeDeploySchema
 
-from autoscaling.policy import ENCODER_AUTOSCALING_CONFIG, cpu_fallback_autoscaling_config, decoder_autoscaling_config
+from autoscaling.policy import (
+    CPU_FALLBACK_POLICY_PATH,
+    ENCODER_AUTOSCALING_CONFIG,
+    cpu_fallback_autoscaling_config,
+    decoder_autoscaling_config,
+)
+from serve_app import build_app
+from serve_app.args import AppArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = Path(ray.autoscaler.__file__).parent / "ray-schema.json"
@@ -65,7 +73,7 @@ def test_rayservice_serve_config_validates_and_uses_the_policies() -> None:
     serve_config = load_serve_config()
     ServeDeploySchema.model_validate(serve_config)
     (app,) = serve_config["applications"]
-    assert app["import_path"] == "serve_app:app"
+    assert app["import_path"] == "serve_app:build_app"
     assert deployment(serve_config, "Decoder")["autoscaling_config"] == decoder_autoscaling_config()
     assert deployment(serve_config, "DecoderCPU")["autoscaling_config"] == cpu_fallback_autoscaling_config()
     assert deployment(serve_config, "Encoder")["autoscaling_config"] == ENCODER_AUTOSCALING_CONFIG
@@ -78,3 +86,21 @@ def test_rayservice_gpu_group_can_reach_zero_and_back() -> None:
     groups = {group["groupName"]: group for group in cluster["workerGroupSpecs"]}
     gpu = next(g for g in groups.values() if "nvidia.com/gpu" in str(g["template"]))
     assert gpu["minReplicas"] == 0 < gpu["maxReplicas"]
+
+
+def test_rayservice_args_build_the_app_its_overrides_describe() -> None:
+    """The overrides name deployments the args really build (DecoderCPU included), with the same resources."""
+    serve_config = load_serve_config()
+    (app,) = serve_config["applications"]
+    args = AppArgs.model_validate(app["args"])
+    assert args.decoder_cpu.enabled
+    built = {d.name: d for d in build_deployments(build_app(args), name=app["name"]).deployments}
+    for override in app["deployments"]:
+        assert override["name"] in built
+    gpu, cpu = deployment(serve_config, "Decoder"), deployment(serve_config, "DecoderCPU")
+    assert gpu["ray_actor_options"]["num_gpus"] == args.decoder.num_gpus > 0  # the replica decides fp16 from it
+    assert cpu["ray_actor_options"] == {"num_cpus": args.decoder_cpu.num_cpus}
+    assert cpu["max_ongoing_requests"] == args.decoder_cpu.max_ongoing_requests
+    assert built["DecoderCPU"].ray_actor_options["num_gpus"] == 0
+    policy = built["DecoderCPU"]._deployment_config.autoscaling_config.policy
+    assert policy.policy_function == CPU_FALLBACK_POLICY_PATH

@@ -330,3 +330,45 @@ def test_tracker_reports_busy_fraction_queue_and_batch_fill() -> None:
     clock.now += 11.0
     assert tracker.snapshot()[UTILIZATION] == 0.0
     assert tracker.snapshot()["batch_fill"] == 0.0
+
+
+def test_busy_sections_overlapping_count_once_and_slide() -> None:
+    clock = FakeClock()
+    tracker = ReplicaLoadTracker(max_batch_size=4, window_s=10.0, clock=clock)
+    with tracker.busy():
+        clock.now += 2.0
+        with tracker.busy():  # a concurrent batch inside the first one
+            clock.now += 1.0
+        clock.now += 1.0
+    assert tracker.busy_fraction() == pytest.approx(0.4)
+    clock.now += 3.0
+    with tracker.busy():
+        clock.now += 1.0
+        assert tracker.busy_fraction() == pytest.approx(0.5)  # the running section counts too
+    clock.now += 20.0
+    assert tracker.busy_fraction() == 0.0
+
+
+def test_batch_fill_over_window_and_batch_size_counts_since_start() -> None:
+    clock = FakeClock()
+    tracker = ReplicaLoadTracker(max_batch_size=4, window_s=10.0, clock=clock)
+    tracker.record_batch(1)
+    clock.now += 8.0
+    tracker.record_batch(3)
+    tracker.record_batch(4)
+    assert tracker.batch_fill() == pytest.approx(8 / 3 / 4)
+    clock.now += 5.0  # the first batch left the window
+    assert tracker.batch_fill() == pytest.approx(3.5 / 4)
+    assert dict(tracker.batch_size_counts) == {1: 1, 3: 1, 4: 1}
+
+
+def test_requests_that_leave_while_queued_leave_the_queue() -> None:
+    tracker = ReplicaLoadTracker(max_batch_size=4, clock=FakeClock())
+    for _ in range(3):
+        tracker.request_accepted()
+    tracker.request_finished(waiting=True)  # its caller left before any batch took it
+    tracker.record_batch(2)
+    assert (tracker.waiting, tracker.ongoing) == (0, 2)
+    tracker.request_finished()
+    tracker.request_finished()
+    assert tracker.snapshot()[QUEUE_DEPTH] == 0.0 and tracker.snapshot()["ongoing_requests"] == 0.0

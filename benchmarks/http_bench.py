@@ -1,0 +1,268 @@
+"""HTTP load benchmark of the `/v1/tts` API: a concurrency sweep, streaming and whole, mixed text lengths.
+
+For each mode and concurrency it sends a fixed number of requests (`requests_per_level`) from that many
+concurrent clients and reports p50/p95/p99 time to the first audio byte and latency, the real-time
+factor (latency / audio seconds), throughput (requests and audio seconds per wall second) and errors.
+Writes `<out>/bench.json`, `<out>/latency_vs_concurrency.png` and `<out>/throughput_vs_concurrency.png`.
+
+    cosyvoice-serve bench [--url http://127.0.0.1:8000] [--concurrency 1 2 4 8 16] [--out out/bench]
+
+Without `--url` it starts the local tiny app (a local Ray) for the run and stops it afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+MODES = ("whole", "stream")
+# Short, medium and long inputs (1, 2 and 4 sentences), cycled through the requests of each level.
+TEXTS = (
+    "Hello there.",
+    "The weather is nice today. Let us take a walk in the park.",
+    "Streaming speech starts playing before the whole text is done. "
+    "That is what the first chunk measures. "
+    "Batching lets several requests share the accelerator. "
+    "Throughput is audio seconds produced per second.",
+)
+PCM_BYTES_PER_SAMPLE = 2  # the workload asks for 16-bit mono PCM
+
+
+@dataclass(frozen=True)
+class Workload:
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
+    modes: tuple[str, ...] = MODES
+    requests_per_level: int = 16
+    texts: tuple[str, ...] = TEXTS
+    # Dummy and tiny weights rarely emit end-of-speech: cap the speech tokens per text token (None: model default).
+    max_token_text_ratio: float | None = 3.0
+    timeout_s: float = 300.0
+
+    def body(self, index: int, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "text": self.texts[index % len(self.texts)],
+            "format": "pcm",
+            "stream": stream,
+            "seed": index,
+        }
+        if self.max_token_text_ratio is not None:
+            body["sampling"] = {"max_token_text_ratio": self.max_token_text_ratio}
+        return body
+
+
+@dataclass
+class Sample:
+    ok: bool
+    first_chunk_s: float = 0.0
+    latency_s: float = 0.0
+    audio_s: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    concurrency: int
+    requests: int
+    errors: int
+    wall_s: float
+    first_chunk_s: dict[str, float] = field(default_factory=dict)
+    latency_s: dict[str, float] = field(default_factory=dict)
+    real_time_factor: dict[str, float] = field(default_factory=dict)
+    requests_per_s: float = 0.0
+    audio_s_per_s: float = 0.0
+    error_examples: list[str] = field(default_factory=list)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    p50, p95, p99 = np.percentile(np.asarray(values, dtype=float), [50, 95, 99])
+    return {"p50": float(p50), "p95": float(p95), "p99": float(p99), "mean": float(np.mean(values))}
+
+
+def summarize(mode: str, concurrency: int, samples: list[Sample], wall_s: float) -> LevelResult:
+    good = [s for s in samples if s.ok]
+    return LevelResult(
+        mode=mode,
+        concurrency=concurrency,
+        requests=len(samples),
+        errors=len(samples) - len(good),
+        wall_s=wall_s,
+        first_chunk_s=percentiles([s.first_chunk_s for s in good]),
+        latency_s=percentiles([s.latency_s for s in good]),
+        real_time_factor=percentiles([s.latency_s / s.audio_s for s in good if s.audio_s > 0]),
+        requests_per_s=len(good) / wall_s if wall_s > 0 else 0.0,
+        audio_s_per_s=sum(s.audio_s for s in good) / wall_s if wall_s > 0 else 0.0,
+        error_examples=sorted({s.error for s in samples if not s.ok})[:5],
+    )
+
+
+class Progress:
+    """A one-line text progress bar on stderr (no extra dependency)."""
+
+    def __init__(self, total: int, width: int = 30) -> None:
+        self.total, self.width, self.done = total, width, 0
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        filled = self.width * self.done // max(self.total, 1)
+        bar = "#" * filled + "-" * (self.width - filled)
+        print(f"\r[{bar}] {self.done}/{self.total} {label:<20}", end="", file=sys.stderr, flush=True)
+        if self.done == self.total:
+            print(file=sys.stderr)
+
+
+async def one_request(client: httpx.AsyncClient, body: dict[str, Any], sample_rate: int) -> Sample:
+    started = time.perf_counter()
+    first_chunk_s, size = None, 0
+    try:
+        async with client.stream("POST", "/v1/tts", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return Sample(ok=False, error=f"{response.status_code}: {response.text[:200]}")
+            async for piece in response.aiter_bytes():
+                if piece and first_chunk_s is None:
+                    first_chunk_s = time.perf_counter() - started
+                size += len(piece)
+    except httpx.HTTPError as exc:
+        return Sample(ok=False, error=f"{type(exc).__name__}: {exc}")
+    latency_s = time.perf_counter() - started
+    audio_s = size / PCM_BYTES_PER_SAMPLE / sample_rate
+    return Sample(ok=size > 0, first_chunk_s=first_chunk_s or latency_s, latency_s=latency_s, audio_s=audio_s)
+
+
+async def run_level(
+    client: httpx.AsyncClient, workload: Workload, mode: str, concurrency: int, sample_rate: int, progress: Progress
+) -> LevelResult:
+    """`requests_per_level` requests from `concurrency` clients that each send the next one when theirs ends."""
+    indices = iter(range(workload.requests_per_level))
+    samples: list[Sample] = []
+
+    async def client_loop() -> None:
+        for index in indices:  # a shared iterator: each index goes to exactly one client
+            samples.append(await one_request(client, workload.body(index, mode == "stream"), sample_rate))
+            progress.advance(f"{mode} c={concurrency}")
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return summarize(mode, concurrency, samples, time.perf_counter() - started)
+
+
+async def run_sweep(url: str, workload: Workload) -> list[LevelResult]:
+    limits = httpx.Limits(max_connections=max(workload.concurrencies) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=workload.timeout_s, limits=limits) as client:
+        voices = await client.get("/v1/voices")
+        voices.raise_for_status()
+        sample_rate = int(voices.json()["sample_rate"])
+        await one_request(client, workload.body(0, False), sample_rate)  # warm-up: first-call costs stay out
+        progress = Progress(len(workload.modes) * len(workload.concurrencies) * workload.requests_per_level)
+        return [
+            await run_level(client, workload, mode, concurrency, sample_rate, progress)
+            for mode in workload.modes
+            for concurrency in workload.concurrencies
+        ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def local_server(model: str = "tiny", app_args: dict[str, Any] | None = None) -> Iterator[str]:
+    """Start a local Ray and the app on a free 127.0.0.1 port; yield its URL; shut both down after."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
+    ray.init(include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"model": model, **(app_args or {})}), name="cosyvoice-bench", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def plot(results: list[LevelResult], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    paths = []
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for mode in sorted({r.mode for r in results}):
+        rows = [r for r in results if r.mode == mode and r.latency_s]
+        levels = [r.concurrency for r in rows]
+        for key, style in (("p50", "-o"), ("p95", "--o")):
+            axis.plot(levels, [r.latency_s[key] for r in rows], style, label=f"{mode} latency {key}")
+        if mode == "stream":
+            axis.plot(levels, [r.first_chunk_s["p50"] for r in rows], ":s", label="stream first chunk p50")
+    axis.set(xscale="log", xlabel="concurrent clients", ylabel="seconds", title="Latency vs concurrency")
+    axis.legend()
+    paths.append(out_dir / "latency_vs_concurrency.png")
+    figure.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for mode in sorted({r.mode for r in results}):
+        rows = [r for r in results if r.mode == mode]
+        axis.plot([r.concurrency for r in rows], [r.audio_s_per_s for r in rows], "-o", label=mode)
+    axis.set(xscale="log", xlabel="concurrent clients", ylabel="audio seconds / second", title="Throughput")
+    axis.legend()
+    paths.append(out_dir / "throughput_vs_concurrency.png")
+    figure.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return paths
+
+
+def write_report(url: str, workload: Workload, results: list[LevelResult], out_dir: Path) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"url": url, "workload": asdict(workload), "results": [asdict(r) for r in results]}
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
+    report["plots"] = [str(path) for path in plot(results, out_dir)]
+    return report
+
+
+def print_table(results: list[LevelResult]) -> None:
+    print(
+        f"{'mode':<7}{'c':>4}{'ok':>5}{'err':>5}{'ttfc p50':>10}{'p95':>8}{'lat p50':>9}{'p95':>8}{'p99':>8}"
+        f"{'RTF p50':>9}{'audio s/s':>11}"
+    )
+    for r in results:
+        ttfc, latency, rtf = r.first_chunk_s or {}, r.latency_s or {}, r.real_time_factor or {}
+        print(
+            f"{r.mode:<7}{r.concurrency:>4}{r.requests - r.errors:>5}{r.errors:>5}"
+            f"{ttfc.get('p50', float('nan')):>10.3f}{ttfc.get('p95', float('nan')):>8.3f}"
+            f"{latency.get('p50', float('nan')):>9.3f}{latency.get('p95', float('nan')):>8.3f}"
+            f"{latency.get('p99', float('nan')):>8.3f}{rtf.get('p50', float('nan')):>9.3f}{r.audio_s_per_s:>11.2f}"
+        )
+
+
+def bench(url: str | None, workload: Workload, out_dir: Path, model: str = "tiny") -> dict[str, Any]:
+    """Run the sweep against `url`, or against a local app started for the run when `url` is None."""
+    if url is None:
+        with local_server(model) as local_url:
+            return bench(local_url, workload, out_dir)
+    results = asyncio.run(run_sweep(url, workload))
+    print_table(results)
+    return write_report(url, workload, results, out_dir)

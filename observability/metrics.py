@@ -1,0 +1,80 @@
+"""The service's Prometheus metrics, recorded through `ray.serve.metrics` (Ray exports them as `ray_<name>`).
+
+Each deployment builds its own set inside its replica (so Serve adds the deployment, replica and
+application tags); the autoscaling policy builds its counter on the controller. The Grafana dashboard
+`observability/grafana_dashboard.json` charts every name defined here.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+SECONDS_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+REQUESTS = "cosyvoice_requests_total"
+REQUEST_LATENCY = "cosyvoice_request_latency_seconds"
+FIRST_CHUNK = "cosyvoice_time_to_first_chunk_seconds"
+REAL_TIME_FACTOR = "cosyvoice_real_time_factor"
+AUDIO_SECONDS = "cosyvoice_audio_seconds_total"
+DECODER_QUEUE_DEPTH = "cosyvoice_decoder_queue_depth"
+DECODER_ONGOING = "cosyvoice_decoder_ongoing_requests"
+BATCH_SIZE = "cosyvoice_decoder_batch_size"
+GPU_MEMORY_ALLOCATED = "cosyvoice_decoder_gpu_memory_allocated_bytes"
+GPU_MEMORY_RESERVED = "cosyvoice_decoder_gpu_memory_reserved_bytes"
+AUTOSCALING_DECISIONS = "cosyvoice_autoscaling_decisions_total"
+
+
+class IngressMetrics:
+    """Per request: count by endpoint and status code; for synthesis also latency, first chunk, RTF, audio."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(REQUESTS, "HTTP requests by endpoint and status code", ("endpoint", "status_code"))
+        synthesis_tags = ("endpoint", "mode")
+        self.latency = Histogram(REQUEST_LATENCY, "Request start to last audio byte", SECONDS_BUCKETS, synthesis_tags)
+        self.first_chunk = Histogram(
+            FIRST_CHUNK,
+            "Request start to the first audio chunk (whole mode: to the whole body)",
+            SECONDS_BUCKETS,
+            synthesis_tags,
+        )
+        self.real_time_factor = Histogram(
+            REAL_TIME_FACTOR,
+            "Request latency / audio duration (below 1: faster than real time)",
+            RTF_BUCKETS,
+            synthesis_tags,
+        )
+        self.audio_seconds = Counter(AUDIO_SECONDS, "Seconds of audio produced", synthesis_tags)
+
+    def record_synthesis(
+        self, endpoint: str, mode: str, first_chunk_s: float, latency_s: float, audio_s: float
+    ) -> None:
+        tags = {"endpoint": endpoint, "mode": mode}
+        self.first_chunk.observe(first_chunk_s, tags)
+        self.latency.observe(latency_s, tags)
+        self.audio_seconds.inc(audio_s, tags)
+        if audio_s > 0:
+            self.real_time_factor.observe(latency_s / audio_s, tags)
+
+
+class DecoderMetrics:
+    """Queue depth, ongoing requests and GPU memory of a decoder replica; its batch sizes by path."""
+
+    def __init__(self) -> None:
+        self.queue_depth = Gauge(DECODER_QUEUE_DEPTH, "Requests waiting in the replica for a batch")
+        self.ongoing = Gauge(DECODER_ONGOING, "Requests in the replica: waiting plus decoding")
+        self.batch_size = Histogram(BATCH_SIZE, "Requests per decoder batch", BATCH_SIZE_BUCKETS, ("path",))
+        self.gpu_allocated = Gauge(GPU_MEMORY_ALLOCATED, "torch-allocated GPU memory of the replica (0 on CPU)")
+        self.gpu_reserved = Gauge(GPU_MEMORY_RESERVED, "torch-reserved (cached) GPU memory of the replica (0 on CPU)")
+
+
+class AutoscalingMetrics:
+    """Replica-count decisions of the autoscaling policies, by deployment, direction and reason."""
+
+    def __init__(self) -> None:
+        self.decisions = Counter(
+            AUTOSCALING_DECISIONS,
+            "Target replica changes asked by the policy",
+            ("deployment", "direction", "reason"),
+        )

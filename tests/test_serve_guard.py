@@ -1,0 +1,205 @@
+"""Request guard (API keys, body limit, voice names), model-path confinement, 503 mapping and decoder routing,
+without Ray Serve running."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from ray.exceptions import ActorDiedError
+from ray.serve.exceptions import BackPressureError
+
+from engine.errors import InvalidInputError
+from serve_app import routing
+from serve_app.app import error_body, error_response
+from serve_app.args import AppArgs, SecurityArgs
+from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
+from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter, choose_decoder
+
+KEY = "k-0123456789abcdef"
+LIMIT = 64
+
+
+@pytest.fixture
+def guarded() -> Iterator[httpx.AsyncClient]:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"size": len(await request.body())}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    app.add_middleware(RequestGuard, error_body=error_body)
+    configure_guard(GuardSettings(api_keys=(KEY.encode(), b"other-key"), max_body_bytes=LIMIT))
+    yield httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    configure_guard(None)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_keys_are_required_everywhere_but_healthz(guarded: httpx.AsyncClient) -> None:
+    async def calls() -> list[httpx.Response]:
+        async with guarded as client:
+            return [
+                await client.post("/echo", content=b"{}"),
+                await client.post("/echo", content=b"{}", headers={"Authorization": "Bearer wrong"}),
+                await client.post("/echo", content=b"{}", headers={"Authorization": f"Basic {KEY}"}),
+                await client.post("/echo", content=b"{}", headers={"Authorization": f"Bearer {KEY}"}),
+                await client.post("/echo", content=b"{}", headers={"authorization": "bearer other-key"}),
+                await client.get("/healthz"),
+            ]
+
+    missing, wrong, basic, good, second, health = _run(calls())
+    for rejected in (missing, wrong, basic):
+        assert rejected.status_code == 401
+        assert rejected.headers["www-authenticate"] == "Bearer"
+        assert rejected.json()["error"]["code"] == "invalid_api_key"
+    assert good.status_code == second.status_code == health.status_code == 200
+    assert good.json() == {"size": 2}
+
+
+def test_body_over_the_limit_is_413_declared_or_streamed(guarded: httpx.AsyncClient) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(LIMIT):  # no content-length: the guard must count what arrives
+            yield b"xx"
+
+    async def calls() -> list[httpx.Response]:
+        async with guarded as client:
+            return [
+                await client.post("/echo", content=b"x" * (LIMIT + 1), headers=auth),
+                await client.post("/echo", content=chunks(), headers=auth),
+                await client.post("/echo", content=b"x" * LIMIT, headers=auth),
+            ]
+
+    declared, streamed, at_limit = _run(calls())
+    for response in (declared, streamed):
+        assert response.status_code == 413
+        assert str(LIMIT) in response.json()["error"]["message"]
+    assert at_limit.status_code == 200 and at_limit.json() == {"size": LIMIT}
+
+
+def test_api_keys_from_config_and_environment() -> None:
+    security = SecurityArgs(api_keys=("from-config",), api_keys_env="TEST_KEYS")
+    assert load_api_keys(security, {"TEST_KEYS": " env-1, ,env-2 "}) == (b"from-config", b"env-1", b"env-2")
+    assert load_api_keys(SecurityArgs(api_keys_env=None), {"COSYVOICE_API_KEYS": "x"}) == ()
+    assert "from-config" not in repr(security) and "from-config" not in str(AppArgs(security=security))
+
+
+def test_a_validation_error_does_not_echo_the_keys() -> None:
+    with pytest.raises(ValidationError) as info:
+        AppArgs.model_validate({"model": "../up", "security": {"api_keys": [KEY]}})
+    assert KEY not in str(info.value) and "'..'" in str(info.value)
+
+
+@pytest.mark.parametrize("voice", ["", "../spk", "a/b", "a\\b", "..", ".", "x\x00y", "tab\tname", "v" * 129])
+def test_unsafe_voice_names_are_rejected(voice: str) -> None:
+    with pytest.raises(InvalidInputError, match="invalid voice name"):
+        check_voice_name(voice)
+
+
+@pytest.mark.parametrize("voice", ["中文女", "dummy_female", "speaker 1", "a.b"])
+def test_ordinary_voice_names_pass(voice: str) -> None:
+    check_voice_name(voice)
+
+
+def test_model_dir_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    (root / "good").mkdir(parents=True)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (root / "link").symlink_to(outside)  # a symlink inside the root that points out of it
+    roots = {"allowed_model_roots": [str(root)]}
+    AppArgs(model=str(root / "good"), security=roots)
+    AppArgs(model="tiny", security=roots)  # presets are not paths
+    for escaping in (str(outside), str(root / "link"), str(root / "good" / ".." / ".." / "elsewhere")):
+        with pytest.raises(ValidationError, match=r"outside the allowed model roots|must not contain"):
+            AppArgs(model=escaping, security=roots)
+    with pytest.raises(ValidationError, match="must not contain"):
+        AppArgs(model="models/../../etc")
+
+
+def test_serve_overload_and_replica_loss_become_json_503s_with_retry_after() -> None:
+    overload = error_response(BackPressureError(num_queued_requests=3, max_queued_requests=3, retry_after_s=2.5))
+    assert overload.status_code == 503 and overload.headers["retry-after"] == "3"
+    assert b"at capacity" in overload.body and b"server_error" in overload.body
+    lost = error_response(ActorDiedError())
+    assert lost.status_code == 503 and lost.headers["retry-after"] == "1"
+    assert b"replica failed" in lost.body
+
+
+@pytest.mark.parametrize(
+    ("running", "expected"),
+    [
+        ({GPU_DECODER: 2, CPU_DECODER: 1}, GPU_DECODER),
+        ({GPU_DECODER: 1, CPU_DECODER: 0}, GPU_DECODER),
+        ({GPU_DECODER: 0, CPU_DECODER: 1}, CPU_DECODER),
+        ({GPU_DECODER: 0, CPU_DECODER: 0}, GPU_DECODER),  # its queue makes Serve cold-start a replica
+        ({}, GPU_DECODER),
+    ],
+)
+def test_routing_rule(running: dict[str, int], expected: str) -> None:
+    assert choose_decoder(running) == expected
+
+
+def test_router_follows_the_polled_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One scripted answer per poll, handed over one at a time; a failed read must keep the last decision.
+    script: list[dict[str, int] | Exception] = [
+        {GPU_DECODER: 1, CPU_DECODER: 1},
+        RuntimeError("controller busy"),
+        {GPU_DECODER: 0, CPU_DECODER: 1},
+        {GPU_DECODER: 0, CPU_DECODER: 0},
+    ]
+    gpu, cpu = object(), object()
+
+    async def scenario() -> list[object]:
+        answers: asyncio.Queue[dict[str, int] | Exception] = asyncio.Queue()
+        calls = 0
+
+        async def fake_running(app_name: str, names) -> dict[str, int]:
+            nonlocal calls
+            assert app_name == "app" and set(names) == {GPU_DECODER, CPU_DECODER}
+            calls += 1
+            answer = await answers.get()
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        monkeypatch.setattr(routing, "running_replicas", fake_running)
+        router = DecoderRouter({GPU_DECODER: gpu, CPU_DECODER: cpu}, poll_interval_s=0.001)
+        router.start("app")
+        seen = []
+        for index, answer in enumerate(script):
+            answers.put_nowait(answer)
+            while calls < index + 2:  # the next poll began: the one that got `answer` is done
+                await asyncio.sleep(0.001)
+            seen.append(router.handle())
+        return seen
+
+    assert _run(scenario()) == [gpu, gpu, cpu, gpu]
+
+
+def test_router_without_fallback_never_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def forbidden(*_: object) -> dict[str, int]:
+        raise AssertionError("polled without a fallback")
+
+    monkeypatch.setattr(routing, "running_replicas", forbidden)
+
+    async def scenario() -> object:
+        router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=0.001)
+        router.start("app")
+        await asyncio.sleep(0.01)
+        return router.handle()
+
+    assert _run(scenario()) == "gpu"
