@@ -39,13 +39,17 @@ def kit_model_version(path: Path) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
+def _require_kit_layout(path: Path) -> None:
+    if not (path / "cases.pt").is_file() or not (path / "model").is_dir():
+        pytest.fail(f"conformance kit {path} has no cases.pt or model/ directory")
+
+
 @pytest.fixture(scope="session")
 def v2_kit() -> Path:
     """The CosyVoice2 kit: $COSYVOICE_CONFORMANCE_KIT when that is a v2 kit, else (unset) the v2 copy in
     tests/fixtures, so a default run checks both versions. A v1 kit in the variable skips the v2 tests."""
     path = Path(os.environ.get("COSYVOICE_CONFORMANCE_KIT", DEFAULT_V2_KIT))
-    if not (path / "cases.pt").is_file() or not (path / "model").is_dir():
-        pytest.fail(f"conformance kit {path} has no cases.pt or model/ directory")
+    _require_kit_layout(path)
     if kit_model_version(path) != 2:
         pytest.skip(f"conformance kit {path} is not a CosyVoice2 kit (no model/{KIT_YAMLS[2]})")
     return path
@@ -69,8 +73,7 @@ def kit_qwen2_llm(v2_kit: Path) -> Qwen2LM:
 def conformance_kit() -> Path:
     """The CosyVoice v1 kit under test; a CosyVoice2 kit in the variable skips the v1 tests."""
     path = kit_dir()
-    if not (path / "cases.pt").is_file() or not (path / "model").is_dir():
-        pytest.fail(f"conformance kit {path} has no cases.pt or model/ directory")
+    _require_kit_layout(path)
     if kit_model_version(path) != 1:
         pytest.skip(f"conformance kit {path} is not a CosyVoice v1 kit (no model/{KIT_YAMLS[1]})")
     return path
