@@ -3,32 +3,112 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
+from engine.errors import CosyVoiceError, InvalidInputError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SynthesisRequest, TextEncoderStage
+from engine.voice_cloning import VoiceCloner, VoicePrompt
 from observability import STRUCTURED_LOGGING
 
+if TYPE_CHECKING:
+    from serve_app.voice_registry import VoiceRegistry
+
 logger = logging.getLogger("ray.serve")
+
+VOICE_CLONING_NOT_CONFIGURED = (
+    "voice cloning is not configured on this server: start it with voices_dir (--voices-dir: where registered "
+    "voices are kept) and either an official model dir holding campplus.onnx and the speech tokenizer ONNX file, "
+    "or voice_models_dir (--voice-models-dir)"
+)
+
+
+class VoiceCloningNotConfiguredError(CosyVoiceError):
+    """Registering a voice on a server started without voice cloning."""
+
+    http_status = 501
+
+    def __init__(self, message: str = VOICE_CLONING_NOT_CONFIGURED) -> None:  # one argument: Ray re-raises it
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class VoiceCloningConfig:
+    """Where the cloning models and the registered voices are, and the bounds on a prompt recording."""
+
+    voices_dir: str
+    models_dir: str
+    max_voices: int
+    min_prompt_audio_s: float
+    max_prompt_audio_s: float
 
 
 @serve.deployment(name="Encoder", ray_actor_options={"num_gpus": 0}, logging_config=STRUCTURED_LOGGING)
 class Encoder:
-    def __init__(self, model: str, int8: bool, max_text_chars: int) -> None:
+    def __init__(
+        self, model: str, int8: bool, max_text_chars: int, voice_cloning: VoiceCloningConfig | None = None
+    ) -> None:
         loaded = load_model(model, components=("encoder",), int8=int8, max_text_chars=max_text_chars)
         self.model_name = loaded.name
         self.stage = TextEncoderStage(loaded)
+        self.max_text_chars = max_text_chars
+        self.voice_cloning = voice_cloning
+        self.cloner: VoiceCloner | None = None
+        self.registry: VoiceRegistry | None = None
+        if voice_cloning is not None:
+            # Imported here: the serve_app package imports the ingress, which imports this module.
+            from serve_app.voice_registry import VoiceRegistry
+
+            config = loaded.config
+            self.cloner = VoiceCloner.from_model_dir(Path(voice_cloning.models_dir), config.sample_rate, config.version)
+            self.registry = VoiceRegistry(Path(voice_cloning.voices_dir), voice_cloning.max_voices)
 
     def encode(self, request: SynthesisRequest, request_id: str = "") -> list[EncodedSegment]:
         """One encoded segment per sentence, in order (engine errors propagate to the caller)."""
-        segments = self.stage.encode(request)
+        segments = self.stage.encode(request, prompt=self.registered_prompt(request.voice))
         logger.info("encoded %d segment(s)", len(segments), extra={"request_id": request_id})
         return segments
 
+    def registered_prompt(self, voice: str) -> VoicePrompt | None:
+        """The prompt of a registered voice; None for a built-in speaker (or a name the stage will refuse)."""
+        if self.registry is None or voice in self.stage.voices:
+            return None
+        return self.registry.get(voice)
+
+    def register_voice(self, audio: bytes, transcript: str, name: str | None = None) -> dict[str, Any]:
+        """Clone the voice of `audio` (a recording of `transcript`) and register it; its record as a dict."""
+        if self.cloner is None or self.registry is None or self.voice_cloning is None:
+            raise VoiceCloningNotConfiguredError()
+        transcript = transcript.strip()
+        if not transcript or len(transcript) > self.max_text_chars:
+            raise InvalidInputError(f"the transcript must have 1 to {self.max_text_chars} characters")
+        waveform, sample_rate = VoiceCloner.decode_audio(audio)
+        duration_s = len(waveform) / sample_rate
+        low, high = self.voice_cloning.min_prompt_audio_s, self.voice_cloning.max_prompt_audio_s
+        if not low <= duration_s <= high:
+            raise InvalidInputError(
+                f"the prompt recording lasts {duration_s:.2f} s; it must last between {low:g} and {high:g} s"
+            )
+        prompt = self.cloner.clone(waveform, sample_rate, transcript)
+        return self.registry.add(prompt, name, duration_s).as_dict()
+
+    def list_voices(self) -> list[dict[str, Any]]:
+        return [] if self.registry is None else [record.as_dict() for record in self.registry.records()]
+
+    def delete_voice(self, voice_id: str) -> bool:
+        return self.registry is not None and self.registry.delete(voice_id)
+
     def info(self) -> dict[str, Any]:
-        return {"model": self.model_name, "voices": self.stage.voices, "sample_rate": self.stage.sample_rate}
+        return {
+            "model": self.model_name,
+            "voices": self.stage.voices,
+            "sample_rate": self.stage.sample_rate,
+            "voice_cloning": self.cloner is not None,
+        }
 
     def ping(self) -> bool:
         return True

@@ -37,6 +37,7 @@ COMPONENTS = ("encoder", "decoder")
 class ModelConfig:
     """All hyperparameters of a v1 model, read from its yaml."""
 
+    version: int  # 1: CosyVoice(-300M), 2: CosyVoice2
     sample_rate: int
     spk_embed_dim: int
     mel_bins: int
@@ -51,6 +52,7 @@ class ModelConfig:
             if key not in tree:
                 raise CheckpointError(f"model config {path} has no '{key}' entry")
         return cls(
+            version=1,
             sample_rate=int(tree["sample_rate"]),
             spk_embed_dim=int(tree.get("spk_embed_dim", 192)),
             mel_bins=int(tree["flow"].get("output_size", 80)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,27 +25,38 @@ from engine.memory import estimate_request_memory
 from engine.sampling import SamplingOptions
 from engine.streaming import DecodeStream
 
+if TYPE_CHECKING:
+    from engine.voice_cloning import VoicePrompt
+
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
-INSTRUCT_SUFFIX = "<endofprompt>"
+# The token that ends an instruction in the LLM input, per model version (official frontends).
+INSTRUCT_SUFFIX = {1: "<endofprompt>", 2: "<|endofprompt|>"}
 # Batch caps assume segments of this many text tokens at the maximum speech length (about 16 s of speech).
 NOMINAL_SEGMENT_TEXT_TOKENS = 40
 
 
 @dataclass(frozen=True)
 class SynthesisRequest:
-    """What a caller asks for. `seed` makes the request reproducible; None draws one."""
+    """What a caller asks for. `seed` makes the request reproducible; None draws one.
+
+    `cross_lingual` (with a cloned voice) keeps the prompt's voice but not its transcript and speech
+    tokens in the LLM input, for text in another language than the prompt.
+    """
 
     text: str
     voice: str
     instruct_text: str | None = None
     speed: float = 1.0
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    cross_lingual: bool = False
 
     def validated(self) -> SynthesisRequest:
         if not MIN_SPEED <= self.speed <= MAX_SPEED:
             raise InvalidInputError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {self.speed}")
         if self.instruct_text is not None and not self.instruct_text.strip():
             raise InvalidInputError("instruct_text must not be empty when given")
+        if self.cross_lingual and self.instruct_text is not None:
+            raise InvalidInputError("cross_lingual and instruct_text cannot be combined")
         if self.sampling.seed is None:
             return replace(self, sampling=replace(self.sampling, seed=secrets.randbits(31)))
         return self
@@ -58,12 +70,25 @@ class EncodedSegment:
     text_len: int  # target text tokens (without the prompt), sets min/max speech length
     llm_embedding: np.ndarray | None  # [192] speaker x-vector for the LLM; None in instruct mode
     flow_embedding: np.ndarray  # [192] speaker x-vector for the flow
-    prompt_speech_tokens: np.ndarray  # [P] int64
-    prompt_feat: np.ndarray  # [Tp, 80] float32 prompt mel
+    llm_prompt_speech_tokens: np.ndarray  # [P] int64 prompt speech tokens leading the LLM's speech (zero-shot)
+    flow_prompt_speech_tokens: np.ndarray  # [P'] int64 prompt speech tokens of the flow (any cloned voice)
+    prompt_feat: np.ndarray  # [Tp, 80] float32 prompt mel, aligned with flow_prompt_speech_tokens
     sampling: SamplingOptions
     speed: float
     segment_index: int = 0
     num_segments: int = 1
+
+
+@dataclass(frozen=True)
+class _VoiceConditioning:
+    """How a voice enters the LLM and the flow, for one request mode."""
+
+    prompt_text_tokens: list[int]
+    llm_embedding: np.ndarray | None
+    flow_embedding: np.ndarray
+    llm_prompt_speech_tokens: np.ndarray
+    flow_prompt_speech_tokens: np.ndarray
+    prompt_feat: np.ndarray
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -90,24 +115,26 @@ class TextEncoderStage:
         return self.model.frontend.split(text)
 
     @torch.inference_mode()
-    def encode(self, request: SynthesisRequest) -> list[EncodedSegment]:
-        """Validate, normalise, split and encode a request; one segment per sentence, in order."""
+    def encode(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> list[EncodedSegment]:
+        """Validate, normalise, split and encode a request; one segment per sentence, in order.
+
+        Without `prompt` the voice is a built-in speaker (`request.voice`); with a cloned-voice `prompt`
+        the request is zero-shot (prompt transcript and speech tokens lead the LLM input), cross-lingual,
+        or instruct (v2 instruct2: the instruction replaces the transcript, the prompt speech stays in the flow).
+        """
         request = request.validated()
-        speaker = self.model.voices.embedding(request.voice).numpy()
-        frontend = self.model.frontend
-        prompt_tokens: list[int] = []
-        if request.instruct_text is not None:
-            prompt_tokens = frontend.tokenize(frontend.normalize(request.instruct_text) + INSTRUCT_SUFFIX)
-        sentences = frontend.segment_tokens(request.text)
-        encoded = self._encode_batch([prompt_tokens + tokens for tokens in sentences])
+        voice = self._voice_conditioning(request, prompt)
+        sentences = self.model.frontend.segment_tokens(request.text)
+        encoded = self._encode_batch([voice.prompt_text_tokens + tokens for tokens in sentences])
         return [
             EncodedSegment(
                 text_encoded=text_encoded,
                 text_len=len(tokens),
-                llm_embedding=None if request.instruct_text is not None else speaker,
-                flow_embedding=speaker,
-                prompt_speech_tokens=np.zeros(0, dtype=np.int64),
-                prompt_feat=np.zeros((0, self.model.config.mel_bins), dtype=np.float32),
+                llm_embedding=voice.llm_embedding,
+                flow_embedding=voice.flow_embedding,
+                llm_prompt_speech_tokens=voice.llm_prompt_speech_tokens,
+                flow_prompt_speech_tokens=voice.flow_prompt_speech_tokens,
+                prompt_feat=voice.prompt_feat,
                 sampling=replace(request.sampling, seed=request.sampling.seed + index),
                 speed=request.speed,
                 segment_index=index,
@@ -115,6 +142,43 @@ class TextEncoderStage:
             )
             for index, (tokens, text_encoded) in enumerate(zip(sentences, encoded, strict=True))
         ]
+
+    def _voice_conditioning(self, request: SynthesisRequest, prompt: VoicePrompt | None) -> _VoiceConditioning:
+        """The official frontend modes (sft, zero-shot, cross-lingual, instruct, instruct2) as one table of rules."""
+        frontend, version = self.model.frontend, self.model.config.version
+        no_tokens = np.zeros(0, dtype=np.int64)
+        if prompt is None:
+            if request.cross_lingual:
+                raise InvalidInputError("cross_lingual needs a cloned voice (a prompt recording), not a speaker")
+            speaker = self.model.voices.embedding(request.voice).numpy()
+            speech_tokens, feat = no_tokens, np.zeros((0, self.model.config.mel_bins), dtype=np.float32)
+        else:
+            if prompt.sample_rate != self.sample_rate:
+                raise InvalidInputError(
+                    f"voice {request.voice!r} was prepared for {prompt.sample_rate} Hz; this model runs at "
+                    f"{self.sample_rate} Hz: register the voice again for this model"
+                )
+            speaker, speech_tokens, feat = prompt.embedding, prompt.speech_tokens, prompt.speech_feat
+        prompt_text_tokens: list[int] = []
+        llm_speech_tokens = speech_tokens
+        llm_embedding: np.ndarray | None = speaker
+        if request.instruct_text is not None:
+            prompt_text_tokens = frontend.tokenize(frontend.normalize(request.instruct_text) + INSTRUCT_SUFFIX[version])
+            llm_speech_tokens = no_tokens
+            if version == 1:  # v1 Instruct models: no LLM speaker embedding and no prompt speech at all
+                llm_embedding, speech_tokens, feat = None, no_tokens, feat[:0]
+        elif request.cross_lingual:
+            llm_speech_tokens = no_tokens
+        elif prompt is not None:
+            prompt_text_tokens = frontend.tokenize(frontend.normalize(prompt.transcript))
+        return _VoiceConditioning(
+            prompt_text_tokens=prompt_text_tokens,
+            llm_embedding=llm_embedding,
+            flow_embedding=speaker,
+            llm_prompt_speech_tokens=llm_speech_tokens,
+            flow_prompt_speech_tokens=speech_tokens,
+            prompt_feat=feat,
+        )
 
     def _encode_batch(self, token_lists: list[list[int]]) -> list[np.ndarray]:
         """All sentences through the text encoder as one padded batch -> [T_i, D] float32 each."""
@@ -149,7 +213,7 @@ class SpeechDecoderStage:
                 text_encoded=_tensor(s.text_encoded, device),
                 text_len=s.text_len,
                 embedding=None if s.llm_embedding is None else _tensor(s.llm_embedding, device),
-                prompt_speech_tokens=_tensor(s.prompt_speech_tokens, device),
+                prompt_speech_tokens=_tensor(s.llm_prompt_speech_tokens, device),
                 options=s.sampling,
             )
             for s in segments
@@ -159,7 +223,7 @@ class SpeechDecoderStage:
         device = self.model.decoder_device
         return FlowRequest(
             tokens=tokens.to(device),
-            prompt_tokens=_tensor(segment.prompt_speech_tokens, device),
+            prompt_tokens=_tensor(segment.flow_prompt_speech_tokens, device),
             prompt_feat=_tensor(segment.prompt_feat, device),
             embedding=_tensor(segment.flow_embedding, device),
             seed=segment.sampling.seed,

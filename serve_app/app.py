@@ -13,10 +13,10 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException
 
 from autoscaling.policy import cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
-from deployments.encoder import Encoder
-from engine.errors import CosyVoiceError, InvalidInputError
+from deployments.encoder import Encoder, VoiceCloningConfig, VoiceCloningNotConfiguredError
+from engine.errors import CosyVoiceError, InvalidInputError, UnknownVoiceError
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
 from observability import STRUCTURED_LOGGING
@@ -69,6 +69,17 @@ class DecodeTimeLimitError(CosyVoiceError):
     """The request decoded for longer than `limits.max_stream_s`."""
 
     http_status = 413
+
+
+class UploadTooLargeError(CosyVoiceError):
+    """A voice upload over `limits.max_prompt_audio_bytes`."""
+
+    http_status = 413
+
+
+VOICES_PATH = "/v1/voices"
+# Room for the multipart framing and the text fields around the audio of a voice upload (POST /v1/voices).
+UPLOAD_FORM_OVERHEAD_BYTES = 64 << 10
 
 
 # Raised by deployment handles; Serve answers the first two itself in plain text unless they are translated.
@@ -179,7 +190,10 @@ class TTSIngress:
         self.model_name = model_name
         self.limits = limits
         self._info: dict[str, Any] | None = None
-        configure_guard(GuardSettings(load_api_keys(security or SecurityArgs()), limits.max_body_bytes))
+        upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
+        configure_guard(
+            GuardSettings(load_api_keys(security or SecurityArgs()), limits.max_body_bytes, {VOICES_PATH: upload_limit})
+        )
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
         self.router = DecoderRouter(decoders, routing_poll_s)
         self.router.start(serve.get_replica_context().app_name)
@@ -222,10 +236,39 @@ class TTSIngress:
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "cosyvoice-serve"}]}
 
-    @api.get("/v1/voices")
+    @api.get(VOICES_PATH)
     async def voices(self) -> dict[str, Any]:
+        """Built-in speakers (`voices`) and registered voices (`registered_voices`: records with their ids)."""
         info = await self.model_info()
-        return {"voices": info["voices"], "sample_rate": info["sample_rate"], "formats": sorted(FORMATS)}
+        registered = await self.call(self.encoder.list_voices.remote)
+        return {
+            "voices": info["voices"],
+            "sample_rate": info["sample_rate"],
+            "formats": sorted(FORMATS),
+            "registered_voices": registered,
+        }
+
+    @api.post(VOICES_PATH, status_code=201)
+    async def register_voice(
+        self,
+        file: Annotated[UploadFile, File(description="a 1-30 s recording of the voice (wav, flac, ogg, mp3)")],
+        transcript: Annotated[str, Form(description="what the recording says")],
+        name: Annotated[str | None, Form(description="a display name")] = None,
+    ) -> dict[str, Any]:
+        """Clone a voice from a short recording and its transcript; the returned `id` is usable as `voice`."""
+        if not (await self.model_info())["voice_cloning"]:
+            raise VoiceCloningNotConfiguredError()
+        limit = self.limits.max_prompt_audio_bytes
+        audio = await file.read(limit + 1)  # the size is checked before anything decodes the file
+        if len(audio) > limit:
+            raise UploadTooLargeError(f"the audio file is larger than the limit of {limit} bytes")
+        return await self.call(partial(self.encoder.register_voice.remote, audio, transcript, name))
+
+    @api.delete(VOICES_PATH + "/{voice_id}")
+    async def delete_voice(self, voice_id: str) -> dict[str, Any]:
+        if not await self.call(partial(self.encoder.delete_voice.remote, voice_id)):
+            raise UnknownVoiceError(f"no registered voice has the id {voice_id!r}")
+        return {"id": voice_id, "object": "voice", "deleted": True}
 
     # --- synthesis -----------------------------------------------------------------------------------
 
@@ -244,7 +287,12 @@ class TTSIngress:
         voice = body.voice or (await self.model_info())["voices"][0]
         sampling = SamplingOptions(**body.sampling.model_dump(exclude_none=True), seed=body.seed)
         request = SynthesisRequest(
-            text=body.text, voice=voice, instruct_text=body.instruct_text, speed=body.speed, sampling=sampling
+            text=body.text,
+            voice=voice,
+            instruct_text=body.instruct_text,
+            speed=body.speed,
+            sampling=sampling,
+            cross_lingual=body.cross_lingual,
         )
         return await self.respond(request, body.format, "stream" if body.stream else "whole", http)
 
@@ -335,6 +383,20 @@ def queue_bound(max_queued_requests: int | None) -> int:
     return -1 if max_queued_requests is None else max_queued_requests
 
 
+def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
+    """The encoders' cloning setup; None (registering answers 501) without `voices_dir`."""
+    if args.voices_dir is None:
+        return None
+    # Absolute paths: the replicas need not share the caller's working directory.
+    return VoiceCloningConfig(
+        voices_dir=str(Path(args.voices_dir).resolve()),
+        models_dir=str(Path(args.voice_models_dir or args.model).resolve()),
+        max_voices=args.limits.max_voices,
+        min_prompt_audio_s=args.limits.min_prompt_audio_s,
+        max_prompt_audio_s=args.limits.max_prompt_audio_s,
+    )
+
+
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The Serve application: ingress -> Encoder (CPU) -> Decoder (GPU fraction or CPU)."""
     args = AppArgs.model_validate(args)
@@ -346,7 +408,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_queued_requests=queue_bound(args.encoder.max_queued_requests),
         backpressure_config=backpressure,
         ray_actor_options={"num_cpus": args.encoder.num_cpus, "num_gpus": 0},
-    ).bind(args.model, args.encoder.int8, args.limits.max_input_chars)
+    ).bind(args.model, args.encoder.int8, args.limits.max_input_chars, voice_cloning_config(args))
     decoder = Decoder.options(
         num_replicas=args.decoder.num_replicas,
         max_ongoing_requests=args.decoder.ongoing_requests_limit,

@@ -72,9 +72,13 @@ class LimitsArgs(_Strict):
         300.0, gt=0, description="wall-clock seconds one request may spend decoding; past it, it ends in an error"
     )
     retry_after_s: float = Field(1.0, ge=0, description="the Retry-After of 503 answers (overload, replica lost)")
-    # Voice cloning (a prompt audio per request) does not exist yet: these bound it once it does.
-    max_prompt_audio_bytes: int = Field(10 << 20, ge=1, description="voice cloning, not implemented yet")
-    max_prompt_audio_s: float = Field(30.0, gt=0, description="voice cloning, not implemented yet")
+    # Voice registration (POST /v1/voices): the uploaded prompt recording and the registry.
+    max_prompt_audio_bytes: int = Field(
+        10 << 20, ge=1, description="larger voice uploads are rejected with 413, before decoding"
+    )
+    max_prompt_audio_s: float = Field(30.0, gt=0, description="longer prompt recordings are rejected with 400")
+    min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
+    max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")
 
 
 class IngressArgs(_Strict):
@@ -134,8 +138,25 @@ class AppArgs(_Strict):
     limits: LimitsArgs = LimitsArgs()
     decoder_cpu: CpuFallbackArgs = CpuFallbackArgs()
     security: SecurityArgs = SecurityArgs()
+    voices_dir: str | None = Field(
+        None, description="where registered (cloned) voices are kept, shared by the encoder replicas; None: cloning off"
+    )
+    voice_models_dir: str | None = Field(
+        None, description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2: _v2.onnx); default: the model dir"
+    )
 
     @model_validator(mode="after")
     def _model_inside_allowed_roots(self) -> AppArgs:
         check_model_source(self.model, self.security.allowed_model_roots)
+        return self
+
+    @model_validator(mode="after")
+    def _voice_models_located(self) -> AppArgs:
+        if self.voices_dir is not None and self.voice_models_dir is None and self.model in PRESETS:
+            raise ValueError(
+                f"voice cloning (voices_dir) with the preset model {self.model!r} needs voice_models_dir: "
+                "a preset has no campplus / speech tokenizer ONNX files"
+            )
+        if self.voice_models_dir is not None:
+            check_model_source(self.voice_models_dir, self.security.allowed_model_roots)
         return self

@@ -48,6 +48,9 @@ def run(options: argparse.Namespace) -> int:
     args = dict(application.get("args") or {})
     if options.model_dir is not None:
         args["model"] = str(options.model_dir)
+    for key in ("voices_dir", "voice_models_dir"):
+        if getattr(options, key) is not None:
+            args[key] = str(getattr(options, key))
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
@@ -123,6 +126,15 @@ def parser() -> argparse.ArgumentParser:
     run_parser = commands.add_parser("run", help="start a local Ray and the app")
     run_parser.add_argument("--model-dir", type=Path, default=None, help="official model dir (default: tiny preset)")
     run_parser.add_argument("--config", type=Path, default=None, help="Serve config file (its `args` are used)")
+    run_parser.add_argument(
+        "--voices-dir", type=Path, default=None, help="turns on voice cloning: where registered voices are kept"
+    )
+    run_parser.add_argument(
+        "--voice-models-dir",
+        type=Path,
+        default=None,
+        help="campplus.onnx and speech_tokenizer_v1.onnx (default: the model dir)",
+    )
     run_parser.add_argument("--host", default=None)
     run_parser.add_argument("--port", type=int, default=None)
     run_parser.set_defaults(handler=run)

@@ -12,8 +12,8 @@ import json
 import logging
 import os
 import unicodedata
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidInputError
@@ -36,6 +36,11 @@ MAX_VOICE_NAME_CHARS = 128
 class GuardSettings:
     api_keys: tuple[bytes, ...]  # empty: no authentication
     max_body_bytes: int
+    # Paths whose bodies may be larger than `max_body_bytes` (uploads), and their own limit.
+    body_limits_by_path: Mapping[str, int] = field(default_factory=dict)
+
+    def body_limit(self, path: str) -> int:
+        return self.body_limits_by_path.get(path, self.max_body_bytes)
 
 
 _settings: GuardSettings | None = None
@@ -113,11 +118,11 @@ class RequestGuard:
                 send, 401, "missing or invalid API key (send `Authorization: Bearer <key>`)", "invalid_api_key"
             )
             return
-        body = await read_body_within(receive, headers, settings.max_body_bytes)
+        # The app's own path: under a Serve route prefix, `path` starts with it (it is also the `root_path`).
+        limit = settings.body_limit(scope["path"].removeprefix(scope.get("root_path", "")))
+        body = await read_body_within(receive, headers, limit)
         if body is None:
-            await self.reply(
-                send, 413, f"the request body is larger than {settings.max_body_bytes} bytes", "body_too_large"
-            )
+            await self.reply(send, 413, f"the request body is larger than {limit} bytes", "body_too_large")
             return
         await self.app(scope, replay_body(body, receive), send)
 

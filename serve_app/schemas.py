@@ -52,10 +52,15 @@ class TTSRequest(_Body):
     """The native body: every engine option, and `stream` for a chunked response."""
 
     text: str
-    voice: str | None = Field(None, description="speaker id; default: the model's first voice")
+    voice: str | None = Field(
+        None, description="built-in speaker or registered voice id; default: the model's first built-in voice"
+    )
     format: str = "wav"
     stream: bool = False
     instruct_text: str | None = None
+    cross_lingual: bool = Field(
+        False, description="with a registered voice: keep its timbre but not its transcript (text in another language)"
+    )
     seed: int | None = Field(None, ge=0, description="makes the request reproducible")
     speed: float = 1.0
     sampling: SamplingBody = SamplingBody()

@@ -219,7 +219,9 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 )
 def test_openapi_fuzzing_never_gets_a_5xx(case: Any, base_url: str) -> None:
     response = case.call(base_url=base_url, headers=AUTH, timeout=120)
-    assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
+    # 501 is the one designed 5xx: registering a voice here, where voice cloning is not configured.
+    designed = response.status_code == 501 and (case.method, case.path) == ("POST", "/v1/voices")
+    assert response.status_code < 500 or designed, (case.method, case.path, case.body, response.text[:300])
     if response.status_code >= 400:
         assert response.json()["error"]["message"]
 

@@ -1,0 +1,397 @@
+"""Voice cloning: a prompt recording -> the speaker embedding, speech tokens and mel that condition synthesis.
+
+Reproduces the official zero-shot front end. The mono recording is resampled from its own rate straight to each
+consumer's rate, as the official `load_wav` does:
+* 16 kHz -> Kaldi fbank (80 bins, no dither) minus its mean over time -> `campplus.onnx` -> 192-dim embedding;
+* 16 kHz -> Whisper log-mel (128 bins) -> `speech_tokenizer_v{1,2}.onnx` -> speech tokens (50 or 25 per second);
+* model rate -> the Matcha-TTS mel spectrogram the flow was trained on (80 bins) -> prompt mel frames.
+CosyVoice2 then trims tokens and frames to exactly 2 frames per token.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import soundfile
+import torch
+import torchaudio.compliance.kaldi as kaldi
+import torchaudio.functional as AF
+from torch import Tensor, nn
+
+from engine.errors import CheckpointError, InvalidInputError
+
+MIN_PROMPT_SECONDS = 1.0
+MAX_PROMPT_SECONDS = 30.0  # the official speech tokenizer refuses longer audio
+MIN_SAMPLE_RATE = 16000  # the official loader refuses to upsample to the 16 kHz the tokenizer needs
+FEATURE_SAMPLE_RATE = 16000  # rate of the embedding and speech-token features
+EMBEDDING_DIM = 192
+MEL_BINS = 80
+CAMPPLUS_FILE = "campplus.onnx"
+SPEECH_TOKENIZER_FILES = {1: "speech_tokenizer_v1.onnx", 2: "speech_tokenizer_v2.onnx"}
+SPEECH_TOKEN_VOCAB = {1: 4096, 2: 6561}
+_FRAMES_PER_TOKEN_V2 = 2  # CosyVoice2's flow upsamples tokens x2, so its prompt must hold exactly 2 frames per token
+
+_WHISPER_MELS = 128
+_WHISPER_N_FFT = 400
+_WHISPER_HOP = 160
+_WHISPER_LOG_FLOOR = 1e-10
+_WHISPER_DYNAMIC_RANGE = 8.0  # log10 units kept below the loudest bin
+_MATCHA_MAGNITUDE_EPS = 1e-9
+_MATCHA_LOG_FLOOR = 1e-5
+
+
+@dataclass(frozen=True)
+class PromptMelConfig:
+    """The flow's mel front end (the yaml `feat_extractor`, Matcha-TTS `mel_spectrogram`)."""
+
+    sample_rate: int
+    n_fft: int
+    hop_length: int
+    win_length: int
+    num_mels: int = MEL_BINS
+    fmin: float = 0.0
+    fmax: float = 8000.0
+
+    @classmethod
+    def for_model(cls, sample_rate: int, version: int) -> PromptMelConfig:
+        """The official settings of CosyVoice `version`; CheckpointError unless the model rate is that version's."""
+        if version not in _PROMPT_MEL_CONFIGS:
+            raise CheckpointError(f"unsupported CosyVoice version {version!r}; voice cloning supports 1 and 2")
+        config = _PROMPT_MEL_CONFIGS[version]
+        if sample_rate != config.sample_rate:
+            raise CheckpointError(
+                f"CosyVoice v{version} runs at {config.sample_rate} Hz, not {sample_rate} Hz: unsupported model config"
+            )
+        return config
+
+
+_PROMPT_MEL_CONFIGS = {
+    1: PromptMelConfig(sample_rate=22050, n_fft=1024, hop_length=256, win_length=1024),
+    2: PromptMelConfig(sample_rate=24000, n_fft=1920, hop_length=480, win_length=1920),
+}
+_VERSION_BY_SAMPLE_RATE = {config.sample_rate: version for version, config in _PROMPT_MEL_CONFIGS.items()}
+
+
+def slaney_mel_filters(sample_rate: int, n_fft: int, num_mels: int, fmin: float, fmax: float) -> Tensor:
+    """Slaney-scale, area-normalised triangular filters (librosa's default) -> [num_mels, n_fft // 2 + 1]."""
+    filters = AF.melscale_fbanks(
+        n_freqs=n_fft // 2 + 1,
+        f_min=fmin,
+        f_max=fmax,
+        n_mels=num_mels,
+        sample_rate=sample_rate,
+        norm="slaney",
+        mel_scale="slaney",
+    )
+    return filters.T.contiguous()
+
+
+class WhisperLogMel(nn.Module):
+    """Whisper's `log_mel_spectrogram` at 16 kHz, the speech tokenizer's input."""
+
+    def __init__(self, num_mels: int = _WHISPER_MELS) -> None:
+        super().__init__()
+        self.register_buffer("window", torch.hann_window(_WHISPER_N_FFT), persistent=False)
+        filters = slaney_mel_filters(FEATURE_SAMPLE_RATE, _WHISPER_N_FFT, num_mels, 0.0, FEATURE_SAMPLE_RATE / 2)
+        self.register_buffer("mel_filters", filters, persistent=False)
+
+    def forward(self, waveform: Tensor) -> Tensor:
+        """waveform [N] float32 at 16 kHz -> log-mel [num_mels, N // 160]."""
+        spectrum = torch.stft(
+            waveform, _WHISPER_N_FFT, _WHISPER_HOP, window=self.window, center=True, return_complex=True
+        )
+        power = spectrum[:, :-1].abs().pow(2)  # Whisper drops the last centred frame
+        log_mel = torch.clamp(self.mel_filters @ power, min=_WHISPER_LOG_FLOOR).log10()
+        log_mel = torch.maximum(log_mel, log_mel.max() - _WHISPER_DYNAMIC_RANGE)
+        return (log_mel + 4.0) / 4.0
+
+
+class PromptMelSpectrogram(nn.Module):
+    """Matcha-TTS `mel_spectrogram`: the prompt mel frames the flow conditions on."""
+
+    def __init__(self, config: PromptMelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("window", torch.hann_window(config.win_length), persistent=False)
+        filters = slaney_mel_filters(config.sample_rate, config.n_fft, config.num_mels, config.fmin, config.fmax)
+        self.register_buffer("mel_filters", filters, persistent=False)
+
+    def forward(self, waveform: Tensor) -> Tensor:
+        """waveform [N] float32 at the model rate -> log-mel [N // hop, num_mels]."""
+        config = self.config
+        padding = (config.n_fft - config.hop_length) // 2  # symmetric reflect padding instead of stft centring
+        padded = torch.nn.functional.pad(waveform[None, None], (padding, padding), mode="reflect")[0, 0]
+        spectrum = torch.stft(
+            padded,
+            config.n_fft,
+            hop_length=config.hop_length,
+            win_length=config.win_length,
+            window=self.window,
+            center=False,
+            return_complex=True,
+        )
+        magnitude = torch.sqrt(spectrum.real.pow(2) + spectrum.imag.pow(2) + _MATCHA_MAGNITUDE_EPS)
+        return torch.log(torch.clamp(self.mel_filters @ magnitude, min=_MATCHA_LOG_FLOOR)).T
+
+
+def speaker_fbank(waveform_16k: Tensor) -> Tensor:
+    """The campplus input: Kaldi fbank of [N] float32 16 kHz audio minus its mean over time -> [T, 80]."""
+    fbank = kaldi.fbank(waveform_16k[None], num_mel_bins=MEL_BINS, dither=0.0, sample_frequency=FEATURE_SAMPLE_RATE)
+    return fbank - fbank.mean(dim=0, keepdim=True)
+
+
+def align_prompt_v2(speech_tokens: np.ndarray, speech_feat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """CosyVoice2's rule: keep the longest prefix with exactly 2 mel frames [2P, 80] per token [P]."""
+    token_count = min(speech_feat.shape[0] // _FRAMES_PER_TOKEN_V2, speech_tokens.shape[0])
+    return speech_tokens[:token_count], speech_feat[: _FRAMES_PER_TOKEN_V2 * token_count]
+
+
+def _invalid_unless(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidInputError(message)
+
+
+_PROMPT_ARRAYS = ("transcript", "embedding", "speech_tokens", "speech_feat", "sample_rate", "version")
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no boolean equality
+class VoicePrompt:
+    """Everything a cloned voice contributes to synthesis; `version` defaults to the one `sample_rate` implies."""
+
+    transcript: str
+    embedding: np.ndarray  # float32 [192]
+    speech_tokens: np.ndarray  # int64 [P]
+    speech_feat: np.ndarray  # float32 [Tp, 80], at `sample_rate`
+    sample_rate: int  # the model rate the mel was made for
+    version: int | None = None  # always set (1 or 2) after construction
+
+    def __post_init__(self) -> None:
+        _invalid_unless(isinstance(self.transcript, str) and bool(self.transcript.strip()), "empty prompt transcript")
+        _invalid_unless(
+            _is_array(self.embedding, np.float32, (EMBEDDING_DIM,)) and bool(np.isfinite(self.embedding).all()),
+            f"the speaker embedding must be finite float32 [{EMBEDDING_DIM}]",
+        )
+        _invalid_unless(_is_array(self.speech_tokens, np.int64, (None,)), "the prompt speech tokens must be int64 [P]")
+        _invalid_unless(
+            _is_array(self.speech_feat, np.float32, (None, MEL_BINS)) and bool(np.isfinite(self.speech_feat).all()),
+            f"the prompt mel must be finite float32 [T, {MEL_BINS}]",
+        )
+        _invalid_unless(
+            isinstance(self.sample_rate, int) and not isinstance(self.sample_rate, bool) and self.sample_rate > 0,
+            f"invalid prompt sample rate {self.sample_rate!r}",
+        )
+        if self.version is None:
+            _invalid_unless(
+                self.sample_rate in _VERSION_BY_SAMPLE_RATE,
+                f"cannot tell the CosyVoice version of a prompt made for {self.sample_rate} Hz; pass `version`",
+            )
+            object.__setattr__(self, "version", _VERSION_BY_SAMPLE_RATE[self.sample_rate])
+        _invalid_unless(self.version in SPEECH_TOKENIZER_FILES, f"invalid prompt CosyVoice version {self.version!r}")
+
+    def save(self, path: Path) -> None:
+        """Write an npz (no pickles) atomically: a temporary file beside `path`, then a rename over it."""
+        path = Path(path)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                np.savez(
+                    file,
+                    allow_pickle=False,
+                    transcript=np.array(self.transcript, dtype=np.str_),
+                    embedding=self.embedding,
+                    speech_tokens=self.speech_tokens,
+                    speech_feat=self.speech_feat,
+                    sample_rate=np.array(self.sample_rate, dtype=np.int64),
+                    version=np.array(self.version, dtype=np.int64),
+                )
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, path: Path) -> VoicePrompt:
+        """Read a file written by `save`; InvalidInputError if it is corrupt, FileNotFoundError if it is missing."""
+        arrays = _read_npz(Path(path))
+        transcript, sample_rate, version = arrays["transcript"], arrays["sample_rate"], arrays["version"]
+        _invalid_unless(transcript.shape == () and transcript.dtype.kind == "U", f"{path}: corrupt transcript")
+        for name, scalar in (("sample_rate", sample_rate), ("version", version)):
+            _invalid_unless(scalar.shape == () and scalar.dtype.kind in "iu", f"{path}: corrupt {name}")
+        try:
+            return cls(
+                transcript=str(transcript[()]),
+                embedding=arrays["embedding"],
+                speech_tokens=arrays["speech_tokens"],
+                speech_feat=arrays["speech_feat"],
+                sample_rate=int(sample_rate),
+                version=int(version),
+            )
+        except InvalidInputError as error:
+            raise InvalidInputError(f"{path}: corrupt voice prompt: {error.message}") from None
+
+
+def _is_array(value: object, dtype: type, shape: tuple[int | None, ...]) -> bool:
+    """Whether `value` is an ndarray of `dtype` whose shape matches `shape` (None: any length)."""
+    return (
+        isinstance(value, np.ndarray)
+        and value.dtype == dtype
+        and value.ndim == len(shape)
+        and all(expected is None or actual == expected for actual, expected in zip(value.shape, shape, strict=True))
+    )
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The voice prompt arrays of an npz file; InvalidInputError for anything but a complete, pickle-free npz."""
+    corrupt = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error)
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise
+    except corrupt as error:
+        raise InvalidInputError(f"{path} is not a readable voice prompt file: {error}") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise InvalidInputError(f"{path} is not a voice prompt file (a single array, not an npz archive)")
+    with archive:
+        missing = [name for name in _PROMPT_ARRAYS if name not in archive.files]
+        _invalid_unless(not missing, f"{path} is not a voice prompt file: missing {', '.join(missing)}")
+        try:
+            return {name: archive[name] for name in _PROMPT_ARRAYS}
+        except corrupt as error:
+            raise InvalidInputError(f"{path} is not a readable voice prompt file: {error}") from None
+
+
+def _onnx_session(path: Path, num_threads: int, min_inputs: int) -> onnxruntime.InferenceSession:
+    if not path.is_file():
+        raise CheckpointError(f"voice cloning model {path} does not exist")
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = num_threads
+    try:
+        session = onnxruntime.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own untyped errors for unreadable models
+        raise CheckpointError(f"cannot load voice cloning model {path}: {error}") from error
+    if len(session.get_inputs()) < min_inputs:
+        raise CheckpointError(f"{path} takes {len(session.get_inputs())} input(s); expected {min_inputs}")
+    return session
+
+
+class VoiceCloner:
+    """Turns a prompt recording and its transcript into a `VoicePrompt` for one model (rate and version)."""
+
+    def __init__(
+        self,
+        campplus_path: Path,
+        speech_tokenizer_path: Path,
+        model_sample_rate: int,
+        version: int,
+        num_threads: int = 1,
+    ) -> None:
+        self.version = version
+        self.mel_config = PromptMelConfig.for_model(model_sample_rate, version)
+        self.speaker_session = _onnx_session(Path(campplus_path), num_threads, min_inputs=1)
+        self.tokenizer_session = _onnx_session(Path(speech_tokenizer_path), num_threads, min_inputs=2)
+        self.whisper_mel = WhisperLogMel()
+        self.prompt_mel = PromptMelSpectrogram(self.mel_config)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, model_sample_rate: int, version: int) -> VoiceCloner:
+        """From an official model directory (`campplus.onnx`, `speech_tokenizer_v{version}.onnx`)."""
+        if version not in SPEECH_TOKENIZER_FILES:
+            raise CheckpointError(f"unsupported CosyVoice version {version!r}; voice cloning supports 1 and 2")
+        model_dir = Path(model_dir)
+        paths = [model_dir / CAMPPLUS_FILE, model_dir / SPEECH_TOKENIZER_FILES[version]]
+        missing = [path.name for path in paths if not path.is_file()]
+        if missing:
+            raise CheckpointError(f"voice cloning needs {' and '.join(missing)} in {model_dir}; not found")
+        return cls(paths[0], paths[1], model_sample_rate, version)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.mel_config.sample_rate
+
+    def clone(self, waveform: np.ndarray, sample_rate: int, transcript: str) -> VoicePrompt:
+        """Features of a recording: `waveform` float32 [N] or [N, C] (channels are averaged) at `sample_rate`."""
+        transcript = transcript.strip()
+        _invalid_unless(bool(transcript), "the prompt transcript is empty: give the words spoken in the recording")
+        mono = _mono_waveform(waveform, sample_rate)
+        sample_rate = int(sample_rate)
+        with torch.inference_mode():
+            audio = torch.from_numpy(mono)
+            audio_16k = AF.resample(audio, sample_rate, FEATURE_SAMPLE_RATE)
+            embedding = self._speaker_embedding(audio_16k)
+            speech_tokens = self._speech_tokens(audio_16k)
+            model_rate_audio = AF.resample(audio, sample_rate, self.mel_config.sample_rate)
+            speech_feat = self.prompt_mel(model_rate_audio).numpy()
+        if self.version == 2:
+            speech_tokens, speech_feat = align_prompt_v2(speech_tokens, speech_feat)
+        return VoicePrompt(
+            transcript=transcript,
+            embedding=embedding,
+            speech_tokens=np.ascontiguousarray(speech_tokens),
+            speech_feat=np.ascontiguousarray(speech_feat, dtype=np.float32),
+            sample_rate=self.mel_config.sample_rate,
+            version=self.version,
+        )
+
+    def _speaker_embedding(self, audio_16k: Tensor) -> np.ndarray:
+        """[N] 16 kHz -> float32 [192]; campplus takes [1, T, 80]."""
+        features = speaker_fbank(audio_16k)[None].numpy()
+        input_name = self.speaker_session.get_inputs()[0].name
+        embedding = np.asarray(self.speaker_session.run(None, {input_name: features})[0], dtype=np.float32).ravel()
+        if embedding.shape != (EMBEDDING_DIM,):
+            raise CheckpointError(f"the speaker model returned {embedding.size} values; expected {EMBEDDING_DIM}")
+        return embedding
+
+    def _speech_tokens(self, audio_16k: Tensor) -> np.ndarray:
+        """[N] 16 kHz -> int64 [P]; the tokenizer takes log-mel [1, 128, T] and its length [1] int32."""
+        log_mel = self.whisper_mel(audio_16k)[None].numpy()
+        feats, lengths = (item.name for item in self.tokenizer_session.get_inputs()[:2])
+        outputs = self.tokenizer_session.run(
+            None, {feats: log_mel, lengths: np.array([log_mel.shape[2]], dtype=np.int32)}
+        )
+        tokens = np.asarray(outputs[0]).ravel().astype(np.int64)
+        vocabulary = SPEECH_TOKEN_VOCAB[self.version]
+        if tokens.size and not (tokens.min() >= 0 and tokens.max() < vocabulary):
+            raise CheckpointError(f"the speech tokenizer returned tokens outside [0, {vocabulary})")
+        return tokens
+
+    @staticmethod
+    def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
+        """An uploaded audio file (any format libsndfile reads) -> (float32 [N] or [N, C], sample rate)."""
+        try:
+            waveform, sample_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
+        except (soundfile.SoundFileError, RuntimeError, TypeError, ValueError):
+            # libsndfile's message names the in-memory file object, which means nothing to the uploader
+            raise InvalidInputError("not a readable audio file; send WAV, FLAC, OGG or MP3") from None
+        return waveform, int(sample_rate)
+
+
+def _mono_waveform(waveform: np.ndarray, sample_rate: int) -> np.ndarray:
+    """Checks a recording against the prompt limits; its channel mean as float32 [N]."""
+    _invalid_unless(
+        isinstance(sample_rate, (int, np.integer)) and sample_rate >= MIN_SAMPLE_RATE,
+        f"the prompt recording's sample rate is {sample_rate} Hz; it must be at least {MIN_SAMPLE_RATE} Hz",
+    )
+    waveform = np.asarray(waveform)
+    _invalid_unless(
+        waveform.ndim in (1, 2) and waveform.dtype.kind == "f",
+        f"the prompt waveform must be float [samples] or [samples, channels], not {waveform.dtype} {waveform.shape}",
+    )
+    mono = (waveform.mean(axis=1) if waveform.ndim == 2 else waveform).astype(np.float32)
+    duration = mono.shape[0] / sample_rate
+    _invalid_unless(
+        MIN_PROMPT_SECONDS <= duration <= MAX_PROMPT_SECONDS,
+        f"the prompt recording lasts {duration:.2f} s; it must last {MIN_PROMPT_SECONDS:g} to {MAX_PROMPT_SECONDS:g} s",
+    )
+    _invalid_unless(bool(np.isfinite(mono).all()), "the prompt recording contains NaN or infinite samples")
+    _invalid_unless(bool(mono.any()), "the prompt recording is silent (all samples are zero)")
+    return np.ascontiguousarray(mono)

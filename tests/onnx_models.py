@@ -1,0 +1,81 @@
+"""Tiny stand-ins for the official voice-cloning ONNX models, with their input/output layout.
+
+* `campplus.onnx`: float [1, T, 80] -> float [1, 192]: mean of the squared (mean-removed) fbank over time, then a
+  fixed projection, so the embedding depends on how each band varies in the recording;
+* `speech_tokenizer_v{1,2}.onnx`: `feats` float [1, 128, T] and `feats_length` int32 [1] -> `indices` int64 [1, T'],
+  T' = T // 2 (v1, 50 tokens/s) or T // 4 (v2, 25 tokens/s): average pooling over time, a fixed projection onto
+  the whole vocabulary, argmax.
+
+Weights come from a fixed seed, so every call writes identical models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+_OPSET = 17
+_IR_VERSION = 8  # the IR version of opset 17, readable by any onnxruntime that runs opset 17
+_FBANK_BINS = 80
+_EMBEDDING_DIM = 192
+_WHISPER_MELS = 128
+_TOKEN_STRIDE = {1: 2, 2: 4}  # log-mel frames (100 per second) per speech token
+_VOCABULARY = {1: 4096, 2: 6561}
+
+
+def _save(graph: onnx.GraphProto, path: Path) -> None:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)], producer_name="tests")
+    model.ir_version = _IR_VERSION
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
+def _campplus_graph(rng: np.random.Generator) -> onnx.GraphProto:
+    projection = (rng.standard_normal((_FBANK_BINS, _EMBEDDING_DIM)) / np.sqrt(_FBANK_BINS)).astype(np.float32)
+    nodes = [
+        helper.make_node("Mul", ["input", "input"], ["squared"]),
+        helper.make_node("ReduceMean", ["squared"], ["band_power"], axes=[1], keepdims=0),
+        helper.make_node("MatMul", ["band_power", "projection"], ["output"]),
+    ]
+    return helper.make_graph(
+        nodes,
+        "tiny_campplus",
+        inputs=[helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, "frames", _FBANK_BINS])],
+        outputs=[helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, _EMBEDDING_DIM])],
+        initializer=[numpy_helper.from_array(projection, "projection")],
+    )
+
+
+def _speech_tokenizer_graph(rng: np.random.Generator, version: int) -> onnx.GraphProto:
+    stride, vocabulary = _TOKEN_STRIDE[version], _VOCABULARY[version]
+    projection = rng.standard_normal((_WHISPER_MELS, vocabulary)).astype(np.float32)
+    nodes = [
+        helper.make_node("AveragePool", ["feats"], ["pooled"], kernel_shape=[stride], strides=[stride]),
+        helper.make_node("Transpose", ["pooled"], ["frames_first"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["frames_first", "projection"], ["logits"]),
+        helper.make_node("ArgMax", ["logits"], ["indices"], axis=2, keepdims=0),
+    ]
+    return helper.make_graph(
+        nodes,
+        f"tiny_speech_tokenizer_v{version}",
+        inputs=[
+            helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, _WHISPER_MELS, "frames"]),
+            helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),
+        ],
+        outputs=[helper.make_tensor_value_info("indices", TensorProto.INT64, [1, "tokens"])],
+        initializer=[numpy_helper.from_array(projection, "projection")],
+    )
+
+
+def write_tiny_voice_models(directory: Path, version: int) -> None:
+    """Write `campplus.onnx` and `speech_tokenizer_v{version}.onnx` (version 1 or 2) into `directory`."""
+    if version not in _TOKEN_STRIDE:
+        raise ValueError(f"no tiny speech tokenizer for CosyVoice version {version!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7000 + version)
+    _save(_campplus_graph(rng), directory / "campplus.onnx")
+    _save(_speech_tokenizer_graph(rng, version), directory / f"speech_tokenizer_v{version}.onnx")

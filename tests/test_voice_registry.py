@@ -1,0 +1,295 @@
+"""The voice registry: `VoiceRegistry` on disk (no Ray), then voice registration over HTTP on a real Serve app
+(tiny model, tiny ONNX cloning models): upload, list, synthesise with the id, delete, and every bad upload."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from onnx_models import write_tiny_voice_models
+from ray import serve
+from serve_testing import running_app
+
+from engine.errors import InvalidInputError, UnknownVoiceError
+from engine.voice_cloning import VoicePrompt
+from serve_app import build_app
+from serve_app.guard import check_voice_name
+from serve_app.voice_registry import VoiceRegistry, VoiceRegistryFullError, is_voice_id
+
+TRAVERSAL_IDS = [
+    "../outside",
+    "voice_../../outside",
+    "voice_0123456789ab/../../outside",
+    "/tmp/voice_0123456789ab",
+    "voice_0123456789AB",
+    "voice_0123456789abc",
+    "",
+]
+
+
+def make_prompt(seed: int = 0, transcript: str = "Hello there.") -> VoicePrompt:
+    rng = np.random.default_rng(seed)
+    return VoicePrompt(
+        transcript=transcript,
+        embedding=rng.standard_normal(192).astype(np.float32),
+        speech_tokens=rng.integers(0, 4096, size=50, dtype=np.int64),
+        speech_feat=rng.standard_normal((172, 80)).astype(np.float32),
+        sample_rate=22050,
+    )
+
+
+def assert_same_prompt(actual: VoicePrompt, expected: VoicePrompt) -> None:
+    assert actual.transcript == expected.transcript and actual.sample_rate == expected.sample_rate
+    np.testing.assert_array_equal(actual.embedding, expected.embedding)
+    np.testing.assert_array_equal(actual.speech_tokens, expected.speech_tokens)
+    np.testing.assert_array_equal(actual.speech_feat, expected.speech_feat)
+
+
+# --- VoiceRegistry, no Ray ------------------------------------------------------------------------------
+
+
+def test_round_trip_and_files(tmp_path: Path) -> None:
+    registry = VoiceRegistry(tmp_path)
+    prompt = make_prompt()
+    record = registry.add(prompt, "  my voice ", duration_s=2.0004)
+    assert is_voice_id(record.id) and record.name == "my voice" and record.transcript == "Hello there."
+    assert record.duration_s == 2.0 and record.created_at > 0
+    check_voice_name(record.id)  # the ingress accepts registered ids as `voice`
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name != ".lock") == [
+        f"{record.id}.json",
+        f"{record.id}.npz",
+    ], "no temporary file may be left behind"
+    assert json.loads((tmp_path / f"{record.id}.json").read_text()) == record.as_dict()
+    assert_same_prompt(registry.get(record.id), prompt)
+    assert registry.records() == [record]
+    assert registry.add(make_prompt(1), None, duration_s=1.0).name.startswith("voice_")  # unnamed: named by its id
+
+
+def test_a_new_instance_sees_the_voices_and_caches_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = VoiceRegistry(tmp_path)
+    records = [first.add(make_prompt(seed), f"v{seed}", duration_s=1.5) for seed in range(3)]
+    restarted = VoiceRegistry(tmp_path)
+    assert sorted(restarted.records(), key=lambda record: record.id) == sorted(records, key=lambda record: record.id)
+    loads: list[Path] = []
+    real_load = VoicePrompt.load
+    monkeypatch.setattr(VoicePrompt, "load", classmethod(lambda cls, path: loads.append(path) or real_load(path)))
+    for _ in range(3):
+        assert_same_prompt(restarted.get(records[1].id), make_prompt(1))
+    assert loads == [tmp_path / f"{records[1].id}.npz"], "the prompt is read from disk once, then from memory"
+
+
+def test_delete(tmp_path: Path) -> None:
+    registry = VoiceRegistry(tmp_path)
+    kept, deleted = (registry.add(make_prompt(seed), None, duration_s=1.0) for seed in range(2))
+    assert registry.delete(deleted.id)
+    assert not (tmp_path / f"{deleted.id}.json").exists() and not (tmp_path / f"{deleted.id}.npz").exists()
+    with pytest.raises(UnknownVoiceError, match="unknown voice"):
+        registry.get(deleted.id)
+    assert not registry.delete(deleted.id)
+    assert [record.id for record in registry.records()] == [kept.id]
+
+
+@pytest.mark.parametrize("voice_id", TRAVERSAL_IDS)
+def test_ids_that_are_not_voice_ids_never_reach_the_disk(tmp_path: Path, voice_id: str) -> None:
+    voices = tmp_path / "voices"
+    registry = VoiceRegistry(voices)
+    # Files that a path built from the id would reach.
+    for name in ("outside.json", "outside.npz"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(UnknownVoiceError):
+        registry.get(voice_id)
+    assert not registry.delete(voice_id)
+    assert (tmp_path / "outside.json").exists() and (tmp_path / "outside.npz").exists()
+
+
+def test_cap_on_the_number_of_voices(tmp_path: Path) -> None:
+    registry = VoiceRegistry(tmp_path, max_voices=2)
+    first, _ = (registry.add(make_prompt(seed), None, duration_s=1.0) for seed in range(2))
+    with pytest.raises(VoiceRegistryFullError, match="full") as full:
+        registry.add(make_prompt(2), None, duration_s=1.0)
+    assert full.value.http_status == 409
+    assert len(registry.records()) == 2
+    registry.delete(first.id)
+    registry.add(make_prompt(3), None, duration_s=1.0)
+
+
+@pytest.mark.parametrize("name", ["x" * 65, "tab\there", "new\nline"])
+def test_bad_display_names(tmp_path: Path, name: str) -> None:
+    with pytest.raises(InvalidInputError, match="voice name"):
+        VoiceRegistry(tmp_path).add(make_prompt(), name, duration_s=1.0)
+
+
+def test_two_instances_share_one_directory(tmp_path: Path) -> None:
+    """Two encoder replicas: a voice added by one is found by the other; one deleted by one is gone for both."""
+    replica_a, replica_b = VoiceRegistry(tmp_path), VoiceRegistry(tmp_path)
+    record = replica_a.add(make_prompt(7), "shared", duration_s=1.0)
+    assert_same_prompt(replica_b.get(record.id), make_prompt(7))
+    assert replica_b.records() == [record]
+    assert replica_b.delete(record.id)
+    with pytest.raises(UnknownVoiceError):
+        replica_a.get(record.id)  # cached in A, deleted through B
+    assert replica_a.records() == []
+
+
+def test_concurrent_adds_respect_the_cap(tmp_path: Path) -> None:
+    registries = [VoiceRegistry(tmp_path, max_voices=5) for _ in range(2)]
+    outcomes: list[str] = []
+
+    def add(index: int) -> None:
+        try:
+            registries[index % 2].add(make_prompt(index), None, duration_s=1.0)
+            outcomes.append("added")
+        except VoiceRegistryFullError:
+            outcomes.append("full")
+
+    threads = [threading.Thread(target=add, args=(index,)) for index in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(outcomes) == ["added"] * 5 + ["full"] * 3
+    assert len(registries[0].records()) == 5
+
+
+# --- over HTTP, on a real Serve app ---------------------------------------------------------------------
+
+MAX_PROMPT_AUDIO_BYTES = 300_000
+MAX_PROMPT_AUDIO_S = 6.0
+SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights rarely stop by themselves
+
+
+def wav_bytes(seconds: float, sample_rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    audio = 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    buffer = io.BytesIO()
+    sf.write(buffer, audio.astype(np.float32), sample_rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("cloning")
+    write_tiny_voice_models(root / "models", version=1)
+    small = {"ingress": {"num_cpus": 0.1}, "encoder": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
+    args = {
+        "model": "tiny",
+        **small,
+        "voices_dir": str(root / "voices"),
+        "voice_models_dir": str(root / "models"),
+        "limits": {
+            "max_prompt_audio_bytes": MAX_PROMPT_AUDIO_BYTES,
+            "max_prompt_audio_s": MAX_PROMPT_AUDIO_S,
+            "max_voices": 3,
+        },
+    }
+    with running_app(args, "voices-test") as url:
+        # The same model without voice cloning, beside it, for the 501.
+        serve.run(build_app({"model": "tiny", **small}), name="no-cloning", route_prefix="/plain")
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        yield http
+
+
+def upload(client: httpx.Client, audio: bytes, transcript: str | None = "Hello there.", **form: str) -> httpx.Response:
+    data = form if transcript is None else {"transcript": transcript, **form}
+    return client.post("/v1/voices", files={"file": ("prompt.wav", audio, "audio/wav")}, data=data)
+
+
+def assert_error(response: httpx.Response, status: int, needle: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"], error
+    assert set(error) == {"message", "type", "code", "param"}
+
+
+def registered_ids(client: httpx.Client) -> list[str]:
+    response = client.get("/v1/voices")
+    assert response.status_code == 200
+    return [record["id"] for record in response.json()["registered_voices"]]
+
+
+def test_register_list_synthesise_delete(client: httpx.Client) -> None:
+    response = upload(client, wav_bytes(2.0), name="me")
+    assert response.status_code == 201, response.text
+    record = response.json()
+    assert is_voice_id(record["id"]) and record["name"] == "me" and record["transcript"] == "Hello there."
+    assert record["duration_s"] == pytest.approx(2.0, abs=0.01)
+    voice = record["id"]
+
+    listing = client.get("/v1/voices").json()
+    assert listing["voices"] == ["dummy_female", "dummy_male"] and listing["sample_rate"] > 0  # the old keys
+    assert record in listing["registered_voices"]
+
+    tts = client.post("/v1/tts", json={"text": "Said in my voice.", "voice": voice, "format": "wav", **SHORT})
+    assert tts.status_code == 200, tts.text
+    audio, rate = sf.read(io.BytesIO(tts.content), dtype="float32")
+    assert rate == listing["sample_rate"] and len(audio) > 0 and np.isfinite(audio).all()
+    speech = client.post(
+        "/v1/audio/speech", json={"model": "tiny", "input": "Hi.", "voice": voice, "response_format": "pcm"}
+    )
+    assert speech.status_code == 200 and len(speech.content) > 0, speech.text
+
+    deleted = client.delete(f"/v1/voices/{voice}")
+    assert deleted.status_code == 200 and deleted.json() == {"id": voice, "object": "voice", "deleted": True}
+    assert voice not in registered_ids(client)
+    assert_error(client.post("/v1/tts", json={"text": "Hi.", "voice": voice, **SHORT}), 404, "unknown voice")
+    assert_error(client.delete(f"/v1/voices/{voice}"), 404, "no registered voice")
+
+
+def test_the_registry_cap_is_a_409(client: httpx.Client) -> None:
+    added = []
+    while len(registered_ids(client)) < 3:
+        response = upload(client, wav_bytes(1.5))
+        assert response.status_code == 201, response.text
+        added.append(response.json()["id"])
+    assert_error(upload(client, wav_bytes(1.5)), 409, "full")
+    for voice in added:
+        assert client.delete(f"/v1/voices/{voice}").status_code == 200
+
+
+BAD_UPLOADS = [
+    ("not audio", b"this is not a sound file " * 100, "Hello.", 400, "not a readable audio file"),
+    ("too short", wav_bytes(0.3), "Hello.", 400, "lasts 0.30 s"),
+    ("too long", wav_bytes(MAX_PROMPT_AUDIO_S + 1), "Hello.", 400, "lasts 7.00 s"),
+    ("too big, checked before decoding", b"\0" * (MAX_PROMPT_AUDIO_BYTES + 1), "Hello.", 413, "larger than"),
+    ("empty transcript", wav_bytes(2.0), "   ", 400, "transcript"),
+    ("no transcript", wav_bytes(2.0), None, 400, "transcript"),
+]
+
+
+@pytest.mark.parametrize(
+    ("audio", "transcript", "status", "needle"), [case[1:] for case in BAD_UPLOADS], ids=[c[0] for c in BAD_UPLOADS]
+)
+def test_bad_uploads_get_a_json_error(
+    client: httpx.Client, audio: bytes, transcript: str | None, status: int, needle: str
+) -> None:
+    before = registered_ids(client)
+    assert_error(upload(client, audio, transcript), status, needle)
+    assert registered_ids(client) == before
+
+
+def test_bad_name_and_unknown_ids(client: httpx.Client) -> None:
+    assert_error(upload(client, wav_bytes(2.0), name="x" * 65), 400, "voice name")
+    assert_error(client.delete("/v1/voices/voice_0123456789ab"), 404, "no registered voice")
+    assert_error(client.post("/v1/tts", json={"text": "Hi.", "voice": "voice_0123456789ab"}), 404, "unknown voice")
+
+
+def test_cloning_not_configured_is_a_501(client: httpx.Client) -> None:
+    response = client.post(
+        "/plain/v1/voices", files={"file": ("p.wav", wav_bytes(2.0), "audio/wav")}, data={"transcript": "Hello."}
+    )
+    assert_error(response, 501, "voices_dir")
+    listing: dict[str, Any] = client.get("/plain/v1/voices").json()
+    assert listing["registered_voices"] == [] and listing["voices"]
