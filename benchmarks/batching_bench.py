@@ -4,7 +4,10 @@ For batch sizes 1, 2, 4, 8, 16: throughput (audio seconds per wall second) and p
 the LLM alone and for the whole decoder (LLM + flow + HiFT); then the time to the first streamed chunk
 of a 20 s utterance against its full (non-streaming) synthesis time. All in one process, side by side.
 
-    python -m benchmarks.batching_bench --out out/batching.json [--seconds 2] [--batches 1 2 4 8 16]
+    python -m benchmarks.batching_bench --out out/batching.json [--seconds 2] [--batches 1 2 4 8 16] [--int8]
+
+The headline keys are for float32 weights; `--int8` repeats the sweep with the decoder LLM INT8-quantized (the
+CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an `_int8` suffix.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ def plot(result: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(batches, [r["llm_throughput"] for r in rows], "o-", label="LLM alone")
     left.plot(batches, [r["decoder_throughput"] for r in rows], "s-", label="whole decoder")
+    if "batching_int8" in result:
+        rows8 = result["batching_int8"]["rows"]
+        left.plot(batches, [r["llm_throughput"] for r in rows8], "o--", label="LLM alone, INT8")
+        left.plot(batches, [r["decoder_throughput"] for r in rows8], "s--", label="whole decoder, INT8 LLM")
     left.set(xscale="log", xlabel="batch size", ylabel="audio seconds per wall second", title="Throughput")
     left.set_xticks(batches, [str(b) for b in batches])
     left.legend()
@@ -101,33 +108,34 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--stream-seconds", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--int8", action="store_true", help="also sweep with an INT8 decoder LLM")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = load_model(args.model)
-    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-    voice = model.voices.names[0]
-    decoder.decode_batch(_segments(encoder, voice, 1, 0.5))  # warm-up
-    batching = measure_batches(
-        decoder, lambda n: _segments(encoder, voice, n, args.seconds), args.batches, args.seconds
-    )
-    streaming = measure_first_chunk(decoder, _segments(encoder, voice, 1, args.stream_seconds)[0])
-    by_batch = {r["batch"]: r for r in batching["rows"]}
-    result = {
-        "model": args.model,
-        "threads": args.threads,
-        "audio_seconds_per_request": args.seconds,
-        "batching": batching,
-        "streaming_20s": streaming,
-        "rtf_b1": 1 / by_batch[1]["decoder_throughput"],
-        "llm_ms_per_token_b1": by_batch[1]["llm_ms_per_token_step"],
-        "first_chunk_fraction_20s": streaming["first_chunk_s"] / streaming["full_synthesis_s"],
-    }
-    if 8 in by_batch:
-        result["llm_throughput_ratio_b8_vs_b1"] = by_batch[8]["llm_throughput"] / by_batch[1]["llm_throughput"]
-        result["decoder_throughput_ratio_b8_vs_b1"] = (
-            by_batch[8]["decoder_throughput"] / by_batch[1]["decoder_throughput"]
+    result: dict = {"model": args.model, "threads": args.threads, "audio_seconds_per_request": args.seconds}
+    for int8 in (False, True) if args.int8 else (False,):
+        suffix = "_int8" if int8 else ""
+        print(f"-- decoder LLM in {'INT8' if int8 else 'float32'}")
+        model = load_model(args.model, int8=int8)
+        encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
+        voice = model.voices.names[0]
+        decoder.decode_batch(_segments(encoder, voice, 1, 0.5))  # warm-up
+        batching = measure_batches(
+            decoder, lambda n, e=encoder, v=voice: _segments(e, v, n, args.seconds), args.batches, args.seconds
         )
+        by_batch = {r["batch"]: r for r in batching["rows"]}
+        result[f"batching{suffix}"] = batching
+        result[f"rtf_b1{suffix}"] = 1 / by_batch[1]["decoder_throughput"]
+        result[f"llm_ms_per_token_b1{suffix}"] = by_batch[1]["llm_ms_per_token_step"]
+        if 8 in by_batch:
+            for part in ("llm", "decoder"):
+                ratio = by_batch[8][f"{part}_throughput"] / by_batch[1][f"{part}_throughput"]
+                result[f"{part}_throughput_ratio_b8_vs_b1{suffix}"] = ratio
+        if not int8:
+            streaming = measure_first_chunk(decoder, _segments(encoder, voice, 1, args.stream_seconds)[0])
+            result["streaming_20s"] = streaming
+            result["first_chunk_fraction_20s"] = streaming["first_chunk_s"] / streaming["full_synthesis_s"]
+        del model, encoder, decoder
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
