@@ -1,16 +1,18 @@
-"""CosyVoice v1 text front end: normalisation, splitting of long texts, and the whisper BPE tokenizer.
+"""CosyVoice text front end: normalisation, splitting of long texts, and the model's text tokenizer.
 
 It reproduces the official `CosyVoiceFrontEnd.text_normalize` with its wetext backend (the backend the
 official code falls back to without `ttsfrd`) and `tokenizer.encode(text, allowed_special="all")` of
 `whisper.tokenizer.get_tokenizer(multilingual=True, num_languages=100, ...)`, without depending on
-`openai-whisper`: the BPE ranks ship in `engine/assets/` and the special tokens are rebuilt here.
+`openai-whisper`: the BPE ranks ship in `engine/assets/` and the special tokens are rebuilt here. The tokenizer
+is pluggable (`TextTokenizer`): CosyVoice2 runs the same normalisation and splitting with its Qwen2 tokenizer
+(`engine.qwen_tokenizer.QwenTokenizer`), which then also counts the English segment lengths.
 
 Pipeline of `TextFrontend.split` (the segments are synthesised one after another):
   1. validate (non-empty, at most `max_text_chars`), drop control/format characters;
   2. text holding both `<|` and `|>` (special-token markup) is passed through verbatim as one segment;
   3. Chinese (any char in U+4E00-U+9FFF): wetext, then fixed clean-up rules, then sentence splitting with
      lengths counted in characters; otherwise English: wetext, digits spelled with inflect, then splitting
-     with lengths counted in BPE tokens;
+     with lengths counted in the tokenizer's tokens;
   4. segments without anything speakable are dropped; if none is left the text is rejected.
 
 Without wetext the normalisation is minimal: the FST step is skipped, everything else (the Chinese rules,
@@ -33,7 +35,7 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import inflect
 import tiktoken
@@ -130,6 +132,35 @@ def load_whisper_encoding(num_languages: int = 100) -> tiktoken.Encoding:
     )
 
 
+class TextTokenizer(Protocol):
+    """What the front end needs of a model's text tokenizer."""
+
+    instruct_end_token: str  # ends an instruction in the LLM input (the official front ends append it)
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, special tokens written in it included."""
+        ...
+
+
+class WhisperTokenizer:
+    """CosyVoice v1's tokenizer: whisper's multilingual BPE, with every special token allowed in the text."""
+
+    instruct_end_token = "<endofprompt>"  # no whisper special token: v1 encodes it as plain text
+
+    def __init__(self, num_languages: int = 100) -> None:
+        self.encoding = load_whisper_encoding(num_languages)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special="all")
+
+
 def contains_chinese(text: str) -> bool:
     return CHINESE_CHAR.search(text) is not None
 
@@ -181,7 +212,7 @@ def split_paragraph(text: str, rule: SplitRule, length: Callable[[str], int]) ->
 
     A segment is closed before a sentence that would make it longer than SEGMENT_MAX_LEN, but only once it is
     longer than SEGMENT_MIN_LEN; a final remainder shorter than SEGMENT_MERGE_LEN joins the previous segment.
-    `length` measures a string (characters for Chinese, BPE tokens for English). As in the official code, a
+    `length` measures a string (characters for Chinese, the tokenizer's tokens for English). As in the official code, a
     sentence-end mark with no text since the previous one is dropped, and a closing quote right after a mark
     stays with its sentence.
     """
@@ -244,21 +275,36 @@ def _load_wetext(use_wetext: bool | None) -> tuple[Any, Any] | None:
 
 
 class TextFrontend:
-    """Text -> normalised segments -> whisper BPE ids, as the official CosyVoice v1 front end."""
+    """Text -> normalised segments -> token ids, as the official CosyVoice front ends."""
 
-    def __init__(self, max_text_chars: int = 2000, use_wetext: bool | None = None) -> None:
-        """`use_wetext`: None uses wetext when installed, True requires it, False forces the minimal rules."""
+    def __init__(
+        self, max_text_chars: int = 2000, use_wetext: bool | None = None, tokenizer: TextTokenizer | None = None
+    ) -> None:
+        """`use_wetext`: None uses wetext when installed, True requires it, False forces the minimal rules.
+        `tokenizer`: the model's text tokenizer; v1's whisper tokenizer by default."""
         if max_text_chars < 1:
             raise ValueError(f"max_text_chars must be positive, got {max_text_chars}")
         self.max_text_chars = max_text_chars
-        self.encoding = load_whisper_encoding()
+        self.tokenizer = tokenizer if tokenizer is not None else WhisperTokenizer()
         self._inflect = inflect.engine()
         normalizers = _load_wetext(use_wetext)
         self._zh_wetext, self._en_wetext = normalizers or (None, None)
         self.backend = "wetext" if normalizers else "minimal"
 
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The whisper encoding of a v1 front end (the v1 API before tokenizers were pluggable)."""
+        if not isinstance(self.tokenizer, WhisperTokenizer):
+            raise AttributeError("only a front end with the v1 whisper tokenizer has a tiktoken encoding")
+        return self.tokenizer.encoding
+
+    @property
+    def instruct_end_token(self) -> str:
+        """The token the official front end appends to an instruct text, for this tokenizer's model version."""
+        return self.tokenizer.instruct_end_token
+
     def tokenize(self, text: str) -> list[int]:
-        """BPE ids of `text` as is (no normalisation); special tokens such as `<|en|>` are allowed."""
+        """Token ids of `text` as is (no normalisation); special tokens such as `<|en|>` are allowed."""
         self._check_length(text)
         return self._encode(text)
 
@@ -271,7 +317,7 @@ class TextFrontend:
         return self._normalize(text)[1]
 
     def segment_tokens(self, text: str) -> list[list[int]]:
-        """BPE ids of each segment of `split(text)`, tokenized separately."""
+        """Token ids of each segment of `split(text)`, tokenized separately."""
         return [self._encode(segment) for segment in self.split(text)]
 
     def _check_length(self, text: str) -> None:
@@ -299,7 +345,7 @@ class TextFrontend:
         return normalized, segments
 
     def _encode(self, text: str) -> list[int]:
-        return self.encoding.encode(text, allowed_special="all")
+        return self.tokenizer.encode(text)
 
     def _token_count(self, text: str) -> int:
         return len(self._encode(text))

@@ -144,11 +144,6 @@ class HiFTConfig:
 
     def validate(self) -> None:
         """Raise CheckpointError for configurations this implementation cannot reproduce."""
-        if self.sine_generator not in _SINE_GENERATORS:
-            raise CheckpointError(
-                f"HiFT at sampling_rate {self.sampling_rate} uses the official {self.sine_generator} source "
-                f"(picked for sampling rates other than {_SINE_GEN_SAMPLE_RATE}), which is not implemented yet"
-            )
         stages = len(self.upsample_rates)
         per_stage = (self.upsample_kernel_sizes, self.source_resblock_kernel_sizes, self.source_resblock_dilation_sizes)
         if any(len(values) != stages for values in per_stage):
@@ -270,8 +265,58 @@ class SineGen(nn.Module):
         return sines * voiced + noise_amp * draws.noise
 
 
-# Source generators by the official class name; v2's SineGen2 is to be added here.
-_SINE_GENERATORS: dict[str, type[SineGen]] = {"SineGen": SineGen}
+class Sine2Draws(NamedTuple):
+    """The random draws of the v2 `SineGen2`, in the official order (its third draw is unused and not kept)."""
+
+    initial_phase: Tensor  # [B, harmonics + 1] cycles, U(0, 1); the fundamental's (column 0) is replaced by 0
+    noise: Tensor  # [B, L, harmonics + 1], N(0, 1)
+
+
+class SineGen2(nn.Module):
+    """v2 NSF sine source: like `SineGen`, but the phase is integrated at the frame rate and linearly
+    interpolated back to the sample rate, and the random initial phase enters only at the first sample.
+
+    Padding: where f0 is 0 past an item's frames, the frame-rate phase stays constant there, which is exactly
+    the edge value the linear up-interpolation of the item alone repeats; the down-interpolation only mixes the
+    two middle samples of each frame. So with zero-padded f0 every item's samples equal its source alone.
+    """
+
+    def __init__(self, config: HiFTConfig) -> None:
+        super().__init__()
+        self.harmonics = config.nb_harmonics + 1
+        self.sampling_rate = config.sampling_rate
+        self.hop = config.hop
+        self.sine_amp = config.nsf_alpha
+        self.noise_std = config.nsf_sigma
+        self.voiced_threshold = config.nsf_voiced_threshold
+
+    def draw(self, batch: int, length: int, device: torch.device, generator: torch.Generator | None) -> Sine2Draws:
+        initial_phase = torch.rand((batch, self.harmonics), generator=generator, device=device)
+        noise = torch.randn((batch, length, self.harmonics), generator=generator, device=device)
+        # the official source module then draws its unused noise branch; drawing it too keeps a seeded
+        # generator in step with the official draw sequence
+        torch.randn((batch, length, 1), generator=generator, device=device)
+        return Sine2Draws(initial_phase, noise)
+
+    def forward(self, f0: Tensor, draws: Sine2Draws) -> Tensor:
+        """f0: [B, L] fp32 Hz at the sample rate, L a multiple of hop -> sine waves + noise [B, harmonics + 1, L]"""
+        multiples = torch.arange(1, self.harmonics + 1, device=f0.device, dtype=f0.dtype)[None, :, None]
+        cycles = (f0[:, None, :] * multiples / self.sampling_rate) % 1
+        initial_phase = torch.cat([torch.zeros_like(draws.initial_phase[:, :1]), draws.initial_phase[:, 1:]], dim=1)
+        cycles = torch.cat([cycles[:, :, :1] + initial_phase[:, :, None], cycles[:, :, 1:]], dim=-1)
+        frame_cycles = F.interpolate(cycles, scale_factor=1 / self.hop, mode="linear")
+        frame_phase = torch.cumsum(frame_cycles, dim=-1) * 2 * math.pi
+        # a frame's phase advance spans hop samples, hence the scaling before the interpolation back
+        phase = F.interpolate(frame_phase * self.hop, scale_factor=self.hop, mode="linear")
+        sines = torch.sin(phase) * self.sine_amp
+        voiced = (f0 > self.voiced_threshold).to(f0.dtype)[:, None, :]
+        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
+        return sines * voiced + noise_amp * draws.noise.transpose(1, 2)
+
+
+SourceDraws = SineDraws | Sine2Draws
+# Source generators by the official class name.
+_SINE_GENERATORS: dict[str, type[SineGen] | type[SineGen2]] = {"SineGen": SineGen, "SineGen2": SineGen2}
 
 
 class SourceModuleHnNSF(nn.Module):
@@ -282,7 +327,7 @@ class SourceModuleHnNSF(nn.Module):
         self.l_sin_gen = _SINE_GENERATORS[config.sine_generator](config)
         self.l_linear = Linear(config.nb_harmonics + 1, 1)
 
-    def forward(self, f0: Tensor, draws: SineDraws) -> Tensor:
+    def forward(self, f0: Tensor, draws: SourceDraws) -> Tensor:
         """f0: [B, L] fp32 Hz at the sample rate -> source [B, 1, L] fp32"""
         sines = self.l_sin_gen(f0, draws)
         return torch.tanh(self.l_linear(sines.transpose(1, 2))).float().transpose(1, 2)
@@ -362,23 +407,27 @@ class HiFTGenerator(nn.Module):
         f0 = [self.f0_predictor(mel[i : i + 1, :, :frames])[0] for i, frames in enumerate(lengths.tolist())]
         return F.pad(nn.utils.rnn.pad_sequence(f0, batch_first=True), (0, mel.shape[-1] - int(lengths.max())))
 
-    def sample_source_draws(self, batch: int, frames: int, generator: torch.Generator | None = None) -> SineDraws:
+    def sample_source_draws(self, batch: int, frames: int, generator: torch.Generator | None = None) -> SourceDraws:
         """The random draws of `make_source` for a [batch, frames] f0.
 
         From `generator` (which must live on the module's device), else from torch's global RNG.
         """
         return self.m_source.l_sin_gen.draw(batch, frames * self.config.hop, self.device, generator)
 
-    def source_from_draws(self, f0: Tensor, draws: SineDraws) -> Tensor:
-        """f0: [B, T] Hz per frame, with given random draws -> source [B, 1, T*hop] fp32 (deterministic)."""
+    def source_from_draws(self, f0: Tensor, draws: SourceDraws) -> Tensor:
+        """f0: [B, T] Hz per frame, with given random draws -> source [B, 1, T*hop] fp32 (deterministic).
+
+        With f0 zero past each item's frames (as `predict_f0` pads it), each item's samples equal its source alone.
+        """
         f0_samples = f0.float().repeat_interleave(self.config.hop, dim=-1)  # the official nearest upsampling
         return self.m_source(f0_samples, draws)
 
     def make_source(self, f0: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """f0: [B, T] Hz per frame -> random NSF source [B, 1, T*hop] fp32.
 
-        The phase is a causal prefix sum, so padding after an item's frames does not change its samples; the
-        random draws are laid out for the whole [B, T] batch (use one call per item for per-item seeds).
+        Padding after an item's frames leaves its samples unchanged (v1: the phase is a causal prefix sum; v2: as
+        long as f0 is zero there, see `SineGen2`); the random draws are laid out for the whole [B, T] batch (use
+        one call per item for per-item seeds).
         """
         return self.source_from_draws(f0, self.sample_source_draws(f0.shape[0], f0.shape[-1], generator))
 

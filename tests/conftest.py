@@ -15,7 +15,8 @@ import torch
 
 from engine.checkpoint import load_strict, read_state_dict
 from engine.flow import MaskedDiffWithXvec
-from engine.hift import HiFTGenerator
+from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
+from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
 from engine.llm import TransformerLM
 from engine.loader import load_module
 from engine.qwen2_llm import Qwen2LM, Qwen2LMConfig
@@ -66,6 +67,25 @@ def kit_qwen2_llm(v2_kit: Path) -> Qwen2LM:
     model_dir = v2_kit / "model"
     model = Qwen2LM(Qwen2LMConfig.from_yaml(load_model_yaml(model_dir / KIT_YAMLS[2])["llm"], model_dir))
     load_strict(model, read_state_dict(model_dir / "llm.pt"), model_dir / "llm.pt")
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def kit_flow_v2(v2_kit: Path) -> CausalMaskedDiffWithXvec:
+    """The v2 kit's causal flow, built from its yaml, strictly loaded from flow.pt, in eval mode."""
+    model_dir = v2_kit / "model"
+    model = CausalMaskedDiffWithXvec(CausalFlowConfig.from_yaml(load_model_yaml(model_dir / KIT_YAMLS[2])["flow"]))
+    load_strict(model, read_state_dict(model_dir / "flow.pt"), model_dir / "flow.pt")
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def kit_hift_v2(v2_kit: Path) -> HiFTGenerator:
+    """The v2 kit's vocoder (SineGen2 source), built from its yaml, strictly loaded from hift.pt, in eval mode."""
+    model_dir = v2_kit / "model"
+    model = HiFTGenerator(HiFTConfig.from_yaml(load_model_yaml(model_dir / KIT_YAMLS[2])["hift"]))
+    state = upgrade_legacy_weight_norm(read_state_dict(model_dir / "hift.pt"))
+    load_strict(model, state, model_dir / "hift.pt")
     return model.eval().requires_grad_(False)
 
 

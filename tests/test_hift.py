@@ -183,7 +183,6 @@ def _spec_with(spec: ObjectSpec, **changes: Any) -> ObjectSpec:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"sampling_rate": 24000}, "SineGen2"),
         ({"upsample_rates": [8, 8, 2]}, "one entry per stage"),
         ({"fancy_option": 1}, "fancy_option"),
         ({"f0_predictor": ObjectSpec("cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor")}, "f0 predictor"),

@@ -1,0 +1,178 @@
+"""Parity of engine.hift with the official CosyVoice2 HiFTGenerator (24 kHz, `SineGen2` source) on the v2 kit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.hift import HiFTGenerator, Sine2Draws, SineGen2
+
+# Kit README acceptance: f0 rtol 1e-5, speech atol 5e-4 (larger than v1: exp magnitudes, three upsampling stages).
+F0_RTOL, F0_ATOL = 1e-5, 1e-4
+SPEECH_ATOL = 5e-4
+INTERMEDIATE_ATOL = {"conv_pre_out": 5e-5, "s_stft": 5e-5, "conv_post_out": 5e-4}
+# tanh of sines whose phase is a float32 prefix sum
+SOURCE_ATOL = 1e-3
+BATCH_ATOL = 1e-4
+OFFICIAL_DRAW_ORDER = ["torch.rand", "torch.randn_like", "torch.randn_like"]
+
+
+def assert_close(actual: Tensor, expected: Tensor, *, atol: float, rtol: float = 0.0, what: str) -> None:
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda message: f"{what}: {message}")
+
+
+@pytest.fixture(scope="module")
+def hift_cases(v2_kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    cases = v2_kit_cases["hift"]
+    assert cases, "the kit has no hift cases"
+    return cases
+
+
+@pytest.fixture(scope="module")
+def replayable_cases(hift_cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    cases = [case for case in hift_cases if case["rand_draw_order"]]
+    if not cases:
+        pytest.skip("this kit records no HiFT random draws")
+    for case in cases:
+        assert case["rand_draw_order"].split(",") == OFFICIAL_DRAW_ORDER
+    return cases
+
+
+def _recorded_draws(case: dict[str, Any]) -> Sine2Draws:
+    return Sine2Draws(case["rand_draw_0"], case["rand_draw_1"])
+
+
+def test_kit_uses_sinegen2(kit_hift_v2: HiFTGenerator) -> None:
+    assert kit_hift_v2.config.sampling_rate == 24000 and kit_hift_v2.config.hop == 480
+    assert isinstance(kit_hift_v2.m_source.l_sin_gen, SineGen2)
+
+
+def test_f0_matches_official(kit_hift_v2: HiFTGenerator, hift_cases: list[dict[str, Any]]) -> None:
+    for case in hift_cases:
+        with torch.inference_mode():
+            f0 = kit_hift_v2.predict_f0(case["mel"])
+        assert_close(f0, case["f0"], atol=F0_ATOL, rtol=F0_RTOL, what=f"{case['name']} f0")
+
+
+def test_decode_matches_official_speech_and_intermediates(
+    kit_hift_v2: HiFTGenerator, hift_cases: list[dict[str, Any]]
+) -> None:
+    assert "e2e_zero_shot_from_flow" in {case["name"] for case in hift_cases}
+    captured: dict[str, Tensor] = {}
+    hooks = [
+        kit_hift_v2.conv_pre.register_forward_hook(lambda _m, _i, out: captured.update(conv_pre_out=out)),
+        kit_hift_v2.source_downs[0].register_forward_pre_hook(lambda _m, inputs: captured.update(s_stft=inputs[0])),
+        kit_hift_v2.conv_post.register_forward_hook(lambda _m, _i, out: captured.update(conv_post_out=out)),
+    ]
+    try:
+        for case in hift_cases:
+            captured.clear()
+            with torch.inference_mode():
+                speech = kit_hift_v2.decode(case["mel"], case["source"])
+            assert_close(speech, case["speech"], atol=SPEECH_ATOL, what=f"{case['name']} speech")
+            compared = [key for key in INTERMEDIATE_ATOL if key in case]
+            assert "conv_pre_out" in compared
+            for key in compared:
+                assert_close(captured[key], case[key], atol=INTERMEDIATE_ATOL[key], what=f"{case['name']} {key}")
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_source_from_recorded_draws_matches_official(
+    kit_hift_v2: HiFTGenerator, replayable_cases: list[dict[str, Any]]
+) -> None:
+    for case in replayable_cases:
+        with torch.inference_mode():
+            source = kit_hift_v2.source_from_draws(case["f0"], _recorded_draws(case))
+        assert_close(source, case["source"], atol=SOURCE_ATOL, what=f"{case['name']} source")
+
+
+def test_inference_with_recorded_draws_matches_official_speech(
+    kit_hift_v2: HiFTGenerator, replayable_cases: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sine_gen = kit_hift_v2.m_source.l_sin_gen
+    for case in replayable_cases:
+        recorded = _recorded_draws(case)
+
+        def replay(batch: int, length: int, *_: Any, recorded: Sine2Draws = recorded) -> Sine2Draws:
+            assert (batch, length, sine_gen.harmonics) == tuple(recorded.noise.shape)
+            return recorded
+
+        monkeypatch.setattr(sine_gen, "draw", replay)
+        (speech,) = kit_hift_v2.inference([case["mel"][0]])
+        assert_close(speech[None], case["speech"], atol=SPEECH_ATOL, what=f"{case['name']} inference speech")
+
+
+def test_draws_follow_the_official_sequence(kit_hift_v2: HiFTGenerator) -> None:
+    """rand [B, H+1], randn [B, L, H+1], then the unused randn [B, L, 1]: a seeded stream stays in step."""
+    frames, harmonics = 3, kit_hift_v2.config.nb_harmonics + 1
+    length = frames * kit_hift_v2.config.hop
+    generator = torch.Generator().manual_seed(11)
+    first = kit_hift_v2.sample_source_draws(2, frames, generator)
+    second = kit_hift_v2.sample_source_draws(2, frames, generator)
+    reference = torch.Generator().manual_seed(11)
+    assert torch.equal(first.initial_phase, torch.rand((2, harmonics), generator=reference))
+    assert torch.equal(first.noise, torch.randn((2, length, harmonics), generator=reference))
+    torch.randn((2, length, 1), generator=reference)
+    assert torch.equal(second.initial_phase, torch.rand((2, harmonics), generator=reference))
+
+
+def test_initial_phase_of_the_fundamental_is_ignored(
+    kit_hift_v2: HiFTGenerator, replayable_cases: list[dict[str, Any]]
+) -> None:
+    case = replayable_cases[0]
+    draws = _recorded_draws(case)
+    fundamental_shift = torch.zeros_like(draws.initial_phase)
+    fundamental_shift[:, 0] = 0.25
+    shifted = Sine2Draws(draws.initial_phase + fundamental_shift, draws.noise)
+    with torch.inference_mode():
+        assert torch.equal(
+            kit_hift_v2.source_from_draws(case["f0"], draws), kit_hift_v2.source_from_draws(case["f0"], shifted)
+        )
+
+
+def _padded_draws(draws: list[Sine2Draws], length: int) -> Sine2Draws:
+    noise = [F.pad(d.noise, (0, 0, 0, length - d.noise.shape[1]), value=1.0) for d in draws]
+    return Sine2Draws(torch.cat([d.initial_phase for d in draws]), torch.cat(noise))
+
+
+def test_batched_source_equals_alone_when_f0_padding_is_zero(
+    kit_hift_v2: HiFTGenerator, replayable_cases: list[dict[str, Any]]
+) -> None:
+    """Zero f0 past an item keeps its frame phase constant, so the x480 interpolation sees what it sees alone;
+    nonzero f0 there would change exactly the last hop/2 samples (the up-interpolation's edge)."""
+    hop = kit_hift_v2.config.hop
+    f0s = [case["f0"][0] for case in replayable_cases] + [replayable_cases[-1]["f0"][0, :7]]
+    draws = [_recorded_draws(case) for case in replayable_cases]
+    draws.append(Sine2Draws(draws[-1].initial_phase, draws[-1].noise[:, : 7 * hop]))
+    frames = max(f0.shape[-1] for f0 in f0s)
+    batch_draws = _padded_draws(draws, frames * hop)
+    with torch.inference_mode():
+        zero_padding = torch.stack([F.pad(f0, (0, frames - len(f0))) for f0 in f0s])
+        batched = kit_hift_v2.source_from_draws(zero_padding, batch_draws)
+        for i, (f0, item_draws) in enumerate(zip(f0s, draws, strict=True)):
+            alone = kit_hift_v2.source_from_draws(f0[None], item_draws)
+            assert torch.equal(batched[i : i + 1, :, : alone.shape[-1]], alone), f"item {i}"
+        voiced_padding = torch.stack([F.pad(f0, (0, frames - len(f0)), value=200.0) for f0 in f0s])
+        leaky = kit_hift_v2.source_from_draws(voiced_padding, batch_draws)
+    short = len(f0s) - 1
+    edge = 7 * hop - hop // 2
+    assert torch.equal(leaky[short, :, :edge], batched[short, :, :edge])
+    assert not torch.equal(leaky[short, :, edge : 7 * hop], batched[short, :, edge : 7 * hop])
+
+
+def test_batched_inference_equals_alone(kit_hift_v2: HiFTGenerator, hift_cases: list[dict[str, Any]]) -> None:
+    mels = [case["mel"][0] for case in hift_cases if case["mel"].shape[-1] < 64]
+    mels.append(mels[-1][:, :7])
+    assert len({mel.shape[-1] for mel in mels}) == len(mels)
+    seeds = list(range(len(mels)))
+    batched = kit_hift_v2.inference(mels, seeds)
+    for i, (mel, seed) in enumerate(zip(mels, seeds, strict=True)):
+        (alone,) = kit_hift_v2.inference([mel], [seed])
+        assert alone.shape == (mel.shape[-1] * kit_hift_v2.config.hop,)
+        assert_close(batched[i], alone, atol=BATCH_ATOL, what=f"item {i}")

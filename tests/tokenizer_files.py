@@ -1,0 +1,89 @@
+"""A tiny Qwen2-style tokenizer directory for tests (the conformance kit's CosyVoice-BlankEN has no tokenizer files).
+
+`write_tiny_qwen_tokenizer` trains a byte-level BPE with the `tokenizers` trainer on a fixed corpus and writes it
+the way a Hugging Face Qwen2 tokenizer directory looks: `vocab.json`, `merges.txt`, a `tokenizer_config.json`
+with `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` as added tokens right after the vocabulary, and optionally a
+`tokenizer.json`. Deterministic: the same files on every call.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from engine.qwen_tokenizer import QWEN2_PRETOKENIZE_PATTERN, special_token
+
+# 380 trained ids + the 3 config tokens + CosyVoice2's 17 new special tokens = 400, the kit's Qwen2 vocab_size.
+TINY_VOCAB_SIZE = 380
+CONFIG_ADDED_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog while seven bright stars watch from far above.",
+    "Hello world, this is a tiny tokenizer for the CosyVoice test suite; it isn't meant to be good.",
+    "We'll see whether numbers like 2024 and 3.14 are split digit by digit, as Qwen does.",
+    "She said: \"Don't worry, we're almost there!\" and then they'd laughed for a while.",
+    "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。",
+    "今天天气挺不错的，我们一起去公园散步吧。希望你喜欢这个小小的测试。",
+    "八百标兵奔北坡，炮兵并排北边跑。",
+    "Mixed text: 你好 world, 再见 friends!\nNew line\ttab and   spaces.",
+)
+
+
+def _training_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def write_tiny_qwen_tokenizer(directory: Path, *, with_tokenizer_json: bool = False) -> Path:
+    """Write the tiny tokenizer files into `directory` (created if needed) and return it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _training_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer.model.save(str(directory))  # vocab.json + merges.txt
+    vocab_size = tokenizer.get_vocab_size()
+    added = {
+        str(vocab_size + i): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, token in enumerate(CONFIG_ADDED_TOKENS)
+    }
+    config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": list(CONFIG_ADDED_TOKENS[1:]),
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>",
+        "errors": "replace",
+        "model_max_length": 32768,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+    if with_tokenizer_json:
+        tokenizer.add_special_tokens([special_token(token) for token in CONFIG_ADDED_TOKENS])
+        tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
