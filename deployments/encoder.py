@@ -64,7 +64,9 @@ class Encoder:
             from serve_app.voice_registry import VoiceRegistry
 
             config = loaded.config
-            self.cloner = VoiceCloner.from_model_dir(Path(voice_cloning.models_dir), config.sample_rate, config.version)
+            self.cloner = VoiceCloner.from_model_dir(
+                Path(voice_cloning.models_dir), config.sample_rate, config.version, config.flow.vocab_size
+            )
             self.registry = VoiceRegistry(Path(voice_cloning.voices_dir), voice_cloning.max_voices)
 
     def encode(self, request: SynthesisRequest, request_id: str = "") -> list[EncodedSegment]:

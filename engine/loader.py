@@ -1,9 +1,11 @@
 """Build the model from an official model directory, or from a preset with seeded dummy weights.
 
 Load formats (like vLLM's `--load-format`):
-- `official`: a CosyVoice v1 model dir (`cosyvoice.yaml`, `llm.pt`, `flow.pt`, `hift.pt`, optional `spk2info.pt`),
-  every checkpoint loaded strictly with `weights_only=True`;
-- `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`) or a yaml file, seeded random weights.
+- `official`: a CosyVoice v1 model dir (`cosyvoice.yaml`, `llm.pt`, `flow.pt`, `hift.pt`, optional `spk2info.pt`)
+  or a CosyVoice2 one (`cosyvoice2.yaml`, the same checkpoints, and `CosyVoice-BlankEN/` with the Qwen2 config and
+  tokenizer), every checkpoint loaded strictly with `weights_only=True`;
+- `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`, `cosyvoice2-0.5b`, `cosyvoice2-tiny`) or a
+  yaml file, seeded random weights (a v2 dummy model gets a byte-level stand-in for the Qwen2 tokenizer).
 """
 
 from __future__ import annotations
@@ -18,15 +20,24 @@ from torch import nn
 from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
 from engine.flow import FlowConfig, MaskedDiffWithXvec
+from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
 from engine.frontend import TextFrontend
 from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
 from engine.llm import LLMConfig, TransformerLM
 from engine.precision import parse_dtype, quantize_linear_int8
+from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig
+from engine.qwen_tokenizer import QwenTokenizer
 from engine.voices import VoiceBank
-from engine.yaml_config import load_model_yaml
+from engine.yaml_config import ObjectSpec, load_model_yaml
 
 PRESETS_DIR = Path(__file__).parent / "presets"
-PRESETS = {"dummy": "cosyvoice-300m", "cosyvoice-300m": "cosyvoice-300m", "tiny": "tiny"}
+PRESETS = {
+    "dummy": "cosyvoice-300m.yaml",
+    "cosyvoice-300m": "cosyvoice-300m.yaml",
+    "tiny": "tiny.yaml",
+    "cosyvoice2-0.5b": "cosyvoice2-0.5b/cosyvoice2.yaml",
+    "cosyvoice2-tiny": "cosyvoice2-tiny/cosyvoice2.yaml",
+}
 V1_CONFIG = "cosyvoice.yaml"
 V2_CONFIG = "cosyvoice2.yaml"
 CHECKPOINT_FILES = ("llm.pt", "flow.pt", "hift.pt")
@@ -35,14 +46,14 @@ COMPONENTS = ("encoder", "decoder")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """All hyperparameters of a v1 model, read from its yaml."""
+    """All hyperparameters of a model, read from its yaml (v2: and its Qwen2 config.json)."""
 
     version: int  # 1: CosyVoice(-300M), 2: CosyVoice2
     sample_rate: int
     spk_embed_dim: int
     mel_bins: int
-    llm: LLMConfig
-    flow: FlowConfig
+    llm: LLMConfig | Qwen2LMConfig
+    flow: FlowConfig | CausalFlowConfig
     hift: HiFTConfig
 
     @classmethod
@@ -51,18 +62,24 @@ class ModelConfig:
         for key in ("llm", "flow", "hift", "sample_rate"):
             if key not in tree:
                 raise CheckpointError(f"model config {path} has no '{key}' entry")
+        # The LLM class tells the version: a dummy yaml may have any file name.
+        version = 2 if isinstance(tree["llm"], ObjectSpec) and tree["llm"].class_name == "Qwen2LM" else 1
         return cls(
-            version=1,
+            version=version,
             sample_rate=int(tree["sample_rate"]),
             spk_embed_dim=int(tree.get("spk_embed_dim", 192)),
             mel_bins=int(tree["flow"].get("output_size", 80)),
-            llm=LLMConfig.from_yaml(tree["llm"]),
-            flow=FlowConfig.from_yaml(tree["flow"]),
+            llm=LLMConfig.from_yaml(tree["llm"]) if version == 1 else Qwen2LMConfig.from_yaml(tree["llm"], path.parent),
+            flow=FlowConfig.from_yaml(tree["flow"]) if version == 1 else CausalFlowConfig.from_yaml(tree["flow"]),
             hift=HiFTConfig.from_yaml(tree["hift"]),
         )
 
 
-MODULES: dict[str, type[nn.Module]] = {"llm": TransformerLM, "flow": MaskedDiffWithXvec, "hift": HiFTGenerator}
+# The module classes of each version, by checkpoint name.
+MODULES: dict[int, dict[str, type[nn.Module]]] = {
+    1: {"llm": TransformerLM, "flow": MaskedDiffWithXvec, "hift": HiFTGenerator},
+    2: {"llm": Qwen2LM, "flow": CausalMaskedDiffWithXvec, "hift": HiFTGenerator},
+}
 
 
 @dataclass
@@ -73,9 +90,9 @@ class LoadedModel:
     config: ModelConfig
     frontend: TextFrontend | None
     voices: VoiceBank
-    text_llm: TransformerLM | None
-    llm: TransformerLM | None
-    flow: MaskedDiffWithXvec | None
+    text_llm: TransformerLM | Qwen2LM | None
+    llm: TransformerLM | Qwen2LM | None
+    flow: MaskedDiffWithXvec | CausalMaskedDiffWithXvec | None
     hift: HiFTGenerator | None
     dtype: torch.dtype
     decoder_device: torch.device
@@ -86,7 +103,7 @@ def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
     """-> (format, path): the yaml of a preset / dummy file, or an official model directory."""
     text = str(source)
     if load_format in (None, "dummy") and text in PRESETS:
-        return "dummy", PRESETS_DIR / f"{PRESETS[text]}.yaml"
+        return "dummy", PRESETS_DIR / PRESETS[text]
     path = Path(source)
     if load_format == "dummy" or (load_format is None and path.suffix in (".yaml", ".yml")):
         if not path.is_file():
@@ -96,14 +113,14 @@ def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
         raise CheckpointError(f"unknown load format {load_format!r}; use 'official' or 'dummy'")
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} not found (or use one of the presets: {', '.join(PRESETS)})")
-    if not (path / V1_CONFIG).is_file():
-        if (path / V2_CONFIG).is_file():
-            raise CheckpointError(f"{path} is a CosyVoice2 model ({V2_CONFIG}); only CosyVoice v1 is supported yet")
-        raise CheckpointError(f"model directory {path} has no {V1_CONFIG}")
+    configs = [path / name for name in (V1_CONFIG, V2_CONFIG) if (path / name).is_file()]
+    if len(configs) != 1:
+        found = "both" if configs else "neither"
+        raise CheckpointError(f"model directory {path} must hold one of {V1_CONFIG} (v1) or {V2_CONFIG} (v2); {found}")
     missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
-    return "official", path / V1_CONFIG
+    return "official", configs[0]
 
 
 def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Module:
@@ -116,12 +133,23 @@ def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Modu
 
 
 def load_module(model_dir: str | Path, name: str) -> nn.Module:
-    """One official module ("llm", "flow" or "hift") of a v1 model dir, strictly loaded, in eval mode."""
-    if name not in MODULES:
-        raise CheckpointError(f"unknown module {name!r}; use one of {tuple(MODULES)}")
+    """One official module ("llm", "flow" or "hift") of a model dir, strictly loaded, in eval mode."""
+    if name not in MODULES[1]:
+        raise CheckpointError(f"unknown module {name!r}; use one of {tuple(MODULES[1])}")
     _, config_path = _resolve(model_dir, "official")
     config = ModelConfig.from_yaml_file(config_path)
-    return _build(MODULES[name](getattr(config, name)), config_path.parent, f"{name}.pt")
+    return _build(MODULES[config.version][name](getattr(config, name)), config_path.parent, f"{name}.pt")
+
+
+def _text_frontend(config: ModelConfig, config_path: Path, official: bool, max_text_chars: int) -> TextFrontend:
+    """v1: the whisper tokenizer; v2: the Qwen2 tokenizer of the model dir, or its byte-level stand-in (dummy)."""
+    if config.version == 1:
+        return TextFrontend(max_text_chars=max_text_chars)
+    tokenizer = QwenTokenizer.from_dir(config_path.parent / QWEN_DIR) if official else QwenTokenizer.byte_level()
+    embedding_rows = config.llm.qwen.vocab_size
+    if tokenizer.vocab_size > embedding_rows:
+        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids; the model embeds {embedding_rows}")
+    return TextFrontend(max_text_chars=max_text_chars, tokenizer=tokenizer)
 
 
 def load_model(
@@ -151,21 +179,23 @@ def load_model(
     decoder_device = torch.device(device)
     cpu = torch.device("cpu")
 
+    classes = MODULES[config.version]
+    decoding = "decoder" in components
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        llm = _build(TransformerLM(config.llm), model_dir, "llm.pt")
-        flow = _build(MaskedDiffWithXvec(config.flow), model_dir, "flow.pt") if "decoder" in components else None
-        hift = _build(HiFTGenerator(config.hift), model_dir, "hift.pt") if "decoder" in components else None
+        llm = _build(classes["llm"](config.llm), model_dir, "llm.pt")
+        flow = _build(classes["flow"](config.flow), model_dir, "flow.pt") if decoding else None
+        hift = _build(classes["hift"](config.hift), model_dir, "hift.pt") if decoding else None
 
     text_llm = None
     if "encoder" in components:
         # One LLM copy serves both halves unless the decoder runs on another device or dtype.
-        separate = "decoder" in components and (decoder_device != cpu or torch_dtype != torch.float32)
+        separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32)
         text_llm = copy.deepcopy(llm) if separate else llm
-        if int8 and (separate or "decoder" not in components):
+        if int8 and (separate or not decoding):
             quantize_linear_int8(text_llm)
     decoder_llm = None
-    if "decoder" in components:
+    if decoding:
         if int8 and decoder_device == cpu and torch_dtype == torch.float32:
             quantize_linear_int8(llm)
         decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
@@ -180,7 +210,9 @@ def load_model(
     return LoadedModel(
         name=str(source) if fmt == "dummy" else Path(source).name,
         config=config,
-        frontend=TextFrontend(max_text_chars=max_text_chars) if "encoder" in components else None,
+        frontend=_text_frontend(config, config_path, fmt == "official", max_text_chars)
+        if "encoder" in components
+        else None,
         voices=voices,
         text_llm=text_llm,
         llm=decoder_llm,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.flow import mel_frames
+from engine.flow import FlowConfig, mel_frames
 from engine.loader import ModelConfig
+from engine.qwen2_llm import Qwen2LMConfig
 
 _SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
 
@@ -35,15 +36,24 @@ def estimate_request_memory(
     dtype_bytes: int = 2,
 ) -> MemoryEstimate:
     """Peak bytes of one request of `text_tokens` target text tokens, decoded with weights of `dtype_bytes`."""
-    llm = config.llm.llm
     max_speech = int(text_tokens * max_token_text_ratio)
     sequence = 2 + prompt_text_tokens + text_tokens + prompt_speech_tokens + max_speech  # + sos, task id
-    kv_cache = 2 * llm.num_blocks * sequence * llm.output_size * dtype_bytes
+    if isinstance(config.llm, Qwen2LMConfig):  # grouped-query attention caches only the key/value heads
+        qwen = config.llm.qwen
+        kv_width, layers = qwen.num_key_value_heads * qwen.head_dim, qwen.num_hidden_layers
+    else:
+        kv_width, layers = config.llm.llm.output_size, config.llm.llm.num_blocks
+    kv_cache = 2 * layers * sequence * kv_width * dtype_bytes
 
     flow = config.flow
-    frames = mel_frames(prompt_speech_tokens + max_speech, flow.input_frame_rate)
+    speech_tokens = prompt_speech_tokens + max_speech
+    if isinstance(flow, FlowConfig):
+        frames = mel_frames(speech_tokens, flow.input_frame_rate)
+        width = max(flow.decoder.estimator.channels)
+    else:
+        frames = speech_tokens * flow.token_mel_ratio
+        width = flow.decoder.estimator.channels
     estimator = flow.decoder.estimator
-    width = max(estimator.channels)
     cfg_rows = 2
     hidden = cfg_rows * frames * (estimator.in_channels + 4 * width) * dtype_bytes
     attention = cfg_rows * estimator.num_heads * frames * frames * 4

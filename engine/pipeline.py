@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from engine.voice_cloning import VoicePrompt
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
-# The token that ends an instruction in the LLM input, per model version (official frontends).
-INSTRUCT_SUFFIX = {1: "<endofprompt>", 2: "<|endofprompt|>"}
 # Batch caps assume segments of this many text tokens at the maximum speech length (about 16 s of speech).
 NOMINAL_SEGMENT_TEXT_TOKENS = 40
 
@@ -163,7 +161,8 @@ class TextEncoderStage:
         llm_speech_tokens = speech_tokens
         llm_embedding: np.ndarray | None = speaker
         if request.instruct_text is not None:
-            prompt_text_tokens = frontend.tokenize(frontend.normalize(request.instruct_text) + INSTRUCT_SUFFIX[version])
+            instruction = frontend.normalize(request.instruct_text) + frontend.instruct_end_token
+            prompt_text_tokens = frontend.tokenize(instruction)
             llm_speech_tokens = no_tokens
             if version == 1:  # v1 Instruct models: no LLM speaker embedding and no prompt speech at all
                 llm_embedding, speech_tokens, feat = None, no_tokens, feat[:0]

@@ -1,10 +1,16 @@
-"""Streaming synthesis for a batch of segments, chunked as the official v1 `CosyVoiceModel.tts` does.
+"""Streaming synthesis for a batch of segments, chunked as the official `CosyVoiceModel.tts` (v1) and
+`CosyVoice2Model.tts` (v2) do.
 
 Speech tokens are generated for all segments together (one `TokenGenerator`); whenever a segment has
-`hop + overlap` new tokens, they go through the flow and the vocoder while generation goes on:
-- the flow keeps the start noise and `mu` of the overlapping frames (its `flow_cache`), so the chunk
-  continues the previous one's trajectory, and the overlapping mel frames are cross-faded (Hamming);
-- the vocoder gets the last mel frames and source samples of the previous chunk in front of the new
+enough new tokens for a chunk, they go through the flow and the vocoder while generation goes on.
+- v1: a chunk is `hop + overlap` new tokens; the flow keeps the start noise and `mu` of the overlapping
+  frames (its `flow_cache`), so the chunk continues the previous one's trajectory, and the overlapping mel
+  frames are cross-faded (Hamming).
+- v2: the causal flow runs on the whole token prefix with chunk masks; a chunk ends `pre_lookahead` tokens
+  before the newest token (they are only look-ahead context), its mel starts at `2 * token_offset`, and the
+  first hop is padded so that chunks line up with the 25-token training chunks counted from the prompt.
+  Hops grow 25 -> 50 -> 100 tokens.
+- Both: the vocoder gets the last mel frames and source samples of the previous chunk in front of the new
   ones (HiFT cache), and the cached tail of the previous waveform is cross-faded into the new one.
 """
 
@@ -36,6 +42,8 @@ class StreamSchedule:
     mel_overlap: int  # mel frames of those tokens, cross-faded
     mel_cache: int  # mel frames the vocoder sees again in front of the next chunk
     source_cache: int  # waveform samples of those frames, cross-faded
+    lookahead: int = 0  # v2: newest tokens held back as the flow's look-ahead context
+    frames_per_token: int = 0  # v2: mel frames per token (v1 interpolates instead)
 
     @classmethod
     def v1(cls, token_rate: int, samples_per_frame: int) -> StreamSchedule:
@@ -49,6 +57,21 @@ class StreamSchedule:
             mel_overlap=mel_frames(overlap, token_rate),
             mel_cache=mel_cache,
             source_cache=mel_cache * samples_per_frame,
+        )
+
+    @classmethod
+    def v2(cls, chunk_tokens: int, lookahead: int, frames_per_token: int, samples_per_frame: int) -> StreamSchedule:
+        mel_cache = 8  # the official v2 HiFT cache: 160 ms
+        return cls(
+            token_hop=chunk_tokens,  # must equal the flow's training chunk size
+            token_max_hop=4 * chunk_tokens,
+            hop_growth=2.0,
+            token_overlap=0,
+            mel_overlap=0,
+            mel_cache=mel_cache,
+            source_cache=mel_cache * samples_per_frame,
+            lookahead=lookahead,
+            frames_per_token=frames_per_token,
         )
 
 
@@ -67,7 +90,9 @@ class _Stream:
     hop: int
     noise: torch.Generator
     source: torch.Generator
-    new_tokens: list[int] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)  # v1: not yet sent to the flow; v2: all tokens so far
+    token_offset: int = 0  # v2: tokens whose audio has been sent
+    first_hop_pad: int = 0  # v2: extra tokens of the first hop that align the chunks with the prompt's
     tokens_done: bool = False
     finished: bool = False
     flow_cache: Tensor | None = None  # [80, n, 2] start noise and mu of prompt + overlap frames
@@ -82,6 +107,7 @@ class _Chunk:
     stream: _Stream
     tokens: list[int]
     final: bool
+    mel_start: int = 0  # v2: frames of the flow output already sent by earlier chunks
 
 
 class DecodeStream:
@@ -94,8 +120,13 @@ class DecodeStream:
         model = decoder.model
         self.decoder = decoder
         self.llm = TokenGenerator(model.llm)
-        hop = model.config.hift.hop
-        self.schedule = StreamSchedule.v1(model.config.flow.input_frame_rate, hop)
+        hop, flow = model.config.hift.hop, model.config.flow
+        self.version = model.config.version
+        if self.version == 1:
+            self.schedule = StreamSchedule.v1(flow.input_frame_rate, hop)
+        else:
+            chunk, lookahead, ratio = flow.encoder_chunk_size, flow.pre_lookahead_len, flow.token_mel_ratio
+            self.schedule = StreamSchedule.v2(chunk, lookahead, ratio, hop)
         self.mel_window = torch.from_numpy(np.hamming(2 * self.schedule.mel_overlap)).float()
         self.speech_window = torch.from_numpy(np.hamming(2 * self.schedule.source_cache)).float()
         requests = decoder.generation_requests(segments)
@@ -106,6 +137,7 @@ class DecodeStream:
                 hop=self.schedule.token_hop,
                 noise=make_generator(segment.sampling.seed),
                 source=torch.Generator(device=model.decoder_device).manual_seed(segment.sampling.seed),
+                first_hop_pad=-len(segment.flow_prompt_speech_tokens) % self.schedule.token_hop,
             )
             for segment, request in zip(segments, requests, strict=True)
         ]
@@ -148,6 +180,8 @@ class DecodeStream:
     def _next_chunk(self, stream: _Stream) -> _Chunk | None:
         if stream.finished:
             return None
+        if self.version == 2:
+            return self._next_prefix_chunk(stream)
         size = stream.hop + self.schedule.token_overlap
         if len(stream.new_tokens) >= size:
             tokens = stream.new_tokens[:size]
@@ -157,6 +191,21 @@ class DecodeStream:
         if stream.tokens_done:
             stream.finished = True
             return _Chunk(stream, stream.new_tokens, final=True)
+        return None
+
+    def _next_prefix_chunk(self, stream: _Stream) -> _Chunk | None:
+        """v2: the whole token prefix up to the next hop plus the look-ahead, or everything once generation ends."""
+        hop = stream.hop + (stream.first_hop_pad if stream.token_offset == 0 else 0)
+        end = stream.token_offset + hop
+        mel_start = stream.token_offset * self.schedule.frames_per_token
+        if len(stream.new_tokens) >= end + self.schedule.lookahead:
+            chunk = _Chunk(stream, stream.new_tokens[: end + self.schedule.lookahead], final=False, mel_start=mel_start)
+            stream.token_offset = end
+            stream.hop = min(self.schedule.token_max_hop, int(stream.hop * self.schedule.hop_growth))
+            return chunk
+        if stream.tokens_done:
+            stream.finished = True
+            return _Chunk(stream, list(stream.new_tokens), final=True, mel_start=mel_start)
         return None
 
     def _synthesize(self, chunks: list[_Chunk]) -> list[np.ndarray | NonFiniteOutputError]:
@@ -174,7 +223,25 @@ class DecodeStream:
         return out
 
     def _chunk_mels(self, chunks: list[_Chunk]) -> list[Tensor]:
-        """Flow over each chunk's tokens, continuing the previous chunk's noise and mu on the overlap."""
+        mels = self._prefix_mels(chunks) if self.version == 2 else self._overlapping_mels(chunks)
+        return [self._stitch_mel(chunk, mel) for chunk, mel in zip(chunks, mels, strict=True)]
+
+    def _prefix_mels(self, chunks: list[_Chunk]) -> list[Tensor]:
+        """v2: the causal flow (chunk masks) over each chunk's token prefix; the new frames from `mel_start` on."""
+        decoder, flow = self.decoder, self.decoder.model.flow
+        mels: list[Tensor] = [torch.zeros(self.decoder.model.config.mel_bins, 0) for _ in chunks]
+        for final in (False, True):  # the flow holds back the look-ahead tokens unless finalizing
+            fresh = [len(c.tokens) * self.schedule.frames_per_token > c.mel_start for c in chunks]
+            rows = [i for i, c in enumerate(chunks) if c.final == final and fresh[i]]
+            if not rows:
+                continue
+            requests = [decoder.flow_request(chunks[i].stream.segment, torch.tensor(chunks[i].tokens)) for i in rows]
+            for i, feat in zip(rows, flow.inference(requests, streaming=True, finalize=final), strict=True):
+                mels[i] = feat[:, chunks[i].mel_start :].float().cpu()
+        return mels
+
+    def _overlapping_mels(self, chunks: list[_Chunk]) -> list[Tensor]:
+        """v1: flow over each chunk's tokens, continuing the previous chunk's noise and mu on the overlap."""
         decoder, flow = self.decoder, self.decoder.model.flow
         device = decoder.model.decoder_device
         mels: list[Tensor] = [torch.zeros(flow.config.output_size, 0) for _ in chunks]
@@ -198,7 +265,7 @@ class DecodeStream:
             for row, (i, (start, end)) in enumerate(zip(live, spans, strict=True)):
                 chunks[i].stream.flow_cache = caches[row]
                 mels[i] = feat[row, :, start:end].float().cpu()
-        return [self._stitch_mel(chunk, mel) for chunk, mel in zip(chunks, mels, strict=True)]
+        return mels
 
     def _stitch_mel(self, chunk: _Chunk, mel: Tensor) -> Tensor:
         """Cross-fade the overlap, keep the next overlap back, apply speed, put the vocoder cache in front."""
@@ -207,7 +274,7 @@ class DecodeStream:
             mel = cross_fade(mel, stream.mel_overlap, self.mel_window)
         elif stream.mel_overlap is not None:  # a final chunk shorter than the overlap: the held-back frames
             mel = stream.mel_overlap
-        if not chunk.final:
+        if not chunk.final and overlap:
             stream.mel_overlap = mel[:, -overlap:]
             mel = mel[:, :-overlap]
         mel = self.decoder.apply_speed(mel, stream.segment.speed)

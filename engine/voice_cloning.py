@@ -294,8 +294,11 @@ class VoiceCloner:
         model_sample_rate: int,
         version: int,
         num_threads: int = 1,
+        speech_vocab_size: int | None = None,
     ) -> None:
+        """`speech_vocab_size`: the model's speech vocabulary (None: the official one of `version`)."""
         self.version = version
+        self.speech_vocab_size = SPEECH_TOKEN_VOCAB[version] if speech_vocab_size is None else speech_vocab_size
         self.mel_config = PromptMelConfig.for_model(model_sample_rate, version)
         self.speaker_session = _onnx_session(Path(campplus_path), num_threads, min_inputs=1)
         self.tokenizer_session = _onnx_session(Path(speech_tokenizer_path), num_threads, min_inputs=2)
@@ -303,7 +306,9 @@ class VoiceCloner:
         self.prompt_mel = PromptMelSpectrogram(self.mel_config)
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, model_sample_rate: int, version: int) -> VoiceCloner:
+    def from_model_dir(
+        cls, model_dir: Path, model_sample_rate: int, version: int, speech_vocab_size: int | None = None
+    ) -> VoiceCloner:
         """From an official model directory (`campplus.onnx`, `speech_tokenizer_v{version}.onnx`)."""
         if version not in SPEECH_TOKENIZER_FILES:
             raise CheckpointError(f"unsupported CosyVoice version {version!r}; voice cloning supports 1 and 2")
@@ -312,7 +317,7 @@ class VoiceCloner:
         missing = [path.name for path in paths if not path.is_file()]
         if missing:
             raise CheckpointError(f"voice cloning needs {' and '.join(missing)} in {model_dir}; not found")
-        return cls(paths[0], paths[1], model_sample_rate, version)
+        return cls(paths[0], paths[1], model_sample_rate, version, speech_vocab_size=speech_vocab_size)
 
     @property
     def sample_rate(self) -> int:
@@ -359,9 +364,12 @@ class VoiceCloner:
             None, {feats: log_mel, lengths: np.array([log_mel.shape[2]], dtype=np.int32)}
         )
         tokens = np.asarray(outputs[0]).ravel().astype(np.int64)
-        vocabulary = SPEECH_TOKEN_VOCAB[self.version]
+        vocabulary = self.speech_vocab_size
         if tokens.size and not (tokens.min() >= 0 and tokens.max() < vocabulary):
-            raise CheckpointError(f"the speech tokenizer returned tokens outside [0, {vocabulary})")
+            raise CheckpointError(
+                f"the speech tokenizer returned tokens outside the model's speech vocabulary [0, {vocabulary}): "
+                "is it the tokenizer of this model?"
+            )
         return tokens
 
     @staticmethod

@@ -49,8 +49,8 @@ def _campplus_graph(rng: np.random.Generator) -> onnx.GraphProto:
     )
 
 
-def _speech_tokenizer_graph(rng: np.random.Generator, version: int) -> onnx.GraphProto:
-    stride, vocabulary = _TOKEN_STRIDE[version], _VOCABULARY[version]
+def _speech_tokenizer_graph(rng: np.random.Generator, version: int, vocabulary: int) -> onnx.GraphProto:
+    stride = _TOKEN_STRIDE[version]
     projection = rng.standard_normal((_WHISPER_MELS, vocabulary)).astype(np.float32)
     nodes = [
         helper.make_node("AveragePool", ["feats"], ["pooled"], kernel_shape=[stride], strides=[stride]),
@@ -70,12 +70,14 @@ def _speech_tokenizer_graph(rng: np.random.Generator, version: int) -> onnx.Grap
     )
 
 
-def write_tiny_voice_models(directory: Path, version: int) -> None:
-    """Write `campplus.onnx` and `speech_tokenizer_v{version}.onnx` (version 1 or 2) into `directory`."""
+def write_tiny_voice_models(directory: Path, version: int, vocabulary: int | None = None) -> None:
+    """Write `campplus.onnx` and `speech_tokenizer_v{version}.onnx` (version 1 or 2) into `directory`; the
+    tokens span `vocabulary` ids (default: the official speech vocabulary of the version)."""
     if version not in _TOKEN_STRIDE:
         raise ValueError(f"no tiny speech tokenizer for CosyVoice version {version!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(7000 + version)
     _save(_campplus_graph(rng), directory / "campplus.onnx")
-    _save(_speech_tokenizer_graph(rng, version), directory / f"speech_tokenizer_v{version}.onnx")
+    vocabulary = _VOCABULARY[version] if vocabulary is None else vocabulary
+    _save(_speech_tokenizer_graph(rng, version, vocabulary), directory / f"speech_tokenizer_v{version}.onnx")

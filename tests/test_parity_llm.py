@@ -18,6 +18,7 @@ HIDDEN_ATOL = 5e-5
 TOP5_ATOL = 1e-4
 RAW_LOGP_ATOL = 2e-4
 
+
 def case_text(case: dict[str, Any]) -> torch.Tensor:
     """concat(prompt_text, text) of a case: [1, T] long."""
     return torch.cat([case["prompt_text"], case["text"]], dim=1).long()

@@ -320,3 +320,9 @@ def test_model_file_errors(tmp_path: Path, model_dirs: dict[int, Path]) -> None:
     broken.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match="cannot load voice cloning model"):
         VoiceCloner(broken, model_dirs[1] / "speech_tokenizer_v1.onnx", 22050, 1)
+
+
+def test_tokens_beyond_the_models_speech_vocabulary_are_a_configuration_error(model_dirs: dict[int, Path]) -> None:
+    small = VoiceCloner.from_model_dir(model_dirs[2], 24000, 2, speech_vocab_size=4)  # a model with 4 speech tokens
+    with pytest.raises(CheckpointError, match="tokenizer of this model"):
+        small.clone(voice(110.0), 16000, "hi")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.errors import InvalidInputError
-from engine.pipeline import INSTRUCT_SUFFIX, CosyVoice, SynthesisRequest
+from engine.pipeline import CosyVoice, SynthesisRequest
 from engine.sampling import SamplingOptions
 from engine.voice_cloning import VoicePrompt
 
@@ -15,7 +15,7 @@ TEXT = "Cloned voices speak this."
 TRANSCRIPT = "This is what the prompt says."
 
 
-@pytest.fixture(scope="module", params=["tiny"])
+@pytest.fixture(scope="module", params=["tiny", "cosyvoice2-tiny"])
 def tts(request: pytest.FixtureRequest) -> CosyVoice:
     return CosyVoice.load(request.param)
 
@@ -69,7 +69,7 @@ def test_instruct_with_a_cloned_voice(tts: CosyVoice) -> None:
     segment = encode(tts, prompt, instruct_text=instruction)
     version = tts.encoder.model.config.version
     frontend = tts.encoder.model.frontend
-    instruct_tokens = len(frontend.tokenize(frontend.normalize(instruction) + INSTRUCT_SUFFIX[version]))
+    instruct_tokens = len(frontend.tokenize(frontend.normalize(instruction) + frontend.instruct_end_token))
     assert len(segment.text_encoded) == instruct_tokens + text_tokens(tts, TEXT)  # the instruction, not the transcript
     assert len(segment.llm_prompt_speech_tokens) == 0
     if version == 1:  # v1 Instruct: the speaker only through the flow embedding, no prompt speech

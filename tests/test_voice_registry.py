@@ -190,9 +190,13 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "max_voices": 3,
         },
     }
+    write_tiny_voice_models(root / "models_v2", version=2, vocabulary=96)  # the tiny v2 model's speech tokens
+    v2_args = {**args, "model": "cosyvoice2-tiny", "voices_dir": str(root / "voices_v2")}
+    v2_args["voice_models_dir"] = str(root / "models_v2")
     with running_app(args, "voices-test") as url:
-        # The same model without voice cloning, beside it, for the 501.
+        # The same model without voice cloning, beside it, for the 501; and a CosyVoice2 model with cloning.
         serve.run(build_app({"model": "tiny", **small}), name="no-cloning", route_prefix="/plain")
+        serve.run(build_app(v2_args), name="cloning-v2", route_prefix="/v2")
         yield url
 
 
@@ -293,3 +297,19 @@ def test_cloning_not_configured_is_a_501(client: httpx.Client) -> None:
     assert_error(response, 501, "voices_dir")
     listing: dict[str, Any] = client.get("/plain/v1/voices").json()
     assert listing["registered_voices"] == [] and listing["voices"]
+
+
+def test_a_v2_cloned_voice_in_zero_shot_cross_lingual_and_instruct2(client: httpx.Client) -> None:
+    response = client.post(
+        "/v2/v1/voices", files={"file": ("p.wav", wav_bytes(3.0, 44100), "audio/wav")}, data={"transcript": "Hi."}
+    )
+    assert response.status_code == 201, response.text
+    voice = response.json()["id"]
+    modes = [{}, {"cross_lingual": True}, {"instruct_text": "Speak happily."}]
+    for mode in modes:
+        tts = client.post("/v2/v1/tts", json={"text": "In my voice.", "voice": voice, "format": "wav", **SHORT, **mode})
+        assert tts.status_code == 200, (mode, tts.text)
+        audio, rate = sf.read(io.BytesIO(tts.content), dtype="float32")
+        assert rate == 24000 and len(audio) > 0 and np.isfinite(audio).all()
+    # a v1 server does not know the v2 server's voices: each keeps its own registry
+    assert_error(client.post("/v1/tts", json={"text": "Hi.", "voice": voice, **SHORT}), 404, "unknown voice")
