@@ -120,6 +120,23 @@ class FlowRequest:
     seed: int | None = None  # None: the global torch RNG
 
 
+def check_flow_request(request: FlowRequest, vocab_size: int, mel_bins: int, spk_embed_dim: int) -> None:
+    """The checks of a request's tensors that both flows (v1 and v2) make; InvalidInputError on the first failure."""
+    for name in ("tokens", "prompt_tokens"):
+        tokens = getattr(request, name)
+        if tokens.dim() != 1 or tokens.is_floating_point():
+            raise InvalidInputError(f"{name} must be a 1-D integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+        if tokens.numel() and int(tokens.max()) >= vocab_size:
+            raise InvalidInputError(f"{name} holds ids >= the flow vocabulary size {vocab_size}")
+    prompt_feat = request.prompt_feat
+    if prompt_feat.dim() != 2 or prompt_feat.shape[1] != mel_bins:
+        raise InvalidInputError(f"prompt_feat must be [frames, {mel_bins}], got {tuple(prompt_feat.shape)}")
+    if (prompt_feat.shape[0] == 0) != (request.prompt_tokens.numel() == 0):
+        raise InvalidInputError("prompt_tokens and prompt_feat must be both empty or both non-empty")
+    if request.embedding.numel() != spk_embed_dim:
+        raise InvalidInputError(f"embedding must have {spk_embed_dim} values, got {request.embedding.numel()}")
+
+
 @dataclass
 class FlowConditioning:
     """Everything the CFM is conditioned on, for a padded batch (mel frames include the prompt frames)."""
@@ -245,28 +262,9 @@ class MaskedDiffWithXvec(nn.Module):
         self.decoder = ConditionalCFM(config.decoder)
 
     def _validate(self, request: FlowRequest) -> None:
-        config = self.config
-        for name in ("tokens", "prompt_tokens"):
-            tokens = getattr(request, name)
-            if tokens.dim() != 1 or tokens.is_floating_point():
-                raise InvalidInputError(
-                    f"{name} must be a 1-D integer tensor, got {tuple(tokens.shape)} {tokens.dtype}"
-                )
-            if tokens.numel() and int(tokens.max()) >= config.vocab_size:
-                raise InvalidInputError(f"{name} holds ids >= the flow vocabulary size {config.vocab_size}")
+        check_flow_request(request, self.config.vocab_size, self.config.output_size, self.config.spk_embed_dim)
         if request.tokens.numel() == 0:
             raise InvalidInputError("tokens must not be empty")
-        prompt_feat = request.prompt_feat
-        if prompt_feat.dim() != 2 or prompt_feat.shape[1] != config.output_size:
-            raise InvalidInputError(
-                f"prompt_feat must be [frames, {config.output_size}], got {tuple(prompt_feat.shape)}"
-            )
-        if (prompt_feat.shape[0] == 0) != (request.prompt_tokens.numel() == 0):
-            raise InvalidInputError("prompt_tokens and prompt_feat must be both empty or both non-empty")
-        if request.embedding.numel() != config.spk_embed_dim:
-            raise InvalidInputError(
-                f"embedding must have {config.spk_embed_dim} values, got {request.embedding.numel()}"
-            )
 
     @torch.inference_mode()
     def prepare(self, requests: list[FlowRequest]) -> FlowConditioning:

@@ -24,7 +24,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.conformer import OUTER_EPS, EncoderBlock, EncoderConfig, InputLayer
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import ConditionalCFM, FlowRequest
+from engine.flow import ConditionalCFM, FlowRequest, check_flow_request
 from engine.flow_estimator import TimestepEmbedding, TransformerBlock, apply_mask, sinusoidal_time_embedding
 from engine.layers import Conv1d, LayerNorm, Linear
 from engine.yaml_config import ObjectSpec
@@ -487,26 +487,8 @@ class CausalMaskedDiffWithXvec(nn.Module):
         self.decoder = CausalConditionalCFM(config.decoder, mel)
 
     def _validate(self, index: int, request: FlowRequest, context: int) -> None:
-        config = self.config
-        for name in ("tokens", "prompt_tokens"):
-            tokens = getattr(request, name)
-            if tokens.dim() != 1 or tokens.is_floating_point():
-                raise InvalidInputError(
-                    f"{name} must be a 1-D integer tensor, got {tuple(tokens.shape)} {tokens.dtype}"
-                )
-            if tokens.numel() and int(tokens.max()) >= config.vocab_size:
-                raise InvalidInputError(f"{name} holds ids >= the flow vocabulary size {config.vocab_size}")
-        prompt_feat = request.prompt_feat
-        if prompt_feat.dim() != 2 or prompt_feat.shape[1] != config.output_size:
-            raise InvalidInputError(
-                f"prompt_feat must be [frames, {config.output_size}], got {tuple(prompt_feat.shape)}"
-            )
-        if (prompt_feat.shape[0] == 0) != (request.prompt_tokens.numel() == 0):
-            raise InvalidInputError("prompt_tokens and prompt_feat must be both empty or both non-empty")
-        if request.embedding.numel() != config.spk_embed_dim:
-            raise InvalidInputError(
-                f"embedding must have {config.spk_embed_dim} values, got {request.embedding.numel()}"
-            )
+        config, prompt_feat = self.config, request.prompt_feat
+        check_flow_request(request, config.vocab_size, config.output_size, config.spk_embed_dim)
         encoded = request.prompt_tokens.numel() + request.tokens.numel() - context
         frames = config.token_mel_ratio * encoded
         if frames > NOISE_FRAMES:

@@ -25,7 +25,7 @@ from engine.frontend import TextFrontend
 from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
 from engine.llm import LLMConfig, TransformerLM
 from engine.precision import parse_dtype, quantize_linear_int8
-from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig
+from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
 from engine.qwen_tokenizer import QwenTokenizer
 from engine.voices import VoiceBank
 from engine.yaml_config import ObjectSpec, load_model_yaml
@@ -90,7 +90,7 @@ class LoadedModel:
     config: ModelConfig
     frontend: TextFrontend | None
     voices: VoiceBank
-    text_llm: TransformerLM | Qwen2LM | None
+    text_llm: TransformerLM | Qwen2LM | Qwen2TextEmbedding | None
     llm: TransformerLM | Qwen2LM | None
     flow: MaskedDiffWithXvec | CausalMaskedDiffWithXvec | None
     hift: HiFTGenerator | None
@@ -191,7 +191,9 @@ def load_model(
     if "encoder" in components:
         # One LLM copy serves both halves unless the decoder runs on another device or dtype.
         separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32)
-        text_llm = copy.deepcopy(llm) if separate else llm
+        # v2 encodes text with the Qwen2 embedding lookup alone: an encoder keeps only that table.
+        text_llm = Qwen2TextEmbedding(llm) if isinstance(llm, Qwen2LM) else llm
+        text_llm = copy.deepcopy(text_llm) if separate else text_llm
         if int8 and (separate or not decoding):
             quantize_linear_int8(text_llm)
     decoder_llm = None

@@ -282,6 +282,31 @@ class Qwen2Encoder(nn.Module):
         return decoder.norm(x)
 
 
+def embed_text(embed_tokens: nn.Embedding, tokens: Tensor, lengths: Tensor) -> Tensor:
+    """CosyVoice2's text encoding, the Qwen2 token embedding alone: tokens [B, T], lengths [B] -> [B, T, D].
+
+    Each position is independent, so padding cannot leak into valid rows.
+    """
+    vocab = embed_tokens.num_embeddings
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        raise InvalidInputError(f"text token ids must be in [0, {vocab})")
+    if lengths.shape != tokens.shape[:1] or (lengths.numel() and int(lengths.max()) > tokens.shape[1]):
+        raise InvalidInputError("text lengths must be [B] and at most the padded text length")
+    return embed_tokens(tokens.long())
+
+
+class Qwen2TextEmbedding(nn.Module):
+    """What an encoder-only replica keeps of a loaded `Qwen2LM`: its token embedding (a few % of the weights)."""
+
+    def __init__(self, lm: Qwen2LM) -> None:
+        super().__init__()
+        self.embed_tokens = lm.llm.model.model.embed_tokens
+
+    def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """tokens [B, T], lengths [B] -> [B, T, D], as `Qwen2LM.encode_text`."""
+        return embed_text(self.embed_tokens, tokens, lengths)
+
+
 class Qwen2LM(nn.Module):
     """Module and parameter names follow the official class, so `llm.pt` loads strictly."""
 
@@ -303,16 +328,8 @@ class Qwen2LM(nn.Module):
         return None  # the CosyVoice2 LM has no speaker term: a request's embedding is ignored
 
     def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
-        """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size].
-
-        Only the Qwen2 token embedding: each position is independent, so padding cannot leak into valid rows.
-        """
-        vocab = self.cfg.qwen.vocab_size
-        if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
-            raise InvalidInputError(f"text token ids must be in [0, {vocab})")
-        if lengths.shape != tokens.shape[:1] or (lengths.numel() and int(lengths.max()) > tokens.shape[1]):
-            raise InvalidInputError("text lengths must be [B] and at most the padded text length")
-        return self.llm.model.model.embed_tokens(tokens.long())
+        """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size]."""
+        return embed_text(self.llm.model.model.embed_tokens, tokens, lengths)
 
     def lm_input(self, request: GenerationRequest) -> Tensor:
         """The prefill sequence [S, llm_input_size]: sos, text embeddings, task id, prompt speech embeddings."""

@@ -1,7 +1,8 @@
 """Shared fixtures: the conformance kit (overridable through COSYVOICE_CONFORMANCE_KIT) and its modules.
 
-`kit_llm`, `kit_flow`, `kit_hift` (and the CosyVoice2 `kit_qwen2_llm`) are built once per session: a test that
-changes a module (dtype, weights, attributes) must work on a `copy.deepcopy` of it.
+`kit_llm`, `kit_flow`, `kit_hift` (and the CosyVoice2 `kit_qwen2_llm`, `kit_flow_v2`, `kit_hift_v2`) are built
+once per session through the loader (`engine.loader.load_module`): a test that changes a module (dtype,
+weights, attributes) must work on a `copy.deepcopy` of it.
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from engine.checkpoint import load_strict, read_state_dict
 from engine.flow import MaskedDiffWithXvec
-from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
-from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
+from engine.flow_v2 import CausalMaskedDiffWithXvec
+from engine.hift import HiFTGenerator
 from engine.llm import TransformerLM
 from engine.loader import load_module
-from engine.qwen2_llm import Qwen2LM, Qwen2LMConfig
-from engine.yaml_config import load_model_yaml
+from engine.qwen2_llm import Qwen2LM
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEFAULT_KIT = FIXTURES / "cosyvoice1-tiny"
@@ -63,30 +62,20 @@ def v2_kit_cases(v2_kit: Path) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.fixture(scope="session")
 def kit_qwen2_llm(v2_kit: Path) -> Qwen2LM:
-    """The v2 kit's LLM, built from its yaml and Qwen2 config.json, strictly loaded from llm.pt, in eval mode."""
-    model_dir = v2_kit / "model"
-    model = Qwen2LM(Qwen2LMConfig.from_yaml(load_model_yaml(model_dir / KIT_YAMLS[2])["llm"], model_dir))
-    load_strict(model, read_state_dict(model_dir / "llm.pt"), model_dir / "llm.pt")
-    return model.eval().requires_grad_(False)
+    """The v2 kit's LLM (its Qwen2 config from CosyVoice-BlankEN/config.json), strictly loaded from llm.pt."""
+    return _kit_module(v2_kit, "llm", Qwen2LM)
 
 
 @pytest.fixture(scope="session")
 def kit_flow_v2(v2_kit: Path) -> CausalMaskedDiffWithXvec:
-    """The v2 kit's causal flow, built from its yaml, strictly loaded from flow.pt, in eval mode."""
-    model_dir = v2_kit / "model"
-    model = CausalMaskedDiffWithXvec(CausalFlowConfig.from_yaml(load_model_yaml(model_dir / KIT_YAMLS[2])["flow"]))
-    load_strict(model, read_state_dict(model_dir / "flow.pt"), model_dir / "flow.pt")
-    return model.eval().requires_grad_(False)
+    """The v2 kit's causal flow, strictly loaded from flow.pt, in eval mode."""
+    return _kit_module(v2_kit, "flow", CausalMaskedDiffWithXvec)
 
 
 @pytest.fixture(scope="session")
 def kit_hift_v2(v2_kit: Path) -> HiFTGenerator:
-    """The v2 kit's vocoder (SineGen2 source), built from its yaml, strictly loaded from hift.pt, in eval mode."""
-    model_dir = v2_kit / "model"
-    model = HiFTGenerator(HiFTConfig.from_yaml(load_model_yaml(model_dir / KIT_YAMLS[2])["hift"]))
-    state = upgrade_legacy_weight_norm(read_state_dict(model_dir / "hift.pt"))
-    load_strict(model, state, model_dir / "hift.pt")
-    return model.eval().requires_grad_(False)
+    """The v2 kit's vocoder (SineGen2 source), strictly loaded from hift.pt, in eval mode."""
+    return _kit_module(v2_kit, "hift", HiFTGenerator)
 
 
 @pytest.fixture(scope="session")

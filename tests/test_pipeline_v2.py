@@ -14,8 +14,8 @@ from engine.errors import CheckpointError
 from engine.flow_v2 import CausalMaskedDiffWithXvec
 from engine.loader import ModelConfig, load_model, load_module
 from engine.memory import estimate_request_memory
-from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.qwen2_llm import QWEN_DIR, Qwen2LM
+from engine.pipeline import CosyVoice, SynthesisRequest, TextEncoderStage
+from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2TextEmbedding
 from engine.sampling import SamplingOptions
 
 SHORT = SamplingOptions(seed=2, min_token_text_ratio=2, max_token_text_ratio=4)
@@ -98,3 +98,15 @@ def test_v2_memory_estimate_counts_only_the_key_value_heads(v2_kit: Path) -> Non
     qwen = config.llm.qwen
     per_position = 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2
     assert large.kv_cache_bytes - small.kv_cache_bytes == per_position * (10 + 10 * 20)  # text + max speech
+
+
+def test_a_v2_encoder_replica_keeps_only_the_token_embedding() -> None:
+    encoder = load_model("cosyvoice2-tiny", components=("encoder",))
+    assert isinstance(encoder.text_llm, Qwen2TextEmbedding)
+    qwen = encoder.config.llm.qwen
+    assert sum(p.numel() for p in encoder.text_llm.parameters()) == qwen.vocab_size * qwen.hidden_size
+    both = load_model("cosyvoice2-tiny")  # one process: the encoder shares the decoder LLM's table
+    assert both.text_llm.embed_tokens is both.llm.llm.model.model.embed_tokens
+    request = SynthesisRequest("Same text, same encoding.", both.voices.names[0], sampling=SHORT)
+    [alone], [shared] = TextEncoderStage(encoder).encode(request), TextEncoderStage(both).encode(request)
+    np.testing.assert_array_equal(alone.text_encoded, shared.text_encoded)
