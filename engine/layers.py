@@ -31,18 +31,26 @@ class GroupNorm(nn.GroupNorm):
 WEIGHT_MAJOR_MAX_ROWS = 128
 
 
+def _weight_major_columns(rows: int) -> int:
+    """Columns to give W @ x^T for `rows` rows: MKL (AVX2) has fast kernels for 4 and 16 columns, and 5-15
+    columns take longer than 16 (8 rows of a 4096x1024 layer: 2.1 ms, padded to 16: 1.6 ms), so pad up to those.
+    """
+    return 4 if rows <= 4 else 16 if rows <= 16 else rows
+
+
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         x = x.to(self.weight.dtype)
         rows = x.numel() // self.in_features if self.in_features else 0
         if 1 < rows <= WEIGHT_MAJOR_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32:
-            flat = x.reshape(rows, self.in_features)
+            columns = x.reshape(rows, self.in_features).t()
+            columns = F.pad(columns, (0, _weight_major_columns(rows) - rows))  # zero columns: results unaffected
             out = (
-                torch.mm(self.weight, flat.t())
+                torch.mm(self.weight, columns)
                 if self.bias is None
-                else torch.addmm(self.bias[:, None], self.weight, flat.t())
+                else torch.addmm(self.bias[:, None], self.weight, columns)
             )
-            return out.t().reshape(*x.shape[:-1], self.out_features)
+            return out[:, :rows].t().reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
 
