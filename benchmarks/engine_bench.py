@@ -104,7 +104,8 @@ def run(model_name: str, audio_seconds: float, threads: int) -> dict:
         },
         "llm_ms_per_token": 1000 * t_llm / n_tokens,
         "peak_rss_mb_during_synthesis": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "parameter_bytes": model_bytes(model),
+        # weight surgery (casts, quantization) needs plain Linear weights, not the oneDNN-packed ones
+        "parameter_bytes": model_bytes(load_model(model_name, cpu_packing=False)),
         "int8_vs_fp32": int8_quality(model, segments),
     }
 

@@ -26,32 +26,49 @@ class GroupNorm(nn.GroupNorm):
         return F.group_norm(x.float(), self.num_groups, weight, bias, self.eps).type(x.dtype)
 
 
-# Up to this many input rows, CPU float32 Linear layers compute W @ x^T instead of x @ W^T: for a few rows
-# (batched decode steps) MKL's small-m GEMM is 2-3x slower than reading the weights once in this order.
-WEIGHT_MAJOR_MAX_ROWS = 128
-
-
-def _weight_major_columns(rows: int) -> int:
-    """Columns to give W @ x^T for `rows` rows: MKL (AVX2) has fast kernels for 4 and 16 columns, and 5-15
-    columns take longer than 16 (8 rows of a 4096x1024 layer: 2.1 ms, padded to 16: 1.6 ms), so pad up to those.
-    """
-    return 4 if rows <= 4 else 16 if rows <= 16 else rows
-
-
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
-        x = x.to(self.weight.dtype)
-        rows = x.numel() // self.in_features if self.in_features else 0
-        if 1 < rows <= WEIGHT_MAJOR_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32:
-            columns = x.reshape(rows, self.in_features).t()
-            columns = F.pad(columns, (0, _weight_major_columns(rows) - rows))  # zero columns: results unaffected
-            out = (
-                torch.mm(self.weight, columns)
-                if self.bias is None
-                else torch.addmm(self.bias[:, None], self.weight, columns)
-            )
-            return out[:, :rows].t().reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+class PackedLinear(nn.Module):
+    """A float32 CPU Linear whose weight is pre-packed for oneDNN (`engine.precision.pack_linear_for_cpu`).
+
+    For the few rows of a decode step MKL's GEMM is slow (8 rows of a 4096x1024 layer cost 3x one row);
+    oneDNN with a weight packed once runs them in about 1.4x one row. Inference only: the weight is not a
+    parameter, and copies and pickles carry it as a plain tensor and pack it again.
+    """
+
+    def __init__(self, weight: Tensor, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed_weight = _pack(weight)
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in_features] -> [..., out_features], computed in float32 and returned in x's dtype."""
+        out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed_weight, self.bias, "none", [], "")
+        return out.to(x.dtype)
+
+    def dense_weight(self) -> Tensor:
+        return self.packed_weight.to_dense()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["packed_weight"] = self.dense_weight()  # an opaque oneDNN tensor has no storage to copy
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state["packed_weight"] = _pack(state["packed_weight"])
+        self.__dict__.update(state)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _pack(weight: Tensor) -> Tensor:
+    # the batch-size hint only tunes the layout; any number of rows works
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), 8)
 
 
 class Conv1d(nn.Conv1d):

@@ -24,7 +24,7 @@ from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
 from engine.frontend import TextFrontend
 from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
 from engine.llm import LLMConfig, TransformerLM
-from engine.precision import parse_dtype, quantize_linear_int8
+from engine.precision import pack_linear_for_cpu, parse_dtype, quantize_linear_int8
 from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
 from engine.qwen_tokenizer import QwenTokenizer
 from engine.voices import VoiceBank
@@ -162,12 +162,14 @@ def load_model(
     components: tuple[str, ...] = COMPONENTS,
     seed: int = 0,
     max_text_chars: int = 2000,
+    cpu_packing: bool = True,
 ) -> LoadedModel:
     """Load a model for the given stage `components` ("encoder": frontend + text encoder, "decoder").
 
     `dtype` casts the decoder weights (float32 / float16 / bfloat16: real low-precision weights);
     the text encoder always runs in float32 on CPU, INT8-quantized when `int8` (then a CPU float32
-    decoder LLM is quantized too).
+    decoder LLM is quantized too). `cpu_packing` packs the float32 CPU LLM's Linear weights for oneDNN (faster
+    batched decode steps); turn it off to keep plain `nn.Linear` weights for casts, copies or state dicts.
     """
     unknown = set(components) - set(COMPONENTS)
     if unknown or not components:
@@ -196,11 +198,15 @@ def load_model(
         text_llm = copy.deepcopy(text_llm) if separate else text_llm
         if int8 and (separate or not decoding):
             quantize_linear_int8(text_llm)
+        elif cpu_packing and not int8:
+            pack_linear_for_cpu(text_llm)
     decoder_llm = None
     if decoding:
         if int8 and decoder_device == cpu and torch_dtype == torch.float32:
             quantize_linear_int8(llm)
         decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
+        if cpu_packing and not int8:
+            pack_linear_for_cpu(decoder_llm)  # only float32 CPU layers are packed
         flow = flow.to(device=decoder_device, dtype=torch_dtype)
         hift = hift.to(device=decoder_device, dtype=torch_dtype)
 

@@ -1,35 +1,62 @@
-"""The thin layers: the few-row CPU path of `Linear` computes the same product as `F.linear`."""
+"""oneDNN-packed Linear layers (`pack_linear_for_cpu`): the same products as the plain layers, in place."""
 
 from __future__ import annotations
+
+import copy
+import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from engine.layers import WEIGHT_MAJOR_MAX_ROWS, Linear
+from engine.layers import Linear, PackedLinear
+from engine.loader import load_model
+from engine.precision import cpu_packing_available, pack_linear_for_cpu, parameter_bytes
+
+pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch has no oneDNN")
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 15, 16, 17, WEIGHT_MAJOR_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS + 1])
-def test_linear_matches_f_linear_for_any_row_count(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17, 300])
+def test_a_packed_linear_computes_the_plain_product(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)
-    layer = Linear(96, 40, bias=bias)
+    plain = Linear(96, 40, bias=bias)
+    packed = PackedLinear(plain.weight, plain.bias)
     x = torch.randn(rows, 1, 96)  # a decode step's [B, 1, D] layout
-    out = layer(x)
+    out = packed(x)
     assert out.shape == (rows, 1, 40)
-    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, F.linear(x, plain.weight, plain.bias), atol=1e-5, rtol=1e-5)
+    rows_alone = torch.cat([packed(x[i : i + 1]) for i in range(rows)])
+    torch.testing.assert_close(out, rows_alone, atol=1e-5, rtol=1e-5)
 
 
-def test_each_row_is_independent_of_the_others() -> None:
+def test_packing_swaps_layers_in_place_but_not_tied_ones() -> None:
     torch.manual_seed(0)
-    layer = Linear(64, 32)
-    batch = torch.randn(8, 64)
-    together = layer(batch)
-    alone = torch.cat([layer(batch[i : i + 1]) for i in range(8)])
-    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+    model = nn.Sequential(Linear(8, 8), nn.ReLU(), Linear(8, 8, bias=False))
+    tied = nn.Embedding(8, 8)
+    model[2].weight = tied.weight  # like CosyVoice2's text lm_head
+    model.append(tied)
+    x = torch.randn(3, 8)
+    expected = model[2](model[1](model[0](x)))
+    pack_linear_for_cpu(model)
+    assert isinstance(model[0], PackedLinear) and type(model[2]) is Linear
+    torch.testing.assert_close(model[2](model[1](model[0](x))), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_half_precision_weights_take_the_plain_path() -> None:
-    layer = Linear(32, 16).half()
-    out = layer(torch.randn(8, 32))  # fp32 input is cast to the weight dtype
-    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+def test_packed_layers_survive_copies_and_pickles() -> None:
+    layer = PackedLinear(torch.randn(16, 8), nn.Parameter(torch.randn(16)))
+    x = torch.randn(4, 8)
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert isinstance(other, PackedLinear)
+        torch.testing.assert_close(other(x), layer(x), atol=0, rtol=0)
+    assert torch.equal(layer.dense_weight(), copy.deepcopy(layer).dense_weight())
+
+
+def test_the_loader_packs_the_float32_cpu_llm_and_counts_its_bytes() -> None:
+    packed, plain = load_model("tiny"), load_model("tiny", cpu_packing=False)
+    assert any(isinstance(m, PackedLinear) for m in packed.llm.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.llm.modules())
+    assert parameter_bytes(packed.llm) == parameter_bytes(plain.llm)
+    int8 = load_model("tiny", int8=True)
+    assert not any(isinstance(m, PackedLinear) for m in int8.llm.modules())
