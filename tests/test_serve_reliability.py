@@ -36,6 +36,8 @@ API_KEY = "test-key-7f3a91c2e5"  # must never appear in any log
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY_BYTES = 16 * 1024
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights rarely emit EOS: keep decodes short
+# a fixed length long enough that a load of requests is still decoding when a replica is killed
+LONG = {"sampling": {"min_token_text_ratio": 15.0, "max_token_text_ratio": 15.0}}
 KIT_MODEL = Path(__file__).parent / "fixtures" / "cosyvoice1-tiny" / "model"
 DECODER_QUEUE = 2
 DECODER_ONGOING = 2
@@ -289,10 +291,13 @@ def test_a_killed_replica_under_load(base_url: str, voice: str, deployment: str)
 
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base_url, timeout=180, headers=AUTH) as http:
-            bodies = [{"text": f"Load {i} is here.", "voice": voice, "seed": i, **SHORT} for i in range(load)]
+            bodies = [{"text": f"Load {i} is here.", "voice": voice, "seed": i, **LONG} for i in range(load)]
             in_flight = [asyncio.ensure_future(http.post("/v1/tts", json=b)) for b in bodies]
             if deployment == "Decoder":
+                deadline = time.monotonic() + 60
                 while await asyncio.to_thread(_ongoing) == 0:  # kill it while it holds requests
+                    assert not all(f.done() for f in in_flight), "the load finished before the decoder was killed"
+                    assert time.monotonic() < deadline, "the decoder never held a request"
                     await asyncio.sleep(0.05)
             else:
                 await asyncio.sleep(0.2)
