@@ -26,7 +26,6 @@ schemathesis = pytest.importorskip("schemathesis")
 from ray import serve  # noqa: E402
 from serve_testing import running_app  # noqa: E402
 
-from autoscaling.metrics import ONGOING_REQUESTS  # noqa: E402
 from autoscaling.policy import ScalingRules, cpu_fallback_autoscaling_config  # noqa: E402
 from autoscaling.schedule import Schedule  # noqa: E402
 from serve_app import build_app  # noqa: E402
@@ -94,9 +93,17 @@ def voice(client: httpx.Client) -> str:
     return client.get("/v1/voices").json()["voices"][0]
 
 
-def _ongoing(deployment: str = "Decoder", app: str = APP) -> float:
-    stats = serve.get_deployment_handle(deployment, app).record_autoscaling_stats.remote().result(timeout_s=30)
-    return stats[ONGOING_REQUESTS]
+def _replica_actor(deployment: str) -> Any:
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert names, f"no replica actor of {deployment}"
+    return ray.get_actor(names[0], namespace="serve")
+
+
+def _ongoing(deployment: str) -> int:
+    """Requests one replica of `deployment` holds, asked of the replica actor: Serve answers this on its own
+    thread, while a handle call would wait for a free request slot, i.e. until a full replica is done."""
+    return ray.get(_replica_actor(deployment).get_num_ongoing_requests.remote(), timeout=30)
 
 
 def _running(deployment: str) -> int:
@@ -278,13 +285,6 @@ def test_a_model_whose_vocoder_outputs_nan_answers_500_with_a_message(base_url: 
 # --- killed replicas ------------------------------------------------------------------------------------------
 
 
-def _replica_actor(deployment: str) -> Any:
-    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    assert names, f"no replica actor of {deployment}"
-    return ray.get_actor(names[0], namespace="serve")
-
-
 @pytest.mark.parametrize("deployment", ["Encoder", "Decoder"])
 def test_a_killed_replica_under_load(base_url: str, voice: str, deployment: str) -> None:
     load = 6
@@ -295,7 +295,7 @@ def test_a_killed_replica_under_load(base_url: str, voice: str, deployment: str)
             in_flight = [asyncio.ensure_future(http.post("/v1/tts", json=b)) for b in bodies]
             if deployment == "Decoder":
                 deadline = time.monotonic() + 60
-                while await asyncio.to_thread(_ongoing) == 0:  # kill it while it holds requests
+                while await asyncio.to_thread(_ongoing, "Decoder") == 0:  # kill it while it holds requests
                     assert not all(f.done() for f in in_flight), "the load finished before the decoder was killed"
                     assert time.monotonic() < deadline, "the decoder never held a request"
                     await asyncio.sleep(0.05)
