@@ -182,7 +182,8 @@ class Snake(nn.Module):
         """x: [B, C, T] -> [B, C, T]"""
         alpha = self.alpha.float()[None, :, None]
         x32 = x.float()
-        return (x32 + (1.0 / (alpha + _SNAKE_EPS)) * torch.sin(x32 * alpha).pow(2)).to(x.dtype)
+        sine = torch.sin_(x32 * alpha)  # in place: the vocoder's widest tensors, one pass and buffer fewer
+        return torch.addcmul(x32, 1.0 / (alpha + _SNAKE_EPS), sine.mul_(sine)).to(x.dtype)
 
 
 class ResBlock(nn.Module):
