@@ -167,6 +167,15 @@ def _length_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor:
     return (positions[None, :] < lengths[:, None]).to(dtype)[:, None, :]
 
 
+def _padding_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor | None:
+    """`_length_mask`, or None when no item is padded: a batch of one skips the mask multiplies."""
+    return None if bool((lengths >= size).all()) else _length_mask(lengths, size, dtype)
+
+
+def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
+    return x if mask is None else x * mask
+
+
 def _get_padding(kernel_size: int, dilation: int) -> int:
     return (kernel_size * dilation - dilation) // 2
 
@@ -202,14 +211,14 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        """x: [B, C, T] (zero beyond each length), mask: [B, 1, T] -> [B, C, T]"""
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """x: [B, C, T] (zero beyond each length), mask: [B, 1, T] or None (no padding) -> [B, C, T]"""
         for act1, conv1, act2, conv2 in zip(
             self.activations1, self.convs1, self.activations2, self.convs2, strict=True
         ):
             # Snake(0) = 0, so masking each conv output keeps every conv input zero-padded as when alone
-            hidden = conv1(act1(x)) * mask
-            x = x + conv2(act2(hidden)) * mask
+            hidden = _masked(conv1(act1(x)), mask)
+            x = x + _masked(conv2(act2(hidden)), mask)
         return x
 
 
@@ -493,8 +502,8 @@ class HiFTGenerator(nn.Module):
         source_spectrum = self._source_spectrum(source[:, 0], lengths * self.config.hop, spectrum_frames)
 
         dtype = self.conv_pre.bias.dtype
-        mask = _length_mask(lengths, frames, dtype)
-        x = self.conv_pre(mel * mask.to(mel.dtype)) * mask
+        mask = _padding_mask(lengths, frames, dtype)
+        x = _masked(self.conv_pre(_masked(mel, mask)), mask)
         stage_lengths = lengths
         kernels = len(self.config.resblock_kernel_sizes)
         for i, (up, rate) in enumerate(zip(self.ups, self.config.upsample_rates, strict=True)):
@@ -503,9 +512,9 @@ class HiFTGenerator(nn.Module):
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")  # the official ReflectionPad1d((1, 0))
                 stage_lengths = stage_lengths + 1
-            mask = _length_mask(stage_lengths, x.shape[-1], dtype)
-            x = x * mask
-            x = x + self.source_resblocks[i](self.source_downs[i](source_spectrum) * mask, mask)
+            mask = _padding_mask(stage_lengths, x.shape[-1], dtype)
+            x = _masked(x, mask)
+            x = x + self.source_resblocks[i](_masked(self.source_downs[i](source_spectrum), mask), mask)
             stage = self.resblocks[i * kernels : (i + 1) * kernels]
             total = stage[0](x, mask)
             for block in stage[1:]:
