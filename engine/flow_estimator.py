@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError
-from engine.layers import Conv1d, ConvTranspose1d, GroupNorm, LayerNorm, Linear
+from engine.layers import Conv1d, ConvTranspose1d, GroupNorm, LayerNorm, Linear, apply_mask
 from engine.yaml_config import ObjectSpec
 
 _TIME_SCALE = 1000.0  # Matcha's SinusoidalPosEmb multiplies t in [0, 1] by this
@@ -53,11 +53,6 @@ class EstimatorConfig:
             num_mid_blocks=int(spec.get("num_mid_blocks", 2)),
             num_heads=int(spec.get("num_heads", 4)),
         )
-
-
-def apply_mask(x: Tensor, mask: Tensor | None) -> Tensor:
-    """x * mask; `None` stands for a batch without padding, where the product would only copy x."""
-    return x if mask is None else x * mask
 
 
 class MaskedGroupNorm(GroupNorm):

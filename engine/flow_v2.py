@@ -25,8 +25,8 @@ from torch.nn.utils.rnn import pad_sequence
 from engine.conformer import OUTER_EPS, EncoderBlock, EncoderConfig, InputLayer
 from engine.errors import CheckpointError, InvalidInputError
 from engine.flow import ConditionalCFM, FlowRequest, check_flow_request
-from engine.flow_estimator import TimestepEmbedding, TransformerBlock, apply_mask, sinusoidal_time_embedding
-from engine.layers import Conv1d, LayerNorm, Linear
+from engine.flow_estimator import TimestepEmbedding, TransformerBlock, sinusoidal_time_embedding
+from engine.layers import Conv1d, LayerNorm, Linear, apply_mask
 from engine.yaml_config import ObjectSpec
 
 # The official UpsampleConformerEncoder hard-codes these instead of reading them from the config.

@@ -24,7 +24,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from engine.checkpoint import load_strict
 from engine.errors import CheckpointError, InvalidInputError
-from engine.layers import Conv1d, ConvTranspose1d, Linear
+from engine.layers import Conv1d, ConvTranspose1d, Linear, apply_mask
 from engine.yaml_config import ObjectSpec
 
 # The official code picks the v1 `SineGen` at 22050 Hz and `SineGen2` (v2, 24 kHz) otherwise.
@@ -172,10 +172,6 @@ def _padding_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor | No
     return None if bool((lengths >= size).all()) else _length_mask(lengths, size, dtype)
 
 
-def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
-    return x if mask is None else x * mask
-
-
 def _get_padding(kernel_size: int, dilation: int) -> int:
     return (kernel_size * dilation - dilation) // 2
 
@@ -217,8 +213,8 @@ class ResBlock(nn.Module):
             self.activations1, self.convs1, self.activations2, self.convs2, strict=True
         ):
             # Snake(0) = 0, so masking each conv output keeps every conv input zero-padded as when alone
-            hidden = _masked(conv1(act1(x)), mask)
-            x = x + _masked(conv2(act2(hidden)), mask)
+            hidden = apply_mask(conv1(act1(x)), mask)
+            x = x + apply_mask(conv2(act2(hidden)), mask)
         return x
 
 
@@ -503,7 +499,7 @@ class HiFTGenerator(nn.Module):
 
         dtype = self.conv_pre.bias.dtype
         mask = _padding_mask(lengths, frames, dtype)
-        x = _masked(self.conv_pre(_masked(mel, mask)), mask)
+        x = apply_mask(self.conv_pre(apply_mask(mel, mask)), mask)
         stage_lengths = lengths
         kernels = len(self.config.resblock_kernel_sizes)
         for i, (up, rate) in enumerate(zip(self.ups, self.config.upsample_rates, strict=True)):
@@ -513,8 +509,8 @@ class HiFTGenerator(nn.Module):
                 x = F.pad(x, (1, 0), mode="reflect")  # the official ReflectionPad1d((1, 0))
                 stage_lengths = stage_lengths + 1
             mask = _padding_mask(stage_lengths, x.shape[-1], dtype)
-            x = _masked(x, mask)
-            x = x + self.source_resblocks[i](_masked(self.source_downs[i](source_spectrum), mask), mask)
+            x = apply_mask(x, mask)
+            x = x + self.source_resblocks[i](apply_mask(self.source_downs[i](source_spectrum), mask), mask)
             stage = self.resblocks[i * kernels : (i + 1) * kernels]
             total = stage[0](x, mask)
             for block in stage[1:]:

@@ -89,3 +89,8 @@ def softmax_fp32(x: Tensor, dim: int = -1) -> Tensor:
 def log_softmax_fp32(x: Tensor, dim: int = -1) -> Tensor:
     """Log-softmax in fp32; stays fp32 because sampling compares log-probabilities."""
     return torch.log_softmax(x.float(), dim=dim)
+
+
+def apply_mask(x: Tensor, mask: Tensor | None) -> Tensor:
+    """x * mask; `None` stands for a batch without padding, where the product would only copy x."""
+    return x if mask is None else x * mask
