@@ -1,0 +1,41 @@
+"""The measuring pieces of benchmarks/roofline.py: FLOP counting and the layers a decode step reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.engine_bench import TEXT, fixed_length_request
+from benchmarks.roofline import counted_flops, per_token_linears
+from engine.loader import load_model
+from engine.pipeline import SpeechDecoderStage, TextEncoderStage
+
+
+def test_counted_flops_include_the_cpu_attention_kernel() -> None:
+    batch, heads, frames, head_dim = 2, 4, 30, 16
+    q, k, v = (torch.randn(batch, heads, frames, head_dim) for _ in range(3))
+    # scores and weighted values: two [frames x head_dim x frames] products per head, 2 FLOPs per multiply-add
+    assert counted_flops(F.scaled_dot_product_attention, q, k, v) == 4 * batch * heads * frames**2 * head_dim
+    x, w = torch.randn(5, 7), torch.randn(3, 7)
+    assert counted_flops(F.linear, x, w) == 2 * 5 * 7 * 3
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_decode_step_reads_the_backbone_and_output_layer_only(int8: bool) -> None:
+    model = load_model("tiny", int8=int8)
+    text_tokens = len(model.frontend.tokenize(model.frontend.normalize(TEXT)))
+    segments = TextEncoderStage(model).encode(fixed_length_request(text_tokens, 0.2, model.voices.names[0]))
+    request = SpeechDecoderStage(model).generation_requests(segments)[0]
+
+    layers = per_token_linears(model.llm, request)
+
+    backbone = model.llm.llm
+    expected = [backbone.embed.out[0]]
+    for block in backbone.encoders:
+        attention = block.self_attn
+        expected += [attention.linear_q, attention.linear_k, attention.linear_v, attention.linear_out]
+        expected += [block.feed_forward.w_1, block.feed_forward.w_2]
+    expected.append(model.llm.llm_decoder)
+    # the cached position projection, the speaker and text-encoder layers run once per request, not per token
+    assert layers == expected
