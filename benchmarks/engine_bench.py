@@ -28,7 +28,8 @@ TOKENS_PER_SECOND = 50  # v1 speech tokens per second of audio
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
 
 
-def _timed(fn, *args):
+def timed(fn, *args) -> tuple:
+    """(fn(*args), its wall-clock seconds)."""
     start = time.perf_counter()
     result = fn(*args)
     return result, time.perf_counter() - start
@@ -82,10 +83,10 @@ def run(model_name: str, audio_seconds: float, threads: int) -> dict:
     text_tokens = len(model.frontend.tokenize(model.frontend.normalize(TEXT)))
     request = fixed_length_request(text_tokens, audio_seconds, model.voices.names[0])
 
-    segments, t_text = _timed(encoder.encode, request)
-    tokens, t_llm = _timed(decoder.generate_tokens, segments)
-    mels, t_flow = _timed(decoder.tokens_to_mel, segments, tokens)
-    waves, t_hift = _timed(decoder.vocode, segments, mels)
+    segments, t_text = timed(encoder.encode, request)
+    tokens, t_llm = timed(decoder.generate_tokens, segments)
+    mels, t_flow = timed(decoder.tokens_to_mel, segments, tokens)
+    waves, t_hift = timed(decoder.vocode, segments, mels)
     audio = sum(len(w) for w in waves) / model.config.sample_rate
     n_tokens = sum(len(t) for t in tokens)
     decode_time = t_llm + t_flow + t_hift
