@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import NonFiniteOutputError
 from engine.flow import mel_frames
-from engine.llm import TokenGenerator
+from engine.llm import TokenEvent, TokenGenerator
 from engine.sampling import make_generator
 
 
@@ -116,10 +116,11 @@ class DecodeStream:
     the segment has finished.
     """
 
-    def __init__(self, decoder, segments: list) -> None:  # decoder: engine.pipeline.SpeechDecoderStage
+    def __init__(self, decoder, segments: list, llm: TokenGenerator | None = None) -> None:
+        # decoder: engine.pipeline.SpeechDecoderStage; llm: a generator shared with other work (the scheduler's)
         model = decoder.model
         self.decoder = decoder
-        self.llm = TokenGenerator(model.llm)
+        self.llm = TokenGenerator(model.llm) if llm is None else llm
         hop, flow = model.config.hift.hop, model.config.flow
         self.version = model.config.version
         if self.version == 1:
@@ -129,19 +130,32 @@ class DecodeStream:
             self.schedule = StreamSchedule.v2(chunk, lookahead, ratio, hop)
         self.mel_window = torch.from_numpy(np.hamming(2 * self.schedule.mel_overlap)).float()
         self.speech_window = torch.from_numpy(np.hamming(2 * self.schedule.source_cache)).float()
-        requests = decoder.generation_requests(segments)
-        self.streams = [
-            _Stream(
-                segment=segment,
-                llm_id=self.llm.add(request),
-                hop=self.schedule.token_hop,
-                noise=make_generator(segment.sampling.seed),
-                source=torch.Generator(device=model.decoder_device).manual_seed(segment.sampling.seed),
-                first_hop_pad=-len(segment.flow_prompt_speech_tokens) % self.schedule.token_hop,
-            )
-            for segment, request in zip(segments, requests, strict=True)
-        ]
-        self._by_llm_id = {s.llm_id: s for s in self.streams}
+        self.streams: list[_Stream] = []
+        self._by_llm_id: dict[int, _Stream] = {}
+        for segment in segments:
+            self.add(segment)
+
+    def add(self, segment) -> _Stream:
+        """Start streaming one more segment: its tokens are generated from the next step of `self.llm` on."""
+        [request] = self.decoder.generation_requests([segment])
+        device = self.decoder.model.decoder_device
+        stream = _Stream(
+            segment=segment,
+            llm_id=self.llm.add(request),
+            hop=self.schedule.token_hop,
+            noise=make_generator(segment.sampling.seed),
+            source=torch.Generator(device=device).manual_seed(segment.sampling.seed),
+            first_hop_pad=-len(segment.flow_prompt_speech_tokens) % self.schedule.token_hop,
+        )
+        self.streams.append(stream)
+        self._by_llm_id[stream.llm_id] = stream
+        return stream
+
+    def release(self, stream: _Stream) -> None:
+        """Forget a stream (stopping it first if it still runs): for owners that add streams without end."""
+        self.stop(stream)
+        self.streams.remove(stream)
+        del self._by_llm_id[stream.llm_id]
 
     @property
     def finished(self) -> bool:
@@ -149,7 +163,10 @@ class DecodeStream:
 
     def cancel(self, index: int) -> None:
         """Stop segment `index`: its generation slot is freed at once; it yields None from now on."""
-        stream = self.streams[index]
+        self.stop(self.streams[index])
+
+    def stop(self, stream: _Stream) -> None:
+        """Stop one stream: its generation slot is freed at once; it makes no more audio."""
         if not stream.finished:
             self.llm.cancel(stream.llm_id)
             stream.finished = True
@@ -160,13 +177,8 @@ class DecodeStream:
 
     @torch.inference_mode()
     def step(self) -> list[np.ndarray | NonFiniteOutputError | None]:
-        for event in self.llm.step():
-            stream = self._by_llm_id[event.request_id]
-            if event.token is not None:
-                stream.new_tokens.append(event.token)
-            stream.tokens_done = stream.tokens_done or event.finish_reason is not None
-        chunks = [c for c in map(self._next_chunk, self.streams) if c is not None]
-        audio = dict(zip((id(c.stream) for c in chunks), self._synthesize(chunks), strict=True)) if chunks else {}
+        self.record(self.llm.step())
+        audio = {id(stream): chunk for stream, chunk in self.emit()}
         out: list[np.ndarray | NonFiniteOutputError | None] = []
         for stream in self.streams:
             if id(stream) in audio:
@@ -176,6 +188,24 @@ class DecodeStream:
             else:
                 out.append(np.zeros(0, dtype=np.float32))
         return out
+
+    def record(self, events: list[TokenEvent]) -> None:
+        """Take the tokens of this object's streams from one step of `self.llm` (other requests' are skipped)."""
+        for event in events:
+            stream = self._by_llm_id.get(event.request_id)
+            if stream is None:
+                continue
+            if event.token is not None:
+                stream.new_tokens.append(event.token)
+            stream.tokens_done = stream.tokens_done or event.finish_reason is not None
+
+    @torch.inference_mode()
+    def emit(self) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError]]:
+        """Every stream that has a chunk's worth of tokens gets its audio, all of them in one flow + vocoder batch."""
+        chunks = [c for c in map(self._next_chunk, self.streams) if c is not None]
+        if not chunks:
+            return []
+        return list(zip((c.stream for c in chunks), self._synthesize(chunks), strict=True))
 
     def _next_chunk(self, stream: _Stream) -> _Chunk | None:
         if stream.finished:
@@ -219,7 +249,7 @@ class DecodeStream:
                 out.append(audio)
             else:
                 out.append(NonFiniteOutputError("the vocoder produced NaN or inf samples; no audio returned"))
-                self.cancel(self.streams.index(chunk.stream))
+                self.stop(chunk.stream)
         return out
 
     def _chunk_mels(self, chunks: list[_Chunk]) -> list[Tensor]:
