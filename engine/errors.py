@@ -35,3 +35,9 @@ class NonFiniteOutputError(CosyVoiceError):
     """A stage produced NaN or inf; returned as an error, never as audio."""
 
     http_status = 500
+
+
+class RequestTooLargeError(CosyVoiceError):
+    """The request needs more decoder memory than the replica's whole budget: it could never be admitted."""
+
+    http_status = 413

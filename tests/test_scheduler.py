@@ -1,0 +1,155 @@
+"""The continuous-batching scheduler (engine.scheduler) on the tiny model: joining, equality with a request
+decoded alone, cancellation, memory admission, refusal, and pipelined sentences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.errors import RequestTooLargeError
+from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
+from engine.sampling import SamplingOptions
+from engine.scheduler import Output, Scheduler
+
+SHORT = SamplingOptions(seed=3, min_token_text_ratio=6, max_token_text_ratio=6)
+LONG = SamplingOptions(seed=4, min_token_text_ratio=30, max_token_text_ratio=30)  # several stream chunks
+
+
+@pytest.fixture(scope="module")
+def tts() -> CosyVoice:
+    return CosyVoice.load("tiny")
+
+
+def _segments(tts: CosyVoice, text: str, sampling: SamplingOptions) -> list[EncodedSegment]:
+    return tts.encoder.encode(SynthesisRequest(text, tts.voices[0], sampling=sampling))
+
+
+class Collected:
+    """A sink that keeps what a request handed on."""
+
+    def __init__(self) -> None:
+        self.outputs: list[Output] = []
+
+    def __call__(self, item: Output) -> None:
+        self.outputs.append(item)
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.outputs) and self.outputs[-1] is None
+
+    @property
+    def audio(self) -> list[np.ndarray]:
+        assert all(isinstance(o, np.ndarray) for o in self.outputs[:-1]), self.outputs
+        return self.outputs[:-1]
+
+
+def _run(scheduler: Scheduler, steps: int | None = None) -> None:
+    count = 0
+    while scheduler.has_work and (steps is None or count < steps):
+        scheduler.step()
+        count += 1
+
+
+def _stream_alone(tts: CosyVoice, segment: EncodedSegment) -> list[np.ndarray]:
+    return [out[0] for out in tts.decoder.open_stream([segment]) if out[0] is not None and out[0].size]
+
+
+def test_requests_decoded_in_the_loop_equal_the_same_requests_decoded_alone(tts: CosyVoice) -> None:
+    [whole] = _segments(tts, "A whole request in the loop.", SHORT)
+    [streamed] = _segments(tts, "A streaming request that arrives later.", LONG)
+    [other] = _segments(tts, "Another whole one.", SamplingOptions(seed=9, max_token_text_ratio=8))
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    whole_sink, stream_sink, other_sink = Collected(), Collected(), Collected()
+    scheduler.submit([whole], streaming=False, sink=whole_sink)
+    scheduler.submit([other], streaming=False, sink=other_sink)
+    _run(scheduler, steps=5)
+    scheduler.submit([streamed], streaming=True, sink=stream_sink)
+    _run(scheduler)
+
+    [alone_whole] = tts.decoder.decode_batch([whole])
+    [in_loop] = whole_sink.audio
+    assert in_loop.shape == alone_whole.shape
+    np.testing.assert_allclose(in_loop, alone_whole, atol=1e-4)
+    alone_chunks = _stream_alone(tts, streamed)
+    assert [len(c) for c in stream_sink.audio] == [len(c) for c in alone_chunks]
+    np.testing.assert_allclose(np.concatenate(stream_sink.audio), np.concatenate(alone_chunks), atol=1e-4)
+    assert other_sink.ended and scheduler.live == 0 and scheduler.llm.active == 0
+
+
+def test_a_request_submitted_while_a_batch_runs_joins_the_running_llm_batch(tts: CosyVoice) -> None:
+    [first] = _segments(tts, "The first request starts alone.", LONG)
+    [second] = _segments(tts, "The second joins it.", SHORT)
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    scheduler.submit([first], streaming=True, sink=Collected())
+    _run(scheduler, steps=3)
+    assert scheduler.stats.llm_batch_size_counts == {1: 2}  # the first step only admitted it
+    scheduler.submit([second], streaming=False, sink=Collected())
+    scheduler.step()  # admitted after this step's LLM step: prefilled in the next one
+    scheduler.step()
+    assert scheduler.stats.joined_running_batch == 1
+    assert scheduler.stats.llm_batch_size_counts[2] == 1  # one LLM step ran both
+    assert scheduler.stats.mixed_steps == 1  # a whole and a streaming request in that step
+    _run(scheduler)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_cancelling_frees_the_slot_at_the_next_step(tts: CosyVoice, streaming: bool) -> None:
+    [segment] = _segments(tts, "A request whose caller leaves.", LONG)
+    scheduler = Scheduler(tts.decoder, max_live=1)
+    sink = Collected()
+    ticket = scheduler.submit([segment], streaming=streaming, sink=sink)
+    _run(scheduler, steps=4)
+    assert scheduler.live == 1 and scheduler.llm.active == 1
+    waiting_sink = Collected()
+    scheduler.submit([segment], streaming=streaming, sink=waiting_sink)
+    scheduler.step()
+    assert scheduler.queued == 1  # max_live 1: the second waits for the slot
+    scheduler.cancel(ticket)
+    scheduler.step()
+    assert sink.ended and scheduler.stats.cancelled == 1
+    assert scheduler.live == 1 and scheduler.queued == 0  # the freed slot went to the waiting request
+    assert scheduler.llm.active == 1  # the cancelled request's row is gone
+    _run(scheduler)
+    assert waiting_sink.ended
+
+
+def test_a_request_that_can_never_fit_is_refused_before_it_is_queued(tts: CosyVoice) -> None:
+    [segment] = _segments(tts, "Too long for this budget.", LONG)
+    estimate = Scheduler(tts.decoder, max_live=4).memory_estimate(segment)
+    scheduler = Scheduler(tts.decoder, max_live=4, memory_budget_bytes=estimate - 1)
+    with pytest.raises(RequestTooLargeError, match="budget"):
+        scheduler.submit([segment], streaming=False, sink=Collected())
+    assert not scheduler.has_work
+
+
+def test_the_memory_budget_counts_each_request_by_its_own_length(tts: CosyVoice) -> None:
+    [short] = _segments(tts, "Short.", SHORT)
+    [long] = _segments(tts, "A far longer sentence, with many more words in it than the short one.", LONG)
+    probe = Scheduler(tts.decoder, max_live=8)
+    short_bytes, long_bytes = probe.memory_estimate(short), probe.memory_estimate(long)
+    assert long_bytes > 3 * short_bytes
+    # Room for the long one and two short ones, not for two long ones.
+    scheduler = Scheduler(tts.decoder, max_live=8, memory_budget_bytes=long_bytes + 2 * short_bytes)
+    for segment in (long, long, short, short):
+        scheduler.submit([segment], streaming=False, sink=Collected())
+    scheduler.step()
+    assert scheduler.live == 1 and scheduler.live_bytes == long_bytes  # FIFO: the second long one waits
+    live_bytes = []
+    while scheduler.has_work:
+        scheduler.step()
+        live_bytes.append(scheduler.live_bytes)
+    assert max(live_bytes) <= long_bytes + 2 * short_bytes
+
+
+def test_the_sentences_of_a_request_are_pipelined_and_arrive_in_order(tts: CosyVoice) -> None:
+    text = " ".join(["This sentence is here to make the paragraph long enough to be split."] * 8)
+    segments = _segments(tts, text, SamplingOptions(seed=5, min_token_text_ratio=3, max_token_text_ratio=3))
+    assert len(segments) == 2
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    sink = Collected()
+    scheduler.submit(segments, streaming=True, sink=sink)
+    _run(scheduler)
+    assert scheduler.stats.pipelined_sentences == 1  # the second started before the first's last audio
+    expected = [chunk for segment in segments for chunk in _stream_alone(tts, segment)]
+    assert [len(c) for c in sink.audio] == [len(c) for c in expected]
+    np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(expected), atol=1e-4)
