@@ -1,16 +1,19 @@
-"""The `Decoder` deployment: batched speech-token LM + flow + vocoder on a GPU fraction (FP16), or on CPU (fp32).
+"""The `Decoder` deployment: speech-token LM + flow + vocoder on a GPU fraction (FP16), or on CPU (fp32).
 
-Whole-utterance requests (`synthesize`) go through one `@serve.batch` queue, streaming ones (`stream`)
-through a streaming `@serve.batch` queue; both share the batch size, which a memory budget may cap.
+One continuous-batching loop per replica (`engine.scheduler.Scheduler`) owns the model: whole-utterance
+requests (`synthesize`) and streaming ones (`stream`) enter one `@serve.batch` admission queue, which hands
+each gathered batch to the loop at once and returns, so admission never waits for decoding. The loop
+admits them between LLM steps within `max_batch_size` live sentences and the memory budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,23 +24,33 @@ from autoscaling.metrics import GpuProbe, ReplicaLoadTracker
 from engine.errors import CosyVoiceError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
+from engine.scheduler import Output, Scheduler, Ticket
 from observability import STRUCTURED_LOGGING
 from observability.metrics import DecoderMetrics
 
 logger = logging.getLogger("ray.serve")
 
-# Placeholders only: __init__ sets the configured values through the batch methods' setters.
-_INITIAL_BATCH_SIZE, _INITIAL_WAIT_S = 4, 0.05
-
 
 @dataclass(eq=False)
 class _Slot:
-    """One request inside the replica; `started` once a batch took it, `cancelled` once its caller left."""
+    """One request inside the replica; `started` once an admission batch took it.
 
-    segment: EncodedSegment
+    The loop thread hands outputs over through `push`, thread-safely, into the caller's event loop."""
+
+    segments: list[EncodedSegment]
+    streaming: bool
     request_id: str
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     started: bool = False
-    cancelled: bool = False
+    ticket: Ticket | None = None
+
+    def push(self, item: Output) -> None:
+        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
+
+    @property
+    def path(self) -> str:
+        return "stream" if self.streaming else "whole"
 
 
 def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
@@ -59,83 +72,134 @@ class Decoder:
         max_batch_size: int,
         batch_wait_timeout_s: float,
         memory_budget_gb: float | None = None,
+        max_concurrent_batches: int = 2,
+        gpu_fraction: float | None = None,
     ) -> None:
         device, dtype = resolve_device_and_dtype(use_gpu, dtype)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and gpu_fraction:
+            # Ray's GPU fraction is only a scheduling hint: cap this process so replicas sharing a card cannot
+            # starve each other (the allocator raises OOM in this replica instead).
+            torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
-        self.memory_budget_bytes = None if memory_budget_gb is None else int(memory_budget_gb * 2**30)
+        self.scheduler = Scheduler(self.stage, max_live=max_batch_size, memory_budget_bytes=_gib(memory_budget_gb))
         gpu = GpuProbe(self.device.index or 0) if self.device.type == "cuda" else None
         self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu)
         self._gpu = gpu
         self.metrics = DecoderMetrics()
-        self.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        # Built per replica so that max_concurrent_batches comes from the app's arguments.
+        self._admit = serve.batch(
+            max_batch_size=max_batch_size,
+            batch_wait_timeout_s=batch_wait_timeout_s,
+            max_concurrent_batches=max_concurrent_batches,
+        )(self._admit_batch)
+        self._work = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
         self.set_max_batch_size(max_batch_size)
-        logger.info("Decoder on %s in %s, max batch %d", device, dtype, self.max_batch_size)
+        logger.info("Decoder on %s in %s, max batch %d", device, dtype, max_batch_size)
 
     # --- runtime tuning -------------------------------------------------------------------------
 
     def set_max_batch_size(self, size: int) -> int:
-        """Ask for batches of at most `size`; the memory budget may cap it. Returns the size applied."""
-        self._requested_batch_size = size
-        budget = self.memory_budget_bytes
-        self.max_batch_size = size if budget is None else self.stage.max_batch_size_for_memory(budget, size)
-        self.load.max_batch_size = self.max_batch_size
-        self._decode_whole.set_max_batch_size(self.max_batch_size)
-        self._decode_stream.set_max_batch_size(self.max_batch_size)
-        return self.max_batch_size
+        """At most `size` sentences live in the loop (and per admission batch). Returns the size applied."""
+        self.max_batch_size = size
+        self.scheduler.max_live = size
+        self.load.max_batch_size = size
+        self._admit.set_max_batch_size(size)
+        return size
 
     def set_batch_wait_timeout_s(self, timeout_s: float) -> None:
-        self._decode_whole.set_batch_wait_timeout_s(timeout_s)
-        self._decode_stream.set_batch_wait_timeout_s(timeout_s)
+        self._admit.set_batch_wait_timeout_s(timeout_s)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """`user_config` keys (all optional): max_batch_size, batch_wait_timeout_s, memory_budget_gb."""
         if "batch_wait_timeout_s" in user_config:
             self.set_batch_wait_timeout_s(float(user_config["batch_wait_timeout_s"]))
         if "memory_budget_gb" in user_config:
-            self.memory_budget_bytes = int(float(user_config["memory_budget_gb"]) * 2**30)
-        self.set_max_batch_size(int(user_config.get("max_batch_size", self._requested_batch_size)))
+            self.scheduler.memory_budget_bytes = _gib(float(user_config["memory_budget_gb"]))
+        if "max_batch_size" in user_config:
+            self.set_max_batch_size(int(user_config["max_batch_size"]))
 
     # --- requests --------------------------------------------------------------------------------
 
     @contextmanager
-    def _track(self, segment: EncodedSegment, request_id: str) -> Iterator[_Slot]:
-        slot = _Slot(segment, request_id)
+    def _track(self, segments: list[EncodedSegment], streaming: bool, request_id: str) -> Iterator[_Slot]:
+        self.scheduler.check_fits(segments)  # a request that can never fit is refused before it queues
+        slot = _Slot(segments, streaming, request_id, asyncio.get_running_loop())
         self.load.request_accepted()
         self._publish_load()
         try:
             yield slot
         finally:
-            slot.cancelled = True
+            if slot.ticket is not None and not slot.ticket.ended:
+                self.scheduler.cancel(slot.ticket)  # the caller left: its slot frees at the next step
+                self._work.set()
             self.load.request_finished(waiting=not slot.started)
             self._publish_load()
             logger.info("segment done", extra={"request_id": request_id, "cancelled_while_queued": not slot.started})
 
+    async def _outputs(self, slot: _Slot) -> AsyncIterator[np.ndarray]:
+        """Hand the slot to the loop and yield its audio as it comes; an engine error is raised."""
+        error = await self._admit(slot)
+        if error is not None:
+            raise error
+        while (item := await slot.outputs.get()) is not None:
+            if isinstance(item, CosyVoiceError):
+                raise item
+            yield item
+
     async def synthesize(self, segment: EncodedSegment, request_id: str = "") -> np.ndarray:
-        """Whole-utterance audio [N] float32 of one segment, decoded in a dynamic batch."""
-        with self._track(segment, request_id) as slot:
-            result = await self._decode_whole(slot)
-        if isinstance(result, CosyVoiceError):
-            raise result
-        return result
+        """Whole-utterance audio [N] float32 of one segment, decoded in the replica's loop."""
+        with self._track([segment], False, request_id) as slot:
+            return np.concatenate([audio async for audio in self._outputs(slot)])
 
-    async def stream(self, segment: EncodedSegment, request_id: str = "") -> AsyncIterator[np.ndarray]:
-        """Audio chunks [n] float32 of one segment as they are decoded, in a batched stream."""
-        with self._track(segment, request_id) as slot:
-            async for (item,) in self._decode_stream(slot):
-                if isinstance(item, CosyVoiceError):
-                    raise item
-                if item.size:
-                    yield item
+    async def stream(
+        self, segments: EncodedSegment | list[EncodedSegment], request_id: str = ""
+    ) -> AsyncIterator[np.ndarray]:
+        """Audio chunks [n] float32 as they are decoded; a list of a request's sentences is pipelined in order."""
+        segments = segments if isinstance(segments, list) else [segments]
+        with self._track(segments, True, request_id) as slot:
+            async for chunk in self._outputs(slot):
+                if chunk.size:
+                    yield chunk
 
-    def _start_batch(self, slots: list[_Slot], path: str) -> None:
+    async def _admit_batch(self, slots: list[_Slot]) -> list[CosyVoiceError | None]:
+        """An admission batch: hand every request to the loop (a refusal comes back as its error)."""
+        errors: list[CosyVoiceError | None] = []
         for slot in slots:
             slot.started = True
+            try:
+                slot.ticket = self.scheduler.submit(slot.segments, slot.streaming, slot.push)
+                errors.append(None)
+            except CosyVoiceError as exc:  # the budget shrank since the request's own check
+                errors.append(exc)
         self.load.record_batch(len(slots))
-        self.metrics.batch_size.observe(len(slots), {"path": path})
+        for path in ("whole", "stream"):
+            ids = [slot.request_id for slot in slots if slot.path == path]
+            if ids:
+                self.metrics.batch_size.observe(len(ids), {"path": path})
+                # Batches run outside any one request's context: name their requests so logs can be joined.
+                logger.info("batch started", extra={"path": path, "request_ids": ids})
         self._publish_load()
-        # Batches run outside any one request's context: name their requests so logs can be joined.
-        logger.info("batch started", extra={"path": path, "request_ids": [slot.request_id for slot in slots]})
+        self._work.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._run_loop())
+        return errors
+
+    async def _run_loop(self) -> None:
+        """The replica's decoding loop: one scheduler step at a time in a worker thread, asleep when idle."""
+        while True:
+            if not self.scheduler.has_work:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            with self.load.busy():
+                try:
+                    await asyncio.to_thread(self.scheduler.step)
+                except Exception:
+                    # A bug, not a request's error (those end their request): keep serving the others.
+                    logger.exception("decoder loop step failed")
+            self._publish_load()
 
     def _publish_load(self) -> None:
         self.metrics.queue_depth.set(self.load.waiting)
@@ -144,45 +208,38 @@ class Decoder:
         self.metrics.gpu_allocated.set(allocated)
         self.metrics.gpu_reserved.set(reserved)
 
-    @serve.batch(max_batch_size=_INITIAL_BATCH_SIZE, batch_wait_timeout_s=_INITIAL_WAIT_S)
-    async def _decode_whole(self, slots: list[_Slot]) -> list[np.ndarray | CosyVoiceError]:
-        self._start_batch(slots, "whole")
-        with self.load.busy():
-            return await asyncio.to_thread(self.stage.decode_batch, [slot.segment for slot in slots])
-
-    @serve.batch(max_batch_size=_INITIAL_BATCH_SIZE, batch_wait_timeout_s=_INITIAL_WAIT_S)
-    async def _decode_stream(self, slots: list[_Slot]) -> AsyncIterator[list[Any]]:
-        # Chunks travel wrapped in 1-tuples: Serve compares each slot with its stop sentinels,
-        # which a bare multi-element array cannot answer.
-        self._start_batch(slots, "stream")
-        stream = self.stage.open_stream([slot.segment for slot in slots])
-        steps = iter(stream)
-        finished = [False] * len(slots)
-        while not all(finished):
-            for index, slot in enumerate(slots):
-                if slot.cancelled and not finished[index]:
-                    stream.cancel(index)
-                    finished[index] = True
-            with self.load.busy():
-                step = await asyncio.to_thread(next, steps, None)
-            if step is None:
-                return
-            outputs: list[Any] = []
-            for index, item in enumerate(step):
-                finished[index] = finished[index] or item is None
-                outputs.append(StopIteration if finished[index] else (item,))
-            yield outputs
-
     # --- health and load ---------------------------------------------------------------------------
 
     def ping(self) -> bool:
         return True
 
     def batch_stats(self) -> dict[str, Any]:
-        """Batch sizes seen since start ({size: count}) and the current max batch size."""
-        return {"batch_size_counts": dict(self.load.batch_size_counts), "max_batch_size": self.max_batch_size}
+        """Admission batch sizes seen since start ({size: count}), the max batch size, and the loop's stats."""
+        stats = self.scheduler.stats
+        return {
+            "batch_size_counts": dict(self.load.batch_size_counts),
+            "max_batch_size": self.max_batch_size,
+            "llm_batch_size_counts": dict(stats.llm_batch_size_counts),
+            "joined_running_batch": stats.joined_running_batch,
+            "mixed_steps": stats.mixed_steps,
+            "pipelined_sentences": stats.pipelined_sentences,
+            "admitted": stats.admitted,
+            "cancelled": stats.cancelled,
+            "live": self.scheduler.live,
+            "queued": self.scheduler.queued,
+            "live_bytes": self.scheduler.live_bytes,
+        }
+
+    def model_copies(self) -> int:
+        """Speech-token LMs alive in this replica's process: the whole and streaming paths share one."""
+        llm_class = type(self.stage.model.llm)
+        return sum(1 for obj in gc.get_objects() if type(obj) is llm_class)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The autoscaling policy's inputs (numbers only: anything else makes Serve stop collecting)."""
         self._publish_load()
         return self.load.snapshot()
+
+
+def _gib(size_gb: float | None) -> int | None:
+    return None if size_gb is None else int(size_gb * 2**30)

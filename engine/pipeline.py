@@ -21,7 +21,6 @@ from engine.errors import InvalidInputError, NonFiniteOutputError
 from engine.flow import FlowRequest
 from engine.llm import GenerationRequest
 from engine.loader import LoadedModel, load_model
-from engine.memory import estimate_request_memory
 from engine.sampling import SamplingOptions
 from engine.streaming import DecodeStream
 
@@ -29,8 +28,6 @@ if TYPE_CHECKING:
     from engine.voice_cloning import VoicePrompt
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
-# Batch caps assume segments of this many text tokens at the maximum speech length (about 16 s of speech).
-NOMINAL_SEGMENT_TEXT_TOKENS = 40
 
 
 @dataclass(frozen=True)
@@ -243,12 +240,6 @@ class SpeechDecoderStage:
             return mel
         frames = max(1, int(mel.shape[-1] / speed))
         return F.interpolate(mel[None].float(), size=frames, mode="linear")[0].to(mel.dtype)
-
-    def max_batch_size_for_memory(self, budget_bytes: int, requested: int) -> int:
-        """How many nominal segments (at most `requested`, at least 1) fit their activations in `budget_bytes`."""
-        config = self.model.config
-        estimate = estimate_request_memory(config, NOMINAL_SEGMENT_TEXT_TOKENS, dtype_bytes=self.model.dtype.itemsize)
-        return max(1, min(requested, budget_bytes // estimate.total_bytes))
 
     def open_stream(self, segments: list[EncodedSegment]) -> DecodeStream:
         """Streaming synthesis of a batch: iterate the returned `DecodeStream` (see engine.streaming)."""

@@ -81,8 +81,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """The continuous-batching loop of one decoder (see the module docstring). Not thread-safe but for
-    `submit`, `cancel` and `wait_for_work`, which any thread may call."""
+    """The continuous-batching loop of one decoder (see the module docstring). One thread runs `step`;
+    `submit` and `cancel` may come from any other."""
 
     def __init__(
         self,
@@ -100,7 +100,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._inbox: list[Ticket] = []
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._queue: deque[Ticket] = deque()  # requests with sentences still to admit, in arrival order
         self._live: list[_Sentence] = []
         self._by_llm_id: dict[int, _Sentence] = {}
@@ -140,18 +139,11 @@ class Scheduler:
         ticket.sentences = [_Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]
         with self._lock:
             self._inbox.append(ticket)
-        self._wake.set()
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
         """The caller left: the request's sentences leave the live set at the next `step`."""
         ticket.cancelled = True
-        self._wake.set()
-
-    def wait_for_work(self, timeout_s: float) -> None:
-        """Sleep until something is submitted or cancelled, or `timeout_s` passes."""
-        self._wake.wait(timeout_s)
-        self._wake.clear()
 
     # --- the model's thread ------------------------------------------------------------------------------
 

@@ -336,20 +336,20 @@ class TTSIngress:
         decoder = self.router.handle()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.limits.max_stream_s
-        for segment in segments:
-            response = decoder.stream.options(stream=True).remote(segment, request_id)
-            try:
-                async for chunk in response:
-                    if loop.time() > deadline:
-                        raise DecodeTimeLimitError(
-                            f"the request decoded for longer than the limit of {self.limits.max_stream_s:g} s; "
-                            "send a shorter text"
-                        )
-                    yield chunk
-            except SERVE_UNAVAILABLE as exc:
-                raise unavailable_error(exc) from exc
-            finally:
-                response.cancel()  # no-op when finished; stops the decoder's work if the client left
+        # All sentences in one call: the decoder pipelines them (the next one generates while this one vocodes).
+        response = decoder.stream.options(stream=True).remote(segments, request_id)
+        try:
+            async for chunk in response:
+                if loop.time() > deadline:
+                    raise DecodeTimeLimitError(
+                        f"the request decoded for longer than the limit of {self.limits.max_stream_s:g} s; "
+                        "send a shorter text"
+                    )
+                yield chunk
+        except SERVE_UNAVAILABLE as exc:
+            raise unavailable_error(exc) from exc
+        finally:
+            response.cancel()  # no-op when finished; stops the decoder's work if the client left
 
     @staticmethod
     async def audio_body(prefix: bytes, first: Chunk, rest: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
@@ -422,6 +422,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_batch_size=args.decoder.max_batch_size,
         batch_wait_timeout_s=args.decoder.batch_wait_timeout_s,
         memory_budget_gb=args.decoder.memory_budget_gb,
+        max_concurrent_batches=args.decoder.max_concurrent_batches,
+        gpu_fraction=args.decoder.num_gpus,
     )
     fallback = args.decoder_cpu
     decoder_cpu = None

@@ -37,14 +37,19 @@ class DecoderArgs(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: float16 when the replica has a GPU, else float32"
     )
-    max_batch_size: int = Field(4, ge=1)
+    max_batch_size: int = Field(4, ge=1, description="sentences decoding at once in a replica's loop (LLM batch)")
     batch_wait_timeout_s: float = Field(0.05, ge=0)
-    max_concurrent_batches: int = Field(1, ge=1)
+    max_concurrent_batches: int = Field(
+        2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
+    )
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="default: 2 x max_batch_size x max_concurrent_batches (batches must be able to fill)"
     )
     memory_budget_gb: float | None = Field(
-        None, gt=0, description="device memory a replica may use for activations; caps the batch size"
+        None,
+        gt=0,
+        description="device memory a replica's live requests may use for activations, each counted by its own "
+        "length; a request that needs more than all of it is refused with 413",
     )
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
 

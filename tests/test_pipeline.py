@@ -13,7 +13,6 @@ from engine.errors import CheckpointError, InvalidInputError, NonFiniteOutputErr
 from engine.loader import PRESETS_DIR, ModelConfig, load_model, load_module
 from engine.memory import estimate_request_memory
 from engine.pipeline import (
-    NOMINAL_SEGMENT_TEXT_TOKENS,
     CosyVoice,
     SpeechDecoderStage,
     SynthesisRequest,
@@ -151,16 +150,8 @@ def test_int8_text_encoder_stays_close_to_fp32() -> None:
     assert cosine > 0.99
 
 
-def test_memory_estimate_grows_with_text_and_caps_batches() -> None:
+def test_memory_estimate_grows_with_text() -> None:
     config = ModelConfig.from_yaml_file(PRESETS_DIR / "cosyvoice-300m.yaml")
     small, large = estimate_request_memory(config, 10), estimate_request_memory(config, 60)
     assert 0 < small.total_bytes < large.total_bytes
     assert large.kv_cache_bytes == 6 * small.kv_cache_bytes - 5 * (2 * 14 * 2 * 1024 * 2)  # linear in length
-
-
-def test_memory_budget_caps_the_decoder_batch_size(tts: CosyVoice) -> None:
-    decoder = tts.decoder
-    nominal = estimate_request_memory(decoder.model.config, NOMINAL_SEGMENT_TEXT_TOKENS, dtype_bytes=4).total_bytes
-    assert decoder.max_batch_size_for_memory(3 * nominal + 1, requested=8) == 3
-    assert decoder.max_batch_size_for_memory(100 * nominal, requested=8) == 8
-    assert decoder.max_batch_size_for_memory(1, requested=8) == 1  # one request always runs

@@ -1,0 +1,85 @@
+"""The Decoder deployment's continuous-batching loop on a real Serve app (tiny model): a request that arrives
+while another decodes joins its LLM batch, whole and streaming requests share one model copy and one loop,
+a cancelled stream frees its slot, and a request that can never fit the memory budget is refused with 413."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from ray import serve
+
+from engine.pipeline import EncodedSegment, SynthesisRequest
+from engine.sampling import SamplingOptions
+from serve_testing import running_app
+
+APP = "scheduler"
+BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; "Hi." at 1000 tokens per text token ~800
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    args = {
+        "ingress": {"num_cpus": 0.1},
+        "encoder": {"num_cpus": 0.1},
+        "decoder": {"num_cpus": 0.2, "memory_budget_gb": BUDGET_GB},
+    }
+    with running_app(args, APP) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def decoder(base_url: str) -> Any:
+    return serve.get_deployment_handle("Decoder", APP)
+
+
+def _encode(text: str, ratio: float, seed: int) -> list[EncodedSegment]:
+    sampling = SamplingOptions(seed=seed, min_token_text_ratio=ratio, max_token_text_ratio=ratio)
+    request = SynthesisRequest(text, "dummy_female", sampling=sampling)
+    return serve.get_deployment_handle("Encoder", APP).encode.remote(request).result()
+
+
+def _stats(decoder: Any) -> dict[str, Any]:
+    return decoder.batch_stats.remote().result()
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model(decoder: Any) -> None:
+    long_stream = _encode("A long streaming request keeps the loop busy.", ratio=150, seed=1)
+    [short] = _encode("Short.", ratio=4, seed=2)
+    chunks = decoder.stream.options(stream=True).remote(long_stream, "long")
+    assert len(next(chunks)) > 0  # the long stream is decoding: about 1350 tokens, the first chunk at 120
+    before = _stats(decoder)
+    audio = decoder.synthesize.remote(short, "short").result()
+    after = _stats(decoder)
+    assert len(audio) > 0
+    assert after["joined_running_batch"] > before["joined_running_batch"]
+    assert after["mixed_steps"] > before["mixed_steps"]  # one LLM step ran the whole and the streaming request
+    assert max(int(size) for size in after["llm_batch_size_counts"]) >= 2
+    assert decoder.model_copies.remote().result() == 1
+
+    # The client leaves: the stream's slot is freed at the loop's next step, not when its tokens run out.
+    chunks.cancel()
+    _wait_for(lambda: _stats(decoder)["live"] == 0, 30, "the cancelled stream to leave the loop")
+    assert _stats(decoder)["cancelled"] == before["cancelled"] + 1
+
+
+def test_a_request_that_can_never_fit_is_refused_with_413(base_url: str) -> None:
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        huge = {"min_token_text_ratio": 1000.0, "max_token_text_ratio": 1000.0}
+        for stream in (False, True):
+            body = {"text": "Hi.", "voice": "dummy_female", "stream": stream, "format": "pcm", "sampling": huge}
+            response = http.post("/v1/tts", json=body)
+            assert response.status_code == 413, response.text
+            assert "budget" in response.json()["error"]["message"]
+        small = {"text": "Hi.", "voice": "dummy_female", "sampling": {"max_token_text_ratio": 4.0}}
+        assert http.post("/v1/tts", json=small).status_code == 200
