@@ -9,7 +9,6 @@ admits them between LLM steps within `max_batch_size` live sentences and the mem
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -230,10 +229,13 @@ class Decoder:
             "live_bytes": self.scheduler.live_bytes,
         }
 
-    def model_copies(self) -> int:
-        """Speech-token LMs alive in this replica's process: the whole and streaming paths share one."""
-        llm_class = type(self.stage.model.llm)
-        return sum(1 for obj in gc.get_objects() if type(obj) is llm_class)
+    def model_copies(self) -> dict[str, int]:
+        """Distinct LLM modules and token generators the whole and the streaming paths drive (one of each)."""
+        whole, streams = self.scheduler, self.scheduler.streams
+        return {
+            "llm_modules": len({id(self.stage.model.llm), id(whole.llm.model), id(streams.decoder.model.llm)}),
+            "token_generators": len({id(whole.llm), id(streams.llm)}),
+        }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The autoscaling policy's inputs (numbers only: anything else makes Serve stop collecting)."""
