@@ -4,7 +4,7 @@ It serves the subset of `/v1/tts` (and `/v1/voices`) that `benchmarks.http_bench
 engine: a whole request is one `CosyVoice.synthesize` call; a streaming one yields each sentence's audio
 as it is decoded (as the official server yields per sentence). A lock keeps one request on the model.
 
-    python -m benchmarks.baseline_server --model tiny --port 8100 [--threads 1]
+    python -m benchmarks.baseline_server --model tiny --port 8100 [--threads 1] [--device cuda --dtype float16]
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (Ray gives a replica 1)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
-    uvicorn.run(build_baseline(CosyVoice.load(options.model)), host="127.0.0.1", port=options.port, log_level="warning")
+    tts = CosyVoice.load(options.model, device=options.device, dtype=options.dtype)
+    uvicorn.run(build_baseline(tts), host="127.0.0.1", port=options.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,25 @@
 """Side-by-side: this Ray Serve app against a baseline built like the official CosyVoice server, one run.
 
-The same `benchmarks.http_bench` workload (whole and streaming, mixed text lengths, concurrency 1 and 8)
-goes to (a) the Ray Serve app and (b) `benchmarks.baseline_server` (one model copy, one request at a
-time), both on 127.0.0.1 with the same engine and weights; then the Ray Serve overhead at concurrency 1
-against calling `CosyVoice.synthesize` in-process on the same texts. Headline keys:
+In one run, on 127.0.0.1, the same engine and weights:
+1. in-process: the engine's own decoder throughput at batch 1 and 8 (`benchmarks.batching_bench`), and the
+   latency of `CosyVoice.synthesize` over the workload's whole requests;
+2. the Ray Serve app: closed loops of 1, 4 and 8 clients (whole and streaming, mixed text lengths), Poisson
+   arrivals of streaming requests at fixed rates, a short streaming request arriving while 7 long ones
+   stream (and the same on the idle server), and `POST /v1/audio/speech` of a ~20 s text (first byte and
+   last byte);
+3. `benchmarks.baseline_server` (one model copy, one request at a time): the closed loops of whole requests.
 
-- `throughput_ratio_c8`: audio seconds per second, ours / baseline, whole requests at concurrency 8;
-- `p50_first_chunk_ratio_c8`: p50 time to the first audio byte, ours / baseline, streaming, concurrency 8;
-- `overhead_ratio_c1`: p50 latency of whole requests through Ray Serve at concurrency 1 / in-process p50.
+Headline keys:
+- `throughput_ratio_c8`: audio seconds per second of whole requests at 8 clients, ours / baseline;
+- `batching_efficiency_c8`: (ours at 8 clients / ours at 1) / the engine's decoder batch-8 / batch-1 ratio;
+- `p50_ttfa_s`, `p95_ttfa_s`: time to first audio per level (`stream_c1`.., `poisson_<rate>`);
+- `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones stream / on an idle server;
+- `overhead_ms_c1`: p50 latency of whole requests through Ray Serve at 1 client minus in-process p50;
+- `openai_first_byte_fraction_20s`: first byte of `/v1/audio/speech` (~20 s of audio) / its full time.
 
-    python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests 16]
+    python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests 16] [--rates 0.5 1]
+
+Writes the JSON and a PNG beside it (same name, .png).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -31,20 +42,36 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.http_bench import LevelResult, Workload, free_port, local_server, percentiles, print_table, run_sweep
+from benchmarks.batching_bench import measure_batches
+from benchmarks.engine_bench import TOKENS_PER_SECOND, fixed_length_request
+from benchmarks.http_bench import (
+    TEXTS,
+    LevelResult,
+    Workload,
+    free_port,
+    local_server,
+    one_request,
+    percentiles,
+    print_table,
+    run_sweep,
+    summarize,
+)
 
-COMPARED_CONCURRENCY = 8
-# Batches can take every request of the compared level.
-RAY_APP_ARGS = {"decoder": {"max_batch_size": COMPARED_CONCURRENCY, "batch_wait_timeout_s": 0.02}}
+CLOSED_LOOP_CLIENTS = (1, 4, 8)
+LATE_ARRIVAL_RUNNING = 7  # long streams already running when the short one arrives
 BASELINE_THREADS = 1  # torch threads of the baseline and in-process runs: Ray gives a replica's torch 1
+ENGINE_AUDIO_S = 2.0  # audio per request of the engine's own batch-1 / batch-8 measurement
+OPENAI_AUDIO_S = 20.0
+SHORT_TEXT, LONG_TEXT = TEXTS[0], TEXTS[-1]
 
 
 @contextmanager
-def baseline_server(model: str, ready_timeout_s: float = 300.0) -> Iterator[str]:
+def baseline_server(model: str, device: str, ready_timeout_s: float = 300.0) -> Iterator[str]:
     """Start `benchmarks.baseline_server` in a subprocess; yield its URL once it answers; stop it after."""
     port = free_port()
     command = [sys.executable, "-m", "benchmarks.baseline_server", "--model", model, "--port", str(port)]
-    process = subprocess.Popen([*command, "--threads", str(BASELINE_THREADS)])
+    options = ["--threads", str(BASELINE_THREADS), "--device", device, "--dtype", dtype_for(device)]
+    process = subprocess.Popen([*command, *options])
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s
@@ -68,13 +95,21 @@ def baseline_server(model: str, ready_timeout_s: float = 300.0) -> Iterator[str]
             process.kill()
 
 
-def in_process_latencies(model: str, workload: Workload) -> list[float]:
-    """Sequential `CosyVoice.synthesize` latencies of the workload's whole requests (after one warm-up)."""
+def in_process(model: str, workload: Workload, device: str, compared: int) -> dict[str, Any]:
+    """The engine alone: decoder throughput at batch 1 and `compared`, and sequential `synthesize` latencies."""
     from engine.pipeline import CosyVoice
 
     torch.set_num_threads(BASELINE_THREADS)
-    tts = CosyVoice.load(model)
+    tts = CosyVoice.load(model, device=device, dtype=dtype_for(device))
     voice = tts.voices[0]
+
+    def segments(count: int) -> list[Any]:
+        text_tokens = len(tts.encoder.model.frontend.tokenize(tts.encoder.model.frontend.normalize(SHORT_TEXT)))
+        return tts.encoder.encode(fixed_length_request(text_tokens, ENGINE_AUDIO_S, voice))[:1] * count
+
+    tts.decoder.decode_batch(segments(1))  # warm-up
+    sweep = measure_batches(tts.decoder, segments, [1, compared], ENGINE_AUDIO_S)
+    rows = {row["batch"]: row for row in sweep["rows"]}
 
     def synthesize(index: int) -> float:
         body = workload.body(index, stream=False)
@@ -82,8 +117,98 @@ def in_process_latencies(model: str, workload: Workload) -> list[float]:
         tts.synthesize(body["text"], voice, seed=body["seed"], **body.get("sampling", {}))
         return time.perf_counter() - started
 
-    synthesize(0)
-    return [synthesize(index) for index in range(workload.requests_per_level)]
+    latencies = [synthesize(index) for index in range(workload.requests_per_level)]
+    return {
+        "decoder_throughput_b1": rows[1]["decoder_throughput"],
+        f"decoder_throughput_b{compared}": rows[compared]["decoder_throughput"],
+        "decoder_ratio_vs_b1": rows[compared]["decoder_throughput"] / rows[1]["decoder_throughput"],
+        "latency_s": percentiles(latencies),
+        "openai_text": text_for_audio_seconds(tts, OPENAI_AUDIO_S, workload.max_token_text_ratio or 20.0),
+    }
+
+
+def dtype_for(device: str) -> str:
+    return "float16" if device == "cuda" else "float32"
+
+
+def text_for_audio_seconds(tts: Any, seconds: float, max_token_text_ratio: float) -> str:
+    """A text whose speech, at `max_token_text_ratio` tokens per text token, lasts about `seconds`
+    (random weights rarely stop early: the ratio sets the length)."""
+    frontend = tts.encoder.model.frontend
+    words = (LONG_TEXT + " ") * 20
+    wanted_tokens = seconds * TOKENS_PER_SECOND / max_token_text_ratio
+    text = ""
+    for word in words.split():
+        if len(frontend.tokenize(frontend.normalize(text))) >= wanted_tokens:
+            break
+        text = f"{text} {word}".strip()
+    return text
+
+
+async def poisson_level(client: httpx.AsyncClient, workload: Workload, rate: float, sample_rate: int) -> LevelResult:
+    """`requests_per_level` streaming requests whose arrivals are a Poisson process of `rate` per second."""
+    rng = random.Random(int(rate * 1000))
+    tasks, started = [], time.perf_counter()
+    for index in range(workload.requests_per_level):
+        tasks.append(asyncio.create_task(one_request(client, workload.body(index, stream=True), sample_rate)))
+        await asyncio.sleep(rng.expovariate(rate))
+    samples = await asyncio.gather(*tasks)
+    return summarize(f"poisson_{rate:g}", 0, samples, time.perf_counter() - started)
+
+
+async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rate: int) -> dict[str, Any]:
+    """First audio of a short stream on the idle server, then while 7 long streams are running."""
+
+    def body(text: str, seed: int) -> dict[str, Any]:
+        return {**workload.body(seed, stream=True), "text": text}
+
+    idle = [await one_request(client, body(SHORT_TEXT, 100 + i), sample_rate) for i in range(3)]
+    first_bytes = [asyncio.Event() for _ in range(LATE_ARRIVAL_RUNNING)]
+
+    async def long_stream(index: int) -> None:
+        async with client.stream("POST", "/v1/tts", json=body(LONG_TEXT, 200 + index)) as response:
+            async for piece in response.aiter_bytes():
+                if piece:
+                    first_bytes[index].set()
+
+    running = [asyncio.create_task(long_stream(i)) for i in range(LATE_ARRIVAL_RUNNING)]
+    await asyncio.gather(*(event.wait() for event in first_bytes))  # all 7 are streaming
+    late = await one_request(client, body(SHORT_TEXT, 300), sample_rate)
+    await asyncio.gather(*running)
+    idle_ttfa = percentiles([s.first_chunk_s for s in idle if s.ok])["p50"]
+    return {
+        "idle_ttfa_s": idle_ttfa,
+        "late_ttfa_s": late.first_chunk_s if late.ok else None,
+        "ratio": late.first_chunk_s / idle_ttfa if late.ok and idle_ttfa else None,
+    }
+
+
+async def openai_first_byte(client: httpx.AsyncClient, model_name: str, voice: str, text: str) -> dict[str, Any]:
+    """`POST /v1/audio/speech` (pcm, default stream_format): seconds to the first and the last byte."""
+    body = {"model": model_name, "input": text, "voice": voice, "response_format": "pcm"}
+    started = time.perf_counter()
+    first, size = None, 0
+    async with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        response.raise_for_status()
+        async for piece in response.aiter_bytes():
+            if piece and first is None:
+                first = time.perf_counter() - started
+            size += len(piece)
+    total = time.perf_counter() - started
+    return {"first_byte_s": first, "total_s": total, "bytes": size, "fraction": (first or total) / total}
+
+
+async def ours_run(url: str, workload: Workload, rates: tuple[float, ...], openai_text: str) -> dict[str, Any]:
+    closed = await run_sweep(url, workload)
+    limits = httpx.Limits(max_connections=32)
+    async with httpx.AsyncClient(base_url=url, timeout=workload.timeout_s, limits=limits) as client:
+        info = (await client.get("/v1/voices")).json()
+        model_name = (await client.get("/v1/models")).json()["data"][0]["id"]
+        sample_rate = int(info["sample_rate"])
+        poisson = [await poisson_level(client, workload, rate, sample_rate) for rate in rates]
+        late = await late_arrival(client, workload, sample_rate)
+        openai = await openai_first_byte(client, model_name, info["voices"][0], openai_text)
+    return {"closed": closed, "poisson": poisson, "late_arrival": late, "openai": openai}
 
 
 def level(results: list[LevelResult], mode: str, concurrency: int) -> LevelResult:
@@ -94,61 +219,113 @@ def ratio(ours: float, theirs: float) -> float | None:
     return ours / theirs if theirs else None
 
 
-def compare(model: str, workload: Workload) -> dict[str, Any]:
+def compare(
+    model: str, workload: Workload, rates: tuple[float, ...], device: str = "cpu", num_gpus: float = 0.0
+) -> dict[str, Any]:
+    """The whole comparison; the compared level is the largest client count (8 by default: the `_c8` keys)."""
+    compared = max(workload.concurrencies)
+    # The loop may hold every request of the compared level; on a GPU the replica gets `num_gpus` of it.
+    app_args = {"decoder": {"max_batch_size": compared, "batch_wait_timeout_s": 0.02, "num_gpus": num_gpus}}
     # In-process first, with nothing else running; then each server alone on the machine.
-    in_process = percentiles(in_process_latencies(model, workload))
-    with local_server(model, RAY_APP_ARGS) as url:
-        ours = asyncio.run(run_sweep(url, workload))
-    with baseline_server(model) as url:
-        baseline = asyncio.run(run_sweep(url, workload))
-    for name, results in (("ray serve", ours), ("baseline", baseline)):
+    engine = in_process(model, workload, device, compared)
+    with local_server(model, app_args) as url:
+        ours = asyncio.run(ours_run(url, workload, rates, engine["openai_text"]))
+    with baseline_server(model, device) as url:
+        baseline = asyncio.run(run_sweep(url, replace(workload, modes=("whole",))))
+    closed = ours["closed"]
+    for name, results in (("ray serve", closed + ours["poisson"]), ("baseline", baseline)):
         print(name)
         print_table(results)
 
-    c8 = COMPARED_CONCURRENCY
-    by_mode = {
-        mode: {
-            "throughput_ratio_c8": ratio(level(ours, mode, c8).audio_s_per_s, level(baseline, mode, c8).audio_s_per_s),
-            "p50_first_chunk_ratio_c8": ratio(
-                level(ours, mode, c8).first_chunk_s["p50"], level(baseline, mode, c8).first_chunk_s["p50"]
-            ),
-            "p50_latency_ratio_c8": ratio(
-                level(ours, mode, c8).latency_s["p50"], level(baseline, mode, c8).latency_s["p50"]
-            ),
-        }
-        for mode in workload.modes
-    }
+    c1, top = level(closed, "whole", 1), level(closed, "whole", compared)
+    ttfa_levels = {f"stream_c{r.concurrency}": r for r in closed if r.mode == "stream"}
+    ttfa_levels |= {r.mode: r for r in ours["poisson"]}
+    serving_ratio = ratio(top.audio_s_per_s, c1.audio_s_per_s)
+    efficiency = None if serving_ratio is None else serving_ratio / engine["decoder_ratio_vs_b1"]
     return {
-        "throughput_ratio_c8": by_mode["whole"]["throughput_ratio_c8"],
-        "p50_first_chunk_ratio_c8": by_mode["stream"]["p50_first_chunk_ratio_c8"],
-        "overhead_ratio_c1": ratio(level(ours, "whole", 1).latency_s["p50"], in_process["p50"]),
-        "by_mode": by_mode,
-        "errors": {"ray_serve": sum(r.errors for r in ours), "baseline": sum(r.errors for r in baseline)},
-        "in_process_latency_s": in_process,
-        "ray_serve": [asdict(r) for r in ours],
+        f"throughput_ratio_c{compared}": ratio(top.audio_s_per_s, level(baseline, "whole", compared).audio_s_per_s),
+        f"batching_efficiency_c{compared}": efficiency,
+        "p50_ttfa_s": {name: r.first_chunk_s.get("p50") for name, r in ttfa_levels.items()},
+        "p95_ttfa_s": {name: r.first_chunk_s.get("p95") for name, r in ttfa_levels.items()},
+        "late_arrival_ttfa_ratio": ours["late_arrival"]["ratio"],
+        "overhead_ms_c1": 1000 * (c1.latency_s["p50"] - engine["latency_s"]["p50"]),
+        "openai_first_byte_fraction_20s": ours["openai"]["fraction"],
+        f"serving_throughput_ratio_c{compared}_vs_c1": serving_ratio,
+        "engine": {k: v for k, v in engine.items() if k != "openai_text"},
+        "late_arrival": ours["late_arrival"],
+        "openai_20s": ours["openai"],
+        "errors": {
+            "ray_serve": sum(r.errors for r in closed + ours["poisson"]),
+            "baseline": sum(r.errors for r in baseline),
+        },
+        "ray_serve": [asdict(r) for r in closed + ours["poisson"]],
         "baseline": [asdict(r) for r in baseline],
         "setup": {
             "model": model,
+            "device": device,
             "workload": asdict(workload),
-            "ray_app_args": RAY_APP_ARGS,
+            "poisson_rates_per_s": list(rates),
+            "ray_app_args": app_args,
             "baseline_and_in_process_torch_threads": BASELINE_THREADS,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         },
     }
 
 
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(report["p50_ttfa_s"])
+    for key, offset in (("p50_ttfa_s", -0.2), ("p95_ttfa_s", 0.2)):
+        values = [report[key][name] or 0.0 for name in names]
+        left.bar([i + offset for i in range(len(names))], values, width=0.4, label=key.split("_")[0])
+    left.set_xticks(range(len(names)), names, rotation=30)
+    left.set(ylabel="seconds", title="Time to first audio (streaming)")
+    left.legend()
+    for name, rows in (("ray serve", report["ray_serve"]), ("baseline", report["baseline"])):
+        whole = [r for r in rows if r["mode"] == "whole"]
+        right.plot([r["concurrency"] for r in whole], [r["audio_s_per_s"] for r in whole], "-o", label=name)
+    right.set(xlabel="concurrent clients (whole requests)", ylabel="audio seconds / second", title="Throughput")
+    right.legend()
+    efficiency = next(v for k, v in report.items() if k.startswith("batching_efficiency_c"))
+    figure.suptitle(f"{report['setup']['model']} on {report['setup']['device']}: batching efficiency {efficiency}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def headline(report: dict[str, Any]) -> dict[str, Any]:
+    prefixes = ("throughput_ratio_c", "batching_efficiency_c", "p50_ttfa", "p95_ttfa", "late_arrival", "overhead_ms")
+    keys = [k for k in report if k.startswith(prefixes)] + ["openai_first_byte_fraction_20s", "errors"]
+    return {key: report[key] for key in keys}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="tiny", help="tiny (default, minutes on a CPU) or dummy (real size)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per mode and concurrency")
+    parser.add_argument("--requests", type=int, default=16, help="requests per closed-loop level and Poisson rate")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0], help="Poisson arrivals per second")
+    levels_help = "closed-loop client counts; the largest is the compared level"
+    parser.add_argument("--clients", type=int, nargs="+", default=list(CLOSED_LOOP_CLIENTS), help=levels_help)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="in-process and baseline device")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPU fraction of the Serve decoder replica")
     options = parser.parse_args()
-    workload = replace(Workload(), concurrencies=(1, COMPARED_CONCURRENCY), requests_per_level=options.requests)
-    report = compare(options.model, workload)
+    if 1 not in options.clients:
+        parser.error("--clients must include 1 (the baseline of the batching efficiency)")
+    if (options.device == "cuda") != (options.num_gpus > 0):
+        parser.error("--device cuda goes with --num-gpus > 0 (and cpu with 0)")
+    clients = tuple(sorted(set(options.clients)))
+    workload = replace(Workload(), concurrencies=clients, requests_per_level=options.requests)
+    report = compare(options.model, workload, tuple(options.rates), options.device, options.num_gpus)
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(report, indent=2))
-    headline = {key: report[key] for key in ("throughput_ratio_c8", "p50_first_chunk_ratio_c8", "overhead_ratio_c1")}
-    print(json.dumps({**headline, "errors": report["errors"]}, indent=2))
+    plot(report, options.out.with_suffix(".png"))
+    print(json.dumps(headline(report), indent=2))
 
 
 if __name__ == "__main__":
