@@ -139,9 +139,9 @@ def text_for_audio_seconds(tts: Any, seconds: float, max_token_text_ratio: float
     wanted_tokens = seconds * TOKENS_PER_SECOND / max_token_text_ratio
     text = ""
     for word in words.split():
+        text = f"{text} {word}".strip()
         if len(frontend.tokenize(frontend.normalize(text))) >= wanted_tokens:
             break
-        text = f"{text} {word}".strip()
     return text
 
 

@@ -1,0 +1,107 @@
+"""The engine part of `benchmarks/gpu_check.sh`: the decoder on one device (CUDA fp16 on a GPU machine).
+
+For batch sizes 1, 4 and 16 of fixed-length requests: whether every waveform is finite, the real-time factor
+(batch wall time / audio seconds of one request) and the peak device memory of that batch (what one replica
+needs for its weights plus that batch); then the first streamed chunk of a 20 s utterance.
+
+    python -m benchmarks.gpu_check --out out/gpu_check/engine.json [--device cuda] [--model dummy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.batching_bench import measure_first_chunk
+from benchmarks.engine_bench import fixed_length_request
+from engine.loader import load_model
+from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory_bytes(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated() if device == "cuda" else None
+
+
+def fixed_segment(encoder: TextEncoderStage, voice: str, audio_seconds: float) -> EncodedSegment:
+    frontend = encoder.model.frontend
+    text_tokens = len(frontend.tokenize(frontend.normalize(TEXT)))
+    [segment] = encoder.encode(fixed_length_request(text_tokens, audio_seconds, voice))
+    return segment
+
+
+def measure_batch(decoder: SpeechDecoderStage, segment: EncodedSegment, batch: int, seconds: float) -> dict[str, Any]:
+    device = str(decoder.model.decoder_device.type)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _synchronize(device)
+    started = time.perf_counter()
+    results = decoder.decode_batch([segment] * batch)
+    _synchronize(device)
+    wall = time.perf_counter() - started
+    finite = all(isinstance(r, np.ndarray) and np.isfinite(r).all() and r.size > 0 for r in results)
+    return {
+        "batch": batch,
+        "finite": finite,
+        "wall_s": wall,
+        "rtf": wall / seconds,  # every request of a fixed-length batch ends with the batch
+        "audio_s_per_s": batch * seconds / wall,
+        "peak_memory_bytes": peak_memory_bytes(device),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--model", default="dummy")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--seconds", type=float, default=2.0, help="audio per request of the batches")
+    parser.add_argument("--stream-seconds", type=float, default=20.0)
+    options = parser.parse_args()
+    if options.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    dtype = "float16" if options.device == "cuda" else "float32"
+    model = load_model(options.model, dtype=dtype, device=options.device)
+    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
+    voice = model.voices.names[0]
+    weights_bytes = peak_memory_bytes(options.device)
+    decoder.decode_batch([fixed_segment(encoder, voice, 0.5)])  # warm-up: kernels, allocator
+    segment = fixed_segment(encoder, voice, options.seconds)
+    rows = [measure_batch(decoder, segment, batch, options.seconds) for batch in options.batches]
+    for row in rows:
+        print(f"batch {row['batch']:2d}: RTF {row['rtf']:.3f}, finite {row['finite']}, peak {row['peak_memory_bytes']}")
+    streaming = measure_first_chunk(decoder, fixed_segment(encoder, voice, options.stream_seconds))
+    report = {
+        "device": options.device,
+        "device_name": torch.cuda.get_device_name() if options.device == "cuda" else "cpu",
+        "model": options.model,
+        "dtype": dtype,
+        "weights_bytes_on_device": weights_bytes,
+        "all_finite": all(row["finite"] for row in rows),
+        **{f"rtf_b{row['batch']}": row["rtf"] for row in rows},
+        **{f"peak_memory_bytes_b{row['batch']}": row["peak_memory_bytes"] for row in rows},
+        "first_chunk_s_20s": streaming["first_chunk_s"],
+        "first_chunk_fraction_20s": streaming["first_chunk_s"] / streaming["full_synthesis_s"],
+        "batches": rows,
+        "streaming_20s": streaming,
+    }
+    options.out.parent.mkdir(parents=True, exist_ok=True)
+    options.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list | dict)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU check, prepared to run in under 5 minutes on one GPU machine:
+#   1. the engine on CUDA in fp16 with the real-size dummy model (benchmarks.gpu_check): finite outputs,
+#      peak memory, RTF at batch 1, 4 and 16, first-chunk time of a 20 s utterance;
+#   2. benchmarks.compare at 1, 4 and 16 clients on a local Serve whose decoder replica has a GPU fraction.
+# Everything lands in OUT_DIR (default out/gpu_check): engine.json, compare.json/.png, gpu_check.json.
+#
+#   benchmarks/gpu_check.sh [OUT_DIR]
+#   benchmarks/gpu_check.sh --cpu [OUT_DIR]   # the same steps on CPU with the tiny model (no GPU needed)
+set -euo pipefail
+
+device=cuda model=dummy num_gpus=0.5
+if [[ "${1:-}" == "--cpu" ]]; then
+  device=cpu model=tiny num_gpus=0
+  shift
+fi
+out=${1:-out/gpu_check}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+
+if [[ "$device" == cuda ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/nvidia_smi.csv"
+fi
+
+# Each step has its own time limit so that the whole stays under 5 minutes; a step that fails is recorded.
+status=0
+timeout 100 python -m benchmarks.gpu_check --device "$device" --model "$model" --out "$out/engine.json" \
+  2>&1 | tee "$out/engine.log" || status=1
+timeout 180 python -m benchmarks.compare --model "$model" --device "$device" --num-gpus "$num_gpus" \
+  --clients 1 4 16 --requests 8 --rates 2 --out "$out/compare.json" 2>&1 | tee "$out/compare.log" || status=1
+
+python - "$out" <<'PY'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+merged = {}
+for name in ("engine", "compare"):
+    path = out / f"{name}.json"
+    merged[name] = json.loads(path.read_text()) if path.exists() else None
+if merged["compare"] is not None:  # the per-request lists stay in compare.json
+    merged["compare"] = {k: v for k, v in merged["compare"].items() if k not in ("ray_serve", "baseline")}
+(out / "gpu_check.json").write_text(json.dumps(merged, indent=2))
+print(f"wrote {out / 'gpu_check.json'}")
+PY
+exit $status
