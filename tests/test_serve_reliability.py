@@ -53,6 +53,7 @@ ARGS: dict[str, Any] = {
     "decoder": {
         "num_cpus": 0.4,
         "max_batch_size": 2,
+        "max_concurrent_batches": 1,  # ongoing 2 = one admission batch of 2
         "max_ongoing_requests": DECODER_ONGOING,
         "max_queued_requests": DECODER_QUEUE,
     },
