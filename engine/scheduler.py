@@ -245,13 +245,10 @@ class Scheduler:
             self.stats.mixed_steps += 1
         events = self.llm.step()
         self.streams.record(events)
-        for event in events:
-            sentence = self._by_llm_id.get(event.request_id)
-            if sentence is None:
-                continue
-            if event.token is not None:
-                sentence.tokens.append(event.token)
-            if event.finish_reason is not None:
+        whole = [(self._by_llm_id[e.request_id], e) for e in events if e.request_id in self._by_llm_id]
+        for sentence, event in whole:
+            sentence.tokens += [] if event.token is None else [event.token]
+            if event.finish_reason is not None:  # its generator row is gone: vocoding comes next
                 sentence.tokens_done = True
                 del self._by_llm_id[event.request_id]
                 sentence.llm_id = None
