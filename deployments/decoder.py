@@ -195,9 +195,11 @@ class Decoder:
             with self.load.busy():
                 try:
                     await asyncio.to_thread(self.scheduler.step)
-                except Exception:
-                    # A bug, not a request's error (those end their request): keep serving the others.
+                except Exception as exc:
+                    # A bug, not a request's error (those end their request alone): the loop's state is suspect,
+                    # so every request in it ends with a 500 and the loop starts again empty.
                     logger.exception("decoder loop step failed")
+                    self.scheduler.abort_all(CosyVoiceError(f"the decoder loop failed ({exc!r}); try again"))
             self._publish_load()
 
     def _publish_load(self) -> None:

@@ -177,6 +177,15 @@ class Scheduler:
             self._flush(ticket)
         self._live = [s for s in self._live if not s.done]
 
+    def abort_all(self, error: CosyVoiceError) -> None:
+        """After a step failed half-way (a bug): end every request with `error`, go on from an empty loop."""
+        self._take_inbox()
+        for ticket in {s.request for s in self._live} | set(self._queue):
+            self._end(ticket, error)
+        self._live, self._queue, self._by_llm_id = [], deque(), {}
+        self.llm = TokenGenerator(self.stage.model.llm)
+        self.streams = DecodeStream(self.stage, [], llm=self.llm)
+
     def _take_inbox(self) -> None:
         with self._lock:
             arrived, self._inbox = self._inbox, []

@@ -154,7 +154,7 @@ class DecodeStream:
     def release(self, stream: _Stream) -> None:
         """Forget a stream (stopping it first if it still runs): for owners that add streams without end."""
         self.stop(stream)
-        self.streams.remove(stream)
+        self.streams = [s for s in self.streams if s is not stream]  # by identity: == would compare arrays
         del self._by_llm_id[stream.llm_id]
 
     @property

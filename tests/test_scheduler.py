@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.errors import RequestTooLargeError
+from engine.errors import CosyVoiceError, RequestTooLargeError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
 from engine.scheduler import Output, Scheduler
@@ -58,12 +58,14 @@ def test_requests_decoded_in_the_loop_equal_the_same_requests_decoded_alone(tts:
     [whole] = _segments(tts, "A whole request in the loop.", SHORT)
     [streamed] = _segments(tts, "A streaming request that arrives later.", LONG)
     [other] = _segments(tts, "Another whole one.", SamplingOptions(seed=9, max_token_text_ratio=8))
+    [short_stream] = _segments(tts, "Short.", SHORT)  # streams after the long one, ends first
     scheduler = Scheduler(tts.decoder, max_live=8)
-    whole_sink, stream_sink, other_sink = Collected(), Collected(), Collected()
+    whole_sink, stream_sink, other_sink, short_sink = Collected(), Collected(), Collected(), Collected()
     scheduler.submit([whole], streaming=False, sink=whole_sink)
     scheduler.submit([other], streaming=False, sink=other_sink)
     _run(scheduler, steps=5)
     scheduler.submit([streamed], streaming=True, sink=stream_sink)
+    scheduler.submit([short_stream], streaming=True, sink=short_sink)
     _run(scheduler)
 
     [alone_whole] = tts.decoder.decode_batch([whole])
@@ -73,7 +75,23 @@ def test_requests_decoded_in_the_loop_equal_the_same_requests_decoded_alone(tts:
     alone_chunks = _stream_alone(tts, streamed)
     assert [len(c) for c in stream_sink.audio] == [len(c) for c in alone_chunks]
     np.testing.assert_allclose(np.concatenate(stream_sink.audio), np.concatenate(alone_chunks), atol=1e-4)
+    np.testing.assert_allclose(
+        np.concatenate(short_sink.audio), np.concatenate(_stream_alone(tts, short_stream)), atol=1e-4
+    )
     assert other_sink.ended and scheduler.live == 0 and scheduler.llm.active == 0
+
+
+def test_after_a_failed_step_every_request_ends_with_the_error(tts: CosyVoice) -> None:
+    [segment] = _segments(tts, "Caught in a broken loop.", LONG)
+    scheduler = Scheduler(tts.decoder, max_live=1)
+    running, waiting = Collected(), Collected()
+    scheduler.submit([segment], streaming=True, sink=running)
+    _run(scheduler, steps=2)
+    scheduler.submit([segment], streaming=False, sink=waiting)
+    scheduler.abort_all(CosyVoiceError("the loop failed"))
+    for sink in (running, waiting):
+        assert isinstance(sink.outputs[-2], CosyVoiceError) and sink.ended
+    assert not scheduler.has_work and scheduler.llm.active == 0
 
 
 def test_a_request_submitted_while_a_batch_runs_joins_the_running_llm_batch(tts: CosyVoice) -> None:
