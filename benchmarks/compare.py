@@ -41,10 +41,12 @@ from typing import Any
 
 import httpx
 import torch
+from ray import serve
 
 from benchmarks.batching_bench import measure_batches
 from benchmarks.engine_bench import TOKENS_PER_SECOND, fixed_length_request
 from benchmarks.http_bench import (
+    BENCH_APP,
     TEXTS,
     LevelResult,
     Workload,
@@ -230,6 +232,7 @@ def compare(
     engine = in_process(model, workload, device, compared)
     with local_server(model, app_args) as url:
         ours = asyncio.run(ours_run(url, workload, rates, engine["openai_text"]))
+        replica_stats = serve.get_deployment_handle("Decoder", BENCH_APP).batch_stats.remote().result()
     with baseline_server(model, device) as url:
         baseline = asyncio.run(run_sweep(url, replace(workload, modes=("whole",))))
     closed = ours["closed"]
@@ -254,6 +257,7 @@ def compare(
         "engine": {k: v for k, v in engine.items() if k != "openai_text"},
         "late_arrival": ours["late_arrival"],
         "openai_20s": ours["openai"],
+        "decoder_replica": replica_stats,  # the loop's batch statistics and the replica's peak device memory
         "errors": {
             "ray_serve": sum(r.errors for r in closed + ours["poisson"]),
             "baseline": sum(r.errors for r in baseline),

@@ -38,6 +38,7 @@ TEXTS = (
     "Throughput is audio seconds produced per second.",
 )
 PCM_BYTES_PER_SAMPLE = 2  # the workload asks for 16-bit mono PCM
+BENCH_APP = "cosyvoice-bench"  # the Serve application name of `local_server`
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def local_server(model: str = "tiny", app_args: dict[str, Any] | None = None) ->
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": model, **(app_args or {})}), name="cosyvoice-bench", route_prefix="/")
+        serve.run(build_app({"model": model, **(app_args or {})}), name=BENCH_APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

@@ -229,6 +229,7 @@ class Decoder:
             "live": self.scheduler.live,
             "queued": self.scheduler.queued,
             "live_bytes": self.scheduler.live_bytes,
+            "device_peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self._gpu else None,
         }
 
     def model_copies(self) -> dict[str, int]:
