@@ -13,7 +13,8 @@ Headline keys:
 - `throughput_ratio_c8`: audio seconds per second of whole requests at 8 clients, ours / baseline;
 - `batching_efficiency_c8`: (ours at 8 clients / ours at 1) / the engine's decoder batch-8 / batch-1 ratio;
 - `p50_ttfa_s`, `p95_ttfa_s`: time to first audio per level (`stream_c1`.., `poisson_<rate>`);
-- `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones stream / on an idle server;
+- `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones (~10 s of audio each) stream /
+  on an idle server;
 - `overhead_ms_c1`: p50 latency of whole requests through Ray Serve at 1 client minus in-process p50;
 - `openai_first_byte_fraction_20s`: first byte of `/v1/audio/speech` (~20 s of audio) / its full time.
 
@@ -61,6 +62,7 @@ from benchmarks.http_bench import (
 
 CLOSED_LOOP_CLIENTS = (1, 4, 8)
 LATE_ARRIVAL_RUNNING = 7  # long streams already running when the short one arrives
+LATE_ARRIVAL_LONG_RATIO = 10.0  # their speech tokens per text token, forced: ~10 s of audio each
 BASELINE_THREADS = 1  # torch threads of the baseline and in-process runs: Ray gives a replica's torch 1
 ENGINE_AUDIO_S = 2.0  # audio per request of the engine's own batch-1 / batch-8 measurement
 OPENAI_AUDIO_S = 20.0
@@ -166,9 +168,11 @@ async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rat
 
     idle = [await one_request(client, body(SHORT_TEXT, 100 + i), sample_rate) for i in range(3)]
     first_bytes = [asyncio.Event() for _ in range(LATE_ARRIVAL_RUNNING)]
+    forced = {"min_token_text_ratio": LATE_ARRIVAL_LONG_RATIO, "max_token_text_ratio": LATE_ARRIVAL_LONG_RATIO}
 
     async def long_stream(index: int) -> None:
-        async with client.stream("POST", "/v1/tts", json=body(LONG_TEXT, 200 + index)) as response:
+        long_body = {**body(LONG_TEXT, 200 + index), "sampling": forced}
+        async with client.stream("POST", "/v1/tts", json=long_body) as response:
             async for piece in response.aiter_bytes():
                 if piece:
                     first_bytes[index].set()
