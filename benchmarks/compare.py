@@ -1,12 +1,11 @@
 """Side-by-side: this Ray Serve app against a baseline built like the official CosyVoice server, one run.
 
 In one run, on 127.0.0.1, the same engine and weights:
-1. in-process: the engine's own decoder throughput at batch 1 and 8 (`benchmarks.batching_bench`), and the
-   latency of `CosyVoice.synthesize` over the workload's whole requests;
+1. in-process: the engine's own decoder throughput at batch 1 and 8 (`benchmarks.batching_bench`);
 2. the Ray Serve app: closed loops of 1, 4 and 8 clients (whole and streaming, mixed text lengths), Poisson
    arrivals of streaming requests at fixed rates, a short streaming request arriving while 7 long ones
-   stream (and the same on the idle server), and `POST /v1/audio/speech` of a ~20 s text (first byte and
-   last byte);
+   stream (and the same on the idle server), `POST /v1/audio/speech` of a ~20 s text (first byte and
+   last byte), then whole requests one at a time, alternating in-process `CosyVoice.synthesize` and HTTP;
 3. `benchmarks.baseline_server` (one model copy, one request at a time): the closed loops of whole requests.
 
 Headline keys:
@@ -15,7 +14,8 @@ Headline keys:
 - `p50_ttfa_s`, `p95_ttfa_s`: time to first audio per level (`stream_c1`.., `poisson_<rate>`);
 - `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones (~10 s of audio each) stream /
   on an idle server;
-- `overhead_ms_c1`: p50 latency of whole requests through Ray Serve at 1 client minus in-process p50;
+- `overhead_ms_c1`: p50 latency of whole requests through Ray Serve minus in-process p50, one at a time,
+  alternating (so that a shared machine's drifting load hits both alike);
 - `openai_first_byte_fraction_20s`: first byte of `/v1/audio/speech` (~20 s of audio) / its full time.
 
     python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests 16] [--rates 0.5 1]
@@ -99,12 +99,8 @@ def baseline_server(model: str, device: str, ready_timeout_s: float = 300.0) -> 
             process.kill()
 
 
-def in_process(model: str, workload: Workload, device: str, compared: int) -> dict[str, Any]:
-    """The engine alone: decoder throughput at batch 1 and `compared`, and sequential `synthesize` latencies."""
-    from engine.pipeline import CosyVoice
-
-    torch.set_num_threads(BASELINE_THREADS)
-    tts = CosyVoice.load(model, device=device, dtype=dtype_for(device))
+def in_process(tts: Any, compared: int) -> dict[str, Any]:
+    """The engine alone: decoder throughput at batch 1 and `compared` (fixed-length requests)."""
     voice = tts.voices[0]
 
     def segments(count: int) -> list[Any]:
@@ -112,23 +108,30 @@ def in_process(model: str, workload: Workload, device: str, compared: int) -> di
         return tts.encoder.encode(fixed_length_request(text_tokens, ENGINE_AUDIO_S, voice))[:1] * count
 
     tts.decoder.decode_batch(segments(1))  # warm-up
-    sweep = measure_batches(tts.decoder, segments, [1, compared], ENGINE_AUDIO_S)
-    rows = {row["batch"]: row for row in sweep["rows"]}
-
-    def synthesize(index: int) -> float:
-        body = workload.body(index, stream=False)
-        started = time.perf_counter()
-        tts.synthesize(body["text"], voice, seed=body["seed"], **body.get("sampling", {}))
-        return time.perf_counter() - started
-
-    latencies = [synthesize(index) for index in range(workload.requests_per_level)]
+    rows = {row["batch"]: row for row in measure_batches(tts.decoder, segments, [1, compared], ENGINE_AUDIO_S)["rows"]}
     return {
         "decoder_throughput_b1": rows[1]["decoder_throughput"],
         f"decoder_throughput_b{compared}": rows[compared]["decoder_throughput"],
         "decoder_ratio_vs_b1": rows[compared]["decoder_throughput"] / rows[1]["decoder_throughput"],
-        "latency_s": percentiles(latencies),
-        "openai_text": text_for_audio_seconds(tts, OPENAI_AUDIO_S, workload.max_token_text_ratio or 20.0),
     }
+
+
+def interleaved_overhead(url: str, tts: Any, workload: Workload) -> dict[str, Any]:
+    """Whole requests one at a time, each in-process and then through Ray Serve, alternating, so that the
+    load of a shared machine drifts over both alike -> p50 of each and their difference in ms."""
+    voice = tts.voices[0]
+    local, served = [], []
+    with httpx.Client(base_url=url, timeout=workload.timeout_s) as http:
+        for index in range(workload.requests_per_level):
+            body = {**workload.body(index, stream=False), "voice": voice}
+            started = time.perf_counter()
+            tts.synthesize(body["text"], voice, seed=body["seed"], **body.get("sampling", {}))
+            local.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            http.post("/v1/tts", json=body).raise_for_status()
+            served.append(time.perf_counter() - started)
+    in_process_s, ray_s = percentiles(local), percentiles(served)
+    return {"in_process_s": in_process_s, "ray_serve_s": ray_s, "ms": 1000 * (ray_s["p50"] - in_process_s["p50"])}
 
 
 def dtype_for(device: str) -> str:
@@ -232,11 +235,18 @@ def compare(
     compared = max(workload.concurrencies)
     # The loop may hold every request of the compared level; on a GPU the replica gets `num_gpus` of it.
     app_args = {"decoder": {"max_batch_size": compared, "batch_wait_timeout_s": 0.02, "num_gpus": num_gpus}}
+    from engine.pipeline import CosyVoice
+
+    torch.set_num_threads(BASELINE_THREADS)
+    tts = CosyVoice.load(model, device=device, dtype=dtype_for(device))
     # In-process first, with nothing else running; then each server alone on the machine.
-    engine = in_process(model, workload, device, compared)
+    engine = in_process(tts, compared)
+    openai_text = text_for_audio_seconds(tts, OPENAI_AUDIO_S, workload.max_token_text_ratio or 20.0)
     with local_server(model, app_args) as url:
-        ours = asyncio.run(ours_run(url, workload, rates, engine["openai_text"]))
+        ours = asyncio.run(ours_run(url, workload, rates, openai_text))
+        overhead = interleaved_overhead(url, tts, workload)
         replica_stats = serve.get_deployment_handle("Decoder", BENCH_APP).batch_stats.remote().result()
+    del tts
     with baseline_server(model, device) as url:
         baseline = asyncio.run(run_sweep(url, replace(workload, modes=("whole",))))
     closed = ours["closed"]
@@ -255,10 +265,11 @@ def compare(
         "p50_ttfa_s": {name: r.first_chunk_s.get("p50") for name, r in ttfa_levels.items()},
         "p95_ttfa_s": {name: r.first_chunk_s.get("p95") for name, r in ttfa_levels.items()},
         "late_arrival_ttfa_ratio": ours["late_arrival"]["ratio"],
-        "overhead_ms_c1": 1000 * (c1.latency_s["p50"] - engine["latency_s"]["p50"]),
+        "overhead_ms_c1": overhead["ms"],
         "openai_first_byte_fraction_20s": ours["openai"]["fraction"],
         f"serving_throughput_ratio_c{compared}_vs_c1": serving_ratio,
-        "engine": {k: v for k, v in engine.items() if k != "openai_text"},
+        "engine": engine,
+        "overhead_c1": overhead,
         "late_arrival": ours["late_arrival"],
         "openai_20s": ours["openai"],
         "decoder_replica": replica_stats,  # the loop's batch statistics and the replica's peak device memory
