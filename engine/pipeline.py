@@ -161,7 +161,9 @@ class TextEncoderStage:
         llm_speech_tokens = speech_tokens
         llm_embedding: np.ndarray | None = speaker
         if request.instruct_text is not None:
-            instruction = frontend.normalize(request.instruct_text) + frontend.instruct_end_token
+            # As official: the caller's instruction carries its `<|endofprompt|>` (nothing is appended); v1's
+            # inference_instruct normalizes it (a no-op once it holds `<|...|>`), v2's inference_instruct2 does not.
+            instruction = frontend.normalize(request.instruct_text) if version == 1 else request.instruct_text
             prompt_text_tokens = frontend.tokenize(instruction)
             llm_speech_tokens = no_tokens
             if version == 1:  # v1 Instruct models: no LLM speaker embedding and no prompt speech at all
