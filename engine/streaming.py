@@ -254,7 +254,7 @@ class DecodeStream:
             noise = []
             for row, i in enumerate(live):
                 stream = chunks[i].stream
-                z = torch.randn(flow.config.output_size, conditioning.mel_lengths[row], generator=stream.noise)
+                z = self._start_noise(stream, flow.config.output_size, conditioning.mel_lengths[row])
                 if stream.flow_cache is not None:
                     cached = stream.flow_cache.shape[1]
                     z[:, :cached] = stream.flow_cache[:, :, 0]
@@ -268,6 +268,11 @@ class DecodeStream:
                 chunks[i].stream.flow_cache = caches[row]
                 mels[i] = feat[row, :, start:end].float().cpu()
         return mels
+
+    @staticmethod
+    def _start_noise(stream: _Stream, channels: int, frames: int) -> Tensor:
+        """v1: a chunk's CFM start noise [channels, frames] (the parity tests replay the official draws here)."""
+        return torch.randn(channels, frames, generator=stream.noise)
 
     def _stitch_mel(self, chunk: _Chunk, mel: Tensor) -> Tensor:
         """Cross-fade the overlap, keep the next overlap back, apply speed, put the vocoder cache in front."""

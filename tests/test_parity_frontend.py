@@ -1,14 +1,21 @@
-"""Parity of engine.frontend with the official CosyVoiceFrontEnd, on every frontend case of the conformance kit."""
+"""Parity of engine.frontend with the official CosyVoiceFrontEnd, on every frontend case of the conformance kits:
+v1 with the tokenizer its yaml names (whisper), v2 with the Qwen2 tokenizer files in its model/CosyVoice-BlankEN."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from conftest import KIT_YAMLS, kit_group, kit_model_version
 
-from engine.frontend import TextFrontend
+from engine.frontend import TextFrontend, WhisperTokenizer
+from engine.qwen2_llm import QWEN_DIR
+from engine.qwen_tokenizer import QwenTokenizer
+from engine.yaml_config import load_model_yaml
 
 WETEXT_INSTALLED = importlib.util.find_spec("wetext") is not None
 
@@ -28,18 +35,28 @@ def describe(index: int, case: dict[str, Any]) -> str:
     return f"frontend case #{index} {case['text'][:40]!r}"
 
 
+@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
+def kit(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="module")
-def frontend_cases(kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    cases = kit_cases["frontend"]
-    assert cases, "the kit has no frontend cases"
+def frontend_cases(kit: Path) -> list[dict[str, Any]]:
+    cases = kit_group(torch.load(kit / "cases.pt", weights_only=True), "frontend")
     for index, case in enumerate(cases):
         assert case["allowed_special"] == "all", f"{describe(index, case)} was recorded with another allowed_special"
     return cases
 
 
 @pytest.fixture(scope="module")
-def frontend() -> TextFrontend:
-    return TextFrontend(use_wetext=WETEXT_INSTALLED)
+def frontend(kit: Path) -> TextFrontend:
+    version = kit_model_version(kit)
+    if version == 1:
+        spec = load_model_yaml(kit / "model" / KIT_YAMLS[1]).get("get_tokenizer")
+        tokenizer = WhisperTokenizer.from_yaml(spec)
+    else:
+        tokenizer = QwenTokenizer.from_dir(kit / "model" / QWEN_DIR)
+    return TextFrontend(use_wetext=WETEXT_INSTALLED, tokenizer=tokenizer)
 
 
 def test_raw_tokens_match_official_tokenizer(frontend: TextFrontend, frontend_cases: list[dict[str, Any]]) -> None:
