@@ -52,7 +52,10 @@ def _require_kit_layout(path: Path) -> int:
         pytest.fail(
             f"conformance kit {path} is of unknown version: model/ must hold one of {sorted(KIT_YAMLS.values())}"
         )
-    meta = torch.load(path / "cases.pt", weights_only=True).get("meta") or [{}]
+    cases = torch.load(path / "cases.pt", weights_only=True)
+    if not any(group != "meta" and cases[group] for group in cases):
+        pytest.fail(f"conformance kit {path} has no cases")
+    meta = cases.get("meta") or [{}]
     model_version = str(meta[0].get("model_version", ""))
     if not model_version.startswith(KIT_MODEL_VERSIONS[version]):
         pytest.fail(

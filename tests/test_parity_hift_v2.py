@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import kit_group
 from torch import Tensor
 
 from engine.hift import HiFTGenerator, Sine2Draws, SineGen2
@@ -29,9 +30,7 @@ def assert_close(actual: Tensor, expected: Tensor, *, atol: float, rtol: float =
 
 @pytest.fixture(scope="module")
 def hift_cases(v2_kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    cases = v2_kit_cases["hift"]
-    assert cases, "the kit has no hift cases"
-    return cases
+    return kit_group(v2_kit_cases, "hift")
 
 
 @pytest.fixture(scope="module")

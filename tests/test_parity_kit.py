@@ -14,7 +14,7 @@ def make_kit(root: Path, yaml_name: str | None, model_version: str) -> Path:
     (root / "model").mkdir(parents=True)
     if yaml_name:
         (root / "model" / yaml_name).write_text("sample_rate: 1\n", encoding="utf-8")
-    torch.save({"meta": [{"model_version": model_version}]}, root / "cases.pt")
+    torch.save({"meta": [{"model_version": model_version}], "hift": [{"name": "any"}]}, root / "cases.pt")
     return root
 
 
@@ -24,6 +24,10 @@ def test_a_kit_of_unknown_version_fails_instead_of_skipping(tmp_path: Path) -> N
     with pytest.raises(pytest.fail.Exception, match="meta model_version"):
         _require_kit_layout(make_kit(tmp_path / "mismatch", "cosyvoice.yaml", "CosyVoice3 (Fun-CosyVoice3)"))
     assert _require_kit_layout(make_kit(tmp_path / "v2", "cosyvoice2.yaml", "CosyVoice2 (tiny)")) == 2
+    empty = make_kit(tmp_path / "empty", "cosyvoice2.yaml", "CosyVoice2 (tiny)")
+    torch.save({"meta": [{"model_version": "CosyVoice2 (tiny)"}], "llm": []}, empty / "cases.pt")
+    with pytest.raises(pytest.fail.Exception, match="no cases"):
+        _require_kit_layout(empty)
 
 
 @pytest.mark.parametrize(("ci", "outcome"), [("true", pytest.fail.Exception), ("", pytest.skip.Exception)])

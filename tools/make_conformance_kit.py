@@ -21,8 +21,8 @@ Groups made here (every value a tensor, int, float or str; see the README sectio
 - `stream`: the official streaming loop `model.tts(..., stream=True)` with greedy tokens; per chunk the tokens,
   the CFM start noise (v1), the vocoder input mel and source (after the cache overwrite) and the audio yielded.
 - `hift`: one more case, `HiFTGenerator.inference` with a non-empty `cache_source` and its random draws.
-- `frontend` (v2 only): `text_normalize` + the Qwen2 tokenizer of `model/CosyVoice-BlankEN` (`--qwen-tokenizer`
-  copies tokenizer files there first when the model dir has none).
+- `frontend` (v2, and v1 kits that have none): `text_normalize` with wetext + the yaml's tokenizer (v2: the Qwen2
+  files of `model/CosyVoice-BlankEN`; `--qwen-tokenizer` copies tokenizer files there first).
 """
 
 from __future__ import annotations
@@ -360,7 +360,9 @@ class Maker:
                     "function": "cosyvoice.cli.frontend.CosyVoiceFrontEnd.text_normalize + tokenizer.encode",
                     "allowed_special": str(frontend.allowed_special),
                     "text_frontend": frontend.text_frontend,
-                    "raw_tokens": torch.tensor(frontend.tokenizer.encode(text), dtype=torch.int64),
+                    "raw_tokens": torch.tensor(
+                        frontend.tokenizer.encode(text, allowed_special=frontend.allowed_special), dtype=torch.int64
+                    ),
                     "normalized_text": frontend.text_normalize(text, split=False),
                     "num_segments": len(segments),
                     "segments_joined": "\n".join(segments),
@@ -406,7 +408,8 @@ def readme_section(made: dict[str, list[dict[str, Any]]], meta: dict[str, Any], 
         "`chunk_k_speech` (the audio yielded), and in v1 `chunk_k_noise` (the CFM start noise after the flow cache "
         "overwrite). `out_tokens`: every token the LLM generated, in order.",
         f"* `hift` `{HIFT_CACHE_CASE}`: `HiFTGenerator.inference` with a non-empty `cache_source`, draws recorded.",
-        "* `frontend` (v2): `text_normalize` with wetext and the Qwen2 tokenizer in `model/CosyVoice-BlankEN`.",
+        "* `frontend`: `text_normalize` with wetext and the yaml's `get_tokenizer` (v2: the Qwen2 files in "
+        "`model/CosyVoice-BlankEN`), when made by this tool.",
         "",
         "| group | case | fields |",
         "|---|---|---|",
@@ -450,8 +453,8 @@ def main() -> None:
         else "CosyVoice v1 (CosyVoice-300M style)",
         "official_commit": commit,
         "seed": args.seed,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        "torch_version": str(torch.__version__),
+        "transformers_version": str(transformers.__version__),
         "device": "cpu",
         "dtype": "float32",
         "num_threads": 1,
@@ -463,17 +466,13 @@ def main() -> None:
         cases["meta"][0].update({f"kit_maker_{k}": v for k, v in meta.items() if k in ("official_commit", "seed")})
     else:
         cases["meta"] = [meta]
-    if maker.version == 1:
-        made = {
-            "llm_sampled": [maker.llm_sampled(text_tokens=6, ratio=(8.0, 10.0))],
-            "stream": [maker.stream("zero_shot_three_chunks", text_tokens=10, ratio=26.0, prompt_tokens=12)],
-        }
-    else:
-        made = {
-            "llm_sampled": [maker.llm_sampled(text_tokens=6, ratio=(8.0, 10.0))],
-            "stream": [maker.stream("zero_shot_padded_first_hop", text_tokens=8, ratio=14.0, prompt_tokens=10)],
-            "frontend": maker.frontend_cases(),
-        }
+    made = {"llm_sampled": [maker.llm_sampled(text_tokens=6, ratio=(8.0, 10.0))]}
+    if maker.version == 1:  # v1 hop 100 + 20 overlap: chunks at 120 and 220 tokens, then the rest
+        made["stream"] = [maker.stream("zero_shot_three_chunks", text_tokens=10, ratio=26.0, prompt_tokens=12)]
+    else:  # 10 prompt tokens: a first hop of 25 + 15, then 50, then the final chunk
+        made["stream"] = [maker.stream("zero_shot_padded_first_hop", text_tokens=8, ratio=14.0, prompt_tokens=10)]
+    if maker.version == 2 or not cases.get("frontend"):  # v1 kits made before this tool have their own
+        made["frontend"] = maker.frontend_cases()
     hift_case = maker.hift_with_cache(made["stream"][0])
     cases["hift"] = [c for c in cases.get("hift", []) if c.get("name") != HIFT_CACHE_CASE] + [hift_case]
     cases.update(made)
