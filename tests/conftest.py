@@ -105,6 +105,12 @@ def kit_hift_v2(v2_kit: Path) -> HiFTGenerator:
     return _kit_module(v2_kit, "hift", HiFTGenerator)
 
 
+@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
+def each_kit(request: pytest.FixtureRequest) -> Path:
+    """The v1 kit, then the v2 kit (a kit of the other version in the variable skips its half)."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="session")
 def conformance_kit() -> Path:
     """The CosyVoice v1 kit under test; a CosyVoice2 kit in the variable skips the v1 tests."""

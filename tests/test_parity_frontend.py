@@ -35,27 +35,22 @@ def describe(index: int, case: dict[str, Any]) -> str:
     return f"frontend case #{index} {case['text'][:40]!r}"
 
 
-@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
-def kit(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue(request.param)
-
-
 @pytest.fixture(scope="module")
-def frontend_cases(kit: Path) -> list[dict[str, Any]]:
-    cases = kit_group(torch.load(kit / "cases.pt", weights_only=True), "frontend")
+def frontend_cases(each_kit: Path) -> list[dict[str, Any]]:
+    cases = kit_group(torch.load(each_kit / "cases.pt", weights_only=True), "frontend")
     for index, case in enumerate(cases):
         assert case["allowed_special"] == "all", f"{describe(index, case)} was recorded with another allowed_special"
     return cases
 
 
 @pytest.fixture(scope="module")
-def frontend(kit: Path) -> TextFrontend:
-    version = kit_model_version(kit)
+def frontend(each_kit: Path) -> TextFrontend:
+    version = kit_model_version(each_kit)
     if version == 1:
-        spec = load_model_yaml(kit / "model" / KIT_YAMLS[1]).get("get_tokenizer")
+        spec = load_model_yaml(each_kit / "model" / KIT_YAMLS[1]).get("get_tokenizer")
         tokenizer = WhisperTokenizer.from_yaml(spec)
     else:
-        tokenizer = QwenTokenizer.from_dir(kit / "model" / QWEN_DIR)
+        tokenizer = QwenTokenizer.from_dir(each_kit / "model" / QWEN_DIR)
     return TextFrontend(use_wetext=WETEXT_INSTALLED, tokenizer=tokenizer)
 
 

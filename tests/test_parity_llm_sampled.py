@@ -16,14 +16,9 @@ from engine.loader import load_module
 from engine.sampling import SamplingOptions
 
 
-@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
-def kit(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue(request.param)
-
-
 @pytest.fixture(scope="module")
-def sampled_cases(kit: Path) -> list[dict[str, Any]]:
-    return kit_group(torch.load(kit / "cases.pt", weights_only=True), "llm_sampled")
+def sampled_cases(each_kit: Path) -> list[dict[str, Any]]:
+    return kit_group(torch.load(each_kit / "cases.pt", weights_only=True), "llm_sampled")
 
 
 def options_of(case: dict[str, Any]) -> SamplingOptions:
@@ -38,8 +33,8 @@ def options_of(case: dict[str, Any]) -> SamplingOptions:
     )
 
 
-def test_seeded_sampling_replays_the_official_tokens(kit: Path, sampled_cases: list[dict[str, Any]]) -> None:
-    model = load_module(kit / "model", "llm")
+def test_seeded_sampling_replays_the_official_tokens(each_kit: Path, sampled_cases: list[dict[str, Any]]) -> None:
+    model = load_module(each_kit / "model", "llm")
     for case in sampled_cases:
         events = run_alone(model, kit_request(model, case, options_of(case)))
         tokens = torch.tensor([e.token for e in events if e.token is not None], dtype=torch.long)

@@ -27,19 +27,14 @@ MEL_ATOL = 1e-4
 SPEECH_ATOL = {1: 1e-4, 2: 5e-4}
 
 
-@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
-def kit(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue(request.param)
+@pytest.fixture(scope="module")
+def decoder(each_kit: Path) -> SpeechDecoderStage:
+    return SpeechDecoderStage(load_model(each_kit / "model", components=("decoder",), cpu_packing=False))
 
 
 @pytest.fixture(scope="module")
-def decoder(kit: Path) -> SpeechDecoderStage:
-    return SpeechDecoderStage(load_model(kit / "model", components=("decoder",), cpu_packing=False))
-
-
-@pytest.fixture(scope="module")
-def stream_cases(kit: Path) -> list[dict[str, Any]]:
-    return kit_group(torch.load(kit / "cases.pt", weights_only=True), "stream")
+def stream_cases(each_kit: Path) -> list[dict[str, Any]]:
+    return kit_group(torch.load(each_kit / "cases.pt", weights_only=True), "stream")
 
 
 def segment_of(decoder: SpeechDecoderStage, case: dict[str, Any]) -> EncodedSegment:
