@@ -116,8 +116,11 @@ def test_text_is_nfc_normalised(tiny: QwenTokenizer) -> None:
 
 
 def test_from_dir_errors_name_the_missing_files(v2_kit: Path, tmp_path: Path) -> None:
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").symlink_to(v2_kit / "model" / TOKENIZER_DIR_NAME / "config.json")
     with pytest.raises(CheckpointError, match=r"no tokenizer files: missing vocab\.json and merges\.txt"):
-        QwenTokenizer.from_dir(v2_kit / "model" / TOKENIZER_DIR_NAME)
+        QwenTokenizer.from_dir(config_only)
     with pytest.raises(CheckpointError, match="does not exist"):
         QwenTokenizer.from_dir(tmp_path / "nowhere")
     broken = write_tiny_qwen_tokenizer(tmp_path / "broken")
