@@ -390,7 +390,9 @@ def readme_section(made: dict[str, list[dict[str, Any]]], meta: dict[str, Any], 
         "",
         f"Made by `{command}` with the official code at commit `{meta['official_commit']}`, torch "
         f"{meta['torch_version']}, {meta['num_threads']} thread, seed {meta['seed']}, on the weights in `model/`.",
-        "These groups supersede the `cases.pt` checksum above:",
+        "They cover, where a list of what this kit does not cover precedes this section, its streaming loop, "
+        "`cache_source` and `ras_sampling` items (and the v2 front end); the files now are (superseding any "
+        "checksum above):",
         "",
         "| file | bytes | sha256 |",
         "|---|---|---|",
