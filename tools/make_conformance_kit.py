@@ -5,7 +5,9 @@ venv outside this repo that has the official dependencies, for example:
 
     python -m venv /tmp/offvenv --system-site-packages
     /tmp/offvenv/bin/pip install hyperpyyaml==1.2.3 transformers==4.51.3 diffusers==0.29.0 omegaconf einops scipy \\
-        conformer librosa openai-whisper==20250625 hydra-core lightning rich gdown wget pyarrow pyworld "setuptools<70"
+        conformer librosa openai-whisper==20250625
+    /tmp/offvenv/bin/pip install hydra-core lightning rich gdown wget pyarrow pyworld
+    /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; a separate step (see README.md)
     /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official \\
         --model tests/fixtures/cosyvoice1-tiny/model --out tests/fixtures/cosyvoice1-tiny
 
