@@ -40,7 +40,8 @@ from typing import Any, Protocol
 import inflect
 import tiktoken
 
-from engine.errors import InvalidInputError
+from engine.errors import CheckpointError, InvalidInputError
+from engine.yaml_config import ObjectSpec
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ WHISPER_LANGUAGE_CODES = (
     "tg", "sd", "gu", "am", "yi", "lo", "uz", "fo", "ht", "ps", "tk", "nn", "mt", "sa", "lb", "my", "bo", "tl",
     "mg", "as", "tt", "haw", "ln", "ha", "ba", "jw", "su", "yue",
 )  # fmt: skip
+WHISPER_GET_TOKENIZER = "whisper.tokenizer.get_tokenizer"
+WHISPER_DEFAULT_NUM_LANGUAGES = 99  # the default of whisper's get_tokenizer; CosyVoice-300M's yaml says 100
 NUM_TIMESTAMP_TOKENS = 1501  # <|0.00|> ... <|30.00|>, every 20 ms
 WHISPER_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -135,8 +138,6 @@ def load_whisper_encoding(num_languages: int = 100) -> tiktoken.Encoding:
 class TextTokenizer(Protocol):
     """What the front end needs of a model's text tokenizer."""
 
-    instruct_end_token: str  # ends an instruction in the LLM input (the official front ends append it)
-
     @property
     def vocab_size(self) -> int: ...
 
@@ -148,10 +149,32 @@ class TextTokenizer(Protocol):
 class WhisperTokenizer:
     """CosyVoice v1's tokenizer: whisper's multilingual BPE, with every special token allowed in the text."""
 
-    instruct_end_token = "<endofprompt>"  # no whisper special token: v1 encodes it as plain text
-
     def __init__(self, num_languages: int = 100) -> None:
         self.encoding = load_whisper_encoding(num_languages)
+
+    @classmethod
+    def from_yaml(cls, spec: ObjectSpec | None) -> WhisperTokenizer:
+        """The tokenizer a v1 yaml's `get_tokenizer` names; 100 languages (CosyVoice-300M's) when it names none.
+
+        Only whisper's multilingual tokenizer can be built here: its BPE ranks ship in engine/assets. Any other
+        (gpt2, the CosyVoice-300M-25Hz `cosyvoice.tokenizer.tokenizer.get_tokenizer`) is refused by name.
+        """
+        if spec is None:
+            return cls()
+        if not isinstance(spec, ObjectSpec) or spec.target != WHISPER_GET_TOKENIZER:
+            target = spec.target if isinstance(spec, ObjectSpec) else repr(spec)
+            raise CheckpointError(
+                f"get_tokenizer {target} is not supported; this engine builds {WHISPER_GET_TOKENIZER} (multilingual)"
+            )
+        if spec.get("multilingual") is not True:
+            raise CheckpointError(f"get_tokenizer {WHISPER_GET_TOKENIZER} must be multilingual: True")
+        num_languages = spec.get("num_languages", WHISPER_DEFAULT_NUM_LANGUAGES)
+        if isinstance(num_languages, bool) or not isinstance(num_languages, int):
+            raise CheckpointError(f"get_tokenizer num_languages must be an integer, got {num_languages!r}")
+        try:
+            return cls(num_languages)
+        except ValueError as error:
+            raise CheckpointError(f"get_tokenizer: {error}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -297,11 +320,6 @@ class TextFrontend:
         if not isinstance(self.tokenizer, WhisperTokenizer):
             raise AttributeError("only a front end with the v1 whisper tokenizer has a tiktoken encoding")
         return self.tokenizer.encoding
-
-    @property
-    def instruct_end_token(self) -> str:
-        """The token the official front end appends to an instruct text, for this tokenizer's model version."""
-        return self.tokenizer.instruct_end_token
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` as is (no normalisation); special tokens such as `<|en|>` are allowed."""

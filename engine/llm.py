@@ -101,7 +101,7 @@ class TokenEvent:
     request_id: int
     token: int | None  # None when the request stopped on a stop token (EOS or above; never yielded)
     finish_reason: str | None  # "eos" or "max_len" when this was the request's last step, else None
-    logprobs: Tensor  # [llm_decoder outputs] fp32: the scores sampled from (log-softmax, stop ids -inf before min_len)
+    logprobs: Tensor  # [llm_decoder outputs] fp32: the scores sampled from (log-softmax, EOS -inf before min_len)
 
 
 class DecodingConfig(Protocol):
@@ -294,7 +294,9 @@ class TokenGenerator:
         for row, sequence in enumerate(self._running):
             scores = logprobs[row]
             if len(sequence.tokens) < sequence.min_len:
-                scores[model.eos :] = float("-inf")  # every stop id: v2 has two more after EOS
+                # official: EOS only; v2 has two more stop ids after it, masked too on request
+                last_masked = None if sequence.options.mask_all_stop_ids_before_min_len else model.eos + 1
+                scores[model.eos : last_masked] = float("-inf")
             token = sample_token(scores, sequence.tokens, sequence.options, sequence.generator)
             if token >= model.eos:
                 events.append(TokenEvent(sequence.request_id, None, "eos", scores))

@@ -21,7 +21,7 @@ from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
 from engine.flow import FlowConfig, MaskedDiffWithXvec
 from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
-from engine.frontend import TextFrontend
+from engine.frontend import TextFrontend, WhisperTokenizer
 from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
 from engine.llm import LLMConfig, TransformerLM
 from engine.precision import pack_linear_for_cpu, parse_dtype, quantize_linear_int8
@@ -142,9 +142,11 @@ def load_module(model_dir: str | Path, name: str) -> nn.Module:
 
 
 def _text_frontend(config: ModelConfig, config_path: Path, official: bool, max_text_chars: int) -> TextFrontend:
-    """v1: the whisper tokenizer; v2: the Qwen2 tokenizer of the model dir, or its byte-level stand-in (dummy)."""
+    """v1: the tokenizer the yaml's `get_tokenizer` names (whisper); v2: the Qwen2 tokenizer of the model dir,
+    or its byte-level stand-in (dummy)."""
     if config.version == 1:
-        return TextFrontend(max_text_chars=max_text_chars)
+        tokenizer = WhisperTokenizer.from_yaml(load_model_yaml(config_path).get("get_tokenizer"))
+        return TextFrontend(max_text_chars=max_text_chars, tokenizer=tokenizer)
     tokenizer = QwenTokenizer.from_dir(config_path.parent / QWEN_DIR) if official else QwenTokenizer.byte_level()
     embedding_rows = config.llm.qwen.vocab_size
     if tokenizer.vocab_size > embedding_rows:

@@ -139,26 +139,37 @@ class TextEncoderStage:
         ]
 
     def _voice_conditioning(self, request: SynthesisRequest, prompt: VoicePrompt | None) -> _VoiceConditioning:
-        """The official frontend modes (sft, zero-shot, cross-lingual, instruct, instruct2) as one table of rules."""
+        """The official frontend modes (sft, zero-shot, cross-lingual, instruct, instruct2) as one table of rules.
+
+        A zero-shot speaker stored in spk2info.pt (official `zero_shot_spk_id`) acts as a cloned voice whose
+        prompt is already tokenized."""
         frontend, version = self.model.frontend, self.model.config.version
         no_tokens = np.zeros(0, dtype=np.int64)
-        if prompt is None:
+        stored = self.model.voices.stored_prompt(request.voice) if prompt is None else None
+        if stored is not None:
+            speaker, llm_embedding = stored.flow_embedding, stored.llm_embedding
+            speech_tokens, llm_speech_tokens = stored.flow_speech_tokens, stored.llm_speech_tokens
+            feat = stored.speech_feat
+        elif prompt is None:
             if request.cross_lingual:
                 raise InvalidInputError("cross_lingual needs a cloned voice (a prompt recording), not a speaker")
-            speaker = self.model.voices.embedding(request.voice).numpy()
-            speech_tokens, feat = no_tokens, np.zeros((0, self.model.config.mel_bins), dtype=np.float32)
+            speaker = llm_embedding = self.model.voices.embedding(request.voice).numpy()
+            speech_tokens = llm_speech_tokens = no_tokens
+            feat = np.zeros((0, self.model.config.mel_bins), dtype=np.float32)
         else:
             if prompt.sample_rate != self.sample_rate:
                 raise InvalidInputError(
                     f"voice {request.voice!r} was prepared for {prompt.sample_rate} Hz; this model runs at "
                     f"{self.sample_rate} Hz: register the voice again for this model"
                 )
-            speaker, speech_tokens, feat = prompt.embedding, prompt.speech_tokens, prompt.speech_feat
+            speaker = llm_embedding = prompt.embedding
+            speech_tokens = llm_speech_tokens = prompt.speech_tokens
+            feat = prompt.speech_feat
         prompt_text_tokens: list[int] = []
-        llm_speech_tokens = speech_tokens
-        llm_embedding: np.ndarray | None = speaker
         if request.instruct_text is not None:
-            instruction = frontend.normalize(request.instruct_text) + frontend.instruct_end_token
+            # As official: the caller's instruction carries its `<|endofprompt|>` (nothing is appended); v1's
+            # inference_instruct normalizes it (a no-op once it holds `<|...|>`), v2's inference_instruct2 does not.
+            instruction = frontend.normalize(request.instruct_text) if version == 1 else request.instruct_text
             prompt_text_tokens = frontend.tokenize(instruction)
             llm_speech_tokens = no_tokens
             if version == 1:  # v1 Instruct models: no LLM speaker embedding and no prompt speech at all
@@ -167,6 +178,8 @@ class TextEncoderStage:
             llm_speech_tokens = no_tokens
         elif prompt is not None:
             prompt_text_tokens = frontend.tokenize(frontend.normalize(prompt.transcript))
+        elif stored is not None:
+            prompt_text_tokens = stored.prompt_text_tokens
         return _VoiceConditioning(
             prompt_text_tokens=prompt_text_tokens,
             llm_embedding=llm_embedding,

@@ -4,8 +4,9 @@
   `embed_tokens(prompt text + text)` straight into the LM; there is no separate text encoder).
 - Decoder side: the v1 `TokenGenerator` (engine/llm.py) drives this model too, with the same `GenerationRequest`
   and continuous batching. The LM input is sos, text embeddings, task id, prompt speech embeddings (no speaker
-  term); every sampled id >= speech_token_size (EOS and the two other special ids) stops a request, and
-  none of them can be sampled before min_len.
+  term); every sampled id >= speech_token_size (EOS and the two other special ids) stops a request. Before
+  min_len only EOS is masked, as in the official code (`SamplingOptions.mask_all_stop_ids_before_min_len`
+  masks all three).
 
 The Qwen2 decoder (grouped-query attention with RoPE, RMSNorm, SwiGLU MLP) is written here, without
 transformers; its hyperparameters come from `CosyVoice-BlankEN/config.json` in the model directory. RoPE positions

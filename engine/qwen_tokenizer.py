@@ -122,8 +122,6 @@ def _config_added_tokens(config: dict[str, Any], path: Path) -> list[AddedToken]
 class QwenTokenizer:
     """Text -> Qwen2 BPE ids with CosyVoice2's special tokens (see the module docstring)."""
 
-    instruct_end_token = "<|endofprompt|>"  # ends an instruction in CosyVoice2's LLM input
-
     def __init__(self, tokenizer: Tokenizer) -> None:
         """`tokenizer`: the Qwen2 tokenizer before CosyVoice's special tokens, which are added here."""
         tokenizer.add_special_tokens([special_token(token) for token in COSYVOICE2_SPECIAL_TOKENS])

@@ -30,6 +30,10 @@ class SamplingOptions:
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
     seed: int | None = None
+    # Official decoding masks only EOS before min_len, so a CosyVoice2 LM may still stop there on its two other
+    # stop ids (speech_token_size + 1, + 2) and cut the speech short. True masks all three, which guarantees
+    # min_len tokens; it is off by default to match the official outputs.
+    mask_all_stop_ids_before_min_len: bool = False
 
     def __post_init__(self) -> None:
         def number(name: str, integer: bool = False) -> float:
@@ -39,8 +43,9 @@ class SamplingOptions:
                 raise InvalidInputError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
             return value
 
-        if not isinstance(self.greedy, bool):
-            raise InvalidInputError(f"greedy must be true or false, got {self.greedy!r}")
+        for flag in ("greedy", "mask_all_stop_ids_before_min_len"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidInputError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not 0.0 < number("top_p") <= 1.0:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if number("top_k", integer=True) < 1:
@@ -67,7 +72,9 @@ def make_generator(seed: int | None) -> torch.Generator:
 def nucleus_sample(probs: Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
     """Draw from the most likely tokens, taken in order while their summed probability is below top_p, at most
     top_k of them (so at least the most likely one). probs [V] -> token id."""
-    top_probs, top_ids = probs.topk(min(top_k, probs.shape[0]))
+    # A stable sort, as the official sampler: equal probabilities keep their id order, so draws replay.
+    sorted_probs, sorted_ids = probs.sort(descending=True, stable=True)
+    top_probs, top_ids = sorted_probs[:top_k], sorted_ids[:top_k]
     mass_before = torch.cumsum(top_probs, dim=0) - top_probs
     kept = int((mass_before < top_p).sum())  # a prefix: the mass only grows
     choice = torch.multinomial(top_probs[:kept], 1, replacement=True, generator=generator)
@@ -78,13 +85,18 @@ def sample_token(scores: Tensor, history: Sequence[int], options: SamplingOption
     """One token from log-softmax scores [V] (masked entries -inf) given the tokens decoded so far.
 
     Repetition-aware sampling: a nucleus draw; if that token already fills at least win_size * tau_r of the
-    last win_size tokens, draw again from the whole distribution instead.
+    last win_size tokens, it is excluded (score -inf) and the token is drawn again from the whole remaining
+    distribution, as the official `ras_sampling` does.
     """
     if options.greedy:
         return int(scores.argmax())
-    probs = torch.softmax(scores.float(), dim=0)
-    token = nucleus_sample(probs, options.top_p, options.top_k, generator)
+    scores = scores.float()
+    token = nucleus_sample(torch.softmax(scores, dim=0), options.top_p, options.top_k, generator)
     repeats = sum(1 for previous in history[-options.win_size :] if previous == token)
     if repeats >= options.win_size * options.tau_r:
-        token = int(torch.multinomial(probs, 1, replacement=True, generator=generator))
+        excluded = scores.clone()
+        excluded[token] = float("-inf")
+        if not torch.isfinite(excluded).any():  # nothing else left to draw (the official code fails here)
+            return token
+        token = int(torch.multinomial(torch.softmax(excluded, dim=0), 1, replacement=True, generator=generator))
     return token

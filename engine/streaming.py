@@ -260,13 +260,15 @@ class DecodeStream:
         """v2: the causal flow (chunk masks) over each chunk's token prefix; the new frames from `mel_start` on."""
         decoder, flow = self.decoder, self.decoder.model.flow
         mels: list[Tensor] = [torch.zeros(self.decoder.model.config.mel_bins, 0) for _ in chunks]
-        for final in (False, True):  # the flow holds back the look-ahead tokens unless finalizing
+        # Intermediate chunks hold back the look-ahead tokens and attend within static chunks; the final one
+        # uses the look-ahead and full attention (official: finalize=True without stream=True).
+        for final in (False, True):
             fresh = [len(c.tokens) * self.schedule.frames_per_token > c.mel_start for c in chunks]
             rows = [i for i, c in enumerate(chunks) if c.final == final and fresh[i]]
             if not rows:
                 continue
             requests = [decoder.flow_request(chunks[i].stream.segment, torch.tensor(chunks[i].tokens)) for i in rows]
-            for i, feat in zip(rows, flow.inference(requests, streaming=True, finalize=final), strict=True):
+            for i, feat in zip(rows, flow.inference(requests, streaming=not final, finalize=final), strict=True):
                 mels[i] = feat[:, chunks[i].mel_start :].float().cpu()
         return mels
 
@@ -282,7 +284,7 @@ class DecodeStream:
             noise = []
             for row, i in enumerate(live):
                 stream = chunks[i].stream
-                z = torch.randn(flow.config.output_size, conditioning.mel_lengths[row], generator=stream.noise)
+                z = self._start_noise(stream, flow.config.output_size, conditioning.mel_lengths[row])
                 if stream.flow_cache is not None:
                     cached = stream.flow_cache.shape[1]
                     z[:, :cached] = stream.flow_cache[:, :, 0]
@@ -296,6 +298,11 @@ class DecodeStream:
                 chunks[i].stream.flow_cache = caches[row]
                 mels[i] = feat[row, :, start:end].float().cpu()
         return mels
+
+    @staticmethod
+    def _start_noise(stream: _Stream, channels: int, frames: int) -> Tensor:
+        """v1: a chunk's CFM start noise [channels, frames] (the parity tests replay the official draws here)."""
+        return torch.randn(channels, frames, generator=stream.noise)
 
     def _stitch_mel(self, chunk: _Chunk, mel: Tensor) -> Tensor:
         """Cross-fade the overlap, keep the next overlap back, apply speed, put the vocoder cache in front."""

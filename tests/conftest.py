@@ -39,9 +39,37 @@ def kit_model_version(path: Path) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def _require_kit_layout(path: Path) -> None:
+KIT_MODEL_VERSIONS = {1: "CosyVoice v1", 2: "CosyVoice2"}  # how each version's meta `model_version` starts
+
+
+def _require_kit_layout(path: Path) -> int:
+    """The kit's CosyVoice version; a kit without cases.pt and model/, or of no known version, fails the test
+    (it must never pass with every test skipped)."""
     if not (path / "cases.pt").is_file() or not (path / "model").is_dir():
         pytest.fail(f"conformance kit {path} has no cases.pt or model/ directory")
+    version = kit_model_version(path)
+    if version is None:
+        pytest.fail(
+            f"conformance kit {path} is of unknown version: model/ must hold one of {sorted(KIT_YAMLS.values())}"
+        )
+    cases = torch.load(path / "cases.pt", weights_only=True)
+    if not any(group != "meta" and cases[group] for group in cases):
+        pytest.fail(f"conformance kit {path} has no cases")
+    meta = cases.get("meta") or [{}]
+    model_version = str(meta[0].get("model_version", ""))
+    if not model_version.startswith(KIT_MODEL_VERSIONS[version]):
+        pytest.fail(
+            f"conformance kit {path}: model/{KIT_YAMLS[version]} says {KIT_MODEL_VERSIONS[version]}, but its meta "
+            f"model_version is {model_version!r}"
+        )
+    return version
+
+
+def kit_group(cases: dict[str, list[dict[str, Any]]], group: str) -> list[dict[str, Any]]:
+    """The cases of one group; a kit without that group skips its tests (kits may cover different paths)."""
+    if not cases.get(group):
+        pytest.skip(f"this conformance kit has no {group!r} cases")
+    return cases[group]
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +77,7 @@ def v2_kit() -> Path:
     """The CosyVoice2 kit: $COSYVOICE_CONFORMANCE_KIT when that is a v2 kit, else (unset) the v2 copy in
     tests/fixtures, so a default run checks both versions. A v1 kit in the variable skips the v2 tests."""
     path = Path(os.environ.get("COSYVOICE_CONFORMANCE_KIT", DEFAULT_V2_KIT))
-    _require_kit_layout(path)
-    if kit_model_version(path) != 2:
+    if _require_kit_layout(path) != 2:
         pytest.skip(f"conformance kit {path} is not a CosyVoice2 kit (no model/{KIT_YAMLS[2]})")
     return path
 
@@ -78,12 +105,17 @@ def kit_hift_v2(v2_kit: Path) -> HiFTGenerator:
     return _kit_module(v2_kit, "hift", HiFTGenerator)
 
 
+@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
+def each_kit(request: pytest.FixtureRequest) -> Path:
+    """The v1 kit, then the v2 kit (a kit of the other version in the variable skips its half)."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="session")
 def conformance_kit() -> Path:
     """The CosyVoice v1 kit under test; a CosyVoice2 kit in the variable skips the v1 tests."""
     path = kit_dir()
-    _require_kit_layout(path)
-    if kit_model_version(path) != 1:
+    if _require_kit_layout(path) != 1:
         pytest.skip(f"conformance kit {path} is not a CosyVoice v1 kit (no model/{KIT_YAMLS[1]})")
     return path
 

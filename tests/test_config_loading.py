@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
+from engine.loader import load_model
 from engine.yaml_config import ObjectSpec, load_model_yaml
 
 
@@ -88,3 +89,43 @@ def test_load_strict_accepts_an_exact_state_dict() -> None:
     source, target = nn.Linear(2, 3), nn.Linear(2, 3)
     load_strict(target, source.state_dict(), "x.pt")
     assert torch.equal(target.weight, source.weight)
+
+
+WHISPER_ENTRY = "get_tokenizer: !name:whisper.tokenizer.get_tokenizer\n"
+
+
+def _kit_copy_with_tokenizer(kit: Path, tmp_path: Path, get_tokenizer: str) -> Path:
+    """The kit's model dir (checkpoints linked) with the yaml's `get_tokenizer` entry replaced."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("llm.pt", "flow.pt", "hift.pt"):
+        (model / name).symlink_to(kit / "model" / name)
+    yaml = (kit / "model" / "cosyvoice.yaml").read_text(encoding="utf-8")
+    start = yaml.index("get_tokenizer:")
+    end = yaml.index("allowed_special:", start)
+    (model / "cosyvoice.yaml").write_text(yaml[:start] + get_tokenizer + yaml[end:], encoding="utf-8")
+    return model
+
+
+@pytest.mark.parametrize(("languages", "vocab"), [(100, 51866), (99, 51865)])
+def test_the_v1_tokenizer_follows_the_yaml(conformance_kit: Path, tmp_path: Path, languages: int, vocab: int) -> None:
+    entry = f"{WHISPER_ENTRY}    multilingual: True\n    num_languages: {languages}\n"
+    model = load_model(_kit_copy_with_tokenizer(conformance_kit, tmp_path, entry), components=("encoder",))
+    assert model.frontend.tokenizer.vocab_size == vocab
+    # the timestamps follow the language tokens, so their ids move with num_languages
+    assert model.frontend.tokenize("<|0.00|>") == [vocab - 1501]
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        ("get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_tokenizer\n    multilingual: True\n", "not supported"),
+        (f"{WHISPER_ENTRY}    multilingual: False\n", "multilingual"),
+        (f"{WHISPER_ENTRY}    multilingual: True\n    num_languages: 101\n", "101"),
+    ],
+)
+def test_an_unsupported_v1_tokenizer_is_refused_by_name(
+    conformance_kit: Path, tmp_path: Path, entry: str, needle: str
+) -> None:
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(_kit_copy_with_tokenizer(conformance_kit, tmp_path, entry), components=("encoder",))

@@ -29,9 +29,9 @@ def flow_yaml(v2_kit: Path) -> ObjectSpec:
 
 @pytest.fixture(scope="module")
 def requests(v2_kit_cases: dict[str, list[dict[str, Any]]]) -> list[FlowRequest]:
-    """Three mixed lengths: a short prompt-free request and two kit cases with prompts (one over 2 chunks)."""
-    cases = {case["name"]: case for case in v2_kit_cases["flow"]}
-    short, long = request_of(cases["prompt_nonstream_finalize"]), request_of(cases["e2e_zero_shot_from_llm"])
+    """Three mixed lengths: a short prompt-free request and the kit's shortest and longest flow cases."""
+    by_length = sorted(v2_kit_cases["flow"], key=lambda case: case["token"].shape[1] + case["prompt_token"].shape[1])
+    short, long = request_of(by_length[0]), request_of(by_length[-1])
     generator = torch.Generator().manual_seed(5)
     no_prompt = FlowRequest(
         tokens=torch.randint(0, 96, (13,), generator=generator),

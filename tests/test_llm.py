@@ -217,21 +217,44 @@ def test_top_k_and_top_p_limit_the_candidates() -> None:
     assert {nucleus_sample(probs, 0.75, 25, make_generator(s)) for s in range(50)} == {0, 1}
 
 
-def test_repetition_falls_back_to_the_full_distribution() -> None:
+def test_a_repeated_token_is_excluded_from_the_fallback_draw() -> None:
     scores = log_probs([0.4, 0.3, 0.2, 0.1])
     options = SamplingOptions(top_p=1.0, top_k=1, win_size=10, tau_r=0.1)  # the nucleus is token 0 only
     assert set(draws(scores, options, [1, 2, 3])) == {0}
     assert set(draws(scores, options, [0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])) == {0}  # the 0 is outside the window
-    repeated = draws(scores, options, [3, 0])  # one repeat reaches win_size * tau_r = 1: resample from all
-    assert set(repeated) == {0, 1, 2, 3}
-    assert repeated.count(0) < 0.55 * len(repeated)
+    # One repeat reaches win_size * tau_r = 1: official ras_sampling sets token 0 to -inf and draws from the rest.
+    repeated = draws(scores, options, [3, 0])
+    assert set(repeated) == {1, 2, 3}
+    assert repeated.count(1) > repeated.count(3)  # the rest keep their relative weights (0.3 : 0.2 : 0.1)
+
+
+def test_the_fallback_draw_follows_the_nucleus_draw_on_the_same_generator() -> None:
+    scores = torch.log_softmax(torch.randn(16, generator=torch.Generator().manual_seed(3)), dim=0)
+    options = SamplingOptions(top_p=0.8, top_k=5, win_size=4, tau_r=0.5)
+    history = [int(scores.argmax())] * 4  # the likeliest token fills the window: any draw of it is replaced
+    for seed in range(20):
+        reference = make_generator(seed)
+        ranked = scores.softmax(0).sort(descending=True, stable=True)
+        kept = ranked.values[:5][(ranked.values[:5].cumsum(0) - ranked.values[:5]) < 0.8]
+        token = int(ranked.indices[torch.multinomial(kept, 1, replacement=True, generator=reference)])
+        if token == history[0]:
+            rest = scores.clone()
+            rest[token] = float("-inf")
+            token = int(torch.multinomial(rest.softmax(0), 1, replacement=True, generator=reference))
+        assert sample_token(scores, history, options, make_generator(seed)) == token
+
+
+def test_the_only_candidate_is_kept_when_excluding_it_leaves_nothing() -> None:
+    scores = torch.full((4,), float("-inf"))
+    scores[2] = 0.0
+    assert sample_token(scores, [2], SamplingOptions(top_k=1, win_size=1, tau_r=1.0), make_generator(0)) == 2
 
 
 def test_masked_tokens_are_never_drawn_and_greedy_is_argmax() -> None:
     scores = log_probs([0.1, 0.6, 0.3])
     scores[1] = float("-inf")
     assert sample_token(scores, [], SamplingOptions(greedy=True), make_generator(0)) == 2
-    assert 1 not in draws(scores, SamplingOptions(top_p=1.0, tau_r=0.0), [])  # tau_r 0: always the full distribution
+    assert 1 not in draws(scores, SamplingOptions(top_p=1.0, tau_r=0.0), [])  # tau_r 0: always the fallback draw
 
 
 @pytest.mark.parametrize(
@@ -248,6 +271,7 @@ def test_masked_tokens_are_never_drawn_and_greedy_is_argmax() -> None:
         {"seed": -1},
         {"seed": "7"},
         {"greedy": "yes"},
+        {"mask_all_stop_ids_before_min_len": 1},
     ],
 )
 def test_invalid_sampling_options(bad: dict[str, Any]) -> None:

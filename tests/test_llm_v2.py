@@ -155,21 +155,22 @@ def test_speaker_embedding_is_ignored(kit_qwen2_llm: Qwen2LM, llm_cases: list[di
 
 
 @pytest.mark.parametrize("offset", [1, 2])
-def test_no_stop_id_ends_a_request_before_min_len(
+def test_the_other_stop_ids_end_a_request_before_min_len_unless_masked_on_request(
     kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]], offset: int
 ) -> None:
-    """speech_token_size + 1 / + 2 stop a request like EOS, but, like EOS, not before min_len.
-
-    (The kit's official commit masks only EOS there, so a model preferring +1/+2 could stop at once; later
-    official code refuses every stop id before min_len, which is what min_len promises. The kit biases those
-    two logits down, so parity does not depend on the choice.)
-    """
+    """speech_token_size + 1 / + 2 stop a request like EOS. As in the official code, only EOS is masked before
+    min_len, so a model preferring +1/+2 stops at once; `mask_all_stop_ids_before_min_len` masks them too."""
     model = copy.deepcopy(kit_qwen2_llm)
     with torch.no_grad():
         model.llm_decoder.bias[model.eos + offset] += 1e4
     case = next(c for c in llm_cases if c["min_len"] > 0)
     request = kit_request(model, case)
-    events = run_alone(model, request)
+    [official] = run_alone(model, request)
+    assert official.token is None and official.finish_reason == "eos"
+    assert torch.isinf(official.logprobs[model.eos]) and int(official.logprobs.argmax()) == model.eos + offset
+
+    options = replace(request.options, mask_all_stop_ids_before_min_len=True)
+    events = run_alone(model, replace(request, options=options))
     min_len = int(request.text_len * request.options.min_token_text_ratio)
     assert [e.token is not None for e in events] == [True] * min_len + [False]
     assert all(torch.isinf(e.logprobs[model.eos :]).all() for e in events[:min_len])

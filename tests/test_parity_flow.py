@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import kit_group
 from torch import Tensor
 
 from engine.flow import FlowRequest, MaskedDiffWithXvec, mel_frames
@@ -17,8 +18,7 @@ T_SPAN_ATOL = 1e-7  # the float64 re-run deviates by 6.8e-8
 
 @pytest.fixture(scope="module")
 def flow_cases(kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    assert kit_cases["flow"], "the kit has no flow cases"
-    return kit_cases["flow"]
+    return kit_group(kit_cases, "flow")
 
 
 def request_of(case: dict[str, Any]) -> FlowRequest:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import kit_group
 from torch import Tensor
 
 from engine.checkpoint import load_strict, read_state_dict
@@ -24,10 +25,7 @@ T_SPAN_ATOL = 1e-7  # the float64 re-run deviates by 6.8e-8
 
 @pytest.fixture(scope="module")
 def flow_cases(v2_kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    cases = v2_kit_cases["flow"]
-    assert cases, "the kit has no flow cases"
-    assert any(c["streaming"] and not c["finalize"] for c in cases), "the kit has no streaming chunk case"
-    return cases
+    return kit_group(v2_kit_cases, "flow")
 
 
 def request_of(case: dict[str, Any]) -> FlowRequest:

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import kit_group
 from torch import Tensor
 
 from engine.hift import HiFTGenerator, SineDraws
@@ -25,9 +26,7 @@ def assert_close(actual: Tensor, expected: Tensor, *, atol: float, rtol: float =
 
 @pytest.fixture(scope="module")
 def hift_cases(kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    cases = kit_cases["hift"]
-    assert cases, "the kit has no hift cases"
-    return cases
+    return kit_group(kit_cases, "hift")
 
 
 def test_f0_matches_official(kit_hift: HiFTGenerator, hift_cases: list[dict[str, Any]]) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import kit_group
 from torch import Tensor
 
 from engine.hift import HiFTGenerator, Sine2Draws, SineGen2
@@ -18,6 +19,8 @@ INTERMEDIATE_ATOL = {"conv_pre_out": 5e-5, "s_stft": 5e-5, "conv_post_out": 5e-4
 # tanh of sines whose phase is a float32 prefix sum
 SOURCE_ATOL = 1e-3
 BATCH_ATOL = 1e-4
+# batched and single-row float32 kernels may round differently (seen: 3e-8 on the source)
+ROUNDING_ATOL = 1e-6
 OFFICIAL_DRAW_ORDER = ["torch.rand", "torch.randn_like", "torch.randn_like"]
 
 
@@ -27,9 +30,7 @@ def assert_close(actual: Tensor, expected: Tensor, *, atol: float, rtol: float =
 
 @pytest.fixture(scope="module")
 def hift_cases(v2_kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    cases = v2_kit_cases["hift"]
-    assert cases, "the kit has no hift cases"
-    return cases
+    return kit_group(v2_kit_cases, "hift")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,14 @@ def replayable_cases(hift_cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _recorded_draws(case: dict[str, Any]) -> Sine2Draws:
     return Sine2Draws(case["rand_draw_0"], case["rand_draw_1"])
+
+
+def _with_cache_source(source: Tensor, case: dict[str, Any]) -> Tensor:
+    """The official `inference(speech_feat, cache_source)`: the cached source overwrites the first samples."""
+    cached = case["cache_source"]
+    source = source.clone()
+    source[:, :, : cached.shape[-1]] = cached
+    return source
 
 
 def test_kit_uses_sinegen2(kit_hift_v2: HiFTGenerator) -> None:
@@ -61,7 +70,6 @@ def test_f0_matches_official(kit_hift_v2: HiFTGenerator, hift_cases: list[dict[s
 def test_decode_matches_official_speech_and_intermediates(
     kit_hift_v2: HiFTGenerator, hift_cases: list[dict[str, Any]]
 ) -> None:
-    assert "e2e_zero_shot_from_flow" in {case["name"] for case in hift_cases}
     captured: dict[str, Tensor] = {}
     hooks = [
         kit_hift_v2.conv_pre.register_forward_hook(lambda _m, _i, out: captured.update(conv_pre_out=out)),
@@ -88,7 +96,7 @@ def test_source_from_recorded_draws_matches_official(
 ) -> None:
     for case in replayable_cases:
         with torch.inference_mode():
-            source = kit_hift_v2.source_from_draws(case["f0"], _recorded_draws(case))
+            source = _with_cache_source(kit_hift_v2.source_from_draws(case["f0"], _recorded_draws(case)), case)
         assert_close(source, case["source"], atol=SOURCE_ATOL, what=f"{case['name']} source")
 
 
@@ -104,8 +112,14 @@ def test_inference_with_recorded_draws_matches_official_speech(
             return recorded
 
         monkeypatch.setattr(sine_gen, "draw", replay)
-        (speech,) = kit_hift_v2.inference([case["mel"][0]])
-        assert_close(speech[None], case["speech"], atol=SPEECH_ATOL, what=f"{case['name']} inference speech")
+        if case["cache_source"].numel():  # as the streaming path: make the source, overwrite its head, decode
+            with torch.inference_mode():
+                source = kit_hift_v2.make_source(kit_hift_v2.predict_f0(case["mel"]))
+                speech = kit_hift_v2.decode(case["mel"], _with_cache_source(source, case))
+        else:
+            (speech,) = kit_hift_v2.inference([case["mel"][0]])
+            speech = speech[None]
+        assert_close(speech, case["speech"], atol=SPEECH_ATOL, what=f"{case['name']} inference speech")
 
 
 def test_draws_follow_the_official_sequence(kit_hift_v2: HiFTGenerator) -> None:
@@ -147,9 +161,10 @@ def test_batched_source_equals_alone_when_f0_padding_is_zero(
     """Zero f0 past an item keeps its frame phase constant, so the x480 interpolation sees what it sees alone;
     nonzero f0 there would change exactly the last hop/2 samples (the up-interpolation's edge)."""
     hop = kit_hift_v2.config.hop
-    f0s = [case["f0"][0] for case in replayable_cases] + [replayable_cases[-1]["f0"][0, :7]]
+    cut = min(7, replayable_cases[-1]["f0"].shape[-1] - 1)  # a shorter copy of the last case
+    f0s = [case["f0"][0] for case in replayable_cases] + [replayable_cases[-1]["f0"][0, :cut]]
     draws = [_recorded_draws(case) for case in replayable_cases]
-    draws.append(Sine2Draws(draws[-1].initial_phase, draws[-1].noise[:, : 7 * hop]))
+    draws.append(Sine2Draws(draws[-1].initial_phase, draws[-1].noise[:, : cut * hop]))
     frames = max(f0.shape[-1] for f0 in f0s)
     batch_draws = _padded_draws(draws, frames * hop)
     with torch.inference_mode():
@@ -157,19 +172,19 @@ def test_batched_source_equals_alone_when_f0_padding_is_zero(
         batched = kit_hift_v2.source_from_draws(zero_padding, batch_draws)
         for i, (f0, item_draws) in enumerate(zip(f0s, draws, strict=True)):
             alone = kit_hift_v2.source_from_draws(f0[None], item_draws)
-            assert torch.equal(batched[i : i + 1, :, : alone.shape[-1]], alone), f"item {i}"
+            assert_close(batched[i : i + 1, :, : alone.shape[-1]], alone, atol=ROUNDING_ATOL, what=f"item {i}")
         voiced_padding = torch.stack([F.pad(f0, (0, frames - len(f0)), value=200.0) for f0 in f0s])
         leaky = kit_hift_v2.source_from_draws(voiced_padding, batch_draws)
     short = len(f0s) - 1
-    edge = 7 * hop - hop // 2
-    assert torch.equal(leaky[short, :, :edge], batched[short, :, :edge])
-    assert not torch.equal(leaky[short, :, edge : 7 * hop], batched[short, :, edge : 7 * hop])
+    edge = cut * hop - hop // 2
+    assert_close(leaky[short, :, :edge], batched[short, :, :edge], atol=ROUNDING_ATOL, what="before the edge")
+    assert (leaky[short, :, edge : cut * hop] - batched[short, :, edge : cut * hop]).abs().max() > 1e-3
 
 
 def test_batched_inference_equals_alone(kit_hift_v2: HiFTGenerator, hift_cases: list[dict[str, Any]]) -> None:
-    mels = [case["mel"][0] for case in hift_cases if case["mel"].shape[-1] < 64]
-    mels.append(mels[-1][:, :7])
-    assert len({mel.shape[-1] for mel in mels}) == len(mels)
+    by_length = {case["mel"].shape[-1]: case["mel"][0] for case in hift_cases if case["mel"].shape[-1] < 64}
+    mels = list(by_length.values())[:3] or [hift_cases[0]["mel"][0, :, :63]]
+    mels.append(mels[-1][:, : max(1, mels[-1].shape[-1] // 2)])  # and a shorter copy: unequal lengths in a batch
     seeds = list(range(len(mels)))
     batched = kit_hift_v2.inference(mels, seeds)
     for i, (mel, seed) in enumerate(zip(mels, seeds, strict=True)):

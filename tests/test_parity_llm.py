@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import kit_group
 
 from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
@@ -57,9 +58,7 @@ def run_alone(model: TransformerLM, request: GenerationRequest) -> list[TokenEve
 
 @pytest.fixture(scope="module")
 def llm_cases(kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    cases = kit_cases["llm"]
-    assert cases, "the kit has no llm cases"
-    return cases
+    return kit_group(kit_cases, "llm")
 
 
 def test_text_encoder_out(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:

@@ -38,9 +38,13 @@ def test_the_yaml_name_and_llm_class_make_it_a_v2_model(v2_kit: Path) -> None:
     assert isinstance(load_module(v2_kit / "model", "flow"), CausalMaskedDiffWithXvec)
 
 
-def test_the_encoder_needs_the_tokenizer_files(v2_kit: Path) -> None:
-    with pytest.raises(CheckpointError, match="tokenizer"):  # the kit's CosyVoice-BlankEN has none
-        load_model(v2_kit / "model", components=("encoder",))
+def test_the_encoder_needs_the_tokenizer_files(v2_kit: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    (model_dir / QWEN_DIR).mkdir(parents=True)
+    for name in ("cosyvoice2.yaml", "llm.pt", "flow.pt", "hift.pt", f"{QWEN_DIR}/config.json"):
+        (model_dir / name).symlink_to(v2_kit / "model" / name)
+    with pytest.raises(CheckpointError, match="tokenizer"):  # a CosyVoice-BlankEN with the Qwen2 config only
+        load_model(model_dir, components=("encoder",))
 
 
 def test_a_dir_with_both_yamls_is_refused(tmp_path: Path, v2_kit: Path) -> None:

@@ -97,3 +97,22 @@ def test_streams_in_one_batch_equal_streams_alone(tts: CosyVoice, segment) -> No
     for index, seg in enumerate([segment, other]):
         alone = np.concatenate([c for c in (o[0] for o in tts.decoder.open_stream([seg])) if c is not None])
         np.testing.assert_allclose(np.concatenate(together[index]), alone, atol=1e-4)
+
+
+def test_only_the_final_chunk_runs_the_flow_with_full_attention(
+    tts: CosyVoice, segment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Official CosyVoice2Model.tts: intermediate token2wav calls pass stream=True, finalize=False; the last one
+    # finalize=True without stream, so the flow attends over the whole sequence.
+    flow = tts.decoder.model.flow
+    calls: list[tuple[bool, bool]] = []
+    original = flow.inference
+
+    def spy(requests, n_timesteps=10, streaming=False, finalize=True):
+        calls.append((streaming, finalize))
+        return original(requests, n_timesteps, streaming=streaming, finalize=finalize)
+
+    monkeypatch.setattr(flow, "inference", spy)
+    chunks, _ = _run(tts.decoder.open_stream([segment]))
+    assert len(calls) == len(chunks) >= 2
+    assert calls == [(True, False)] * (len(calls) - 1) + [(False, True)]

@@ -63,13 +63,16 @@ def test_cross_lingual_keeps_the_voice_but_not_the_prompt_text_or_speech_in_the_
     np.testing.assert_array_equal(segment.prompt_feat, prompt.speech_feat)
 
 
-def test_instruct_with_a_cloned_voice(tts: CosyVoice) -> None:
-    instruction = "Speak slowly."
+@pytest.mark.parametrize("instruction", ["Speak slowly.<|endofprompt|>", "Read 25 words."])
+def test_instruct_with_a_cloned_voice(tts: CosyVoice, instruction: str) -> None:
     prompt = make_prompt(tts)
     segment = encode(tts, prompt, instruct_text=instruction)
     version = tts.encoder.model.config.version
     frontend = tts.encoder.model.frontend
-    instruct_tokens = len(frontend.tokenize(frontend.normalize(instruction) + frontend.instruct_end_token))
+    # official: nothing is appended; v1 normalizes the instruction (not when it holds <|...|>), v2 never does
+    said = frontend.normalize(instruction) if version == 1 else instruction
+    assert (said != instruction) == (version == 1 and "<|" not in instruction)  # "25" is spelled out in v1
+    instruct_tokens = len(frontend.tokenize(said))
     assert len(segment.text_encoded) == instruct_tokens + text_tokens(tts, TEXT)  # the instruction, not the transcript
     assert len(segment.llm_prompt_speech_tokens) == 0
     if version == 1:  # v1 Instruct: the speaker only through the flow embedding, no prompt speech

@@ -1,0 +1,124 @@
+"""End-to-end parity of the streaming path (`engine.streaming.DecodeStream`) with the official streaming loop
+`CosyVoiceModel.tts(stream=True)` (v1: flow cache, mel and speech cross-fades, HiFT cache) and
+`CosyVoice2Model.tts(stream=True)` (v2: the chunk loop with its padded first hop and the final chunk), on every
+`stream` case of the kits. The official random draws (v1's CFM start noise, the HiFT source) are replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import kit_group
+from torch import Tensor
+
+from engine.loader import load_model
+from engine.pipeline import EncodedSegment, SpeechDecoderStage
+from engine.sampling import SamplingOptions
+from engine.streaming import DecodeStream
+
+# The kits' acceptance for a flow mel, and for HiFT decode(mel, source) in each version (measured on the tiny
+# kits: about 4e-6 and 1e-6).
+MEL_ATOL = 1e-4
+SPEECH_ATOL = {1: 1e-4, 2: 5e-4}
+
+
+@pytest.fixture(scope="module")
+def decoder(each_kit: Path) -> SpeechDecoderStage:
+    return SpeechDecoderStage(load_model(each_kit / "model", components=("decoder",), cpu_packing=False))
+
+
+@pytest.fixture(scope="module")
+def stream_cases(each_kit: Path) -> list[dict[str, Any]]:
+    return kit_group(torch.load(each_kit / "cases.pt", weights_only=True), "stream")
+
+
+def segment_of(decoder: SpeechDecoderStage, case: dict[str, Any]) -> EncodedSegment:
+    """The case's official call as an encoded segment: zero-shot, greedy, the case's length ratios."""
+    text = torch.cat([case["prompt_text"], case["text"]], dim=1).long()
+    with torch.inference_mode():
+        encoded = decoder.model.llm.encode_text(text, torch.tensor([text.shape[1]]))[0]
+    embedding = case["embedding"][0].numpy()
+    prompt_tokens = case["prompt_speech_token"][0].long().numpy()
+    return EncodedSegment(
+        text_encoded=encoded.float().numpy(),
+        text_len=case["text"].shape[1],
+        llm_embedding=embedding,
+        flow_embedding=embedding,
+        llm_prompt_speech_tokens=prompt_tokens,
+        flow_prompt_speech_tokens=prompt_tokens,
+        prompt_feat=case["prompt_feat"][0].numpy(),
+        sampling=SamplingOptions(
+            greedy=True,
+            seed=0,
+            min_token_text_ratio=case["min_token_text_ratio"],
+            max_token_text_ratio=case["max_token_text_ratio"],
+        ),
+        speed=1.0,
+    )
+
+
+def recorded(case: dict[str, Any], field: str) -> Iterator[Tensor]:
+    return iter([case[f"chunk_{k}_{field}"] for k in range(case["num_chunks"]) if f"chunk_{k}_{field}" in case])
+
+
+def replay_official_draws(
+    decoder: SpeechDecoderStage, case: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> list[Tensor]:
+    """Feed the official noise and sources to the stream, in chunk order; -> the mels the vocoder gets."""
+    hift, hop = decoder.model.hift, decoder.model.config.hift.hop
+    noises, sources = recorded(case, "noise"), recorded(case, "source")
+    mels: list[Tensor] = []
+
+    def start_noise(_stream: Any, channels: int, frames: int) -> Tensor:
+        noise = next(noises)
+        assert noise.shape == (channels, frames), f"noise {tuple(noise.shape)} for [{channels}, {frames}]"
+        return noise.clone()
+
+    def make_source(f0: Tensor, _generator: Any = None) -> Tensor:
+        source = next(sources)
+        assert source.shape[-1] == f0.shape[-1] * hop, f"source of {source.shape[-1]} samples for {f0.shape[-1]} frames"
+        return source.clone()
+
+    decode = hift.decode
+
+    def recording_decode(mel: Tensor, source: Tensor, lengths: Tensor | None = None) -> Tensor:
+        mels.append(mel[0].clone())
+        return decode(mel, source, lengths)
+
+    monkeypatch.setattr(DecodeStream, "_start_noise", staticmethod(start_noise))
+    monkeypatch.setattr(hift, "make_source", make_source)
+    monkeypatch.setattr(hift, "decode", recording_decode)
+    return mels
+
+
+def test_stream_tokens_match_official(decoder: SpeechDecoderStage, stream_cases: list[dict[str, Any]]) -> None:
+    for case in stream_cases:
+        [tokens] = decoder.generate_tokens([segment_of(decoder, case)])
+        assert torch.equal(tokens, case["out_tokens"]), case["name"]
+
+
+def test_stream_chunks_match_official(
+    decoder: SpeechDecoderStage, stream_cases: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    version = decoder.model.config.version
+    for case in stream_cases:
+        name = case["name"]
+        with monkeypatch.context() as patch:
+            mels = replay_official_draws(decoder, case, patch)
+            chunks = [out[0] for out in decoder.open_stream([segment_of(decoder, case)]) if out[0] is not None]
+        chunks = [chunk for chunk in chunks if len(chunk)]
+        assert len(chunks) == len(mels) == case["num_chunks"], name
+        assert [case[f"chunk_{k}_finalize"] for k in range(case["num_chunks"])][-1] == 1, name
+        for k, (chunk, mel) in enumerate(zip(chunks, mels, strict=True)):
+            expected_mel = case[f"chunk_{k}_mel"][0]
+            assert mel.shape == expected_mel.shape, f"{name} chunk {k} mel {tuple(mel.shape)}"
+            torch.testing.assert_close(mel.float(), expected_mel, atol=MEL_ATOL, rtol=0, msg=f"{name} chunk {k} mel")
+            expected = case[f"chunk_{k}_speech"][0].numpy()
+            assert chunk.shape == expected.shape, f"{name} chunk {k}: {chunk.shape} samples, official {expected.shape}"
+            error = float(np.abs(chunk - expected).max())
+            assert error <= SPEECH_ATOL[version], f"{name} chunk {k} speech: max abs error {error:.3g}"

@@ -1,0 +1,502 @@
+"""Make (or extend) a CosyVoice conformance kit by running the official CosyVoice code.
+
+The official code is imported at run time from a checkout given by path (never copied here), inside a throwaway
+venv outside this repo that has the official dependencies, for example:
+
+    python -m venv /tmp/offvenv --system-site-packages
+    /tmp/offvenv/bin/pip install hyperpyyaml==1.2.3 transformers==4.51.3 diffusers==0.29.0 omegaconf einops scipy \\
+        conformer librosa openai-whisper==20250625
+    /tmp/offvenv/bin/pip install hydra-core lightning rich gdown wget pyarrow pyworld
+    /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; a separate step (see README.md)
+    /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official \\
+        --model tests/fixtures/cosyvoice1-tiny/model --out tests/fixtures/cosyvoice1-tiny
+
+`--official` is a checkout of FunAudioLLM/CosyVoice with its `third_party/Matcha-TTS` submodule in place.
+`--model` is a model dir in the official layout (`cosyvoice.yaml` or `cosyvoice2.yaml`, `llm.pt`, `flow.pt`,
+`hift.pt`): an existing kit's weights or real ones. The kit is written to `--out` in the existing format:
+`model/` (copied unless it is `--out/model` already), `cases.pt` and `README.md`. When `--out/cases.pt` exists,
+its groups are kept and the groups made here are added or replaced, so a kit can be extended in place.
+
+Groups made here (every value a tensor, int, float or str; see the README section the tool writes):
+- `llm_sampled`: one `llm.inference` with the yaml's own sampler (`ras_sampling`) after `torch.manual_seed(seed)`:
+  replayable with a generator seeded the same; `step_fallback` marks the steps whose draw fell back.
+- `stream`: the official streaming loop `model.tts(..., stream=True)` with greedy tokens; per chunk the tokens,
+  the CFM start noise (v1), the vocoder input mel and source (after the cache overwrite) and the audio yielded.
+- `hift`: one more case, `HiFTGenerator.inference` with a non-empty `cache_source` and its random draws.
+- `frontend` (v2, and v1 kits that have none): `text_normalize` with wetext + the yaml's tokenizer (v2: the Qwen2
+  files of `model/CosyVoice-BlankEN`; `--qwen-tokenizer` copies tokenizer files there first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+V1_YAML, V2_YAML = "cosyvoice.yaml", "cosyvoice2.yaml"
+QWEN_DIR = "CosyVoice-BlankEN"
+MADE_GROUPS = ("llm_sampled", "stream")
+HIFT_CACHE_CASE = "cache_source_from_stream"
+FRONTEND_TEXTS = (
+    "Hello world, this is a streaming test.",
+    "I have 3 apples and 25 pears.",
+    "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。",
+    "今天是2024年3月5日，气温25.5度",
+    "You are a helpful assistant. 请用广东话表达。<|endofprompt|>",
+    "在面对挑战时，他展现了非凡的<strong>勇气</strong>与<strong>智慧</strong>。",
+    "He laughed [laughter] and then took a breath [breath] before going on.",
+    "Mixed 中英文 text with [noise] tags.",
+)
+
+
+def official_commit(checkout: Path) -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=7", "HEAD"], capture_output=True)
+        return out.stdout.decode().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def import_official(checkout: Path) -> None:
+    matcha = checkout / "third_party" / "Matcha-TTS"
+    if not (checkout / "cosyvoice" / "cli" / "model.py").is_file() or not (matcha / "matcha").is_dir():
+        sys.exit(f"{checkout} is not a CosyVoice checkout with its third_party/Matcha-TTS submodule")
+    sys.path[:0] = [str(checkout), str(matcha)]
+
+
+def greedy(weighted_scores: torch.Tensor, decoded_tokens: list, sampling: int) -> int:
+    """Stands in for the yaml sampler where a case is greedy: argmax of the scores sampling_ids passes on."""
+    return int(weighted_scores.argmax())
+
+
+def int32(values: list[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int32).reshape(1, -1)
+
+
+class Maker:
+    def __init__(self, model_dir: Path, seed: int) -> None:
+        from cosyvoice.cli.model import CosyVoice2Model, CosyVoiceModel
+        from hyperpyyaml import load_hyperpyyaml
+
+        self.version = 2 if (model_dir / V2_YAML).is_file() else 1
+        yaml_path = model_dir / (V2_YAML if self.version == 2 else V1_YAML)
+        if not yaml_path.is_file():
+            sys.exit(f"{model_dir} holds neither {V1_YAML} nor {V2_YAML}")
+        overrides = {"qwen_pretrain_path": str(model_dir / QWEN_DIR)} if self.version == 2 else None
+        with open(yaml_path) as f:
+            self.configs = load_hyperpyyaml(f, overrides=overrides)
+        model_class = CosyVoice2Model if self.version == 2 else CosyVoiceModel
+        self.model_class = model_class
+        self.model_dir = model_dir
+        self.model = self.new_model()
+        self.sampler = self.model.llm.sampling
+        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        llm = self.model.llm
+        self.text_vocab = self.configs["llm"].text_embedding.num_embeddings if self.version == 1 else 200
+        self.speech_vocab = llm.speech_token_size
+        self.hop = 480 if self.version == 2 else 256
+
+    def new_model(self) -> Any:
+        model = self.model_class(self.configs["llm"], self.configs["flow"], self.configs["hift"], fp16=False)
+        model.load(*(str(self.model_dir / name) for name in ("llm.pt", "flow.pt", "hift.pt")))
+        return model
+
+    def randint(self, high: int, n: int) -> list[int]:
+        return torch.randint(0, high, (n,), generator=self.generator).tolist()
+
+    def prompt(self, speech_tokens: int, text_tokens: int) -> dict[str, torch.Tensor]:
+        frames = 2 * speech_tokens if self.version == 2 else int(speech_tokens * 22050 / 256 / 50)
+        return {
+            "prompt_text": int32(self.randint(self.text_vocab, text_tokens)),
+            "prompt_speech_token": int32(self.randint(self.speech_vocab, speech_tokens)),
+            "prompt_feat": torch.randn(1, frames, 80, generator=self.generator),
+            "embedding": torch.randn(1, 192, generator=self.generator),
+        }
+
+    # ---- llm_sampled ------------------------------------------------------------------------------------------
+
+    def llm_sampled(self, text_tokens: int, ratio: tuple[float, float]) -> dict[str, Any]:
+        import cosyvoice.utils.common as common
+
+        inputs = self.prompt(speech_tokens=6, text_tokens=4)
+        text = int32(self.randint(self.text_vocab, text_tokens))
+        fallbacks: list[int] = []
+        fallback_draw = common.random_sampling
+
+        def recording_fallback(*args: Any) -> int:
+            fallbacks[-1] = 1
+            return fallback_draw(*args)
+
+        def counting_sampler(scores: torch.Tensor, decoded: list, sampling: int) -> int:
+            fallbacks.append(0)
+            return self.sampler(scores, decoded, sampling)
+
+        llm = self.model.llm
+        llm.sampling = counting_sampler
+        common.random_sampling = recording_fallback
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        try:
+            torch.manual_seed(seed)
+            tokens = list(
+                llm.inference(
+                    text=text,
+                    text_len=torch.tensor([text.shape[1]], dtype=torch.int32),
+                    prompt_text=inputs["prompt_text"],
+                    prompt_text_len=torch.tensor([inputs["prompt_text"].shape[1]], dtype=torch.int32),
+                    prompt_speech_token=inputs["prompt_speech_token"],
+                    prompt_speech_token_len=torch.tensor([inputs["prompt_speech_token"].shape[1]], dtype=torch.int32),
+                    embedding=inputs["embedding"],
+                    max_token_text_ratio=ratio[1],
+                    min_token_text_ratio=ratio[0],
+                )
+            )
+        finally:
+            llm.sampling = self.sampler
+            common.random_sampling = fallback_draw
+        keywords = self.sampler.keywords
+        return {
+            "name": "ras_sampled_zero_shot",
+            "function": f"cosyvoice.llm.llm.{type(llm).__name__}.inference",
+            "sampler": "the yaml's llm.sampling (ras_sampling) on the global torch RNG, seeded with `seed` first",
+            "seed": seed,
+            "text": text,
+            "text_len": torch.tensor([text.shape[1]], dtype=torch.int32),
+            "prompt_text": inputs["prompt_text"],
+            "prompt_text_len": torch.tensor([inputs["prompt_text"].shape[1]], dtype=torch.int32),
+            "prompt_speech_token": inputs["prompt_speech_token"],
+            "prompt_speech_token_len": torch.tensor([inputs["prompt_speech_token"].shape[1]], dtype=torch.int32),
+            "embedding": inputs["embedding"],
+            "min_token_text_ratio": float(ratio[0]),
+            "max_token_text_ratio": float(ratio[1]),
+            "top_p": float(keywords["top_p"]),
+            "top_k": int(keywords["top_k"]),
+            "win_size": int(keywords["win_size"]),
+            "tau_r": float(keywords["tau_r"]),
+            "out_tokens": torch.tensor(tokens, dtype=torch.int64),
+            "num_steps": len(fallbacks),
+            "step_fallback": torch.tensor(fallbacks, dtype=torch.int32),
+        }
+
+    # ---- stream -----------------------------------------------------------------------------------------------
+
+    def stream(self, name: str, text_tokens: int, ratio: float, prompt_tokens: int) -> dict[str, Any]:
+        inputs = self.prompt(speech_tokens=prompt_tokens, text_tokens=5 if prompt_tokens else 0)
+        text = int32(self.randint(self.text_vocab, text_tokens))
+        model = self.new_model()  # v2's tts grows token_hop_len on the model itself: start fresh
+        model.llm.sampling = greedy
+        llm_inference = model.llm.inference
+
+        generated: list[int] = []
+
+        def fixed_ratio_inference(*args: Any, **kwargs: Any) -> Any:
+            kwargs.update(max_token_text_ratio=ratio, min_token_text_ratio=ratio)
+            for token in llm_inference(*args, **kwargs):
+                generated.append(int(token))
+                yield token
+
+        model.llm.inference = fixed_ratio_inference
+        chunks: list[dict[str, torch.Tensor]] = []
+        lock = threading.Lock()
+
+        def first_estimator_call(_module: Any, args: tuple) -> None:
+            with lock:
+                if "noise" not in chunks[-1]:
+                    chunks[-1]["noise"] = args[0][0].clone()
+
+        decode = model.hift.decode
+
+        def recording_decode(x: torch.Tensor, s: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            chunks[-1]["mel"], chunks[-1]["source"] = x.clone(), s.clone()
+            return decode(x=x, s=s, **kwargs)
+
+        model.hift.decode = recording_decode
+        token2wav = model.token2wav
+
+        def recording_token2wav(**kwargs: Any) -> torch.Tensor:
+            chunks.append({"tokens": kwargs["token"][0].to(torch.int64).clone(), "finalize": int(kwargs["finalize"])})
+            return token2wav(**kwargs)
+
+        model.token2wav = recording_token2wav
+        hook = model.flow.decoder.estimator.register_forward_pre_hook(first_estimator_call)
+        speech_parts = []
+        try:
+            for out in model.tts(
+                text=text,
+                flow_embedding=inputs["embedding"],
+                llm_embedding=inputs["embedding"],
+                prompt_text=inputs["prompt_text"],
+                llm_prompt_speech_token=inputs["prompt_speech_token"],
+                flow_prompt_speech_token=inputs["prompt_speech_token"],
+                prompt_speech_feat=inputs["prompt_feat"],
+                stream=True,
+            ):
+                speech_parts.append(out["tts_speech"])
+        finally:
+            hook.remove()
+        case: dict[str, Any] = {
+            "name": name,
+            "function": f"cosyvoice.cli.model.{type(model).__name__}.tts(stream=True)",
+            "sampler": "greedy argmax over the scores passed to llm.sampling",
+            "text": text,
+            "text_len": torch.tensor([text.shape[1]], dtype=torch.int32),
+            "prompt_text": inputs["prompt_text"],
+            "prompt_speech_token": inputs["prompt_speech_token"],
+            "prompt_feat": inputs["prompt_feat"],
+            "embedding": inputs["embedding"],
+            "min_token_text_ratio": float(ratio),
+            "max_token_text_ratio": float(ratio),
+            "num_chunks": len(chunks),
+        }
+        for k, (chunk, speech) in enumerate(zip(chunks, speech_parts, strict=True)):
+            case[f"chunk_{k}_tokens"] = chunk["tokens"]
+            case[f"chunk_{k}_finalize"] = chunk["finalize"]
+            case[f"chunk_{k}_mel"] = chunk["mel"]
+            case[f"chunk_{k}_source"] = chunk["source"]
+            case[f"chunk_{k}_speech"] = speech.clone()
+            if self.version == 1:
+                case[f"chunk_{k}_noise"] = chunk["noise"]
+        case["out_tokens"] = torch.tensor(generated, dtype=torch.int64)
+        return case
+
+    # ---- hift with a cache_source -----------------------------------------------------------------------------
+
+    def hift_with_cache(self, stream_case: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributions.uniform import Uniform
+
+        hift = self.model.hift
+        cache_frames = 8 if self.version == 2 else 20  # the official HiFT cache of each version
+        mel = stream_case["chunk_1_mel"][:, :, : 2 * cache_frames].contiguous()  # short: the kit stays small
+        cache = stream_case["chunk_0_source"][:, :, -cache_frames * self.hop :]
+        draws: list[tuple[str, torch.Tensor]] = []
+        originals = {"rand": torch.rand, "randn_like": torch.randn_like, "sample": Uniform.sample}
+
+        def rand(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = originals["rand"](*args, **kwargs)
+            draws.append(("torch.rand", out.clone()))
+            return out
+
+        def randn_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = originals["randn_like"](*args, **kwargs)
+            draws.append(("torch.randn_like", out.clone()))
+            return out
+
+        def sample(self_: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            out = originals["sample"](self_, *args, **kwargs)
+            draws.append(("Uniform.sample", out.clone()))
+            return out
+
+        captured: dict[str, torch.Tensor] = {}
+        hooks = [
+            hift.conv_pre.register_forward_hook(lambda _m, _i, out: captured.update(conv_pre_out=out.clone())),
+            hift.source_downs[0].register_forward_pre_hook(lambda _m, i: captured.update(s_stft=i[0].clone())),
+            hift.conv_post.register_forward_hook(lambda _m, _i, out: captured.update(conv_post_out=out.clone())),
+        ]
+        # v1's SineGen draws its phases with Uniform.sample (which calls torch.rand itself), v2's SineGen2 torch.rand
+        if self.version == 2:
+            torch.rand = rand
+        else:
+            Uniform.sample = sample
+        torch.randn_like = randn_like
+        try:
+            with torch.inference_mode():
+                speech, source = hift.inference(speech_feat=mel, cache_source=cache)
+                f0 = hift.f0_predictor(mel)
+        finally:
+            torch.rand, torch.randn_like, Uniform.sample = (
+                originals["rand"],
+                originals["randn_like"],
+                originals["sample"],
+            )
+            for hook in hooks:
+                hook.remove()
+        case: dict[str, Any] = {
+            "name": HIFT_CACHE_CASE,
+            "function": "cosyvoice.hifigan.generator.HiFTGenerator.inference",
+            "mel": mel,
+            "cache_source": cache.contiguous(),
+            "f0": f0,
+            "source": source.clone(),
+            "speech": speech.clone(),
+            **captured,
+            "clamped_fraction": float((speech.abs() >= 0.99).float().mean()),
+            "audio_limit": 0.99,
+            "voiced_fraction": float((f0 > 10).float().mean()),
+            "rand_draw_order": ",".join(kind for kind, _ in draws),
+            "e2e_source": f"mel = the head of chunk_1_mel of stream case {stream_case['name']}; "
+            "cache_source = the tail of its chunk_0_source",
+        }
+        for k, (_, value) in enumerate(draws):
+            case[f"rand_draw_{k}"] = value
+        return case
+
+    # ---- v2 frontend ------------------------------------------------------------------------------------------
+
+    def frontend_cases(self) -> list[dict[str, Any]]:
+        from cosyvoice.cli.frontend import CosyVoiceFrontEnd
+
+        frontend = CosyVoiceFrontEnd.__new__(CosyVoiceFrontEnd)  # the text half only: no ONNX models needed
+        frontend.tokenizer = self.configs["get_tokenizer"]()
+        frontend.allowed_special = self.configs["allowed_special"]
+        import inflect
+        from wetext import Normalizer
+
+        frontend.inflect_parser = inflect.engine()
+        frontend.zh_tn_model, frontend.en_tn_model = Normalizer(remove_erhua=False), Normalizer()
+        frontend.text_frontend = "wetext"
+        cases = []
+        for text in FRONTEND_TEXTS:
+            segments = frontend.text_normalize(text, split=True)
+            tokens = [frontend.tokenizer.encode(s, allowed_special=frontend.allowed_special) for s in segments]
+            cases.append(
+                {
+                    "text": text,
+                    "function": "cosyvoice.cli.frontend.CosyVoiceFrontEnd.text_normalize + tokenizer.encode",
+                    "allowed_special": str(frontend.allowed_special),
+                    "text_frontend": frontend.text_frontend,
+                    "raw_tokens": torch.tensor(
+                        frontend.tokenizer.encode(text, allowed_special=frontend.allowed_special), dtype=torch.int64
+                    ),
+                    "normalized_text": frontend.text_normalize(text, split=False),
+                    "num_segments": len(segments),
+                    "segments_joined": "\n".join(segments),
+                    "segment_token_lens": torch.tensor([len(t) for t in tokens], dtype=torch.int64),
+                    "segment_tokens": torch.tensor([i for t in tokens for i in t], dtype=torch.int64),
+                }
+            )
+        return cases
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    return f"{type(value).__name__} {value!r}" if not isinstance(value, str) or len(value) < 60 else "str"
+
+
+def readme_section(made: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out: Path, command: str) -> str:
+    lines = [
+        "",
+        "## Groups made by tools/make_conformance_kit.py",
+        "",
+        f"Made by `{command}` with the official code at commit `{meta['official_commit']}`, torch "
+        f"{meta['torch_version']}, {meta['num_threads']} thread, seed {meta['seed']}, on the weights in `model/`.",
+        "They cover, where a list of what this kit does not cover precedes this section, its streaming loop, "
+        "`cache_source` and `ras_sampling` items (and the v2 front end); the files now are (superseding any "
+        "checksum above):",
+        "",
+        "| file | bytes | sha256 |",
+        "|---|---|---|",
+    ]
+    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name != "README.md"):
+        lines.append(f"| `{path.relative_to(out)}` | {path.stat().st_size} | `{sha256(path)}` |")
+    lines += [
+        "",
+        "* `llm_sampled`: the yaml's own sampler (`ras_sampling`) on the global torch RNG after "
+        "`torch.manual_seed(seed)`; a sampler drawing the same way from a generator seeded with `seed` replays "
+        "`out_tokens`. `step_fallback[i]` is 1 where the nucleus draw repeated too often and the fallback draw ran.",
+        "* `stream`: `model.tts(stream=True)` with greedy tokens and both length ratios equal (a fixed length). "
+        "Chunk k: `chunk_k_tokens` (given to token2wav), `chunk_k_finalize`, `chunk_k_mel` and `chunk_k_source` "
+        "(what HiFT decode got: the cached frames first, the source after the cache_source overwrite), "
+        "`chunk_k_speech` (the audio yielded), and in v1 `chunk_k_noise` (the CFM start noise after the flow cache "
+        "overwrite). `out_tokens`: every token the LLM generated, in order.",
+        f"* `hift` `{HIFT_CACHE_CASE}`: `HiFTGenerator.inference` with a non-empty `cache_source`, draws recorded.",
+        "* `frontend`: `text_normalize` with wetext and the yaml's `get_tokenizer` (v2: the Qwen2 files in "
+        "`model/CosyVoice-BlankEN`), when made by this tool.",
+        "",
+        "| group | case | fields |",
+        "|---|---|---|",
+    ]
+    for group, cases in made.items():
+        for case in cases:
+            name = case.get("name", case.get("text", "")[:30])
+            summary = ", ".join(f"{k}: {describe(v)}" for k, v in case.items() if not k.startswith("chunk_"))
+            lines.append(f"| {group} | {name} | {summary[:400]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--official", type=Path, required=True, help="a FunAudioLLM/CosyVoice checkout")
+    parser.add_argument("--model", type=Path, required=True, help="a model dir in the official layout")
+    parser.add_argument("--out", type=Path, required=True, help="the kit directory to write or extend")
+    parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--qwen-tokenizer", type=Path, help="v2: Qwen2 tokenizer files for model/CosyVoice-BlankEN")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import_official(args.official.resolve())
+    out = args.out.resolve()
+    model_dir = out / "model"
+    if args.model.resolve() != model_dir:
+        shutil.copytree(args.model, model_dir, dirs_exist_ok=True)
+    if args.qwen_tokenizer:
+        for path in args.qwen_tokenizer.iterdir():
+            if path.is_file() and path.name != "config.json":
+                shutil.copy2(path, model_dir / QWEN_DIR / path.name)
+    maker = Maker(model_dir, args.seed)
+    cases_path = out / "cases.pt"
+    cases = torch.load(cases_path, weights_only=True) if cases_path.is_file() else {}
+    import transformers
+
+    commit = official_commit(args.official)
+    meta = {
+        "kit": out.name,
+        "model_version": "CosyVoice2 (CosyVoice2-0.5B style)"
+        if maker.version == 2
+        else "CosyVoice v1 (CosyVoice-300M style)",
+        "official_commit": commit,
+        "seed": args.seed,
+        "torch_version": str(torch.__version__),
+        "transformers_version": str(transformers.__version__),
+        "device": "cpu",
+        "dtype": "float32",
+        "num_threads": 1,
+        "yaml": f"model/{V2_YAML if maker.version == 2 else V1_YAML}",
+        "sample_rate": 24000 if maker.version == 2 else 22050,
+        "hop": maker.hop,
+    }
+    if cases.get("meta"):
+        cases["meta"][0].update({f"kit_maker_{k}": v for k, v in meta.items() if k in ("official_commit", "seed")})
+    else:
+        cases["meta"] = [meta]
+    made = {"llm_sampled": [maker.llm_sampled(text_tokens=6, ratio=(8.0, 10.0))]}
+    if maker.version == 1:  # v1 hop 100 + 20 overlap: chunks at 120 and 220 tokens, then the rest
+        made["stream"] = [maker.stream("zero_shot_three_chunks", text_tokens=10, ratio=26.0, prompt_tokens=12)]
+    else:  # 10 prompt tokens: a first hop of 25 + 15, then 50, then the final chunk
+        made["stream"] = [maker.stream("zero_shot_padded_first_hop", text_tokens=8, ratio=14.0, prompt_tokens=10)]
+    if maker.version == 2 or not cases.get("frontend"):  # v1 kits made before this tool have their own
+        made["frontend"] = maker.frontend_cases()
+    hift_case = maker.hift_with_cache(made["stream"][0])
+    cases["hift"] = [c for c in cases.get("hift", []) if c.get("name") != HIFT_CACHE_CASE] + [hift_case]
+    cases.update(made)
+    made["hift"] = [hift_case]
+    for group in cases.values():
+        for case in group:
+            for key, value in case.items():
+                if isinstance(value, torch.Tensor):
+                    case[key] = value.detach().contiguous().clone()
+    torch.save(cases, cases_path)
+    command = "python tools/make_conformance_kit.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
+    )
+    readme = out / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else f"# Conformance kit `{out.name}`\n"
+    marker = "\n## Groups made by tools/make_conformance_kit.py"
+    text = text.split(marker)[0].rstrip("\n") + "\n"
+    readme.write_text(text + readme_section(made, {**meta, "official_commit": commit}, out, command), encoding="utf-8")
+    print(json.dumps({group: len(c) for group, c in cases.items()}))
+
+
+if __name__ == "__main__":
+    main()
