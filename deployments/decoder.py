@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from ray import serve
 
-from autoscaling.metrics import GpuProbe, ReplicaLoadTracker
+from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
 from engine.errors import CosyVoiceError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
@@ -64,10 +64,13 @@ class Decoder:
         self.device = torch.device(device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
         self.memory_budget_bytes = None if memory_budget_gb is None else int(memory_budget_gb * 2**30)
-        gpu = GpuProbe(self.device.index or 0) if self.device.type == "cuda" else None
-        self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu)
+        gpu = GpuProbe(torch.cuda.current_device()) if self.device.type == "cuda" else None
+        # NVML read about once a second in the background; None (busy time instead) without a GPU or NVML.
+        sampler = gpu_utilization_sampler(gpu) if gpu is not None else None
+        self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu, sampler=sampler)
         self._gpu = gpu
         self.metrics = DecoderMetrics()
+        self.metrics.utilization_from_busy_time.set(0 if sampler is not None else 1)
         self.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.set_max_batch_size(max_batch_size)
         logger.info("Decoder on %s in %s, max batch %d", device, dtype, self.max_batch_size)
@@ -177,6 +180,10 @@ class Decoder:
 
     def ping(self) -> bool:
         return True
+
+    async def check_health(self) -> None:
+        """Serve's periodic probe: a tiny forward pass on the model's device; raising marks the replica unhealthy."""
+        await asyncio.to_thread(self.stage.check_health)
 
     def batch_stats(self) -> dict[str, Any]:
         """Batch sizes seen since start ({size: count}) and the current max batch size."""

@@ -188,6 +188,9 @@ class TextEncoderStage:
         return [encoded[i, :length] for i, length in enumerate(lengths.tolist())]
 
 
+HEALTH_CHECK_MEL_FRAMES = 4  # enough for every conv of the vocoder, negligible time
+
+
 class SpeechDecoderStage:
     """Speech-token generation, flow matching and vocoder over a batch of encoded segments."""
 
@@ -243,6 +246,17 @@ class SpeechDecoderStage:
             return mel
         frames = max(1, int(mel.shape[-1] / speed))
         return F.interpolate(mel[None].float(), size=frames, mode="linear")[0].to(mel.dtype)
+
+    @torch.inference_mode()
+    def check_health(self) -> None:
+        """A tiny vocoder pass on the decoder's device, waited for, so a device fault (a CUDA error) raises here."""
+        hift = self.model.hift
+        mel = torch.zeros(hift.config.in_channels, HEALTH_CHECK_MEL_FRAMES, dtype=self.model.dtype)
+        (wave,) = hift.inference([mel.to(self.model.decoder_device)], seeds=[0])
+        if self.model.decoder_device.type == "cuda":
+            torch.cuda.synchronize(self.model.decoder_device)
+        if not torch.isfinite(wave).all():
+            raise NonFiniteOutputError("the health check's vocoder pass produced NaN or inf samples")
 
     def max_batch_size_for_memory(self, budget_bytes: int, requested: int) -> int:
         """How many nominal segments (at most `requested`, at least 1) fit their activations in `budget_bytes`."""

@@ -164,3 +164,12 @@ def test_memory_budget_caps_the_decoder_batch_size(tts: CosyVoice) -> None:
     assert decoder.max_batch_size_for_memory(3 * nominal + 1, requested=8) == 3
     assert decoder.max_batch_size_for_memory(100 * nominal, requested=8) == 8
     assert decoder.max_batch_size_for_memory(1, requested=8) == 1  # one request always runs
+
+
+def test_decoder_health_check_runs_the_vocoder_and_catches_a_broken_device_state() -> None:
+    stage = CosyVoice.load("tiny").decoder  # its own copy: the weights are broken below
+    stage.check_health()
+    with torch.no_grad():
+        next(stage.model.hift.parameters()).fill_(float("nan"))
+    with pytest.raises(NonFiniteOutputError, match="health check"):
+        stage.check_health()
