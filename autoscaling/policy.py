@@ -306,7 +306,25 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
         return self.report(ctx, decide(ctx, self.rules, bounds))
 
 
-def decoder_autoscaling_config(rules: ScalingRules | None = None) -> dict[str, Any]:
+def use_cpu_fallback(gpu_running: int, fallback_running: int, gpu_draining: bool) -> bool:
+    """The ingress's rule: send decoder work to the CPU fallback rather than the GPU decoder?
+
+    While the GPU schedule's floor is 0 (`gpu_draining`), a running fallback takes all work, so the
+    GPU replicas drain and their policy scales them down, and no queued request cold-starts one;
+    otherwise the GPU decoder while it runs, the fallback while only it runs, and with neither the GPU
+    decoder (its queued requests make Serve cold-start a replica).
+    """
+    return fallback_running > 0 and (gpu_draining or gpu_running == 0)
+
+
+def gpu_draining(rules: ScalingRules | None, timestamp: float) -> bool:
+    """Whether the GPU decoder may go to 0 now (its active floor is 0): the ingress drains it first."""
+    return rules is not None and rules.bounds_at(timestamp)[0] == 0
+
+
+def decoder_autoscaling_config(
+    rules: ScalingRules | None = None, look_back_period_s: float = 30.0, metrics_interval_s: float = 10.0
+) -> dict[str, Any]:
     """Serve `autoscaling_config` for the GPU decoder with `rules` (defaults: the seed's rules)."""
     rules = rules or ScalingRules()
     return {
@@ -315,7 +333,8 @@ def decoder_autoscaling_config(rules: ScalingRules | None = None) -> dict[str, A
         "max_replicas": max(1, rules.highest_ceiling()),
         "upscale_delay_s": 0.0,  # the policy's windows and cooldowns do the delaying
         "downscale_delay_s": 0.0,
-        "look_back_period_s": 30.0,
+        "look_back_period_s": look_back_period_s,
+        "metrics_interval_s": metrics_interval_s,
         "policy": {"policy_function": DECODER_POLICY_PATH, "policy_kwargs": rules.to_kwargs()},
     }
 
@@ -325,6 +344,8 @@ def cpu_fallback_autoscaling_config(
     cpu_rules: ScalingRules | None = None,
     lead_s: float = 600.0,
     handover_s: float = 900.0,
+    look_back_period_s: float = 30.0,
+    metrics_interval_s: float = 10.0,
 ) -> dict[str, Any]:
     """Serve `autoscaling_config` for the CPU fallback decoder that covers the GPU decoder's 0-floor windows."""
     gpu_rules = gpu_rules or ScalingRules()
@@ -336,22 +357,10 @@ def cpu_fallback_autoscaling_config(
         "max_replicas": max(1, cpu_rules.max_replicas),
         "upscale_delay_s": 0.0,
         "downscale_delay_s": 0.0,
-        "look_back_period_s": 30.0,
+        "look_back_period_s": look_back_period_s,
+        "metrics_interval_s": metrics_interval_s,
         "policy": {
             "policy_function": CPU_FALLBACK_POLICY_PATH,
             "policy_kwargs": {"gpu": gpu_rules.to_kwargs(), "lead_s": lead_s, "handover_s": handover_s, **cpu_kwargs},
         },
     }
-
-
-ENCODER_AUTOSCALING_CONFIG: dict[str, Any] = {
-    # Serve's built-in policy on the encoder's own ongoing requests: text frontend + LLM on CPU,
-    # ~2 requests in flight per replica keeps per-request latency near the single-request figure.
-    "min_replicas": 1,
-    "initial_replicas": 1,
-    "max_replicas": 16,
-    "target_ongoing_requests": 2,
-    "upscale_delay_s": 15.0,
-    "downscale_delay_s": 300.0,
-    "look_back_period_s": 30.0,
-}

@@ -25,7 +25,6 @@ from autoscaling.metrics import (
     nvml_device_id,
 )
 from autoscaling.policy import (
-    ENCODER_AUTOSCALING_CONFIG,
     CpuFallbackAutoscalingPolicy,
     DecoderAutoscalingPolicy,
     ScalingRules,
@@ -34,6 +33,7 @@ from autoscaling.policy import (
     decoder_policy,
 )
 from autoscaling.schedule import Schedule, ScheduleWindow
+from serve_app.args import EncoderAutoscalingArgs
 
 UTC = ZoneInfo("UTC")
 NO_SCHEDULE = Schedule()
@@ -342,9 +342,10 @@ def test_recommended_configs_validate_with_serve() -> None:
     fallback = AutoscalingConfig(**cpu_fallback_autoscaling_config(gpu_rules))
     assert fallback.min_replicas == 0
     CpuFallbackAutoscalingPolicy(**fallback.policy.policy_kwargs)  # kwargs build the policy
-    encoder = AutoscalingConfig(**ENCODER_AUTOSCALING_CONFIG)
+    encoder_args = EncoderAutoscalingArgs()
+    encoder = AutoscalingConfig(**encoder_args.model_dump(exclude_none=True))
     assert encoder.policy.is_default_policy_function()
-    assert encoder.get_target_ongoing_requests() == ENCODER_AUTOSCALING_CONFIG["target_ongoing_requests"]
+    assert encoder.get_target_ongoing_requests() == encoder_args.target_ongoing_requests
 
 
 class FakeClock:
