@@ -309,7 +309,7 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
 def use_cpu_fallback(gpu_running: int, fallback_running: int, gpu_draining: bool) -> bool:
     """The ingress's rule: send decoder work to the CPU fallback rather than the GPU decoder?
 
-    While the GPU schedule's floor is 0 (`gpu_draining`), a running fallback takes all work, so the
+    While the GPU schedule's floor is (about to be) 0 (`gpu_draining`), a running fallback takes all work, so the
     GPU replicas drain and their policy scales them down, and no queued request cold-starts one;
     otherwise the GPU decoder while it runs, the fallback while only it runs, and with neither the GPU
     decoder (its queued requests make Serve cold-start a replica).
@@ -317,9 +317,14 @@ def use_cpu_fallback(gpu_running: int, fallback_running: int, gpu_draining: bool
     return fallback_running > 0 and (gpu_draining or gpu_running == 0)
 
 
-def gpu_draining(rules: ScalingRules | None, timestamp: float) -> bool:
-    """Whether the GPU decoder may go to 0 now (its active floor is 0): the ingress drains it first."""
-    return rules is not None and rules.bounds_at(timestamp)[0] == 0
+DRAIN_AHEAD_S = 60.0
+"""The ingress drains the GPU decoder this long before its floor reaches 0: its policy may take it to 0
+at the first tick of a 0-floor window, and requests routed to it then would cold-start it again."""
+
+
+def gpu_draining(rules: ScalingRules | None, timestamp: float, ahead_s: float = DRAIN_AHEAD_S) -> bool:
+    """Whether the GPU decoder's floor is 0 now or within `ahead_s` (None rules: a fixed-size decoder, never)."""
+    return rules is not None and any(rules.bounds_at(t)[0] == 0 for t in (timestamp, timestamp + ahead_s))
 
 
 def decoder_autoscaling_config(
