@@ -39,7 +39,7 @@ from observability.http import RequestObservability, SynthesisTimer, endpoint_of
 from serve_app.args import AppArgs, LimitsArgs, SecurityArgs
 from serve_app.audio import FORMATS, audio_format, encode_audio, stream_prefix, to_pcm16
 from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
-from serve_app.routing import CPU_DECODER, ENCODER, GPU_DECODER, DecoderRouter
+from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.schemas import SpeechRequest, TTSRequest
 
 logger = logging.getLogger("ray.serve")
@@ -79,6 +79,7 @@ class UploadTooLargeError(CosyVoiceError):
 
 
 VOICES_PATH = "/v1/voices"
+HEALTH_REREAD_S = 0.5
 # Room for the multipart framing and the text fields around the audio of a voice upload (POST /v1/voices).
 UPLOAD_FORM_OVERHEAD_BYTES = 64 << 10
 
@@ -229,14 +230,20 @@ class TTSIngress:
     async def healthz(self) -> JSONResponse:
         """200 once the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503.
 
-        Answered from the router's polled view (at most `poll_interval_s` old), not a controller call per probe.
+        Answered from the router's polled view (at most `poll_interval_s` old), not a controller call per probe;
+        a view that says "not ready" is re-read first, at most every `HEALTH_REREAD_S` (it may predate the start).
         """
-        running = self.router.running
-        ready = running.get(ENCODER, 0) > 0 and any(running.get(name, 0) for name in self.router.handles)
+
+        if not self.router.ready():
+            try:
+                await self.router.refresh_if_older(serve.get_replica_context().app_name, HEALTH_REREAD_S)
+            except Exception as exc:  # the last view stands
+                logger.warning("could not re-read the replica counts for /healthz: %s", exc)
+        ready = self.router.ready()
         polled_at = self.router.polled_at
         body = {
             "status": "ok" if ready else "unavailable",
-            "running_replicas": running,
+            "running_replicas": self.router.running,
             "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
         }
         return JSONResponse(body, status_code=200 if ready else 503)

@@ -75,6 +75,11 @@ class DecoderRouter:
             logger.info("routing decoder work to %s (running replicas: %s)", choice, self.running)
         self.choice = choice
 
+    async def refresh_if_older(self, app_name: str, max_age_s: float) -> None:
+        """Re-read now unless the view is at most `max_age_s` old (bounds the reads a caller can cause)."""
+        if self.polled_at is None or time.monotonic() - self.polled_at > max_age_s:
+            await self.refresh(app_name)
+
     async def _poll(self, app_name: str) -> None:
         while True:
             try:
@@ -82,6 +87,10 @@ class DecoderRouter:
             except Exception as exc:  # a failed status read keeps the last view; polling goes on
                 logger.warning("could not read the replica counts: %s", exc)
             await asyncio.sleep(self.poll_interval_s)
+
+    def ready(self) -> bool:
+        """The last view has a running encoder and a running decoder deployment (GPU or fallback)."""
+        return self.running.get(ENCODER, 0) > 0 and any(self.running.get(name, 0) for name in self.handles)
 
     def handle(self) -> DeploymentHandle:
         return self.handles[self.choice]

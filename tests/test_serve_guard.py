@@ -237,3 +237,33 @@ def test_router_without_fallback_polls_for_healthz_and_keeps_the_gpu_decoder(mon
         return router.handle(), router.running
 
     assert _run(scenario()) == ("gpu", {ENCODER: 1, GPU_DECODER: 0})
+
+
+def test_healthz_answers_from_the_polled_view_and_rereads_only_when_not_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import ray.serve
+
+    from serve_app.app import TTSIngress
+
+    views = [{ENCODER: 0, GPU_DECODER: 1}, {ENCODER: 1, GPU_DECODER: 1}]  # the first read predates the start
+    reads = 0
+
+    async def fake_running(app_name: str, names) -> dict[str, int]:
+        nonlocal reads
+        reads += 1
+        return views[min(reads, len(views)) - 1]
+
+    monkeypatch.setattr(routing, "running_replicas", fake_running)
+    monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    healthz = TTSIngress.func_or_class.healthz
+
+    async def probes() -> list[int]:
+        router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)  # no poll during the probes
+        await router.refresh("app")
+        ingress = SimpleNamespace(router=router)
+        router.polled_at -= 1.0  # older than HEALTH_REREAD_S
+        return [(await healthz(ingress)).status_code for _ in range(5)]
+
+    assert _run(probes()) == [200] * 5  # the not-ready view was re-read once ...
+    assert reads == 2  # ... and the ready one served the other probes without a controller call
