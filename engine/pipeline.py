@@ -249,14 +249,15 @@ class SpeechDecoderStage:
 
     @torch.inference_mode()
     def check_health(self) -> None:
-        """A tiny vocoder pass on the decoder's device, waited for, so a device fault (a CUDA error) raises here."""
+        """A tiny vocoder pass on the decoder's device, waited for, so a device fault (a CUDA error) raises here.
+
+        Its output is not judged: weights that give NaN fail each request with a message (500), not the replica.
+        """
         hift = self.model.hift
         mel = torch.zeros(hift.config.in_channels, HEALTH_CHECK_MEL_FRAMES, dtype=self.model.dtype)
-        (wave,) = hift.inference([mel.to(self.model.decoder_device)], seeds=[0])
+        hift.inference([mel.to(self.model.decoder_device)], seeds=[0])
         if self.model.decoder_device.type == "cuda":
             torch.cuda.synchronize(self.model.decoder_device)
-        if not torch.isfinite(wave).all():
-            raise NonFiniteOutputError("the health check's vocoder pass produced NaN or inf samples")
 
     def max_batch_size_for_memory(self, budget_bytes: int, requested: int) -> int:
         """How many nominal segments (at most `requested`, at least 1) fit their activations in `budget_bytes`."""
