@@ -477,3 +477,24 @@ def test_missing_nvml_is_logged_and_falls_back_to_busy_time() -> None:
         logging.getLogger("ray.serve").removeHandler(handler)
     (record,) = [r for r in records if "NVML is unavailable" in r.getMessage()]
     assert "busy time" in record.getMessage() and "nvidia-ml-py" in record.getMessage()
+
+
+def test_an_encoder_burst_scales_the_encoders_within_the_up_delay() -> None:
+    """Serve's default policy with the encoder args: 32 requests at 1 replica (target 2 each) ask for 16
+    replicas once `upscale_delay_s` passed, so a burst does not wait at the encoders while decoders idle."""
+    from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+
+    from autoscaling.simulate import serve_decision
+
+    encoder = EncoderAutoscalingArgs()
+    config = AutoscalingConfig(**encoder.model_dump(exclude_none=True))
+    target, state, history = 1, {}, []
+    for tick in range(80):  # 8 s of 0.1 s controller ticks
+        now = NOON + 0.1 * tick
+        ctx = make_context(now, target, None, queue_per_replica=2.0, handle_queued=30.0, max_replicas=16)
+        ctx.config, ctx.policy_state = config, state
+        target, state = serve_decision(replica_queue_length_autoscaling_policy, ctx, now)
+        history.append((round(0.1 * tick, 1), target))
+    first = first_change(history, 1)
+    assert first is not None and first[1] == encoder.max_replicas == 16
+    assert encoder.upscale_delay_s <= first[0] <= encoder.upscale_delay_s + 0.5
