@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 UTILIZATION = "utilization"
-"""Fraction 0..1 of the last window the accelerator was busy: NVML GPU utilization where a GPU
-exists, else the replica's busy-time fraction (time with at least one batch running)."""
+"""Fraction 0..1 the accelerator was busy: where a GPU and NVML exist, the mean of the NVML readings a
+background thread takes about once a second since the last stats call; else the replica's busy-time
+fraction over the tracker's window (time with at least one batch running)."""
 
 QUEUE_DEPTH = "queue_depth"
 """Requests waiting inside the replica, accepted but not yet in a batch."""
