@@ -189,10 +189,10 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
     history = UtilizationHistory(state, rules.bucket_s, max(rules.scale_up_window_s, rules.scale_down_window_s))
     utilization = mean_utilization(ctx)
     if utilization is not None:
-        history.add(utilization, now, now - state[STATE_LAST_TICK])
+        history.add(utilization, now, now - state.get(STATE_LAST_TICK, now))
     history.save(state)
     state[STATE_LAST_TICK] = now
-    observed_s = now - state[STATE_WINDOW_SINCE]
+    observed_s = now - state.setdefault(STATE_WINDOW_SINCE, now)  # setdefault: a state from an older policy
 
     def window_mean(window_s: float) -> float | None:
         """The mean over a window that the history covers in full; None before that."""
