@@ -7,14 +7,18 @@ to the policy as `ctx.aggregated_metrics[name][replica_id]`. Both sides import t
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 UTILIZATION = "utilization"
-"""Fraction 0..1 of the last window the accelerator was busy: NVML GPU utilization where a GPU
-exists, else the replica's busy-time fraction (time with at least one batch running)."""
+"""Fraction 0..1 the accelerator was busy: where a GPU and NVML exist, the mean of the NVML readings a
+background thread takes about once a second since the last stats call; else the replica's busy-time
+fraction over the tracker's window (time with at least one batch running)."""
 
 QUEUE_DEPTH = "queue_depth"
 """Requests waiting inside the replica, accepted but not yet in a batch."""
@@ -28,26 +32,54 @@ BATCH_FILL = "batch_fill"
 GPU_MEMORY_FRACTION = "gpu_memory_fraction"
 """Allocated / total GPU memory of the replica's device, 0 on CPU."""
 
+logger = logging.getLogger("ray.serve")
+
 METRIC_NAMES: tuple[str, ...] = (UTILIZATION, QUEUE_DEPTH, ONGOING_REQUESTS, BATCH_FILL, GPU_MEMORY_FRACTION)
 
 
-class GpuProbe:
-    """Reads GPU utilization (NVML) and memory (torch) for one device.
+def nvml_device_id(torch_index: int, torch_uuid: str | None, cuda_visible_devices: str | None) -> str | int:
+    """How to find torch's device `torch_index` in NVML: its UUID ("GPU-..."), else an NVML index.
 
-    `available` says whether NVML answers; memory is read through torch whenever CUDA is there.
+    NVML numbers every GPU of the machine by PCI bus, while torch's index counts only the devices
+    `CUDA_VISIBLE_DEVICES` leaves (Ray sets it per replica), in CUDA's order; so the index alone names
+    the wrong GPU whenever those differ. torch's own UUID is exact; without it, the visible-devices
+    entry at `torch_index` (a UUID, or a physical index) is used.
+    """
+    if torch_uuid:
+        return torch_uuid if torch_uuid.startswith(("GPU-", "MIG-")) else f"GPU-{torch_uuid}"
+    entries = [entry.strip() for entry in (cuda_visible_devices or "").split(",") if entry.strip()]
+    if torch_index >= len(entries):
+        return torch_index
+    entry = entries[torch_index]
+    return int(entry) if entry.isdigit() else entry
+
+
+class GpuProbe:
+    """Reads GPU utilization (NVML) and memory (torch) for one torch CUDA device.
+
+    `available` says whether NVML answers for it (`unavailable_reason` says why not); memory is read
+    through torch whenever CUDA is there.
     """
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index
         self._nvml_handle = None
+        self.unavailable_reason = ""
         try:
-            import pynvml
+            import pynvml  # the nvidia-ml-py package (extra `gpu`)
+            import torch
 
+            uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
+            device = nvml_device_id(device_index, str(uuid) if uuid else None, os.environ.get("CUDA_VISIBLE_DEVICES"))
             pynvml.nvmlInit()
-            self._nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            if isinstance(device, int):
+                self._nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(device)
+            else:
+                self._nvml_handle = pynvml.nvmlDeviceGetHandleByUUID(device)
             self._pynvml = pynvml
-        except Exception:  # no NVML library or no GPU: utilization falls back to busy time
+        except Exception as exc:  # no nvidia-ml-py, no driver, or no such device
             self._nvml_handle = None
+            self.unavailable_reason = f"{type(exc).__name__}: {exc}"
 
     @property
     def available(self) -> bool:
@@ -74,6 +106,54 @@ class GpuProbe:
         return self.memory_bytes()[0] / total
 
 
+class UtilizationSampler:
+    """Reads a utilization source about once a second in a daemon thread; `take_mean()` returns the mean
+    of the readings since the previous call (the replica's stats period), so one NVML reading, which
+    covers well under a second, does not stand for the whole period."""
+
+    def __init__(self, read: Callable[[], float], interval_s: float = 1.0) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        self._read = read
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._total = 0.0
+        self._count = 0
+        self._last_mean: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="utilization-sampler", daemon=True)
+
+    def start(self) -> UtilizationSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * self.interval_s)
+
+    def sample(self) -> None:
+        """Take one reading (the thread's step; callable directly)."""
+        value = self._read()
+        with self._lock:
+            self._total += value
+            self._count += 1
+
+    def take_mean(self) -> float | None:
+        """Mean of the readings since the last call; the last mean when none came in; None before any."""
+        with self._lock:
+            if self._count:
+                self._last_mean = self._total / self._count
+                self._total, self._count = 0.0, 0
+            return self._last_mean
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample()
+            except Exception:  # a failed read skips one sample; the next may succeed
+                logger.debug("GPU utilization read failed", exc_info=True)
+
+
 class ReplicaLoadTracker:
     """Counts a replica's requests and batches and reports the metrics contract.
 
@@ -82,6 +162,7 @@ class ReplicaLoadTracker:
     request leaves. A replica whose batches are not busy all along (a streaming batch waits between
     steps) calls `record_batch(n)` when the batch forms and wraps the compute in `busy()` instead.
     Busy time is the union of busy sections (overlapping ones count once), measured over `window_s`.
+    With a `sampler` (GPU utilization read in the background), `utilization` is its mean instead.
     """
 
     def __init__(
@@ -90,6 +171,7 @@ class ReplicaLoadTracker:
         window_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         gpu: GpuProbe | None = None,
+        sampler: UtilizationSampler | None = None,
     ) -> None:
         if max_batch_size < 1 or window_s <= 0:
             raise ValueError("max_batch_size must be >= 1 and window_s > 0")
@@ -97,6 +179,7 @@ class ReplicaLoadTracker:
         self.window_s = window_s
         self._clock = clock
         self._gpu = gpu
+        self._sampler = sampler
         self.waiting = 0
         self.ongoing = 0
         self.batch_size_counts: Counter[int] = Counter()  # since start, for inspection
@@ -104,7 +187,6 @@ class ReplicaLoadTracker:
         self._busy_since: float | None = None
         self._busy_intervals: deque[tuple[float, float]] = deque()
         self._batch_sizes: deque[tuple[float, int]] = deque()
-        self._utilization_samples: deque[tuple[float, float]] = deque()
 
     def request_accepted(self) -> None:
         self.waiting += 1
@@ -169,14 +251,9 @@ class ReplicaLoadTracker:
         return min(1.0, mean_size / self.max_batch_size)
 
     def utilization(self) -> float:
-        if self._gpu is None or not self._gpu.available:
-            return self.busy_fraction()
-        # NVML reports a short recent period; average the samples taken at each snapshot over the window.
-        now = self._clock()
-        self._utilization_samples.append((now, self._gpu.utilization()))
-        while self._utilization_samples[0][0] < now - self.window_s:
-            self._utilization_samples.popleft()
-        return sum(value for _, value in self._utilization_samples) / len(self._utilization_samples)
+        """The sampler's mean since the last snapshot (NVML on a GPU), else the busy-time fraction."""
+        sampled = self._sampler.take_mean() if self._sampler is not None else None
+        return self.busy_fraction() if sampled is None else sampled
 
     def snapshot(self) -> dict[str, float]:
         """The dict a replica returns from `record_autoscaling_stats()` (every value a float)."""
@@ -187,3 +264,17 @@ class ReplicaLoadTracker:
             BATCH_FILL: float(self.batch_fill()),
             GPU_MEMORY_FRACTION: float(self._gpu.memory_fraction()) if self._gpu is not None else 0.0,
         }
+
+
+def gpu_utilization_sampler(probe: GpuProbe, interval_s: float = 1.0) -> UtilizationSampler | None:
+    """A started sampler of the probe's NVML utilization; None (logged once, here) when NVML is unavailable,
+    in which case the replica reports its busy-time fraction as `utilization`."""
+    if not probe.available:
+        logger.warning(
+            "NVML is unavailable for CUDA device %d (%s): autoscaling uses the replica's busy time as "
+            "utilization; install nvidia-ml-py (extra `gpu`) on the GPU nodes",
+            probe.device_index,
+            probe.unavailable_reason,
+        )
+        return None
+    return UtilizationSampler(probe.utilization, interval_s).start()

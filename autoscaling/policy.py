@@ -8,10 +8,12 @@ Serve clips to `min_replicas` last, that must be the lowest floor of any schedul
 night without GPUs) while the policy raises the floor per window.
 
 Rules (`ScalingRules`, all configurable through `policy_kwargs`):
-- +1 replica when the mean utilization of the running replicas stays above `scale_up_utilization`
-  for `scale_up_window_s`, and at least `scale_up_cooldown_s` passed since the target last changed;
-- -1 when it stays below `scale_down_utilization` for `scale_down_window_s`, nothing waits, and
-  `scale_down_cooldown_s` passed since the target last changed;
+- +1 replica when the time-weighted mean, over the last `scale_up_window_s`, of the running replicas'
+  mean utilization is above `scale_up_utilization`, and at least `scale_up_cooldown_s` passed since
+  the target last changed (a window is judged only once it has seen that long at the current target);
+- -1 when that mean over the last `scale_down_window_s` is below `scale_down_utilization`, nothing
+  waits, and `scale_down_cooldown_s` passed since the target last changed;
+  judging a mean, not every reading, keeps one noisy dip (or spike) from restarting or triggering a window;
 - at once, without cooldown: when waiting requests per running replica exceed
   `target_queue_per_replica`, scale to ceil(waiting / target_queue_per_replica) (proportional), at most
   `queue_scale_up_factor` x the running replicas per step, so a queue that builds while replicas
@@ -35,8 +37,9 @@ from observability.metrics import AutoscalingMetrics
 logger = logging.getLogger("ray.serve")
 
 # Keys of this policy's memory inside `policy_state` (Serve keeps its own `__decision_*` keys there too).
-STATE_ABOVE_SINCE = "cosyvoice_above_since"
-STATE_BELOW_SINCE = "cosyvoice_below_since"
+STATE_WINDOW_SINCE = "cosyvoice_window_since"
+STATE_LAST_TICK = "cosyvoice_last_tick"
+STATE_UTILIZATION_BUCKETS = "cosyvoice_utilization_buckets"
 STATE_LAST_TARGET = "cosyvoice_last_target"
 STATE_LAST_CHANGE = "cosyvoice_last_change"
 
@@ -98,6 +101,11 @@ class ScalingRules:
         values["schedule"] = self.schedule.to_dict()
         return values
 
+    @property
+    def bucket_s(self) -> float:
+        """Width of the buckets the utilization history is kept in: 1/30 of the shorter window."""
+        return max(0.05, min(self.scale_up_window_s, self.scale_down_window_s) / 30.0)
+
     def bounds_at(self, timestamp: float) -> tuple[int, int]:
         return self.schedule.bounds_at(timestamp, self.min_replicas, self.max_replicas)
 
@@ -125,11 +133,40 @@ def waiting_requests(ctx: Any) -> float:
     return in_replicas + (ctx.total_queued_requests or 0.0)
 
 
-def _since(condition: bool, previous: float | None, now: float) -> float | None:
-    """Start time of a condition that holds now, None once it breaks (the hysteresis windows)."""
-    if not condition:
-        return None
-    return now if previous is None else previous
+class UtilizationHistory:
+    """Time-weighted utilization since the window start, in `bucket_s` buckets of [start, integral, seconds].
+
+    Lives in `policy_state` (plain lists), so it is as durable as the rest of the policy's memory.
+    """
+
+    def __init__(self, state: dict[str, Any], bucket_s: float, keep_s: float) -> None:
+        self.buckets: list[list[float]] = [list(b) for b in state.get(STATE_UTILIZATION_BUCKETS) or []]
+        self.bucket_s = bucket_s
+        self.keep_s = keep_s
+
+    def add(self, utilization: float, now: float, seconds: float) -> None:
+        """The reading seen at `now` held for the `seconds` before it (the time since the last tick)."""
+        if seconds <= 0:
+            return
+        if not self.buckets or now >= self.buckets[-1][0] + self.bucket_s:
+            self.buckets.append([now, 0.0, 0.0])
+        self.buckets[-1][1] += utilization * seconds
+        self.buckets[-1][2] += seconds
+        while self.buckets and self.buckets[0][0] + self.bucket_s < now - self.keep_s:
+            self.buckets.pop(0)
+
+    def mean(self, now: float, window_s: float) -> float | None:
+        """Time-weighted mean over [now - window_s, now] (a bucket that straddles the start counts in part)."""
+        start = now - window_s
+        integral = seconds = 0.0
+        for bucket_start, bucket_integral, bucket_seconds in self.buckets:
+            share = min(1.0, max(0.0, (bucket_start + self.bucket_s - start) / self.bucket_s))
+            integral += share * bucket_integral
+            seconds += share * bucket_seconds
+        return integral / seconds if seconds > 0 else None
+
+    def save(self, state: dict[str, Any]) -> None:
+        state[STATE_UTILIZATION_BUCKETS] = self.buckets
 
 
 def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int, dict[str, Any], str]:
@@ -144,14 +181,26 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
     if state.get(STATE_LAST_TARGET) != target:
         state[STATE_LAST_CHANGE] = now if STATE_LAST_TARGET in state else None
         state[STATE_LAST_TARGET] = target
-        state[STATE_ABOVE_SINCE] = state[STATE_BELOW_SINCE] = None
+        state[STATE_WINDOW_SINCE] = state[STATE_LAST_TICK] = now
+        state[STATE_UTILIZATION_BUCKETS] = []
     last_change = state.get(STATE_LAST_CHANGE)
     quiet_s = math.inf if last_change is None else now - last_change
 
+    history = UtilizationHistory(state, rules.bucket_s, max(rules.scale_up_window_s, rules.scale_down_window_s))
     utilization = mean_utilization(ctx)
-    known = utilization is not None
-    above_since = _since(known and utilization > rules.scale_up_utilization, state.get(STATE_ABOVE_SINCE), now)
-    below_since = _since(known and utilization < rules.scale_down_utilization, state.get(STATE_BELOW_SINCE), now)
+    if utilization is not None:
+        history.add(utilization, now, now - state.get(STATE_LAST_TICK, now))
+    history.save(state)
+    state[STATE_LAST_TICK] = now
+    observed_s = now - state.setdefault(STATE_WINDOW_SINCE, now)  # setdefault: a state from an older policy
+
+    def window_mean(window_s: float) -> float | None:
+        """The mean over a window that the history covers in full; None before that."""
+        if observed_s < window_s or utilization is None:
+            return None
+        return utilization if window_s <= 0 else history.mean(now, window_s)
+
+    up_mean, down_mean = window_mean(rules.scale_up_window_s), window_mean(rules.scale_down_window_s)
 
     waiting = waiting_requests(ctx)
     running = max(ctx.current_num_replicas, 1)
@@ -160,24 +209,18 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
         proportional = math.ceil(waiting / rules.target_queue_per_replica)
         desired = max(target, min(proportional, math.ceil(rules.queue_scale_up_factor * running)))
         reason = "queue_depth"
-    elif (
-        above_since is not None
-        and now - above_since >= rules.scale_up_window_s
-        and quiet_s >= rules.scale_up_cooldown_s
-    ):
+    elif up_mean is not None and up_mean > rules.scale_up_utilization and quiet_s >= rules.scale_up_cooldown_s:
         desired = target + 1  # asked for on every tick until Serve applies it (its delays need that)
         reason = "high_utilization"
     elif (
-        below_since is not None
+        down_mean is not None
+        and down_mean < rules.scale_down_utilization
         and waiting == 0
-        and now - below_since >= rules.scale_down_window_s
         and quiet_s >= rules.scale_down_cooldown_s
     ):
         desired = target - 1
         reason = "low_utilization"
 
-    state[STATE_ABOVE_SINCE] = above_since
-    state[STATE_BELOW_SINCE] = below_since
     low, high = bounds
     high = min(high, ctx.capacity_adjusted_max_replicas)
     bounded = max(low, min(high, desired))
@@ -263,7 +306,30 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
         return self.report(ctx, decide(ctx, self.rules, bounds))
 
 
-def decoder_autoscaling_config(rules: ScalingRules | None = None) -> dict[str, Any]:
+def use_cpu_fallback(gpu_running: int, fallback_running: int, gpu_draining: bool) -> bool:
+    """The ingress's rule: send decoder work to the CPU fallback rather than the GPU decoder?
+
+    While the GPU schedule's floor is (about to be) 0 (`gpu_draining`), a running fallback takes all work, so the
+    GPU replicas drain and their policy scales them down, and no queued request cold-starts one;
+    otherwise the GPU decoder while it runs, the fallback while only it runs, and with neither the GPU
+    decoder (its queued requests make Serve cold-start a replica).
+    """
+    return fallback_running > 0 and (gpu_draining or gpu_running == 0)
+
+
+DRAIN_AHEAD_S = 60.0
+"""The ingress drains the GPU decoder this long before its floor reaches 0: its policy may take it to 0
+at the first tick of a 0-floor window, and requests routed to it then would cold-start it again."""
+
+
+def gpu_draining(rules: ScalingRules | None, timestamp: float, ahead_s: float = DRAIN_AHEAD_S) -> bool:
+    """Whether the GPU decoder's floor is 0 now or within `ahead_s` (None rules: a fixed-size decoder, never)."""
+    return rules is not None and any(rules.bounds_at(t)[0] == 0 for t in (timestamp, timestamp + ahead_s))
+
+
+def decoder_autoscaling_config(
+    rules: ScalingRules | None = None, look_back_period_s: float = 30.0, metrics_interval_s: float = 10.0
+) -> dict[str, Any]:
     """Serve `autoscaling_config` for the GPU decoder with `rules` (defaults: the seed's rules)."""
     rules = rules or ScalingRules()
     return {
@@ -272,7 +338,8 @@ def decoder_autoscaling_config(rules: ScalingRules | None = None) -> dict[str, A
         "max_replicas": max(1, rules.highest_ceiling()),
         "upscale_delay_s": 0.0,  # the policy's windows and cooldowns do the delaying
         "downscale_delay_s": 0.0,
-        "look_back_period_s": 30.0,
+        "look_back_period_s": look_back_period_s,
+        "metrics_interval_s": metrics_interval_s,
         "policy": {"policy_function": DECODER_POLICY_PATH, "policy_kwargs": rules.to_kwargs()},
     }
 
@@ -282,6 +349,8 @@ def cpu_fallback_autoscaling_config(
     cpu_rules: ScalingRules | None = None,
     lead_s: float = 600.0,
     handover_s: float = 900.0,
+    look_back_period_s: float = 30.0,
+    metrics_interval_s: float = 10.0,
 ) -> dict[str, Any]:
     """Serve `autoscaling_config` for the CPU fallback decoder that covers the GPU decoder's 0-floor windows."""
     gpu_rules = gpu_rules or ScalingRules()
@@ -293,22 +362,10 @@ def cpu_fallback_autoscaling_config(
         "max_replicas": max(1, cpu_rules.max_replicas),
         "upscale_delay_s": 0.0,
         "downscale_delay_s": 0.0,
-        "look_back_period_s": 30.0,
+        "look_back_period_s": look_back_period_s,
+        "metrics_interval_s": metrics_interval_s,
         "policy": {
             "policy_function": CPU_FALLBACK_POLICY_PATH,
             "policy_kwargs": {"gpu": gpu_rules.to_kwargs(), "lead_s": lead_s, "handover_s": handover_s, **cpu_kwargs},
         },
     }
-
-
-ENCODER_AUTOSCALING_CONFIG: dict[str, Any] = {
-    # Serve's built-in policy on the encoder's own ongoing requests: text frontend + LLM on CPU,
-    # ~2 requests in flight per replica keeps per-request latency near the single-request figure.
-    "min_replicas": 1,
-    "initial_replicas": 1,
-    "max_replicas": 16,
-    "target_ongoing_requests": 2,
-    "upscale_delay_s": 15.0,
-    "downscale_delay_s": 300.0,
-    "look_back_period_s": 30.0,
-}

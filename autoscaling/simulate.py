@@ -4,9 +4,10 @@
 
 Writes DIR/summary.json and DIR/autoscaling_day.png (load, replicas, utilization, queue).
 
-Model (per 1 s step): Poisson arrivals at the trace's rate; the ingress rule routes them to the GPU
-decoder pool when it has a running replica, else to the CPU fallback pool when that has one and is
-not saturated, else to the GPU pool (whose queue triggers Serve's cold start). Each pool keeps one
+Model (per 1 s step): Poisson arrivals at the trace's rate; the ingress's rule (`use_cpu_fallback`)
+routes them to the CPU fallback pool while the GPU schedule's floor is 0 and the fallback runs (the
+GPU pool drains, then scales down), else to the GPU pool when it has a running replica, else to the
+fallback when it runs, else to the GPU pool (whose queue triggers Serve's cold start). Each pool keeps one
 FIFO queue; a free replica takes min(queue, max_batch_size) requests as one batch that runs
 `batch_latency_s[size]` seconds (one batch at a time per replica). New replicas run after
 `startup_s`; removed replicas stop at once (Serve drains them; their last batch still completes).
@@ -50,6 +51,8 @@ from autoscaling.policy import (
     ScalingRules,
     cpu_fallback_autoscaling_config,
     decoder_autoscaling_config,
+    gpu_draining,
+    use_cpu_fallback,
 )
 
 DAY_S = 86_400
@@ -109,15 +112,42 @@ DEFAULT_GPU_SERVICE = ServiceModel(
 DEFAULT_CPU_SERVICE = ServiceModel(max_batch_size=4, batch_latency_s={1: 1.5, 2: 2.6, 4: 4.8}, startup_s=60.0)
 
 
-def load_service_rates(path: Path | None) -> tuple[ServiceModel, ServiceModel]:
-    """(gpu, cpu) service models from a JSON file: one section, or `{"gpu": {...}, "cpu": {...}}`."""
+def compare_report_rates(report: Mapping[str, Any]) -> dict[str, Any]:
+    """A service-model section from a `benchmarks.compare` report: one decoder replica's whole-request
+    throughput at each measured concurrency, taken as that batch size (its batches reach the concurrency)."""
+    levels = [level for level in report["ray_serve"] if level["mode"] == "whole" and level["requests_per_s"] > 0]
+    if not levels:
+        raise ValueError("the compare report has no whole-request level with a throughput")
+    decoder_args = report.get("setup", {}).get("ray_app_args", {}).get("decoder", {})
+    throughput = {int(level["concurrency"]): float(level["requests_per_s"]) for level in levels}
+    return {"throughput_rps": throughput, "max_batch_size": int(decoder_args.get("max_batch_size", max(throughput)))}
+
+
+@dataclass(frozen=True)
+class ServiceRates:
+    """The (gpu, cpu) service models of a run and where they came from (recorded in summary.json)."""
+
+    gpu: ServiceModel = DEFAULT_GPU_SERVICE
+    cpu: ServiceModel = DEFAULT_CPU_SERVICE
+    source: str = "defaults (assumed, no benchmark given)"
+    format: str = "defaults"
+
+
+def load_service_rates(path: Path | None) -> ServiceRates:
+    """Service models from a JSON file: a `benchmarks.compare` report (its Ray Serve levels give the
+    decoder's rates), one service-model section, or `{"gpu": {...}, "cpu": {...}}`; missing parts keep the defaults."""
     if path is None:
-        return DEFAULT_GPU_SERVICE, DEFAULT_CPU_SERVICE
+        return ServiceRates()
     spec = json.loads(Path(path).read_text())
-    gpu_spec = spec.get("gpu", spec)
-    return (
-        ServiceModel.from_dict(gpu_spec, DEFAULT_GPU_SERVICE),
-        ServiceModel.from_dict(spec.get("cpu", {}), DEFAULT_CPU_SERVICE),
+    if "ray_serve" in spec:
+        gpu_spec, cpu_spec, kind = compare_report_rates(spec), {}, "benchmarks.compare report"
+    else:
+        gpu_spec, cpu_spec, kind = spec.get("gpu", spec), spec.get("cpu", {}), "service model"
+    return ServiceRates(
+        gpu=ServiceModel.from_dict(gpu_spec, DEFAULT_GPU_SERVICE),
+        cpu=ServiceModel.from_dict(cpu_spec, DEFAULT_CPU_SERVICE),
+        source=str(path),
+        format=kind,
     )
 
 
@@ -322,11 +352,11 @@ class ReplicaPool:
                 self.replicas.remove(min(self.replicas, key=lambda r: r.free_at))
 
 
-def route(gpu: ReplicaPool, cpu: ReplicaPool | None, spill_waiting: float) -> ReplicaPool:
-    """The ingress rule: GPU if it runs, else a running, unsaturated CPU fallback, else GPU (cold start)."""
-    if gpu.running or cpu is None or not cpu.running or cpu.waiting > spill_waiting:
-        return gpu
-    return cpu
+def route(gpu: ReplicaPool, cpu: ReplicaPool | None, draining: bool) -> ReplicaPool:
+    """The ingress's rule (`use_cpu_fallback`), on the pools' running replicas."""
+    if cpu is not None and use_cpu_fallback(gpu.running, cpu.running, draining):
+        return cpu
+    return gpu
 
 
 def weighted_quantile(values: Sequence[float], weights: Sequence[int], q: float) -> float:
@@ -347,8 +377,7 @@ class SimulationResult:
 def simulate(
     rates: np.ndarray,
     gpu_rules: ScalingRules | None = None,
-    gpu_service: ServiceModel = DEFAULT_GPU_SERVICE,
-    cpu_service: ServiceModel = DEFAULT_CPU_SERVICE,
+    rates_used: ServiceRates = ServiceRates(),
     cpu_fallback: bool = True,
     slo_s: float = 3.0,
     control_period_s: int = 5,
@@ -356,6 +385,7 @@ def simulate(
 ) -> SimulationResult:
     """Run one day (len(rates) seconds at `rates` requests/s) and summarize it."""
     gpu_rules = gpu_rules or ScalingRules()
+    gpu_service, cpu_service = rates_used.gpu, rates_used.cpu
     gpu_config = decoder_autoscaling_config(gpu_rules)
     gpu = ReplicaPool("decoder", gpu_service, DecoderAutoscalingPolicy(**gpu_rules.to_kwargs()), gpu_config)
     cpu = None
@@ -363,9 +393,6 @@ def simulate(
         cpu_config = cpu_fallback_autoscaling_config(gpu_rules)
         cpu_policy = CpuFallbackAutoscalingPolicy(**cpu_config["policy"]["policy_kwargs"])
         cpu = ReplicaPool("decoder_cpu", cpu_service, cpu_policy, cpu_config)
-        spill_waiting = cpu_policy.rules.target_queue_per_replica * cpu_policy.rules.max_replicas
-    else:
-        spill_waiting = 0.0
     pools = [pool for pool in (gpu, cpu) if pool is not None]
 
     zone = ZoneInfo(gpu_rules.schedule.timezone)
@@ -375,11 +402,22 @@ def simulate(
     minutes = math.ceil(len(rates) / 60)
     timeline = {
         name: np.zeros(minutes)
-        for name in ("rate_rps", "gpu_replicas", "cpu_replicas", "gpu_utilization", "waiting", "gpu_floor")
+        for name in (
+            "rate_rps",
+            "gpu_replicas",
+            "cpu_replicas",
+            "gpu_utilization",
+            "waiting",
+            "gpu_floor",
+            "routed_to_gpu",
+        )
     }
     for t in range(len(rates)):
         now = day_start + t
-        route(gpu, cpu, spill_waiting).enqueue(float(t), arrivals_per_s[t])
+        pool = route(gpu, cpu, gpu_draining(gpu_rules, now))
+        pool.enqueue(float(t), arrivals_per_s[t])
+        if pool is gpu:
+            timeline["routed_to_gpu"][t // 60] += arrivals_per_s[t]
         for pool in pools:
             pool.step(t)
         if t % control_period_s == 0:
@@ -430,6 +468,8 @@ def simulate(
         ),
         "hours": hours,
         "control_period_s": control_period_s,
+        "service_rates_source": rates_used.source,
+        "service_rates_format": rates_used.format,
         "gpu_service": gpu_service.to_dict(),
         "cpu_service": cpu_service.to_dict() if cpu_fallback else None,
         "rules": gpu_rules.to_kwargs(),
@@ -478,11 +518,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     rates = load_trace(args.trace) if args.trace else diurnal_rate(np.arange(DAY_S, dtype=np.float64), args.peak_rps)
-    gpu_service, cpu_service = load_service_rates(args.service_rates)
+    rates_used = load_service_rates(args.service_rates)
     rules = ScalingRules.from_kwargs(json.loads(args.rules.read_text())) if args.rules else ScalingRules()
-    result = simulate(
-        rates, rules, gpu_service, cpu_service, cpu_fallback=not args.no_cpu_fallback, slo_s=args.slo_s, seed=args.seed
-    )
+    result = simulate(rates, rules, rates_used, cpu_fallback=not args.no_cpu_fallback, slo_s=args.slo_s, seed=args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
     plot_day(result.timeline, args.out / "autoscaling_day.png")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from ray import serve
 
-from autoscaling.metrics import GpuProbe, ReplicaLoadTracker
+from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
 from engine.errors import CosyVoiceError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
@@ -82,10 +82,13 @@ class Decoder:
             torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
         self.scheduler = Scheduler(self.stage, max_live=max_batch_size, memory_budget_bytes=_gib(memory_budget_gb))
-        gpu = GpuProbe(self.device.index or 0) if self.device.type == "cuda" else None
-        self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu)
+        gpu = GpuProbe(torch.cuda.current_device()) if self.device.type == "cuda" else None
+        # NVML read about once a second in the background; None (busy time instead) without a GPU or NVML.
+        sampler = gpu_utilization_sampler(gpu) if gpu is not None else None
+        self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu, sampler=sampler)
         self._gpu = gpu
         self.metrics = DecoderMetrics()
+        self.metrics.utilization_from_busy_time.set(0 if sampler is not None else 1)
         # Built per replica so that max_concurrent_batches comes from the app's arguments.
         self._admit = serve.batch(
             max_batch_size=max_batch_size,
@@ -213,6 +216,10 @@ class Decoder:
 
     def ping(self) -> bool:
         return True
+
+    async def check_health(self) -> None:
+        """Serve's periodic probe: a tiny forward pass on the model's device; raising marks the replica unhealthy."""
+        await asyncio.to_thread(self.stage.check_health)
 
     def batch_stats(self) -> dict[str, Any]:
         """Admission batch sizes seen since start ({size: count}), the max batch size, and the loop's stats."""

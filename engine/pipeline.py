@@ -198,6 +198,9 @@ class TextEncoderStage:
         return [encoded[i, :length] for i, length in enumerate(lengths.tolist())]
 
 
+HEALTH_CHECK_MEL_FRAMES = 4  # enough for every conv of the vocoder, negligible time
+
+
 class SpeechDecoderStage:
     """Speech-token generation, flow matching and vocoder over a batch of encoded segments."""
 
@@ -253,6 +256,18 @@ class SpeechDecoderStage:
             return mel
         frames = max(1, int(mel.shape[-1] / speed))
         return F.interpolate(mel[None].float(), size=frames, mode="linear")[0].to(mel.dtype)
+
+    @torch.inference_mode()
+    def check_health(self) -> None:
+        """A tiny vocoder pass on the decoder's device, waited for, so a device fault (a CUDA error) raises here.
+
+        Its output is not judged: weights that give NaN fail each request with a message (500), not the replica.
+        """
+        hift = self.model.hift
+        mel = torch.zeros(hift.config.in_channels, HEALTH_CHECK_MEL_FRAMES, dtype=self.model.dtype)
+        hift.inference([mel.to(self.model.decoder_device)], seeds=[0])
+        if self.model.decoder_device.type == "cuda":
+            torch.cuda.synchronize(self.model.decoder_device)
 
     def open_stream(self, segments: list[EncodedSegment]) -> DecodeStream:
         """Streaming synthesis of a batch: iterate the returned `DecodeStream` (see engine.streaming)."""

@@ -24,6 +24,7 @@ BATCH_SIZE = "cosyvoice_decoder_batch_size"
 GPU_MEMORY_ALLOCATED = "cosyvoice_decoder_gpu_memory_allocated_bytes"
 GPU_MEMORY_RESERVED = "cosyvoice_decoder_gpu_memory_reserved_bytes"
 AUTOSCALING_DECISIONS = "cosyvoice_autoscaling_decisions_total"
+UTILIZATION_FROM_BUSY_TIME = "cosyvoice_decoder_utilization_from_busy_time"
 
 
 class IngressMetrics:
@@ -67,6 +68,11 @@ class DecoderMetrics:
         self.batch_size = Histogram(BATCH_SIZE, "Requests per decoder batch", BATCH_SIZE_BUCKETS, ("path",))
         self.gpu_allocated = Gauge(GPU_MEMORY_ALLOCATED, "torch-allocated GPU memory of the replica (0 on CPU)")
         self.gpu_reserved = Gauge(GPU_MEMORY_RESERVED, "torch-reserved (cached) GPU memory of the replica (0 on CPU)")
+        self.utilization_from_busy_time = Gauge(
+            UTILIZATION_FROM_BUSY_TIME,
+            "1: the replica reports its busy-time fraction as autoscaling utilization (no GPU, or NVML unavailable); "
+            "0: NVML GPU utilization",
+        )
 
 
 class AutoscalingMetrics:

@@ -10,6 +10,7 @@ import base64
 import json
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -27,7 +28,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from autoscaling.policy import cpu_fallback_autoscaling_config
+from autoscaling.policy import ScalingRules, cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, VoiceCloningConfig, VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, UnknownVoiceError
@@ -38,7 +39,7 @@ from observability.http import RequestObservability, SynthesisTimer, endpoint_of
 from serve_app.args import AppArgs, LimitsArgs, SecurityArgs
 from serve_app.audio import FORMATS, audio_format, encode_audio, stream_prefix, to_pcm16
 from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
-from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter, running_replicas
+from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.schemas import SpeechRequest, TTSRequest
 
 logger = logging.getLogger("ray.serve")
@@ -78,6 +79,7 @@ class UploadTooLargeError(CosyVoiceError):
 
 
 VOICES_PATH = "/v1/voices"
+HEALTH_REREAD_S = 0.5
 # Room for the multipart framing and the text fields around the audio of a voice upload (POST /v1/voices).
 UPLOAD_FORM_OVERHEAD_BYTES = 64 << 10
 
@@ -185,6 +187,7 @@ class TTSIngress:
         security: SecurityArgs | None = None,
         decoder_cpu: DeploymentHandle | None = None,
         routing_poll_s: float = 2.0,
+        gpu_rules: ScalingRules | None = None,
     ):
         self.encoder = encoder
         self.model_name = model_name
@@ -195,7 +198,7 @@ class TTSIngress:
             GuardSettings(load_api_keys(security or SecurityArgs()), limits.max_body_bytes, {VOICES_PATH: upload_limit})
         )
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
-        self.router = DecoderRouter(decoders, routing_poll_s)
+        self.router = DecoderRouter(decoders, routing_poll_s, gpu_rules)
         self.router.start(serve.get_replica_context().app_name)
 
     async def model_info(self) -> dict[str, Any]:
@@ -225,11 +228,24 @@ class TTSIngress:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        """200 once the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503."""
-        app_name = serve.get_replica_context().app_name
-        running = await running_replicas(app_name, ("Encoder", *self.router.handles))
-        ready = running["Encoder"] > 0 and any(running[name] for name in self.router.handles)
-        body = {"status": "ok" if ready else "unavailable", "running_replicas": running}
+        """200 once the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503.
+
+        Answered from the router's polled view (at most `poll_interval_s` old), not a controller call per probe;
+        a view that says "not ready" is re-read first, at most every `HEALTH_REREAD_S` (it may predate the start).
+        """
+
+        if not self.router.ready():
+            try:
+                await self.router.refresh_if_older(serve.get_replica_context().app_name, HEALTH_REREAD_S)
+            except Exception as exc:  # the last view stands
+                logger.warning("could not re-read the replica counts for /healthz: %s", exc)
+        ready = self.router.ready()
+        polled_at = self.router.polled_at
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "running_replicas": self.router.running,
+            "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @api.get("/v1/models")
@@ -397,23 +413,42 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
     )
 
 
+def replica_count(num_replicas: int, autoscaling_config: dict[str, Any] | None) -> dict[str, Any]:
+    """Serve takes either a fixed replica count or an autoscaling config."""
+    return {"num_replicas": num_replicas} if autoscaling_config is None else {"autoscaling_config": autoscaling_config}
+
+
+def cpu_actor_options(num_cpus: float, resources: dict[str, float]) -> dict[str, Any]:
+    """A CPU-only replica; custom `resources` pin it to the nodes that declare them (off the GPU nodes)."""
+    return {"num_cpus": num_cpus, "num_gpus": 0} | ({"resources": resources} if resources else {})
+
+
+# Beyond the longest stream: a replica being removed (scale-down, redeploy) first finishes what it serves.
+SHUTDOWN_MARGIN_S = 30.0
+
+
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The Serve application: ingress -> Encoder (CPU) -> Decoder (GPU fraction or CPU)."""
     args = AppArgs.model_validate(args)
     # Bounded queues: a request over a bound is answered 503 with Retry-After instead of waiting without end.
     backpressure = {"retry_after_s": args.limits.retry_after_s}
+    shutdown_s = args.limits.max_stream_s + SHUTDOWN_MARGIN_S
+    encoder_scaling = args.encoder.autoscaling
     encoder = Encoder.options(
-        num_replicas=args.encoder.num_replicas,
+        **replica_count(args.encoder.num_replicas, encoder_scaling and encoder_scaling.model_dump(exclude_none=True)),
         max_ongoing_requests=args.encoder.max_ongoing_requests,
         max_queued_requests=queue_bound(args.encoder.max_queued_requests),
         backpressure_config=backpressure,
-        ray_actor_options={"num_cpus": args.encoder.num_cpus, "num_gpus": 0},
+        ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.encoder.resources),
     ).bind(args.model, args.encoder.int8, args.limits.max_input_chars, voice_cloning_config(args))
+    decoder_scaling = args.decoder.autoscaling
+    gpu_rules = decoder_scaling.scaling_rules() if decoder_scaling else None
     decoder = Decoder.options(
-        num_replicas=args.decoder.num_replicas,
+        **replica_count(args.decoder.num_replicas, decoder_scaling and decoder_scaling.serve_config()),
         max_ongoing_requests=args.decoder.ongoing_requests_limit,
         max_queued_requests=queue_bound(args.decoder.max_queued_requests),
         backpressure_config=backpressure,
+        graceful_shutdown_timeout_s=shutdown_s,
         ray_actor_options={"num_cpus": args.decoder.num_cpus, "num_gpus": args.decoder.num_gpus},
     ).bind(
         args.model,
@@ -434,8 +469,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             max_ongoing_requests=fallback.max_ongoing_requests,
             max_queued_requests=queue_bound(fallback.max_queued_requests),
             backpressure_config=backpressure,
-            autoscaling_config=fallback.autoscaling_config or cpu_fallback_autoscaling_config(),
-            ray_actor_options={"num_cpus": fallback.num_cpus, "num_gpus": 0},
+            graceful_shutdown_timeout_s=shutdown_s,
+            autoscaling_config=fallback.autoscaling_config or cpu_fallback_autoscaling_config(gpu_rules),
+            ray_actor_options=cpu_actor_options(fallback.num_cpus, fallback.resources),
         ).bind(
             args.model,
             use_gpu=False,
@@ -448,7 +484,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_ongoing_requests=args.ingress.max_ongoing_requests,
         max_queued_requests=queue_bound(args.ingress.max_queued_requests),
         backpressure_config=backpressure,
-        ray_actor_options={"num_cpus": args.ingress.num_cpus},
+        graceful_shutdown_timeout_s=shutdown_s,
+        ray_actor_options=cpu_actor_options(args.ingress.num_cpus, args.ingress.resources),
     ).bind(
         encoder,
         decoder,
@@ -457,6 +494,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         security=args.security,
         decoder_cpu=decoder_cpu,
         routing_poll_s=fallback.poll_interval_s,
+        gpu_rules=gpu_rules,
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from autoscaling.policy import ScalingRules, decoder_autoscaling_config
 from engine.loader import PRESETS
 
 
@@ -18,11 +19,63 @@ class _Strict(BaseModel):
 QUEUE_DESCRIPTION = "requests waiting for a replica beyond this are answered 503 + Retry-After; None: unbounded"
 
 
+PLACEMENT_DESCRIPTION = (
+    "custom Ray resources each replica needs, e.g. {cpu_node: 1} to keep it on nodes that declare `cpu_node` "
+    "(the cluster files give it to CPU nodes only)"
+)
+
+
+class EncoderAutoscalingArgs(_Strict):
+    """Serve's built-in policy on the encoders' ongoing + queued requests (the fields are Serve's
+    `autoscaling_config` keys). Short up delay: a burst must not wait at the encoders while decoders idle."""
+
+    min_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)
+    max_replicas: int = Field(16, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0, description="per replica; the text encoder runs ~1 at a time")
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(300.0, ge=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> EncoderAutoscalingArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+
+class DecoderAutoscalingArgs(_Strict):
+    """The decoder policy (`autoscaling.policy.DecoderAutoscalingPolicy`) and how often replicas report to it."""
+
+    rules: dict[str, Any] = Field(
+        default_factory=dict,
+        description="autoscaling.policy.ScalingRules fields: thresholds, windows, cooldowns, min/max_replicas, "
+        "schedule; unset ones keep the seed's defaults",
+    )
+    look_back_period_s: float = Field(30.0, gt=0, description="Serve averages each replica metric over this")
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas push their metrics")
+
+    @model_validator(mode="after")
+    def _rules_are_valid(self) -> DecoderAutoscalingArgs:
+        self.scaling_rules()  # a ValueError names the bad rule
+        return self
+
+    def scaling_rules(self) -> ScalingRules:
+        return ScalingRules.from_kwargs(self.rules)
+
+    def serve_config(self) -> dict[str, Any]:
+        """The GPU decoder deployment's Serve `autoscaling_config`."""
+        return decoder_autoscaling_config(self.scaling_rules(), self.look_back_period_s, self.metrics_interval_s)
+
+
 class EncoderArgs(_Strict):
     """CPU replicas: frontend, text encoder, voice features."""
 
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
+    autoscaling: EncoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
     num_cpus: float = Field(0.5, gt=0)
+    resources: dict[str, float] = Field(default_factory=dict, description=PLACEMENT_DESCRIPTION)
     int8: bool = Field(False, description="INT8 dynamic quantization of the text encoder's Linear layers")
     max_ongoing_requests: int = Field(8, ge=1)
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
@@ -31,7 +84,8 @@ class EncoderArgs(_Strict):
 class DecoderArgs(_Strict):
     """Speech-token LM + flow + vocoder replicas; a GPU fraction each, or CPU with num_gpus 0."""
 
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
+    autoscaling: DecoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPU fraction per replica; 0 runs on CPU")
     num_cpus: float = Field(0.5, gt=0)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
@@ -89,6 +143,7 @@ class LimitsArgs(_Strict):
 class IngressArgs(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.25, gt=0)
+    resources: dict[str, float] = Field(default_factory=dict, description=PLACEMENT_DESCRIPTION)
     max_ongoing_requests: int = Field(64, ge=1)
     max_queued_requests: int | None = Field(256, ge=1, description=QUEUE_DESCRIPTION + " (by the HTTP proxy)")
 
@@ -98,12 +153,15 @@ class CpuFallbackArgs(_Strict):
 
     enabled: bool = False
     num_cpus: float = Field(1.0, gt=0)
+    resources: dict[str, float] = Field(default_factory=dict, description=PLACEMENT_DESCRIPTION)
     max_batch_size: int = Field(4, ge=1)
     batch_wait_timeout_s: float = Field(0.05, ge=0)
     max_ongoing_requests: int = Field(8, ge=1)
     max_queued_requests: int | None = Field(32, ge=1, description=QUEUE_DESCRIPTION)
     autoscaling_config: dict[str, Any] | None = Field(
-        None, description="Serve autoscaling_config; default: autoscaling.policy.cpu_fallback_autoscaling_config()"
+        None,
+        description="Serve autoscaling_config; default: autoscaling.policy.cpu_fallback_autoscaling_config() "
+        "for the decoder's rules (its schedule decides when the fallback is up)",
     )
     poll_interval_s: float = Field(2.0, gt=0, description="how often the ingress re-reads the replica counts")
 

@@ -1,33 +1,37 @@
-"""Which decoder deployment the ingress sends work to, when the optional CPU fallback (`DecoderCPU`) exists.
+"""Which decoder deployment the ingress sends work to, and the cached replica counts behind it (and /healthz).
 
-Rules: `Decoder` while it has a RUNNING replica; else `DecoderCPU` if that has one; else `Decoder`, whose
-queued requests make Serve cold-start a replica from 0. The replica counts come from `serve.status()`,
-re-read by a background task every `poll_interval_s` (a controller round trip per request would cost more
-than the decision is worth); between reads the last decision holds.
+The rule is `autoscaling.policy.use_cpu_fallback`: while the GPU decoder's schedule floor is 0 and the CPU
+fallback (`DecoderCPU`) runs, work goes to the fallback, so the GPU replicas drain before their policy
+scales them to 0 and no queued request cold-starts one; otherwise `Decoder` while it has a RUNNING
+replica, else `DecoderCPU` if that has one, else `Decoder` (Serve cold-starts a replica from 0).
+The RUNNING counts come from `serve.status()`, re-read by a background task every `poll_interval_s` (a
+controller round trip per request or per health probe would cost more than it is worth); between
+reads the last view holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable, Mapping
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from autoscaling.policy import ScalingRules, gpu_draining, use_cpu_fallback
+
 logger = logging.getLogger("ray.serve")
 
 GPU_DECODER = "Decoder"
 CPU_DECODER = "DecoderCPU"
+ENCODER = "Encoder"
 
 
-def choose_decoder(running: Mapping[str, int]) -> str:
+def choose_decoder(running: Mapping[str, int], draining: bool = False) -> str:
     """The deployment to route to, from RUNNING replica counts per deployment name."""
-    if running.get(GPU_DECODER, 0) > 0:
-        return GPU_DECODER
-    if running.get(CPU_DECODER, 0) > 0:
-        return CPU_DECODER
-    return GPU_DECODER
+    fallback = use_cpu_fallback(running.get(GPU_DECODER, 0), running.get(CPU_DECODER, 0), draining)
+    return CPU_DECODER if fallback else GPU_DECODER
 
 
 async def running_replicas(app_name: str, names: Iterable[str]) -> dict[str, int]:
@@ -38,34 +42,55 @@ async def running_replicas(app_name: str, names: Iterable[str]) -> dict[str, int
 
 
 class DecoderRouter:
-    """Holds the decoder handles and the current routing decision; `start()` begins the polling task."""
+    """Holds the decoder handles, the last polled RUNNING counts (encoder included) and the routing decision.
 
-    def __init__(self, handles: Mapping[str, DeploymentHandle], poll_interval_s: float) -> None:
+    `gpu_rules`: the GPU decoder's autoscaling rules, whose schedule says when to drain it (None: never).
+    """
+
+    def __init__(
+        self,
+        handles: Mapping[str, DeploymentHandle],
+        poll_interval_s: float,
+        gpu_rules: ScalingRules | None = None,
+    ) -> None:
         self.handles = dict(handles)
         self.poll_interval_s = poll_interval_s
+        self.gpu_rules = gpu_rules
         self.choice = GPU_DECODER
         self.running: dict[str, int] = {}
+        self.polled_at: float | None = None  # time.monotonic() of the last successful read
         self._task: asyncio.Task[None] | None = None
 
     def start(self, app_name: str) -> None:
-        """Poll from the running event loop; nothing to poll with a single decoder deployment."""
-        if len(self.handles) > 1:
-            self._task = asyncio.get_running_loop().create_task(self._poll(app_name))
+        """Poll from the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._poll(app_name))
 
     async def refresh(self, app_name: str) -> None:
-        self.running = await running_replicas(app_name, self.handles)
-        choice = choose_decoder(self.running)
+        self.running = await running_replicas(app_name, (ENCODER, *self.handles))
+        self.polled_at = time.monotonic()
+        choice = GPU_DECODER
+        if CPU_DECODER in self.handles:
+            choice = choose_decoder(self.running, gpu_draining(self.gpu_rules, time.time()))
         if choice != self.choice:
             logger.info("routing decoder work to %s (running replicas: %s)", choice, self.running)
         self.choice = choice
+
+    async def refresh_if_older(self, app_name: str, max_age_s: float) -> None:
+        """Re-read now unless the view is at most `max_age_s` old (bounds the reads a caller can cause)."""
+        if self.polled_at is None or time.monotonic() - self.polled_at > max_age_s:
+            await self.refresh(app_name)
 
     async def _poll(self, app_name: str) -> None:
         while True:
             try:
                 await self.refresh(app_name)
-            except Exception as exc:  # a failed status read keeps the last decision; polling goes on
-                logger.warning("could not read the decoder replica counts: %s", exc)
+            except Exception as exc:  # a failed status read keeps the last view; polling goes on
+                logger.warning("could not read the replica counts: %s", exc)
             await asyncio.sleep(self.poll_interval_s)
+
+    def ready(self) -> bool:
+        """The last view has a running encoder and a running decoder deployment (GPU or fallback)."""
+        return self.running.get(ENCODER, 0) > 0 and any(self.running.get(name, 0) for name in self.handles)
 
     def handle(self) -> DeploymentHandle:
         return self.handles[self.choice]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
+import random
+import threading
 from collections.abc import Callable
 from zoneinfo import ZoneInfo
 
@@ -11,9 +14,17 @@ import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from autoscaling.metrics import METRIC_NAMES, QUEUE_DEPTH, UTILIZATION, ReplicaLoadTracker
+from autoscaling.metrics import (
+    METRIC_NAMES,
+    QUEUE_DEPTH,
+    UTILIZATION,
+    GpuProbe,
+    ReplicaLoadTracker,
+    UtilizationSampler,
+    gpu_utilization_sampler,
+    nvml_device_id,
+)
 from autoscaling.policy import (
-    ENCODER_AUTOSCALING_CONFIG,
     CpuFallbackAutoscalingPolicy,
     DecoderAutoscalingPolicy,
     ScalingRules,
@@ -22,6 +33,7 @@ from autoscaling.policy import (
     decoder_policy,
 )
 from autoscaling.schedule import Schedule, ScheduleWindow
+from serve_app.args import EncoderAutoscalingArgs
 
 UTC = ZoneInfo("UTC")
 NO_SCHEDULE = Schedule()
@@ -109,10 +121,49 @@ def test_scale_up_after_utilization_stays_high_for_the_window() -> None:
     assert first_change(history, 2) == (300.0, 3)
 
 
-def test_a_dip_below_the_threshold_restarts_the_up_window() -> None:
+def dips_once_a_minute(level: float, dip: float, dip_s: float = 10.0) -> Callable[[float], float]:
+    """`level`, except `dip` for the first `dip_s` of every minute (one metrics push of 10 s)."""
+    return lambda t: dip if t % 60 < dip_s else level
+
+
+def noisy(level: float, spread: float, seed: int = 0) -> Callable[[float], float]:
+    """`level` plus uniform noise in [-spread, spread] per reading, clipped to 0..1 (seeded)."""
+    generator = random.Random(seed)
+    return lambda _: min(1.0, max(0.0, level + generator.uniform(-spread, spread)))
+
+
+def test_one_dip_a_minute_neither_restarts_nor_blocks_the_up_window() -> None:
+    """The issue's case: 0.8 with one 0.65 reading a minute still scales up after the seed's 5 minutes."""
     policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
-    history = drive(policy, NOON, 600, target=2, utilization=lambda t: 0.5 if t == 200 else 0.85)
-    assert first_change(history, 2) == (505.0, 3)
+    history = drive(policy, NOON, 400, target=2, utilization=dips_once_a_minute(0.8, 0.65))
+    assert first_change(history, 2) == (300.0, 3)
+    # a deep dip (one reading at 0.1) at 200 s does not restart the window either
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
+    history = drive(policy, NOON, 400, target=2, utilization=lambda t: 0.1 if t == 200 else 0.85)
+    assert first_change(history, 2) == (300.0, 3)
+
+
+def test_seed_rules_hold_under_noisy_readings() -> None:
+    # +1 after 5 min of noisy load around 0.8, readings often below 0.7
+    history = drive(DecoderAutoscalingPolicy(**rules().to_kwargs()), NOON, 400, 2, noisy(0.8, 0.2))
+    assert first_change(history, 2) == (300.0, 3)
+    # -1 after 20 min of noisy load around 0.15, readings often above 0.3
+    history = drive(DecoderAutoscalingPolicy(**rules().to_kwargs()), NOON, 1300, 3, noisy(0.15, 0.25, seed=1))
+    assert first_change(history, 3) == (1200.0, 2)
+    # around 0.5 with readings on both sides of both thresholds: neither rule fires in an hour
+    history = drive(DecoderAutoscalingPolicy(**rules().to_kwargs()), NOON, 3600, 2, noisy(0.5, 0.45, seed=2))
+    assert {n for _, n in history} == {2}
+
+
+def test_a_spike_or_a_short_burst_triggers_no_window() -> None:
+    # low load with one 0.95 reading a minute: still scales down after 20 min, never up
+    history = drive(DecoderAutoscalingPolicy(**rules().to_kwargs()), NOON, 1300, 3, dips_once_a_minute(0.1, 0.95))
+    assert first_change(history, 3) == (1200.0, 2)
+    # one minute at full load inside a quiet period: no scale-up
+    burst = drive(
+        DecoderAutoscalingPolicy(**rules().to_kwargs()), NOON, 900, 2, lambda t: 1.0 if 400 <= t < 460 else 0.4
+    )
+    assert {n for _, n in burst} == {2}
 
 
 def test_scale_down_only_after_the_long_low_window() -> None:
@@ -291,9 +342,10 @@ def test_recommended_configs_validate_with_serve() -> None:
     fallback = AutoscalingConfig(**cpu_fallback_autoscaling_config(gpu_rules))
     assert fallback.min_replicas == 0
     CpuFallbackAutoscalingPolicy(**fallback.policy.policy_kwargs)  # kwargs build the policy
-    encoder = AutoscalingConfig(**ENCODER_AUTOSCALING_CONFIG)
+    encoder_args = EncoderAutoscalingArgs()
+    encoder = AutoscalingConfig(**encoder_args.model_dump(exclude_none=True))
     assert encoder.policy.is_default_policy_function()
-    assert encoder.get_target_ongoing_requests() == ENCODER_AUTOSCALING_CONFIG["target_ongoing_requests"]
+    assert encoder.get_target_ongoing_requests() == encoder_args.target_ongoing_requests
 
 
 class FakeClock:
@@ -372,3 +424,77 @@ def test_requests_that_leave_while_queued_leave_the_queue() -> None:
     tracker.request_finished()
     tracker.request_finished()
     assert tracker.snapshot()[QUEUE_DEPTH] == 0.0 and tracker.snapshot()["ongoing_requests"] == 0.0
+
+
+def test_nvml_device_is_chosen_by_uuid_then_visible_devices() -> None:
+    assert nvml_device_id(0, "8f2e-11", "3,1") == "GPU-8f2e-11"  # torch's UUID wins over any index
+    assert nvml_device_id(0, "GPU-8f2e-11", None) == "GPU-8f2e-11"
+    assert nvml_device_id(1, None, "3, 1") == 1  # torch's device 1 is the second visible one: NVML index 1
+    assert nvml_device_id(0, None, "3,1") == 3  # not NVML index 0
+    assert nvml_device_id(0, None, "GPU-aa,GPU-bb") == "GPU-aa"
+    assert nvml_device_id(0, None, "") == 0  # no restriction: the indices agree
+
+
+def test_sampler_reports_the_mean_of_the_stats_period_and_the_tracker_uses_it() -> None:
+    readings = iter([0.2, 0.4, 0.9, 0.5])
+    sampler = UtilizationSampler(lambda: next(readings))
+    assert sampler.take_mean() is None  # nothing read yet
+    tracker = ReplicaLoadTracker(max_batch_size=4, clock=FakeClock(), sampler=sampler)
+    assert tracker.snapshot()[UTILIZATION] == 0.0  # busy time until the first reading
+    for _ in range(3):
+        sampler.sample()
+    assert tracker.snapshot()[UTILIZATION] == pytest.approx(0.5)  # (0.2 + 0.4 + 0.9) / 3
+    assert tracker.snapshot()[UTILIZATION] == pytest.approx(0.5)  # no new reading: the last mean holds
+    sampler.sample()
+    assert tracker.snapshot()[UTILIZATION] == pytest.approx(0.5)  # the new period holds only 0.5
+
+
+def test_sampler_thread_reads_about_every_interval() -> None:
+    reads = threading.Semaphore(0)
+
+    def read() -> float:
+        reads.release()
+        return 0.7
+
+    sampler = UtilizationSampler(read, interval_s=0.01).start()
+    try:
+        assert all(reads.acquire(timeout=10) for _ in range(3))
+    finally:
+        sampler.stop()
+    assert sampler.take_mean() == pytest.approx(0.7)
+
+
+def test_missing_nvml_is_logged_and_falls_back_to_busy_time() -> None:
+    probe = GpuProbe.__new__(GpuProbe)  # as built where nvidia-ml-py is missing
+    probe.device_index, probe._nvml_handle, probe.unavailable_reason = 0, None, "ModuleNotFoundError: pynvml"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # "ray.serve" does not propagate to the root logger
+    logging.getLogger("ray.serve").addHandler(handler)
+    try:
+        assert gpu_utilization_sampler(probe) is None
+    finally:
+        logging.getLogger("ray.serve").removeHandler(handler)
+    (record,) = [r for r in records if "NVML is unavailable" in r.getMessage()]
+    assert "busy time" in record.getMessage() and "nvidia-ml-py" in record.getMessage()
+
+
+def test_an_encoder_burst_scales_the_encoders_within_the_up_delay() -> None:
+    """Serve's default policy with the encoder args: 32 requests at 1 replica (target 2 each) ask for 16
+    replicas once `upscale_delay_s` passed, so a burst does not wait at the encoders while decoders idle."""
+    from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+
+    from autoscaling.simulate import serve_decision
+
+    encoder = EncoderAutoscalingArgs()
+    config = AutoscalingConfig(**encoder.model_dump(exclude_none=True))
+    target, state, history = 1, {}, []
+    for tick in range(80):  # 8 s of 0.1 s controller ticks
+        now = NOON + 0.1 * tick
+        ctx = make_context(now, target, None, queue_per_replica=2.0, handle_queued=30.0, max_replicas=16)
+        ctx.config, ctx.policy_state = config, state
+        target, state = serve_decision(replica_queue_length_autoscaling_policy, ctx, now)
+        history.append((round(0.1 * tick, 1), target))
+    first = first_change(history, 1)
+    assert first is not None and first[1] == encoder.max_replicas == 16
+    assert encoder.upscale_delay_s <= first[0] <= encoder.upscale_delay_s + 0.5

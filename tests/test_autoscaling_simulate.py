@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,9 +13,10 @@ import ray.serve.autoscaling_policy as serve_policy
 from ray.serve.config import AutoscalingConfig
 from test_autoscaling_policy import NOON, make_context
 
-from autoscaling.policy import ScalingRules, decoder_autoscaling_config
+from autoscaling.policy import DRAIN_AHEAD_S, ScalingRules, decoder_autoscaling_config
 from autoscaling.schedule import Schedule
 from autoscaling.simulate import DEFAULT_GPU_SERVICE, ServiceModel, load_service_rates, load_trace, main, serve_decision
+from benchmarks.http_bench import LevelResult
 
 SUMMARY_KEYS = {"replica_hours", "static_peak_replica_hours", "cost_ratio", "p95_queue_s", "slo_violation_fraction"}
 
@@ -87,7 +89,9 @@ def test_serve_decision_equals_serves_own_wrapper(monkeypatch: pytest.MonkeyPatc
 def test_service_rates_json_and_csv_trace(tmp_path: Path) -> None:
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"gpu": {"throughput_rps": {"1": 5.0, "4": 10.0}, "startup_s": 30}}))
-    gpu, cpu = load_service_rates(bench)
+    rates = load_service_rates(bench)
+    gpu, cpu = rates.gpu, rates.cpu
+    assert (rates.source, rates.format) == (str(bench), "service model")
     assert gpu.max_batch_size == 4 and gpu.startup_s == 30
     assert gpu.latency_table()[4] == pytest.approx(0.4) and gpu.max_throughput_rps() == pytest.approx(10.0)
     assert cpu.batch_latency_s  # defaults kept for the missing section
@@ -96,8 +100,8 @@ def test_service_rates_json_and_csv_trace(tmp_path: Path) -> None:
 
     trace = tmp_path / "trace.csv"
     trace.write_text("seconds,requests_per_s\n0,2\n43200,10\n86399,2\n")
-    rates = load_trace(trace)
-    assert rates.shape == (86_400,) and rates[21_600] == pytest.approx(6.0, rel=1e-3)
+    trace_rates = load_trace(trace)
+    assert trace_rates.shape == (86_400,) and trace_rates[21_600] == pytest.approx(6.0, rel=1e-3)
 
 
 def test_replicas_stay_within_the_configured_bounds_on_a_flat_overload() -> None:
@@ -110,3 +114,45 @@ def test_replicas_stay_within_the_configured_bounds_on_a_flat_overload() -> None
     assert replicas.max() == config["max_replicas"] == 3
     assert replicas.min() >= config["min_replicas"]
     assert result.summary["slo_violation_fraction"] > 0.5  # overload is reported, not hidden
+
+
+def compare_report(throughput_by_concurrency: dict[int, float], max_batch_size: int) -> dict:
+    """A `benchmarks.compare` report with these whole-request throughputs (streaming levels beside them)."""
+    levels = [
+        asdict(LevelResult(mode=mode, concurrency=c, requests=16, errors=0, wall_s=1.0, requests_per_s=rps))
+        for c, rps in throughput_by_concurrency.items()
+        for mode in ("whole", "stream")
+    ]
+    return {
+        "ray_serve": levels,
+        "baseline": [],
+        "setup": {"ray_app_args": {"decoder": {"max_batch_size": max_batch_size}}},
+    }
+
+
+def test_service_rates_from_a_compare_report_are_used_and_recorded(tmp_path: Path) -> None:
+    report = tmp_path / "compare.json"
+    report.write_text(json.dumps(compare_report({1: 2.0, 8: 8.0}, max_batch_size=8)))
+    summary = main(["--out", str(tmp_path / "sim"), "--service-rates", str(report), "--peak-rps", "4"])
+    assert summary["service_rates_source"] == str(report)
+    assert summary["service_rates_format"] == "benchmarks.compare report"
+    used = summary["gpu_service"]
+    assert used["max_batch_size"] == 8
+    assert used["batch_latency_s"]["1"] == pytest.approx(0.5) and used["batch_latency_s"]["8"] == pytest.approx(1.0)
+    assert json.loads((tmp_path / "sim" / "summary.json").read_text())["service_rates_source"] == str(report)
+
+
+def test_night_drains_the_gpu_decoder_without_a_cold_start_bounce() -> None:
+    """Default rules (night 02:00-06:00 at floor 0): the GPU pool reaches 0 after the drain and stays there
+    while night requests go to the CPU fallback; the schedule, not a queued request, brings it back."""
+    from autoscaling.simulate import DAY_S, diurnal_rate, simulate
+
+    until_seven = diurnal_rate(np.arange(DAY_S, dtype=np.float64), 30.0)[: 7 * 3600]  # the default day's night
+    result = simulate(until_seven)
+    gpu, routed = result.timeline["gpu_replicas"], result.timeline["routed_to_gpu"]  # per minute from 00:00
+    drain_start = 120 - round(DRAIN_AHEAD_S / 60)
+    assert routed[drain_start - 1] > 0 and gpu[drain_start] == 1
+    assert (routed[drain_start:360] == 0).all(), "requests reached the GPU decoder during the night"
+    assert (gpu[120:360] == 0).all(), "a GPU replica came back during the night"
+    assert gpu[365] >= 1 and routed[370] > 0  # the 06:00 floor brings it back (90 s start), and work with it
+    assert result.summary["served_by_cpu_fallback"] > 0 and result.summary["unserved_at_end"] == 0

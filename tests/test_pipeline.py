@@ -155,3 +155,19 @@ def test_memory_estimate_grows_with_text() -> None:
     small, large = estimate_request_memory(config, 10), estimate_request_memory(config, 60)
     assert 0 < small.total_bytes < large.total_bytes
     assert large.kv_cache_bytes == 6 * small.kv_cache_bytes - 5 * (2 * 14 * 2 * 1024 * 2)  # linear in length
+
+
+def test_decoder_health_check_runs_a_vocoder_pass_and_raises_its_fault(tts: CosyVoice) -> None:
+    stage = tts.decoder
+    stage.check_health()
+
+    def device_fault(module: torch.nn.Module, inputs: tuple) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    hook = stage.model.hift.f0_predictor.register_forward_pre_hook(device_fault)  # the first layer run
+    try:
+        with pytest.raises(RuntimeError, match="CUDA error"):
+            stage.check_health()
+    finally:
+        hook.remove()
+    stage.check_health()  # healthy again once the fault is gone

@@ -1,4 +1,4 @@
-"""The shipped Serve configs: valid for `serve deploy`, their `args` valid for `build_app`, the profiles as promised."""
+"""The shipped Serve configs: valid for `serve deploy`, their `args` valid for `build_app`, autoscaling in force."""
 
 from __future__ import annotations
 
@@ -7,42 +7,57 @@ from typing import Any
 
 import pytest
 import yaml
+from ray.serve._private.build_app import build_app as build_deployments
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app import app, build_app
+from autoscaling.policy import DECODER_POLICY_PATH
+from serve_app import build_app
 from serve_app.args import AppArgs
 from serve_app.cli import read_serve_config
+from serve_app.full_config import render
 
 CONFIGS = Path(__file__).parent.parent / "configs"
+CONFIG_NAMES = sorted(path.name for path in CONFIGS.glob("*.yaml"))
 
 
 def _load(name: str) -> dict[str, Any]:
     return yaml.safe_load((CONFIGS / name).read_text())
 
 
-@pytest.mark.parametrize("name", ["serve_config.yaml", "local_cpu.yaml", "gpu_cluster.yaml"])
-def test_config_is_a_valid_serve_deploy_config(name: str) -> None:
-    config = ServeDeploySchema.model_validate(_load(name))
-    (application,) = config.applications
-    if application.import_path == "serve_app:build_app":
-        args = AppArgs.model_validate(application.args)
-        build_app(args)  # binds the deployments; raises on a bad combination
-    else:
-        assert application.import_path == "serve_app:app"
+def built_deployments(config: dict[str, Any]) -> dict[str, Any]:
+    """The deployments `serve deploy` of `config` runs: the app its args build, with the file's overrides."""
+    (application,) = ServeDeploySchema.model_validate(config).applications
+    assert application.import_path == "serve_app:build_app"
+    built = {d.name: d for d in build_deployments(build_app(application.args), name=application.name).deployments}
+    for override in application.deployments:
+        options = override.model_dump(exclude_unset=True, exclude={"name"})
+        built[override.name] = built[override.name].options(**options)
+    return built
 
 
-def test_serve_config_matches_the_default_app() -> None:
-    """serve_config.yaml is what `serve build serve_app:app` writes: same deployments and options."""
-    (application,) = _load("serve_config.yaml")["applications"]
-    written = {d["name"]: d for d in application["deployments"]}
-    defaults = AppArgs()
-    expected = {"Encoder": defaults.encoder, "Decoder": defaults.decoder, "TTSIngress": defaults.ingress}
-    assert set(written) == set(expected)
-    for name, stage in expected.items():
-        assert written[name]["num_replicas"] == stage.num_replicas
-        assert written[name]["ray_actor_options"]["num_cpus"] == stage.num_cpus
-    assert written["Decoder"]["max_ongoing_requests"] == defaults.decoder.ongoing_requests_limit
-    assert app is not None
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_every_config_deploys_the_autoscaling_policies(name: str) -> None:
+    deployments = built_deployments(_load(name))
+    decoder = deployments["Decoder"]._deployment_config.autoscaling_config
+    assert decoder is not None and decoder.policy.policy_function == DECODER_POLICY_PATH
+    encoder = deployments["Encoder"]._deployment_config.autoscaling_config
+    assert encoder is not None and encoder.policy.is_default_policy_function()  # Serve's queue-based policy
+    assert encoder.max_replicas > encoder.min_replicas
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_long_streams_outlast_a_replica_shutdown(name: str) -> None:
+    (application,) = _load(name)["applications"]
+    max_stream_s = AppArgs.model_validate(application["args"]).limits.max_stream_s
+    for deployment_name, deployment in built_deployments(_load(name)).items():
+        if deployment_name != "Encoder":  # the encoder answers in one call; the others hold streams
+            assert deployment._deployment_config.graceful_shutdown_timeout_s >= max_stream_s, deployment_name
+
+
+def test_serve_config_is_the_gpu_profile_spelled_out() -> None:
+    """serve_config.yaml is what `python -m serve_app.full_config configs/gpu_cluster.yaml` writes today."""
+    expected = render(_load("gpu_cluster.yaml"), "configs/gpu_cluster.yaml")
+    assert (CONFIGS / "serve_config.yaml").read_text() == expected
 
 
 def test_gpu_cluster_profile() -> None:
@@ -51,7 +66,8 @@ def test_gpu_cluster_profile() -> None:
     assert args.decoder.dtype == "float16" and 0 < args.decoder.num_gpus < 1
     assert args.decoder.max_batch_size == 4
     assert args.decoder.ongoing_requests_limit >= args.decoder.max_batch_size
-    assert args.encoder.num_cpus > 0  # the encoder never asks for a GPU: build_app pins num_gpus 0
+    rules = args.decoder.autoscaling.scaling_rules()
+    assert rules.lowest_floor() == 0 and args.decoder_cpu.enabled  # a night at 0 GPUs, served by the fallback
 
 
 def test_local_cpu_profile_needs_no_gpu() -> None:

@@ -14,12 +14,14 @@ from pydantic import ValidationError
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
+from autoscaling.policy import ScalingRules
+from autoscaling.schedule import Schedule
 from engine.errors import InvalidInputError
 from serve_app import routing
 from serve_app.app import error_body, error_response
 from serve_app.args import AppArgs, SecurityArgs
 from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
-from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter, choose_decoder
+from serve_app.routing import CPU_DECODER, ENCODER, GPU_DECODER, DecoderRouter, choose_decoder
 
 KEY = "k-0123456789abcdef"
 LIMIT = 64
@@ -153,6 +155,36 @@ def test_routing_rule(running: dict[str, int], expected: str) -> None:
     assert choose_decoder(running) == expected
 
 
+@pytest.mark.parametrize(
+    ("running", "expected"),
+    [
+        ({GPU_DECODER: 2, CPU_DECODER: 1}, CPU_DECODER),  # drained before its policy takes it to 0
+        ({GPU_DECODER: 0, CPU_DECODER: 1}, CPU_DECODER),  # no request queues at the GPU decoder: no cold start
+        ({GPU_DECODER: 1, CPU_DECODER: 0}, GPU_DECODER),  # the fallback is not up (yet): keep serving
+        ({GPU_DECODER: 0, CPU_DECODER: 0}, GPU_DECODER),  # nothing runs: Serve cold-starts the GPU decoder
+    ],
+)
+def test_routing_rule_while_the_gpu_floor_is_zero(running: dict[str, int], expected: str) -> None:
+    assert choose_decoder(running, draining=True) == expected
+
+
+def test_router_drains_the_gpu_decoder_while_its_schedule_floor_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def both_running(app_name: str, names) -> dict[str, int]:
+        return {ENCODER: 1, GPU_DECODER: 1, CPU_DECODER: 1}
+
+    monkeypatch.setattr(routing, "running_replicas", both_running)
+    night = ScalingRules(min_replicas=0, schedule=Schedule())  # the floor is 0 all day
+
+    async def choice(rules: ScalingRules | None) -> object:
+        router = DecoderRouter({GPU_DECODER: "gpu", CPU_DECODER: "cpu"}, poll_interval_s=60, gpu_rules=rules)
+        await router.refresh("app")
+        return router.handle()
+
+    assert _run(choice(night)) == "cpu"
+    assert _run(choice(ScalingRules(min_replicas=1, schedule=Schedule()))) == "gpu"  # floor 1: no drain
+    assert _run(choice(None)) == "gpu"  # a fixed-size GPU decoder is never drained
+
+
 def test_router_follows_the_polled_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     # One scripted answer per poll, handed over one at a time; a failed read must keep the last decision.
     script: list[dict[str, int] | Exception] = [
@@ -169,7 +201,7 @@ def test_router_follows_the_polled_counts(monkeypatch: pytest.MonkeyPatch) -> No
 
         async def fake_running(app_name: str, names) -> dict[str, int]:
             nonlocal calls
-            assert app_name == "app" and set(names) == {GPU_DECODER, CPU_DECODER}
+            assert app_name == "app" and set(names) == {ENCODER, GPU_DECODER, CPU_DECODER}
             calls += 1
             answer = await answers.get()
             if isinstance(answer, Exception):
@@ -190,16 +222,48 @@ def test_router_follows_the_polled_counts(monkeypatch: pytest.MonkeyPatch) -> No
     assert _run(scenario()) == [gpu, gpu, cpu, gpu]
 
 
-def test_router_without_fallback_never_polls(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def forbidden(*_: object) -> dict[str, int]:
-        raise AssertionError("polled without a fallback")
+def test_router_without_fallback_polls_for_healthz_and_keeps_the_gpu_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def only_encoder(app_name: str, names) -> dict[str, int]:
+        assert set(names) == {ENCODER, GPU_DECODER}  # the encoder too: /healthz reads this view
+        return {ENCODER: 1, GPU_DECODER: 0}
 
-    monkeypatch.setattr(routing, "running_replicas", forbidden)
+    monkeypatch.setattr(routing, "running_replicas", only_encoder)
 
-    async def scenario() -> object:
+    async def scenario() -> tuple[object, dict[str, int]]:
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=0.001)
         router.start("app")
-        await asyncio.sleep(0.01)
-        return router.handle()
+        while router.polled_at is None:
+            await asyncio.sleep(0.001)
+        return router.handle(), router.running
 
-    assert _run(scenario()) == "gpu"
+    assert _run(scenario()) == ("gpu", {ENCODER: 1, GPU_DECODER: 0})
+
+
+def test_healthz_answers_from_the_polled_view_and_rereads_only_when_not_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import ray.serve
+
+    from serve_app.app import TTSIngress
+
+    views = [{ENCODER: 0, GPU_DECODER: 1}, {ENCODER: 1, GPU_DECODER: 1}]  # the first read predates the start
+    reads = 0
+
+    async def fake_running(app_name: str, names) -> dict[str, int]:
+        nonlocal reads
+        reads += 1
+        return views[min(reads, len(views)) - 1]
+
+    monkeypatch.setattr(routing, "running_replicas", fake_running)
+    monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
+    healthz = TTSIngress.func_or_class.healthz
+
+    async def probes() -> list[int]:
+        router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)  # no poll during the probes
+        await router.refresh("app")
+        ingress = SimpleNamespace(router=router)
+        router.polled_at -= 1.0  # older than HEALTH_REREAD_S
+        return [(await healthz(ingress)).status_code for _ in range(5)]
+
+    assert _run(probes()) == [200] * 5  # the not-ready view was re-read once ...
+    assert reads == 2  # ... and the ready one served the other probes without a controller call

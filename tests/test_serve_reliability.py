@@ -144,7 +144,12 @@ def test_voice_names_that_look_like_paths_are_rejected(client: httpx.Client) -> 
 
 def test_app_runs_with_the_cpu_fallback(client: httpx.Client) -> None:
     _wait_for(lambda: _running("DecoderCPU") >= 1, 120, "a RUNNING DecoderCPU replica (its policy keeps one)")
-    health = client.get("/healthz")
+
+    def health_with_fallback() -> httpx.Response | None:  # /healthz answers from a view polled every 0.5 s
+        response = client.get("/healthz")
+        return response if response.json()["running_replicas"].get("DecoderCPU", 0) >= 1 else None
+
+    health = _wait_for(health_with_fallback, 10, "/healthz to see the DecoderCPU replica")
     assert health.status_code == 200
     assert health.json()["running_replicas"]["DecoderCPU"] >= 1 and health.json()["running_replicas"]["Decoder"] >= 1
     # The fallback is the same Decoder class on CPU and answers the same calls.
