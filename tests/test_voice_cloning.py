@@ -12,6 +12,7 @@ import soundfile
 import torch
 
 from engine.errors import CheckpointError, InvalidInputError
+from engine.tiny_voice_models import write_tiny_voice_models
 from engine.voice_cloning import (
     MAX_PROMPT_SECONDS,
     PromptMelConfig,
@@ -20,7 +21,6 @@ from engine.voice_cloning import (
     WhisperLogMel,
     align_prompt_v2,
 )
-from tests.onnx_models import write_tiny_voice_models
 
 MODEL_RATES = {1: 22050, 2: 24000}
 

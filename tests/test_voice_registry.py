@@ -14,11 +14,11 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from onnx_models import write_tiny_voice_models
 from ray import serve
 from serve_testing import running_app
 
 from engine.errors import InvalidInputError, UnknownVoiceError
+from engine.tiny_voice_models import write_tiny_voice_models
 from engine.voice_cloning import VoicePrompt
 from serve_app import build_app
 from serve_app.guard import check_voice_name
