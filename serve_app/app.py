@@ -176,8 +176,57 @@ api.add_middleware(RequestGuard, error_body=error_body)
 api.add_middleware(RequestObservability, reject=_reject_request_id)
 
 
+# Module-level helpers of the ingress must be defined above it: `serve.deployment` pickles the class (and the globals
+# its methods use) when it is decorated.
 def sse_event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def iter_once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def encoded_stream(
+    encoder: StreamEncoder, first: Chunk, rest: AsyncIterator[np.ndarray], request_id: str
+) -> AsyncIterator[bytes]:
+    """The response bytes of an audio stream: each decoded chunk through the format's encoder, as it arrives.
+    A failure after the status line aborts the connection, so the client sees a broken stream, not a short file."""
+    try:
+        pending = encoder.encode(first) if first is not None else b""
+        async for chunk in rest:
+            data = pending + encoder.encode(chunk)
+            pending = b""
+            if data:
+                yield data
+        data = pending + encoder.finish()
+        if data:
+            yield data
+    except Exception:
+        logger.error("the stream failed after its first chunk", exc_info=True, extra={"request_id": request_id})
+        raise
+
+
+def instructions_support(info: dict[str, Any]) -> str:
+    """How the served model takes `instructions`: "any_voice" (a v1 Instruct model), "registered_voices" (CosyVoice2's
+    instruct2 speaks an instruction in a cloned voice), or "none"."""
+    if info["version"] == 2:
+        return "registered_voices"
+    return "any_voice" if V1_INSTRUCT_MARK in info["model"] else "none"
+
+
+def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
+    """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
+    support = instructions_support(info)
+    if support == "none":
+        raise InvalidInputError(
+            f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {V1_INSTRUCT_MARK} models "
+            "and CosyVoice2 models (with a registered voice) can"
+        )
+    if support == "registered_voices" and voice in info["voices"]:
+        raise InvalidInputError(
+            "CosyVoice2 follows instructions in a registered (cloned) voice only: register one with POST /v1/voices "
+            f"and use its id instead of the built-in speaker {voice!r}"
+        )
 
 
 @serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)
@@ -406,53 +455,6 @@ class TTSIngress:
             yield sse_event({"type": "error", **body})
             return
         yield sse_event({"type": "speech.audio.done"})
-
-
-async def iter_once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
-async def encoded_stream(
-    encoder: StreamEncoder, first: Chunk, rest: AsyncIterator[np.ndarray], request_id: str
-) -> AsyncIterator[bytes]:
-    """The response bytes of an audio stream: each decoded chunk through the format's encoder, as it arrives.
-    A failure after the status line aborts the connection, so the client sees a broken stream, not a short file."""
-    try:
-        pending = encoder.encode(first) if first is not None else b""
-        async for chunk in rest:
-            data = pending + encoder.encode(chunk)
-            pending = b""
-            if data:
-                yield data
-        data = pending + encoder.finish()
-        if data:
-            yield data
-    except Exception:
-        logger.error("the stream failed after its first chunk", exc_info=True, extra={"request_id": request_id})
-        raise
-
-
-def instructions_support(info: dict[str, Any]) -> str:
-    """How the served model takes `instructions`: "any_voice" (a v1 Instruct model), "registered_voices" (CosyVoice2's
-    instruct2 speaks an instruction in a cloned voice), or "none"."""
-    if info["version"] == 2:
-        return "registered_voices"
-    return "any_voice" if V1_INSTRUCT_MARK in info["model"] else "none"
-
-
-def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
-    """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
-    support = instructions_support(info)
-    if support == "none":
-        raise InvalidInputError(
-            f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {V1_INSTRUCT_MARK} models "
-            "and CosyVoice2 models (with a registered voice) can"
-        )
-    if support == "registered_voices" and voice in info["voices"]:
-        raise InvalidInputError(
-            "CosyVoice2 follows instructions in a registered (cloned) voice only: register one with POST /v1/voices "
-            f"and use its id instead of the built-in speaker {voice!r}"
-        )
 
 
 def queue_bound(max_queued_requests: int | None) -> int:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import io
 
-import av
 import numpy as np
 import pytest
 import soundfile as sf
+from audio_files import decode_audio_file
 
 from engine.errors import InvalidInputError
 from serve_app.audio import (
@@ -25,17 +25,6 @@ from serve_app.audio import (
 SAMPLE_RATE = 22050
 LOSSLESS = ("wav", "flac")
 ENCODED = ("mp3", "opus", "aac")
-
-
-def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
-    """Any response format but pcm -> (float32 mono samples, sample rate), through FFmpeg (aac has no libsndfile)."""
-    with av.open(io.BytesIO(data)) as container:
-        frames = [frame.to_ndarray() for frame in container.decode(audio=0)]
-        rate = container.streams.audio[0].rate
-    samples = np.concatenate([frame.reshape(-1) if frame.shape[0] == 1 else frame[0] for frame in frames])
-    if samples.dtype.kind in "iu":
-        samples = samples / np.iinfo(samples.dtype).max
-    return samples.astype(np.float32), rate
 
 
 @pytest.fixture(scope="module")

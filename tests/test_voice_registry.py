@@ -18,7 +18,6 @@ from ray import serve
 from serve_testing import running_app
 
 from engine.errors import InvalidInputError, UnknownVoiceError
-from engine.tiny_voice_models import write_tiny_voice_models
 from engine.voice_cloning import VoicePrompt
 from serve_app import build_app
 from serve_app.guard import check_voice_name
@@ -177,22 +176,18 @@ def wav_bytes(seconds: float, sample_rate: int = 16000) -> bytes:
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("cloning")
-    write_tiny_voice_models(root / "models", version=1)
     small = {"ingress": {"num_cpus": 0.1}, "encoder": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
     args = {
         "model": "tiny",
         **small,
-        "voices_dir": str(root / "voices"),
-        "voice_models_dir": str(root / "models"),
+        "voices_dir": str(root / "voices"),  # the cloning models: those the tiny presets ship
         "limits": {
             "max_prompt_audio_bytes": MAX_PROMPT_AUDIO_BYTES,
             "max_prompt_audio_s": MAX_PROMPT_AUDIO_S,
             "max_voices": 3,
         },
     }
-    write_tiny_voice_models(root / "models_v2", version=2, vocabulary=96)  # the tiny v2 model's speech tokens
     v2_args = {**args, "model": "cosyvoice2-tiny", "voices_dir": str(root / "voices_v2")}
-    v2_args["voice_models_dir"] = str(root / "models_v2")
     with running_app(args, "voices-test") as url:
         # The same model without voice cloning, beside it, for the 501; and a CosyVoice2 model with cloning.
         serve.run(build_app({"model": "tiny", **small}), name="no-cloning", route_prefix="/plain")
