@@ -199,3 +199,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     return options.handler(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
