@@ -159,7 +159,8 @@ class Player {
 
 // --- waveform ------------------------------------------------------------------------------------------
 
-// Draws the received audio as it arrives: one min/max bar per block of samples, squeezed to the canvas width.
+// Draws the received audio as it arrives: one min/max bar per block of samples, squeezed to the canvas width
+// once it fills it, scaled to the loudest sample so far (quiet audio stays visible).
 class Waveform {
   static BLOCK_SAMPLES = 256;
 
@@ -174,6 +175,7 @@ class Waveform {
     this.blockMax = -Infinity;
     this.blockFill = 0;
     this.samples = 0;
+    this.loudest = 0;
     this.frame = null;
     this.draw();
   }
@@ -191,6 +193,7 @@ class Waveform {
   closeBlock() {
     if (this.blockFill === 0) return;
     this.peaks.push([this.blockMin, this.blockMax]);
+    this.loudest = Math.max(this.loudest, Math.abs(this.blockMin), Math.abs(this.blockMax));
     this.blockMin = Infinity;
     this.blockMax = -Infinity;
     this.blockFill = 0;
@@ -210,9 +213,9 @@ class Waveform {
     context.fillStyle = "#1e88e5";
     const step = width / Math.max(this.peaks.length, width);
     const middle = height / 2;
+    const scale = middle / Math.max(this.loudest, 1e-4);
     this.peaks.forEach(([low, high], index) => {
-      const top = middle - high * middle;
-      context.fillRect(index * step, top, Math.max(step, 1), Math.max(1, (high - low) * middle));
+      context.fillRect(index * step, middle - high * scale, Math.max(step, 1), Math.max(1, (high - low) * scale));
     });
     this.canvas.dataset.drawnSamples = String(this.peaks.length === 0 ? 0 : this.samples);
   }
@@ -281,7 +284,8 @@ function fillVoices(info) {
   builtIn.append(...info.voices.map((voice) => option(voice)));
   const registered = document.createElement("optgroup");
   registered.label = "registered";
-  registered.append(...info.registered_voices.map((voice) => option(voice.id, `${voice.name} (${voice.id})`)));
+  const label = (voice) => (voice.name === voice.id ? voice.id : `${voice.name} (${voice.id})`);
+  registered.append(...info.registered_voices.map((voice) => option(voice.id, label(voice))));
   select.replaceChildren(builtIn, ...(info.registered_voices.length ? [registered] : []));
   if ([...select.options].some((item) => item.value === previous)) select.value = previous;
   fillRegisteredList(info.registered_voices);
