@@ -202,11 +202,19 @@ def test_openai_client_round_trip(base_url: str, info: dict[str, Any]) -> None:
         api.audio.speech.create(model="tts-2", voice=info["voices"][0], input="Hi.")
 
 
-def test_openai_code_runs_unchanged_with_model_and_voice_names(base_url: str, info: dict[str, Any]) -> None:
+def test_openai_code_runs_unchanged_with_model_and_voice_names(
+    base_url: str, info: dict[str, Any], tmp_path: Path
+) -> None:
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
-    for model in ("tts-1", "tts-1-hd", "gpt-4o-mini-tts"):
+    for model in ("tts-1", "tts-1-hd"):
         speech = api.audio.speech.create(model=model, voice="alloy", input="Hi.", response_format="wav")
         assert decode_audio_file(speech.content)[1] == info["sample_rate"]
+    # The README's migration snippet.
+    with api.audio.speech.with_streaming_response.create(
+        model="gpt-4o-mini-tts", voice="coral", input="Hello from CosyVoice.", response_format="mp3"
+    ) as response:
+        response.stream_to_file(tmp_path / "hello.mp3")
+    assert decode_audio_file((tmp_path / "hello.mp3").read_bytes())[1] == info["sample_rate"]
 
 
 def test_an_openai_voice_name_is_the_voice_it_maps_to(client: httpx.Client) -> None:
@@ -284,6 +292,7 @@ def test_an_internal_failure_reaches_the_client_as_a_generic_500(client: httpx.C
             "param": None,
         }
         assert SECRET not in response.text and "RuntimeError" not in response.text
+        assert response.headers["x-request-id"] == request_id
     # The ingress's log line carries the same id and the traceback.
     logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
     lines = [
