@@ -77,7 +77,7 @@ def run(options: argparse.Namespace) -> int:
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)  # our own Ray, not a cluster another process started
     serve.start(http_options={"host": host, "port": port})
     serve.run(
         build_app(args), name=application.get("name", "cosyvoice"), route_prefix=application.get("route_prefix", "/")
