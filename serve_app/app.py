@@ -118,12 +118,13 @@ def error_payload(exc: BaseException, request_id: str) -> tuple[int, dict[str, A
     never what failed inside: that goes to the log line, with the same id and the traceback."""
     error = engine_error(exc)
     status = 500 if error is None else error.http_status
+    code = "internal_error" if error is None else type(error).__name__  # a class name tells no internals
     if status == 500:
         logger.error("internal error", exc_info=exc, extra={"request_id": request_id})
-        return 500, error_body(500, f"internal error (request id {request_id})", "internal_error")
+        return 500, error_body(500, f"internal error (request id {request_id})", code)
     assert error is not None
     message = error.message if status < 500 else f"{error.message} (request id {request_id})"
-    return status, error_body(status, message, type(error).__name__)
+    return status, error_body(status, message, code)
 
 
 def error_response(exc: BaseException, request_id: str) -> JSONResponse:
