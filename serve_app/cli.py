@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     say_parser.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}")
     say_parser.add_argument("--voice", default=None, help="default: the model's first voice")
     say_parser.add_argument("--format", default="wav")
-    say_parser.add_argument("--stream", action="store_true", help="write audio as it arrives (wav, pcm)")
+    say_parser.add_argument("--stream", action="store_true", help="write audio as it arrives (every format but flac)")
     say_parser.add_argument("--instruct-text", dest="instruct_text", default=None)
     say_parser.add_argument("--seed", type=int, default=None)
     say_parser.add_argument("--speed", type=float, default=None)
