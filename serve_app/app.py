@@ -207,6 +207,20 @@ async def encoded_stream(
         raise
 
 
+def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
+    """A built-in speaker or registered voice as is; an OpenAI voice name (a key of `table`, the app args'
+    `openai.voices`) as the voice it stands for, which must be a built-in speaker or a registered voice id."""
+    if voice in built_in or voice not in table:
+        return voice
+    target = table[voice]
+    if target not in built_in and not is_voice_id(target):
+        raise UnknownVoiceError(
+            f"voice {voice!r} stands for {target!r} (openai.voices), which this model does not have; its voices: "
+            f"{', '.join(built_in) or 'none'}"
+        )
+    return target
+
+
 def instructions_support(info: dict[str, Any]) -> str:
     """How the served model takes `instructions`: "any_voice" (a v1 Instruct model), "registered_voices" (CosyVoice2's
     instruct2 speaks an instruction in a cloned voice), or "none"."""
@@ -358,17 +372,7 @@ class TTSIngress:
         return await self.respond(request, body.response_format, mode, http)
 
     async def resolve_voice(self, voice: str) -> str:
-        """A built-in speaker or registered voice as is; an OpenAI voice name as what `openai.voices` maps it to."""
-        info = await self.model_info()
-        if voice in info["voices"] or voice not in self.openai.voices:
-            return voice
-        target = self.openai.voices[voice]
-        if target not in info["voices"] and not is_voice_id(target):
-            raise UnknownVoiceError(
-                f"voice {voice!r} stands for {target!r} (openai.voices), which this model does not have; its voices: "
-                f"{', '.join(info['voices']) or 'none'}"
-            )
-        return target
+        return mapped_voice(voice, self.openai.voices, (await self.model_info())["voices"])
 
     @api.post("/v1/tts")
     async def tts(self, body: TTSRequest, http: Request) -> Response:

@@ -14,7 +14,7 @@ from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
 from engine.loader import PRESET_VOICE_MODELS
 from engine.voices import DUMMY_VOICES
-from serve_app.app import error_payload
+from serve_app.app import error_payload, mapped_voice
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs
 from serve_app.cli import with_default_voices_dir
 
@@ -107,3 +107,14 @@ def test_run_gives_the_tiny_model_a_per_user_voices_dir(tmp_path: Path, monkeypa
     assert with_default_voices_dir({"voices_dir": "/elsewhere"})["voices_dir"] == "/elsewhere"
     # A model dir without campplus.onnx keeps cloning off rather than failing at start.
     assert "voices_dir" not in with_default_voices_dir({"model": str(tmp_path)})
+
+
+def test_openai_voice_names_map_through_the_table() -> None:
+    table = {"alloy": "speaker_a", "nova": "voice_0123456789ab", "echo": "gone", "speaker_b": "speaker_a"}
+    built_in = ["speaker_a", "speaker_b"]
+    assert mapped_voice("alloy", table, built_in) == "speaker_a"
+    assert mapped_voice("nova", table, built_in) == "voice_0123456789ab"  # a registered voice
+    assert mapped_voice("speaker_b", table, built_in) == "speaker_b"  # a built-in name wins over the table
+    assert mapped_voice("voice_fedcba987654", table, built_in) == "voice_fedcba987654"
+    with pytest.raises(UnknownVoiceError, match=r"'echo' stands for 'gone'.*its voices: speaker_a, speaker_b"):
+        mapped_voice("echo", table, built_in)
