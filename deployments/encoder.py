@@ -107,6 +107,7 @@ class Encoder:
     def info(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
+            "version": self.stage.model.config.version,
             "voices": self.stage.voices,
             "sample_rate": self.stage.sample_rate,
             "voice_cloning": self.cloner is not None,

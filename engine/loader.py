@@ -38,6 +38,15 @@ PRESETS = {
     "cosyvoice2-0.5b": "cosyvoice2-0.5b/cosyvoice2.yaml",
     "cosyvoice2-tiny": "cosyvoice2-tiny/cosyvoice2.yaml",
 }
+# The tiny cloning models shipped for presets (written by engine/tiny_voice_models.py): campplus.onnx and the
+# speech tokenizer of the preset's version, over the preset's speech vocabulary.
+PRESET_VOICE_MODELS_DIR = PRESETS_DIR / "voice_models"
+PRESET_VOICE_MODELS = {
+    "tiny": PRESET_VOICE_MODELS_DIR / "tiny",
+    "dummy": PRESET_VOICE_MODELS_DIR / "tiny",  # the same version and speech vocabulary as tiny
+    "cosyvoice-300m": PRESET_VOICE_MODELS_DIR / "tiny",
+    "cosyvoice2-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice2-tiny",
+}
 V1_CONFIG = "cosyvoice.yaml"
 V2_CONFIG = "cosyvoice2.yaml"
 CHECKPOINT_FILES = ("llm.pt", "flow.pt", "hift.pt")

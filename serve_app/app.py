@@ -36,17 +36,20 @@ from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
 from observability import STRUCTURED_LOGGING
 from observability.http import RequestObservability, SynthesisTimer, endpoint_of, request_id_of
-from serve_app.args import AppArgs, LimitsArgs, SecurityArgs
-from serve_app.audio import FORMATS, audio_format, encode_audio, stream_prefix, to_pcm16
+from serve_app.args import AppArgs, LimitsArgs, OpenAIArgs, SecurityArgs
+from serve_app.audio import FORMATS, StreamEncoder, audio_format, encode_audio, stream_encoder
 from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
 from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.schemas import SpeechRequest, TTSRequest
+from serve_app.voice_registry import is_voice_id
 
 logger = logging.getLogger("ray.serve")
 
 Mode = Literal["whole", "stream", "sse"]
 Chunk = np.ndarray | None  # the first audio chunk of a stream, None when the stream had no audio
 SSE_MEDIA_TYPE = "text/event-stream"
+# The official rule: a CosyVoice v1 model follows instructions when its directory name says it is an Instruct one.
+V1_INSTRUCT_MARK = "-Instruct"
 
 
 class UnknownModelError(CosyVoiceError):
@@ -112,17 +115,22 @@ def engine_error(exc: BaseException) -> CosyVoiceError | None:
     return exc if isinstance(exc, CosyVoiceError) else unavailable_error(exc)
 
 
-def error_payload(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, OpenAI-shaped body) for an exception; unexpected ones are logged as 500s."""
+def error_payload(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI-shaped body) for an exception. A 500 says only "internal error" and the request id,
+    never what failed inside: that goes to the log line, with the same id and the traceback."""
     error = engine_error(exc)
-    if error is None:
-        logger.exception("unexpected error", exc_info=exc)
-        return 500, error_body(500, f"internal error: {exc}", "internal_error")
-    return error.http_status, error_body(error.http_status, error.message, type(error).__name__)
+    status = 500 if error is None else error.http_status
+    code = "internal_error" if error is None else type(error).__name__  # a class name tells no internals
+    if status == 500:
+        logger.error("internal error", exc_info=exc, extra={"request_id": request_id})
+        return 500, error_body(500, f"internal error (request id {request_id})", code)
+    assert error is not None
+    message = error.message if status < 500 else f"{error.message} (request id {request_id})"
+    return status, error_body(status, message, code)
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    status, body = error_payload(exc)
+def error_response(exc: BaseException, request_id: str) -> JSONResponse:
+    status, body = error_payload(exc, request_id)
     error = engine_error(exc)
     headers = None
     if isinstance(error, ServiceUnavailableError):
@@ -158,8 +166,8 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
 
 @api.exception_handler(CosyVoiceError)  # inside the middleware below, which thus counts its real status
 @api.exception_handler(Exception)
-async def _on_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_response(exc)
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(exc, request.scope.get("state", {}).get("request_id", "unknown"))
 
 
 def _reject_request_id(message: str) -> JSONResponse:
@@ -171,8 +179,71 @@ api.add_middleware(RequestGuard, error_body=error_body)
 api.add_middleware(RequestObservability, reject=_reject_request_id)
 
 
+# Module-level helpers of the ingress must be defined above it: `serve.deployment` pickles the class (and the globals
+# its methods use) when it is decorated.
 def sse_event(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def iter_once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def encoded_stream(
+    encoder: StreamEncoder, first: Chunk, rest: AsyncIterator[np.ndarray], request_id: str
+) -> AsyncIterator[bytes]:
+    """The response bytes of an audio stream: each decoded chunk through the format's encoder, as it arrives.
+    A failure after the status line aborts the connection, so the client sees a broken stream, not a short file."""
+    try:
+        pending = encoder.encode(first) if first is not None else b""
+        async for chunk in rest:
+            data = pending + encoder.encode(chunk)
+            pending = b""
+            if data:
+                yield data
+        data = pending + encoder.finish()
+        if data:
+            yield data
+    except Exception:
+        logger.error("the stream failed after its first chunk", exc_info=True, extra={"request_id": request_id})
+        raise
+
+
+def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
+    """A built-in speaker or registered voice as is; an OpenAI voice name (a key of `table`, the app args'
+    `openai.voices`) as the voice it stands for, which must be a built-in speaker or a registered voice id."""
+    if voice in built_in or voice not in table:
+        return voice
+    target = table[voice]
+    if target not in built_in and not is_voice_id(target):
+        raise UnknownVoiceError(
+            f"voice {voice!r} stands for {target!r} (openai.voices), which this model does not have; its voices: "
+            f"{', '.join(built_in) or 'none'}"
+        )
+    return target
+
+
+def instructions_support(info: dict[str, Any]) -> str:
+    """How the served model takes `instructions`: "any_voice" (a v1 Instruct model), "registered_voices" (CosyVoice2's
+    instruct2 speaks an instruction in a cloned voice), or "none"."""
+    if info["version"] == 2:
+        return "registered_voices"
+    return "any_voice" if V1_INSTRUCT_MARK in info["model"] else "none"
+
+
+def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
+    """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
+    support = instructions_support(info)
+    if support == "none":
+        raise InvalidInputError(
+            f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {V1_INSTRUCT_MARK} models "
+            "and CosyVoice2 models (with a registered voice) can"
+        )
+    if support == "registered_voices" and voice in info["voices"]:
+        raise InvalidInputError(
+            "CosyVoice2 follows instructions in a registered (cloned) voice only: register one with POST /v1/voices "
+            f"and use its id instead of the built-in speaker {voice!r}"
+        )
 
 
 @serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)
@@ -185,12 +256,15 @@ class TTSIngress:
         model_name: str,
         limits: LimitsArgs,
         security: SecurityArgs | None = None,
+        openai: OpenAIArgs | None = None,
         decoder_cpu: DeploymentHandle | None = None,
         routing_poll_s: float = 2.0,
         gpu_rules: ScalingRules | None = None,
     ):
         self.encoder = encoder
         self.model_name = model_name
+        self.openai = openai or OpenAIArgs()
+        self.model_names = (model_name, *(alias for alias in self.openai.model_aliases if alias != model_name))
         self.limits = limits
         self._info: dict[str, Any] | None = None
         upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
@@ -250,18 +324,25 @@ class TTSIngress:
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "cosyvoice-serve"}]}
+        """The served model, then its aliases (openai.model_aliases): `model` may be any of them."""
+        data = [{"id": name, "object": "model", "owned_by": "cosyvoice-serve"} for name in self.model_names]
+        return {"object": "list", "data": data}
 
     @api.get(VOICES_PATH)
     async def voices(self) -> dict[str, Any]:
-        """Built-in speakers (`voices`) and registered voices (`registered_voices`: records with their ids)."""
+        """Built-in speakers (`voices`), registered voices (`registered_voices`: records with their ids), the voice
+        each OpenAI voice name stands for (`openai_voices`), and what the model and server can do."""
         info = await self.model_info()
         registered = await self.call(self.encoder.list_voices.remote)
         return {
             "voices": info["voices"],
             "sample_rate": info["sample_rate"],
             "formats": sorted(FORMATS),
+            "stream_formats": [name for name, fmt in FORMATS.items() if fmt.streamable],
             "registered_voices": registered,
+            "openai_voices": self.openai.voices,
+            "voice_cloning": info["voice_cloning"],
+            "instructions": instructions_support(info),
         }
 
     @api.post(VOICES_PATH, status_code=201)
@@ -290,17 +371,28 @@ class TTSIngress:
 
     @api.post("/v1/audio/speech")
     async def openai_speech(self, body: SpeechRequest, http: Request) -> Response:
-        if body.model != self.model_name:
-            raise UnknownModelError(f"unknown model {body.model!r}; this server serves {self.model_name!r}")
+        """OpenAI's speech endpoint: `stream_format` "audio" streams the file as it is decoded (every format but
+        flac), "sse" sends it as base64 `speech.audio.delta` events."""
+        if body.model not in self.model_names:
+            accepted = ", ".join(repr(name) for name in self.model_names)
+            raise UnknownModelError(f"unknown model {body.model!r}; this server accepts {accepted}")
         request = SynthesisRequest(
-            text=body.input, voice=body.voice_id, instruct_text=body.instructions, speed=body.speed
+            text=body.input,
+            voice=await self.resolve_voice(body.voice_id),
+            instruct_text=body.instructions,
+            speed=body.speed,
         )
-        mode: Mode = "sse" if body.stream_format == "sse" else "whole"
+        mode: Mode = "sse" if body.stream_format == "sse" else "stream"
+        if mode == "stream" and not audio_format(body.response_format).streamable:
+            mode = "whole"
         return await self.respond(request, body.response_format, mode, http)
+
+    async def resolve_voice(self, voice: str) -> str:
+        return mapped_voice(voice, self.openai.voices, (await self.model_info())["voices"])
 
     @api.post("/v1/tts")
     async def tts(self, body: TTSRequest, http: Request) -> Response:
-        voice = body.voice or (await self.model_info())["voices"][0]
+        voice = await self.resolve_voice(body.voice) if body.voice else (await self.model_info())["voices"][0]
         sampling = SamplingOptions(**body.sampling.model_dump(exclude_none=True), seed=body.seed)
         request = SynthesisRequest(
             text=body.text,
@@ -322,13 +414,16 @@ class TTSIngress:
                 f"the input text has {len(request.text)} characters; the limit is {self.limits.max_input_chars}"
             )
         check_voice_name(request.voice)
-        fmt = audio_format(format_name, streaming=mode != "whole")
+        fmt = audio_format(format_name, streaming=mode == "stream")
+        info = await self.model_info()
+        if request.instruct_text is not None:
+            check_follows_instructions(info, request.voice)
         request = request.validated()
         segments: list[EncodedSegment] = await self.call(partial(self.encoder.encode.remote, request, request_id))
-        sample_rate = (await self.model_info())["sample_rate"]
+        sample_rate = info["sample_rate"]
         timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
         logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
-        if mode == "whole":
+        if mode == "whole" or not fmt.streamable:  # sse of a format that cannot stream: one event, at the end
             if len(request.text) > self.limits.long_text_chars:
                 audio = np.concatenate([chunk async for chunk in self.stream_audio(segments, request_id)])
             else:
@@ -338,14 +433,16 @@ class TTSIngress:
             body = encode_audio(audio, sample_rate, fmt.name)
             timer.audio(audio)
             timer.done()
+            if mode == "sse":
+                return StreamingResponse(self.sse_body(iter_once(body), request_id), media_type=SSE_MEDIA_TYPE)
             return Response(body, media_type=fmt.media_type)
 
         chunks = timer.measure(self.stream_audio(segments, request_id))
         first = await anext(chunks, None)  # errors up to the first chunk still get their HTTP status
-        prefix = stream_prefix(fmt.name, sample_rate)
+        encoded = encoded_stream(stream_encoder(fmt.name, sample_rate), first, chunks, request_id)
         if mode == "sse":
-            return StreamingResponse(self.sse_body(prefix, first, chunks), media_type=SSE_MEDIA_TYPE)
-        return StreamingResponse(self.audio_body(prefix, first, chunks), media_type=fmt.media_type)
+            return StreamingResponse(self.sse_body(encoded, request_id), media_type=SSE_MEDIA_TYPE)
+        return StreamingResponse(encoded, media_type=fmt.media_type)
 
     async def stream_audio(self, segments: list[EncodedSegment], request_id: str) -> AsyncIterator[np.ndarray]:
         """Audio chunks of the segments in order, through the decoder's streaming path, within `max_stream_s`."""
@@ -368,27 +465,14 @@ class TTSIngress:
             response.cancel()  # no-op when finished; stops the decoder's work if the client left
 
     @staticmethod
-    async def audio_body(prefix: bytes, first: Chunk, rest: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
-        yield prefix + (b"" if first is None else to_pcm16(first))
+    async def sse_body(encoded: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
+        """OpenAI's speech events: the file's bytes in base64 `speech.audio.delta` events, then `speech.audio.done`;
+        a failure mid-stream ends it with an `error` event."""
         try:
-            async for chunk in rest:
-                yield to_pcm16(chunk)
+            async for data in encoded:
+                yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
         except Exception as exc:
-            # The status line is gone: abort the connection so the client sees a broken stream, not a short file.
-            logger.error("stream failed after the first chunk: %s", exc)
-            raise
-
-    @staticmethod
-    async def sse_body(prefix: bytes, first: Chunk, rest: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
-        def delta(data: bytes) -> bytes:
-            return sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-
-        yield delta(prefix + (b"" if first is None else to_pcm16(first)))
-        try:
-            async for chunk in rest:
-                yield delta(to_pcm16(chunk))
-        except Exception as exc:
-            _, body = error_payload(exc)
+            _, body = error_payload(exc, request_id)
             yield sse_event({"type": "error", **body})
             return
         yield sse_event({"type": "speech.audio.done"})
@@ -401,12 +485,13 @@ def queue_bound(max_queued_requests: int | None) -> int:
 
 def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
     """The encoders' cloning setup; None (registering answers 501) without `voices_dir`."""
-    if args.voices_dir is None:
+    models_dir = args.voice_models_path
+    if args.voices_dir is None or models_dir is None:  # AppArgs refuses voices_dir without models
         return None
     # Absolute paths: the replicas need not share the caller's working directory.
     return VoiceCloningConfig(
         voices_dir=str(Path(args.voices_dir).resolve()),
-        models_dir=str(Path(args.voice_models_dir or args.model).resolve()),
+        models_dir=str(models_dir.resolve()),
         max_voices=args.limits.max_voices,
         min_prompt_audio_s=args.limits.min_prompt_audio_s,
         max_prompt_audio_s=args.limits.max_prompt_audio_s,
@@ -492,6 +577,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         args.served_model_name or Path(args.model).name,
         args.limits,
         security=args.security,
+        openai=args.openai,
         decoder_cpu=decoder_cpu,
         routing_poll_s=fallback.poll_interval_s,
         gpu_rules=gpu_rules,

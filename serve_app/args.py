@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from autoscaling.policy import ScalingRules, decoder_autoscaling_config
-from engine.loader import PRESETS
+from engine.loader import PRESET_VOICE_MODELS, PRESETS
 
 
 class _Strict(BaseModel):
@@ -176,6 +176,45 @@ class SecurityArgs(_Strict):
     )
 
 
+# OpenAI's speech voices. The presets' built-in speakers are dummy_female and dummy_male: OpenAI's voices split
+# between them by the register OpenAI describes (an official model dir names its own speakers in `openai.voices`).
+OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
+DEFAULT_OPENAI_VOICES = {
+    "alloy": "dummy_female",
+    "ash": "dummy_male",
+    "ballad": "dummy_male",
+    "coral": "dummy_female",
+    "echo": "dummy_male",
+    "fable": "dummy_male",
+    "onyx": "dummy_male",
+    "nova": "dummy_female",
+    "sage": "dummy_female",
+    "shimmer": "dummy_female",
+    "verse": "dummy_male",
+}
+DEFAULT_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+class OpenAIArgs(_Strict):
+    """What lets code written for OpenAI's speech endpoint run unchanged: its model and voice names."""
+
+    model_aliases: tuple[str, ...] = Field(
+        DEFAULT_MODEL_ALIASES, description="`model` values accepted besides the served model name (and listed)"
+    )
+    voices: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_OPENAI_VOICES),
+        description="voice name -> a built-in speaker or registered voice id of the served model",
+    )
+
+    @model_validator(mode="after")
+    def _names_are_not_empty(self) -> OpenAIArgs:
+        if any(not alias.strip() for alias in self.model_aliases):
+            raise ValueError("openai.model_aliases must not hold empty names")
+        if any(not name.strip() or not target.strip() for name, target in self.voices.items()):
+            raise ValueError("openai.voices must map non-empty names to non-empty voices")
+        return self
+
+
 def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> None:
     """A preset, or a path without '..' that resolves inside one of `allowed_roots` (when given)."""
     if model in PRESETS:
@@ -201,11 +240,14 @@ class AppArgs(_Strict):
     limits: LimitsArgs = LimitsArgs()
     decoder_cpu: CpuFallbackArgs = CpuFallbackArgs()
     security: SecurityArgs = SecurityArgs()
+    openai: OpenAIArgs = OpenAIArgs()
     voices_dir: str | None = Field(
         None, description="where registered (cloned) voices are kept, shared by the encoder replicas; None: cloning off"
     )
     voice_models_dir: str | None = Field(
-        None, description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2: _v2.onnx); default: the model dir"
+        None,
+        description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2: _v2.onnx); default: the model dir, "
+        "or for a tiny preset the tiny cloning models it ships",
     )
 
     @model_validator(mode="after")
@@ -215,11 +257,22 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _voice_models_located(self) -> AppArgs:
-        if self.voices_dir is not None and self.voice_models_dir is None and self.model in PRESETS:
+        if self.voices_dir is not None and self.voice_models_path is None:
+            shipped = ", ".join(PRESET_VOICE_MODELS)
             raise ValueError(
                 f"voice cloning (voices_dir) with the preset model {self.model!r} needs voice_models_dir: "
-                "a preset has no campplus / speech tokenizer ONNX files"
+                f"only the presets {shipped} ship campplus / speech tokenizer ONNX files"
             )
         if self.voice_models_dir is not None:
             check_model_source(self.voice_models_dir, self.security.allowed_model_roots)
         return self
+
+    @property
+    def voice_models_path(self) -> Path | None:
+        """Where the cloning models are: `voice_models_dir`, a preset's shipped ones, or the model dir (None: a
+        preset that ships none)."""
+        if self.voice_models_dir is not None:
+            return Path(self.voice_models_dir)
+        if self.model in PRESETS:
+            return PRESET_VOICE_MODELS.get(self.model)
+        return Path(self.model)

@@ -1,8 +1,11 @@
-"""Encoding float32 waveforms into the response formats, whole or as a stream of chunks.
+"""Encoding float32 waveforms into the response formats, as whole files or as streams of chunks.
 
-wav, flac, mp3 and opus go through libsndfile (mp3 and opus only where the installed libsndfile
-writes them); pcm is raw 16-bit little-endian mono, as in OpenAI's API. Only wav and pcm can be
-streamed: the others need the whole signal (flac rewrites its header, opus resamples).
+* wav and pcm stream as 16-bit mono samples (a wav stream starts with a header of unknown length); pcm is raw
+  16-bit little-endian mono, as in OpenAI's API.
+* mp3, opus (in Ogg) and aac (in ADTS) go through FFmpeg's encoders (PyAV), which emit audio frame by frame, so
+  they stream too: each chunk of samples comes back as the bytes the encoder has completed so far.
+* flac is written whole by libsndfile and cannot stream: its header holds the length and a checksum of the whole
+  signal.
 """
 
 from __future__ import annotations
@@ -10,16 +13,23 @@ from __future__ import annotations
 import io
 import struct
 from dataclasses import dataclass
+from fractions import Fraction
+from typing import Protocol
 
 import numpy as np
 import soundfile as sf
-import torch
-import torchaudio.functional as AF
 
 from engine.errors import InvalidInputError
 
-# libsndfile writes Opus only at these rates; other rates are resampled to the next one up.
+try:
+    import av
+except ImportError:  # mp3, opus and aac are then not offered
+    av = None
+
+# libopus encodes at these rates only; other rates are resampled to the next one up.
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
+# Ogg holds pages back until they span this long (FFmpeg's default is 1 s, which would delay a stream by that).
+OGG_PAGE_DURATION_US = 20_000
 PCM_MAX = 32767
 
 
@@ -27,24 +37,28 @@ PCM_MAX = 32767
 class AudioFormat:
     name: str
     media_type: str
-    container: str | None  # libsndfile major format; None for raw pcm
-    subtype: str
     streamable: bool
+    soundfile_format: tuple[str, str] | None = None  # (major format, subtype) of a libsndfile-written format
+    codec: tuple[str, str] | None = None  # (FFmpeg encoder, muxer) of an encoded format
 
 
 _KNOWN_FORMATS = (
-    AudioFormat("wav", "audio/wav", "WAV", "PCM_16", streamable=True),
-    AudioFormat("pcm", "audio/pcm", None, "PCM_16", streamable=True),
-    AudioFormat("flac", "audio/flac", "FLAC", "PCM_16", streamable=False),
-    AudioFormat("mp3", "audio/mpeg", "MP3", "MPEG_LAYER_III", streamable=False),
-    AudioFormat("opus", "audio/ogg", "OGG", "OPUS", streamable=False),
+    AudioFormat("wav", "audio/wav", streamable=True, soundfile_format=("WAV", "PCM_16")),
+    AudioFormat("pcm", "audio/pcm", streamable=True),
+    AudioFormat("flac", "audio/flac", streamable=False, soundfile_format=("FLAC", "PCM_16")),
+    AudioFormat("mp3", "audio/mpeg", streamable=True, codec=("libmp3lame", "mp3")),
+    AudioFormat("opus", "audio/ogg", streamable=True, codec=("libopus", "ogg")),
+    AudioFormat("aac", "audio/aac", streamable=True, codec=("aac", "adts")),
 )
 
 
 def _writable(fmt: AudioFormat) -> bool:
-    if fmt.container is None:
-        return True
-    return fmt.container in sf.available_formats() and fmt.subtype in sf.available_subtypes(fmt.container)
+    if fmt.codec is not None:
+        return av is not None and fmt.codec[0] in av.codecs_available
+    if fmt.soundfile_format is not None:
+        major, subtype = fmt.soundfile_format
+        return major in sf.available_formats() and subtype in sf.available_subtypes(major)
+    return True
 
 
 FORMATS: dict[str, AudioFormat] = {fmt.name: fmt for fmt in _KNOWN_FORMATS if _writable(fmt)}
@@ -66,25 +80,6 @@ def to_pcm16(audio: np.ndarray) -> bytes:
     return np.round(scaled).astype("<i2").tobytes()
 
 
-def _resample(audio: np.ndarray, sample_rate: int, target_rate: int) -> np.ndarray:
-    if sample_rate == target_rate:
-        return audio
-    return AF.resample(torch.from_numpy(np.ascontiguousarray(audio)), sample_rate, target_rate).numpy()
-
-
-def encode_audio(audio: np.ndarray, sample_rate: int, format_name: str) -> bytes:
-    """A complete file of `audio` (float32 [N], mono) in the named format."""
-    fmt = audio_format(format_name)
-    if fmt.container is None:
-        return to_pcm16(audio)
-    if fmt.name == "opus":
-        target = next((rate for rate in OPUS_SAMPLE_RATES if rate >= sample_rate), OPUS_SAMPLE_RATES[-1])
-        audio, sample_rate = _resample(audio, sample_rate, target), target
-    buffer = io.BytesIO()
-    sf.write(buffer, np.asarray(audio, dtype=np.float32), sample_rate, format=fmt.container, subtype=fmt.subtype)
-    return buffer.getvalue()
-
-
 def streaming_wav_header(sample_rate: int) -> bytes:
     """A 16-bit mono WAV header with unknown length (0xFFFFFFFF sizes), the usual choice for live streams."""
     unknown = 0xFFFFFFFF
@@ -99,7 +94,112 @@ def streaming_wav_header(sample_rate: int) -> bytes:
     )
 
 
-def stream_prefix(format_name: str, sample_rate: int) -> bytes:
-    """Bytes sent before the first chunk of a stream (the WAV header; nothing for pcm)."""
+class StreamEncoder(Protocol):
+    def encode(self, audio: np.ndarray) -> bytes:
+        """The bytes of the stream that `audio` (float32 [N], the next samples) completes; may be empty."""
+
+    def finish(self) -> bytes:
+        """The rest of the stream (buffered frames, trailers); call once, after the last `encode`."""
+
+
+class PcmStreamEncoder:
+    """16-bit samples, after `header` (the streaming WAV header, or nothing for pcm)."""
+
+    def __init__(self, header: bytes) -> None:
+        self.pending_header = header
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        data, self.pending_header = self.pending_header + to_pcm16(audio), b""
+        return data
+
+    def finish(self) -> bytes:
+        return self.encode(np.zeros(0, dtype=np.float32))
+
+
+class _ByteSink:
+    """A write-only file for the muxer: without `seek` it writes as it goes, and we take the bytes out."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        data = b"".join(self.parts)
+        self.parts.clear()
+        return data
+
+
+class CodecStreamEncoder:
+    """An FFmpeg encoder and muxer (PyAV) fed chunk by chunk, in the encoder's fixed frame size."""
+
+    def __init__(self, fmt: AudioFormat, sample_rate: int) -> None:
+        if fmt.codec is None or av is None:
+            raise InvalidInputError(f"audio format {fmt.name!r} is not an encoded format")
+        encoder, muxer = fmt.codec
+        self.input_rate = sample_rate
+        rate = sample_rate
+        if encoder == "libopus":
+            rate = next((r for r in OPUS_SAMPLE_RATES if r >= sample_rate), OPUS_SAMPLE_RATES[-1])
+        self.sink = _ByteSink()
+        options = {"page_duration": str(OGG_PAGE_DURATION_US)} if muxer == "ogg" else {}
+        self.container = av.open(self.sink, mode="w", format=muxer, options=options)
+        self.stream = self.container.add_stream(encoder, rate=rate, layout="mono")
+        context = self.stream.codec_context
+        context.open()
+        self.frame_size = context.frame_size
+        self.time_base = Fraction(1, rate)
+        self.resampler = av.AudioResampler(format=context.format.name, layout="mono", rate=rate)
+        self.fifo = av.AudioFifo()
+        self.samples_encoded = 0
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        samples = np.ascontiguousarray(np.clip(audio, -1.0, 1.0), dtype=np.float32)
+        if samples.size:
+            frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+            frame.sample_rate = self.input_rate
+            self._queue(self.resampler.resample(frame))
+        while self.fifo.samples >= self.frame_size:
+            self._encode_frame(self.fifo.read(self.frame_size))
+        return self.sink.take()
+
+    def finish(self) -> bytes:
+        self._queue(self.resampler.resample(None))
+        data = self.encode(np.zeros(0, dtype=np.float32))
+        if self.fifo.samples:
+            self._encode_frame(self.fifo.read())  # a short last frame
+        self.container.mux(self.stream.encode(None))
+        self.container.close()
+        return data + self.sink.take()
+
+    def _queue(self, frames: list[av.AudioFrame]) -> None:
+        for frame in frames:
+            frame.pts = None  # the fifo only checks continuity of set timestamps
+            self.fifo.write(frame)
+
+    def _encode_frame(self, frame: av.AudioFrame) -> None:
+        frame.pts, frame.time_base = self.samples_encoded, self.time_base
+        self.samples_encoded += frame.samples
+        self.container.mux(self.stream.encode(frame))
+
+
+def stream_encoder(format_name: str, sample_rate: int) -> StreamEncoder:
+    """The encoder of a stream in the named format; InvalidInputError if the format cannot stream."""
     fmt = audio_format(format_name, streaming=True)
-    return streaming_wav_header(sample_rate) if fmt.name == "wav" else b""
+    if fmt.codec is not None:
+        return CodecStreamEncoder(fmt, sample_rate)
+    return PcmStreamEncoder(streaming_wav_header(sample_rate) if fmt.name == "wav" else b"")
+
+
+def encode_audio(audio: np.ndarray, sample_rate: int, format_name: str) -> bytes:
+    """A complete file of `audio` (float32 [N], mono) in the named format."""
+    fmt = audio_format(format_name)
+    if fmt.soundfile_format is None:  # pcm and the encoded formats: one stream over the whole signal
+        encoder = stream_encoder(fmt.name, sample_rate)
+        return encoder.encode(audio) + encoder.finish()
+    major, subtype = fmt.soundfile_format
+    buffer = io.BytesIO()
+    sf.write(buffer, np.asarray(audio, dtype=np.float32), sample_rate, format=major, subtype=subtype)
+    return buffer.getvalue()

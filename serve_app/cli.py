@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import yaml
 
+from engine.voice_cloning import CAMPPLUS_FILE
+
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
@@ -37,6 +39,26 @@ def read_serve_config(path: Path | None) -> tuple[dict[str, Any], dict[str, Any]
     return application, config.get("http_options") or {}
 
 
+def default_voices_dir(model: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+    """The per-user place of the registered voices of `model` (XDG data dir); one folder per model, since a voice
+    is prepared for its model's sample rate and speech tokens."""
+    data_home = Path(environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return data_home / "cosyvoice-serve" / "voices" / Path(model).name
+
+
+def with_default_voices_dir(args: dict[str, Any]) -> dict[str, Any]:
+    """`args` with a per-user `voices_dir` when none is set and the model has cloning models (a tiny preset ships
+    them; an official dir holds campplus.onnx), so that the default server clones voices with no flags."""
+    from serve_app.args import AppArgs
+
+    if args.get("voices_dir") is not None:
+        return args
+    models = AppArgs.model_validate(args).voice_models_path
+    if models is None or not (models / CAMPPLUS_FILE).is_file():
+        return args
+    return {**args, "voices_dir": str(default_voices_dir(args.get("model", "tiny")))}
+
+
 def run(options: argparse.Namespace) -> int:
     # Imported here so that `say` stays light.
     import ray
@@ -51,10 +73,11 @@ def run(options: argparse.Namespace) -> int:
     for key in ("voices_dir", "voice_models_dir"):
         if getattr(options, key) is not None:
             args[key] = str(getattr(options, key))
+    args = with_default_voices_dir(args)
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)  # our own Ray, not a cluster another process started
     serve.start(http_options={"host": host, "port": port})
     serve.run(
         build_app(args), name=application.get("name", "cosyvoice"), route_prefix=application.get("route_prefix", "/")
@@ -63,6 +86,8 @@ def run(options: argparse.Namespace) -> int:
     print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
     print(f'  cosyvoice-serve say "Hello from CosyVoice." -o out.wav --url {url}')
     print(f"  curl {url}/v1/voices")
+    if args.get("voices_dir"):
+        print(f"registered voices are kept in {args['voices_dir']}")
     try:
         while True:
             time.sleep(3600)
@@ -127,7 +152,11 @@ def parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--model-dir", type=Path, default=None, help="official model dir (default: tiny preset)")
     run_parser.add_argument("--config", type=Path, default=None, help="Serve config file (its `args` are used)")
     run_parser.add_argument(
-        "--voices-dir", type=Path, default=None, help="turns on voice cloning: where registered voices are kept"
+        "--voices-dir",
+        type=Path,
+        default=None,
+        help="where registered voices are kept (default: ~/.local/share/cosyvoice-serve/voices/<model> when the "
+        "model has cloning models)",
     )
     run_parser.add_argument(
         "--voice-models-dir",
@@ -145,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     say_parser.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}")
     say_parser.add_argument("--voice", default=None, help="default: the model's first voice")
     say_parser.add_argument("--format", default="wav")
-    say_parser.add_argument("--stream", action="store_true", help="write audio as it arrives (wav, pcm)")
+    say_parser.add_argument("--stream", action="store_true", help="write audio as it arrives (every format but flac)")
     say_parser.add_argument("--instruct-text", dest="instruct_text", default=None)
     say_parser.add_argument("--seed", type=int, default=None)
     say_parser.add_argument("--speed", type=float, default=None)
@@ -170,3 +199,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     return options.handler(options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,7 +28,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ErrorBody = Callable[[int, str, str], dict[str, Any]]
 
-OPEN_PATHS = frozenset({"/healthz"})  # probes must work without a key
+# Probes, and the try-it page with its script and style (no data in them; the page asks for a key itself).
+OPEN_PATHS = frozenset({"/healthz", "/"})
+OPEN_PREFIXES = ("/static/",)
 MAX_VOICE_NAME_CHARS = 128
 
 
@@ -58,6 +60,11 @@ def load_api_keys(security: SecurityArgs, environ: MutableMapping[str, str] = os
     if security.api_keys_env:
         keys += environ.get(security.api_keys_env, "").split(",")
     return tuple(key.strip().encode() for key in keys if key.strip())
+
+
+def is_open(path: str) -> bool:
+    """Whether `path` (the app's own, without the route prefix) is served without an API key."""
+    return path in OPEN_PATHS or path == "" or path.startswith(OPEN_PREFIXES)
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -96,7 +103,8 @@ def check_voice_name(voice: str) -> None:
 
 
 class RequestGuard:
-    """401 without a valid bearer key (when keys are configured; /healthz is open), 413 for a body over the limit."""
+    """401 without a valid bearer key (when keys are configured; /healthz and the page are open), 413 for a body
+    over the limit."""
 
     def __init__(self, app: ASGIApp, error_body: ErrorBody) -> None:
         self.app = app
@@ -108,18 +116,15 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers", [])
-        if (
-            settings.api_keys
-            and scope["path"] not in OPEN_PATHS
-            and not key_is_valid(bearer_token(headers), settings.api_keys)
-        ):
+        # The app's own path: under a Serve route prefix, `path` starts with it (it is also the `root_path`).
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if settings.api_keys and not is_open(path) and not key_is_valid(bearer_token(headers), settings.api_keys):
             logger.warning("rejected %s %s: missing or invalid API key", scope["method"], scope["path"])
             await self.reply(
                 send, 401, "missing or invalid API key (send `Authorization: Bearer <key>`)", "invalid_api_key"
             )
             return
-        # The app's own path: under a Serve route prefix, `path` starts with it (it is also the `root_path`).
-        limit = settings.body_limit(scope["path"].removeprefix(scope.get("root_path", "")))
+        limit = settings.body_limit(path)
         body = await read_body_within(receive, headers, limit)
         if body is None:
             await self.reply(send, 413, f"the request body is larger than {limit} bytes", "body_too_large")

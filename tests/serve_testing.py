@@ -20,8 +20,14 @@ OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than th
 def running_app(app_args: dict[str, Any], app_name: str, **ray_options: Any) -> Iterator[str]:
     """`build_app(app_args)` served at route "/" on a 2-CPU Ray; yields the base URL, shuts both down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a new local Ray would otherwise want a token
+    # address="local": a new Ray of our own, even while another process runs a cluster on this machine.
     ray.init(
-        num_cpus=2, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES, log_to_driver=False, **ray_options
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=OBJECT_STORE_BYTES,
+        log_to_driver=False,
+        **ray_options,
     )
     try:
         port = free_port()

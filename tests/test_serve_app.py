@@ -10,6 +10,7 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,16 +18,21 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
+from audio_files import decode_audio_file
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from autoscaling.metrics import METRIC_NAMES  # noqa: E402
 from serve_app import build_app  # noqa: E402
+from serve_app.app import TTSIngress  # noqa: E402
+from serve_app.args import DEFAULT_OPENAI_VOICES, LimitsArgs  # noqa: E402
 from serve_app.audio import FORMATS  # noqa: E402
 from serve_app.cli import main as cli_main  # noqa: E402
 
 APP_NAME = "tts-test"
+BROKEN_APP = "tts-broken"
+SECRET = "secret-internal-detail-/opt/model/state"
 MAX_INPUT_CHARS = 600
 LONG_TEXT_CHARS = 120
 # Dummy weights rarely emit EOS: a small token/text ratio keeps every decode short on 2 CPUs.
@@ -35,6 +41,14 @@ LONG_TEXT = " ".join(
     f"This is sentence number {n} of a long text that the frontend has to split into several segments."
     for n in range(1, 5)
 )
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class BrokenStage:
+    """Stands for the encoder: every call fails with an exception whose text must never reach a client."""
+
+    def info(self) -> None:
+        raise RuntimeError(SECRET)
 
 
 def _free_port() -> int:
@@ -46,7 +60,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
@@ -58,6 +72,9 @@ def base_url() -> Iterator[str]:
         "limits": {"max_input_chars": MAX_INPUT_CHARS, "long_text_chars": LONG_TEXT_CHARS},
     }
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    # An ingress whose other stages fail in unexpected ways, beside it, for the generic 500s.
+    broken = BrokenStage.bind()
+    serve.run(TTSIngress.bind(broken, broken, "broken", LimitsArgs()), name=BROKEN_APP, route_prefix="/broken")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -98,9 +115,13 @@ def test_healthz_reports_both_stages_running(client: httpx.Client) -> None:
 
 def test_models_and_voices(client: httpx.Client, info: dict[str, Any]) -> None:
     models = client.get("/v1/models").json()
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["tiny", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
     assert info["voices"] and all(isinstance(v, str) for v in info["voices"])
     assert info["sample_rate"] > 0 and set(info["formats"]) == set(FORMATS)
+    assert set(info["stream_formats"]) == set(FORMATS) - {"flac"}
+    assert info["openai_voices"] == DEFAULT_OPENAI_VOICES and set(info["openai_voices"].values()) <= set(info["voices"])
+    assert info["instructions"] == "none" and info["voice_cloning"] is False
 
 
 def test_native_tts_every_format(client: httpx.Client, info: dict[str, Any]) -> None:
@@ -111,7 +132,7 @@ def test_native_tts_every_format(client: httpx.Client, info: dict[str, Any]) -> 
         if name == "pcm":
             assert len(response.content) > 0 and len(response.content) % 2 == 0
             continue
-        _, rate = _decode(response.content)
+        _, rate = decode_audio_file(response.content)
         assert rate == info["sample_rate"] or name == "opus"
 
 
@@ -177,8 +198,113 @@ def test_openai_client_round_trip(base_url: str, info: dict[str, Any]) -> None:
         api.audio.speech.create(model="tiny", voice="no-such-voice", input="Hi.")
     with pytest.raises(openai.BadRequestError, match="speed"):
         api.audio.speech.create(model="tiny", voice=info["voices"][0], input="Hi.", speed=4.0)
-    with pytest.raises(openai.NotFoundError, match="unknown model"):
-        api.audio.speech.create(model="tts-1", voice=info["voices"][0], input="Hi.")
+    with pytest.raises(openai.NotFoundError, match=r"unknown model 'tts-2'.*'tiny', 'tts-1', 'tts-1-hd'"):
+        api.audio.speech.create(model="tts-2", voice=info["voices"][0], input="Hi.")
+
+
+def test_openai_code_runs_unchanged_with_model_and_voice_names(
+    base_url: str, info: dict[str, Any], tmp_path: Path
+) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    for model in ("tts-1", "tts-1-hd"):
+        speech = api.audio.speech.create(model=model, voice="alloy", input="Hi.", response_format="wav")
+        assert decode_audio_file(speech.content)[1] == info["sample_rate"]
+    # The README's migration snippet.
+    with api.audio.speech.with_streaming_response.create(
+        model="gpt-4o-mini-tts", voice="coral", input="Hello from CosyVoice.", response_format="mp3"
+    ) as response:
+        response.stream_to_file(tmp_path / "hello.mp3")
+    assert decode_audio_file((tmp_path / "hello.mp3").read_bytes())[1] == info["sample_rate"]
+
+
+def test_an_openai_voice_name_is_the_voice_it_maps_to(client: httpx.Client) -> None:
+    for name, voice in (("alloy", DEFAULT_OPENAI_VOICES["alloy"]), ("onyx", DEFAULT_OPENAI_VOICES["onyx"])):
+        bodies = [{"text": "Mapped.", "voice": v, "format": "pcm", "seed": 4, **SHORT} for v in (name, voice)]
+        mapped, direct = (client.post("/v1/tts", json=body) for body in bodies)
+        assert mapped.status_code == direct.status_code == 200
+        assert mapped.content == direct.content
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+@pytest.mark.parametrize("response_format", sorted(FORMATS))
+def test_every_format_and_stream_format_through_the_openai_client(
+    base_url: str, info: dict[str, Any], response_format: str, stream_format: str
+) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    with api.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="nova", input="Hi.", response_format=response_format, stream_format=stream_format
+    ) as response:
+        media_type = response.headers["content-type"]
+        body = b"".join(response.iter_bytes())
+    if stream_format == "sse":
+        assert media_type.startswith("text/event-stream")
+        events = [json.loads(line[len("data: ") :]) for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == {"type": "speech.audio.done"}
+        assert events[:-1] and all(event["type"] == "speech.audio.delta" for event in events[:-1])
+        data = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
+        if not FORMATS[response_format].streamable:
+            assert len(events) == 2  # the whole file in one delta, once synthesis ends
+    else:
+        assert media_type == FORMATS[response_format].media_type
+        data = body
+    if response_format == "pcm":
+        assert len(data) > 0 and len(data) % 2 == 0
+        return
+    audio, rate = decode_audio_file(data)
+    assert rate == info["sample_rate"] or response_format == "opus"
+    assert len(audio) > 0 and np.isfinite(audio).all()
+
+
+def test_the_openai_streaming_response_gives_more_than_one_chunk(base_url: str, info: dict[str, Any]) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    # About 8 text tokens: up to 160 speech tokens, past the first 120-token chunk of the v1 stream.
+    with api.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="echo", input="Streaming in more than one chunk.", response_format="mp3"
+    ) as response:
+        chunks = [chunk for chunk in response.iter_bytes() if chunk]
+    assert len(chunks) > 1, "the body arrived in one piece: it was not streamed"
+    assert len(decode_audio_file(b"".join(chunks))[0]) > 0
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_instructions_to_a_model_that_cannot_follow_them_are_a_400(base_url: str, stream_format: str) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="cannot follow instructions"):
+        api.audio.speech.create(
+            model="tts-1", voice="alloy", input="Hi.", instructions="Speak softly.", stream_format=stream_format
+        )
+
+
+def test_native_instruct_text_to_a_model_that_cannot_follow_it_is_a_400(client: httpx.Client) -> None:
+    for stream in (False, True):
+        body = {"text": "Hi.", "instruct_text": "Speak softly.", "stream": stream}
+        response = client.post("/v1/tts", json=body)
+        assert response.status_code == 400 and "cannot follow instructions" in response.json()["error"]["message"]
+
+
+def test_an_internal_failure_reaches_the_client_as_a_generic_500(client: httpx.Client) -> None:
+    request_id = "forced-failure-1"
+    for method, path, body in (("GET", "/broken/v1/voices", None), ("POST", "/broken/v1/tts", {"text": "Hi."})):
+        response = client.request(method, path, json=body, headers={"X-Request-ID": request_id})
+        assert response.status_code == 500
+        assert response.json()["error"] == {
+            "message": f"internal error (request id {request_id})",
+            "type": "server_error",
+            "code": "internal_error",
+            "param": None,
+        }
+        assert SECRET not in response.text and "RuntimeError" not in response.text
+        assert response.headers["x-request-id"] == request_id
+    # The ingress's log line carries the same id and the traceback.
+    logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    lines = [
+        json.loads(line)
+        for log in logs_dir.glob(f"replica_{BROKEN_APP}_TTSIngress_*.log")
+        for line in log.read_text().splitlines()
+        if line.startswith("{")
+    ]
+    failures = [line for line in lines if line.get("request_id") == request_id and line["message"] == "internal error"]
+    assert failures and all("Traceback" in line["exc_text"] and SECRET in line["exc_text"] for line in failures)
 
 
 def test_openai_sse_stream(client: httpx.Client, info: dict[str, Any]) -> None:
@@ -204,7 +330,7 @@ BAD_REQUESTS = [
     ("empty input", {"text": "   "}, 400, "empty"),
     ("too long", {"text": "x" * (MAX_INPUT_CHARS + 1)}, 400, "limit"),
     ("unknown voice", {"text": "Hi.", "voice": "no-such-voice"}, 404, "unknown voice"),
-    ("bad format", {"text": "Hi.", "format": "aac"}, 400, "aac"),
+    ("bad format", {"text": "Hi.", "format": "ogg"}, 400, "ogg"),
     ("unstreamable format", {"text": "Hi.", "format": "flac", "stream": True}, 400, "streamed"),
     ("speed too high", {"text": "Hi.", "speed": 3.0}, 400, "speed"),
     ("speed too low", {"text": "Hi.", "speed": 0.1}, 400, "speed"),

@@ -133,12 +133,14 @@ def test_model_dir_must_stay_inside_the_allowed_roots(tmp_path: Path) -> None:
 
 
 def test_serve_overload_and_replica_loss_become_json_503s_with_retry_after() -> None:
-    overload = error_response(BackPressureError(num_queued_requests=3, max_queued_requests=3, retry_after_s=2.5))
+    overload = error_response(
+        BackPressureError(num_queued_requests=3, max_queued_requests=3, retry_after_s=2.5), "req-1"
+    )
     assert overload.status_code == 503 and overload.headers["retry-after"] == "3"
     assert b"at capacity" in overload.body and b"server_error" in overload.body
-    lost = error_response(ActorDiedError())
+    lost = error_response(ActorDiedError(), "req-2")
     assert lost.status_code == 503 and lost.headers["retry-after"] == "1"
-    assert b"replica failed" in lost.body
+    assert b"replica failed" in lost.body and b"req-2" in lost.body
 
 
 @pytest.mark.parametrize(

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 from ray.exceptions import RayTaskError
 
 from deployments.decoder import resolve_device_and_dtype
-from engine.errors import InvalidInputError, NonFiniteOutputError, UnknownVoiceError
-from serve_app.app import error_payload
-from serve_app.args import AppArgs, DecoderArgs
+from deployments.encoder import VoiceCloningNotConfiguredError
+from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
+from engine.loader import PRESET_VOICE_MODELS
+from engine.voices import DUMMY_VOICES
+from serve_app.app import error_payload, mapped_voice
+from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs
+from serve_app.cli import with_default_voices_dir
 
 
 def test_cpu_replica_runs_fp32_unless_told_otherwise() -> None:
@@ -19,20 +26,49 @@ def test_cpu_replica_runs_fp32_unless_told_otherwise() -> None:
 
 @pytest.mark.parametrize(
     ("error", "status"),
-    [(InvalidInputError("bad speed"), 400), (UnknownVoiceError("no voice"), 404), (NonFiniteOutputError("nan"), 500)],
+    [
+        (InvalidInputError("bad speed"), 400),
+        (UnknownVoiceError("no voice"), 404),
+        (VoiceCloningNotConfiguredError(), 501),
+    ],
 )
-def test_engine_errors_map_to_openai_error_bodies(error: Exception, status: int) -> None:
+def test_engine_errors_map_to_openai_error_bodies(error: CosyVoiceError, status: int) -> None:
     for raised in (error, RayTaskError("encode", "traceback", error)):  # as it arrives from another replica
-        got_status, body = error_payload(raised)
+        got_status, body = error_payload(raised, "req-7")
         assert got_status == status
-        assert body["error"]["message"] == error.message
+        expected = error.message if status < 500 else f"{error.message} (request id req-7)"
+        assert body["error"]["message"] == expected
         assert body["error"]["type"] == ("invalid_request_error" if status < 500 else "server_error")
         assert body["error"]["code"] == type(error).__name__
 
 
-def test_unexpected_errors_are_500_with_a_message() -> None:
-    status, body = error_payload(RuntimeError("boom"))
-    assert status == 500 and "boom" in body["error"]["message"]
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (RuntimeError("boom at /secret/path"), "internal_error"),
+        (NonFiniteOutputError("nan in the flow"), "NonFiniteOutputError"),
+    ],
+)
+def test_500s_say_internal_error_and_log_the_traceback_with_the_request_id(
+    error: Exception, code: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    serve_logger = logging.getLogger("ray.serve")  # Serve's logger does not propagate to the root one
+    serve_logger.addHandler(caplog.handler)
+    try:
+        raise error
+    except Exception as raised:
+        status, body = error_payload(RayTaskError("decode", "traceback", raised), "req-9")
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    assert status == 500
+    assert body["error"] == {
+        "message": "internal error (request id req-9)",
+        "type": "server_error",
+        "code": code,
+        "param": None,
+    }
+    [record] = [r for r in caplog.records if r.getMessage() == "internal error"]
+    assert record.request_id == "req-9" and record.exc_info is not None
 
 
 def test_app_args_defaults_and_validation() -> None:
@@ -44,3 +80,41 @@ def test_app_args_defaults_and_validation() -> None:
         AppArgs.model_validate({"decoder": {"num_gpus": 1.5}})
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"modle": "tiny"})
+
+
+def test_tiny_presets_use_their_shipped_cloning_models() -> None:
+    for preset in ("tiny", "cosyvoice2-tiny"):
+        args = AppArgs.model_validate({"model": preset, "voices_dir": "/tmp/voices"})
+        assert args.voice_models_path == PRESET_VOICE_MODELS[preset]
+        assert (args.voice_models_path / "campplus.onnx").is_file()
+    with pytest.raises(ValidationError, match="needs voice_models_dir"):
+        AppArgs.model_validate({"model": "cosyvoice2-0.5b", "voices_dir": "/tmp/voices"})
+    assert AppArgs(model="/models/CosyVoice-300M").voice_models_path == Path("/models/CosyVoice-300M")
+
+
+def test_openai_args_cover_every_openai_voice_for_the_presets() -> None:
+    openai = AppArgs().openai
+    assert set(openai.voices) == set(OPENAI_VOICE_NAMES)
+    assert set(openai.voices.values()) <= set(DUMMY_VOICES)  # the built-in speakers of every preset
+    assert openai.model_aliases == ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+    with pytest.raises(ValidationError, match="non-empty"):
+        AppArgs.model_validate({"openai": {"voices": {"alloy": " "}}})
+
+
+def test_run_gives_the_tiny_model_a_per_user_voices_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert with_default_voices_dir({})["voices_dir"] == str(tmp_path / "cosyvoice-serve" / "voices" / "tiny")
+    assert with_default_voices_dir({"voices_dir": "/elsewhere"})["voices_dir"] == "/elsewhere"
+    # A model dir without campplus.onnx keeps cloning off rather than failing at start.
+    assert "voices_dir" not in with_default_voices_dir({"model": str(tmp_path)})
+
+
+def test_openai_voice_names_map_through_the_table() -> None:
+    table = {"alloy": "speaker_a", "nova": "voice_0123456789ab", "echo": "gone", "speaker_b": "speaker_a"}
+    built_in = ["speaker_a", "speaker_b"]
+    assert mapped_voice("alloy", table, built_in) == "speaker_a"
+    assert mapped_voice("nova", table, built_in) == "voice_0123456789ab"  # a registered voice
+    assert mapped_voice("speaker_b", table, built_in) == "speaker_b"  # a built-in name wins over the table
+    assert mapped_voice("voice_fedcba987654", table, built_in) == "voice_fedcba987654"
+    with pytest.raises(UnknownVoiceError, match=r"'echo' stands for 'gone'.*its voices: speaker_a, speaker_b"):
+        mapped_voice("echo", table, built_in)

@@ -12,6 +12,8 @@ import soundfile
 import torch
 
 from engine.errors import CheckpointError, InvalidInputError
+from engine.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, ModelConfig
+from engine.tiny_voice_models import write_tiny_voice_models
 from engine.voice_cloning import (
     MAX_PROMPT_SECONDS,
     PromptMelConfig,
@@ -20,7 +22,6 @@ from engine.voice_cloning import (
     WhisperLogMel,
     align_prompt_v2,
 )
-from tests.onnx_models import write_tiny_voice_models
 
 MODEL_RATES = {1: 22050, 2: 24000}
 
@@ -326,3 +327,11 @@ def test_tokens_beyond_the_models_speech_vocabulary_are_a_configuration_error(mo
     small = VoiceCloner.from_model_dir(model_dirs[2], 24000, 2, speech_vocab_size=4)  # a model with 4 speech tokens
     with pytest.raises(CheckpointError, match="tokenizer of this model"):
         small.clone(voice(110.0), 16000, "hi")
+
+
+def test_the_shipped_preset_models_are_what_the_generator_writes(tmp_path: Path) -> None:
+    for preset, directory in PRESET_VOICE_MODELS.items():
+        config = ModelConfig.from_yaml_file(PRESETS_DIR / PRESETS[preset])
+        write_tiny_voice_models(tmp_path / preset, config.version, config.flow.vocab_size)
+        for generated in (tmp_path / preset).iterdir():
+            assert (directory / generated.name).read_bytes() == generated.read_bytes(), f"{preset}: {generated.name}"

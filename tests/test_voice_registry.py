@@ -14,7 +14,6 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from onnx_models import write_tiny_voice_models
 from ray import serve
 from serve_testing import running_app
 
@@ -177,22 +176,18 @@ def wav_bytes(seconds: float, sample_rate: int = 16000) -> bytes:
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("cloning")
-    write_tiny_voice_models(root / "models", version=1)
     small = {"ingress": {"num_cpus": 0.1}, "encoder": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
     args = {
         "model": "tiny",
         **small,
-        "voices_dir": str(root / "voices"),
-        "voice_models_dir": str(root / "models"),
+        "voices_dir": str(root / "voices"),  # the cloning models: those the tiny presets ship
         "limits": {
             "max_prompt_audio_bytes": MAX_PROMPT_AUDIO_BYTES,
             "max_prompt_audio_s": MAX_PROMPT_AUDIO_S,
             "max_voices": 3,
         },
     }
-    write_tiny_voice_models(root / "models_v2", version=2, vocabulary=96)  # the tiny v2 model's speech tokens
     v2_args = {**args, "model": "cosyvoice2-tiny", "voices_dir": str(root / "voices_v2")}
-    v2_args["voice_models_dir"] = str(root / "models_v2")
     with running_app(args, "voices-test") as url:
         # The same model without voice cloning, beside it, for the 501; and a CosyVoice2 model with cloning.
         serve.run(build_app({"model": "tiny", **small}), name="no-cloning", route_prefix="/plain")
@@ -313,3 +308,13 @@ def test_a_v2_cloned_voice_in_zero_shot_cross_lingual_and_instruct2(client: http
         assert rate == 24000 and len(audio) > 0 and np.isfinite(audio).all()
     # a v1 server does not know the v2 server's voices: each keeps its own registry
     assert_error(client.post("/v1/tts", json={"text": "Hi.", "voice": voice, **SHORT}), 404, "unknown voice")
+    # OpenAI's `instructions` drive instruct2 on every path; a built-in speaker cannot follow them on v2.
+    for stream_format in ("audio", "sse"):
+        speech = {"model": "tts-1", "input": "Hi.", "voice": voice, "instructions": "Speak happily."}
+        answer = client.post(
+            "/v2/v1/audio/speech", json={**speech, "response_format": "wav", "stream_format": stream_format}
+        )
+        assert answer.status_code == 200, (stream_format, answer.text)
+        builtin = client.post("/v2/v1/audio/speech", json={**speech, "voice": "alloy", "stream_format": stream_format})
+        assert_error(builtin, 400, "registered (cloned) voice only")
+    assert client.get("/v2/v1/voices").json()["instructions"] == "registered_voices"

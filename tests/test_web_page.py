@@ -1,5 +1,8 @@
 """The try-it page at GET /: served with its assets, and driven in headless Chromium against a real Serve app.
 
+The server has API keys on and voice cloning (the tiny preset's shipped models), so the page is used as a user of
+such a server would: key typed once into the page, voices registered from a file or the (fake) microphone.
+
 The browser tests use Playwright with the system Chromium (Debian's `chromium`; `$COSYVOICE_BROWSER` points at
 another binary) and skip, saying why, where Playwright or the browser is missing. They check that the audio
 data arrives and is scheduled for playback, not that it is heard: a headless machine may have no sound device.
@@ -35,7 +38,13 @@ BROWSER_ARGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    # A fake microphone (a beep), granted without a prompt: the page's MediaRecorder path.
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
 ]
+API_KEY = "page-test-key-0123456789"
+KEY_STORAGE = "cosyvoice-api-key"  # serve_app/static/app.js
+PROMPT_SAMPLE_RATE = 16000
 WAIT_MS = 30_000
 SYNTHESIS_WAIT_MS = 180_000  # a 2-CPU machine decodes the tiny model a few times slower than real time
 WAV_HEADER_BYTES = 44  # serve_app.audio.streaming_wav_header
@@ -49,16 +58,31 @@ def _browser_path() -> str | None:
     return next((path for name in BROWSER_NAMES if (path := shutil.which(name))), None)
 
 
+def _prompt_wav(seconds: float = 2.0) -> bytes:
+    t = np.arange(int(seconds * PROMPT_SAMPLE_RATE)) / PROMPT_SAMPLE_RATE
+    buffer = io.BytesIO()
+    sf.write(buffer, (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), PROMPT_SAMPLE_RATE, format="WAV")
+    return buffer.getvalue()
+
+
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    args = {"model": "tiny", "ingress": {"num_cpus": 0.25}, "encoder": {"num_cpus": 0.25}, "decoder": {"num_cpus": 0.5}}
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    args = {
+        "model": "tiny",
+        "ingress": {"num_cpus": 0.25},
+        "encoder": {"num_cpus": 0.25},
+        "decoder": {"num_cpus": 0.5},
+        "security": {"api_keys": [API_KEY]},
+        "voices_dir": str(tmp_path_factory.mktemp("voices")),
+    }
     with running_app(args, "tts-web-test") as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=60) as http:
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=base_url, timeout=60, headers=headers) as http:
         yield http
 
 
@@ -81,9 +105,11 @@ def browser() -> Iterator[Any]:
             launched.close()
 
 
-@pytest.fixture
-def page(browser: Any, base_url: str) -> Iterator[Any]:
+def _open_page(browser: Any, base_url: str, api_key: str | None) -> Iterator[Any]:
+    """The page in a new browser context, its local storage holding `api_key` (None: a first visit)."""
     context = browser.new_context()
+    if api_key is not None:
+        context.add_init_script(f"localStorage.setItem({KEY_STORAGE!r}, {api_key!r})")
     opened = context.new_page()
     opened.set_default_timeout(WAIT_MS)
     console_errors: list[str] = []
@@ -95,6 +121,16 @@ def page(browser: Any, base_url: str) -> Iterator[Any]:
     finally:
         context.close()
     assert not console_errors, f"uncaught errors in the page: {console_errors}"
+
+
+@pytest.fixture
+def page(browser: Any, base_url: str) -> Iterator[Any]:
+    yield from _open_page(browser, base_url, API_KEY)
+
+
+@pytest.fixture
+def first_visit_page(browser: Any, base_url: str) -> Iterator[Any]:
+    yield from _open_page(browser, base_url, None)
 
 
 def _speak(page: Any, text: str) -> str:
@@ -120,7 +156,9 @@ def _download(page: Any) -> bytes:
     return base64.b64decode(encoded)
 
 
-def test_page_and_assets_are_served(client: httpx.Client) -> None:
+def test_page_and_assets_are_served_without_a_key(base_url: str) -> None:
+    client = httpx.Client(base_url=base_url, timeout=60)  # no key: the page must load to ask for one
+    assert client.get("/v1/voices").status_code == 401
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="speak"' in page.text and 'src="static/app.js"' in page.text
@@ -135,11 +173,11 @@ def test_page_and_assets_are_served(client: httpx.Client) -> None:
 
 def test_pickers_are_filled_from_the_api(page: Any, info: dict[str, Any]) -> None:
     assert page.get_attribute("#status", "data-state") == "ready"
-    voices = page.eval_on_selector_all("#voice option", "options => options.map(o => o.value)")
+    voices = page.eval_on_selector_all("#voice optgroup[label=built-in] option", "options => options.map(o => o.value)")
     assert voices == info["voices"]
     formats = page.eval_on_selector_all("#format option", "options => options.map(o => o.value)")
     assert formats == [name for name in ("wav", "pcm") if name in info["formats"]]
-    assert page.is_enabled("#speak")
+    assert page.is_enabled("#speak") and page.is_checked("#stream")
 
 
 @pytest.mark.parametrize("format_name", ["wav", "pcm"])
@@ -150,7 +188,9 @@ def test_speak_streams_plays_and_offers_the_audio(page: Any, info: dict[str, Any
     with page.expect_request("**/v1/tts") as request:
         state = _speak(page, "Hi there.")
     assert state == "done", page.text_content("#error")
-    assert request.value.post_data_json == {"text": "Hi there.", "voice": voice, "format": format_name, "stream": True}
+    expected = {"text": "Hi there.", "voice": voice, "format": format_name, "stream": True, "speed": 1}
+    assert request.value.post_data_json == expected
+    assert request.value.headers["authorization"] == f"Bearer {API_KEY}"
     assert page.is_hidden("#error")
 
     received = int(page.get_attribute("#received", "data-bytes"))
@@ -172,6 +212,119 @@ def test_speak_streams_plays_and_offers_the_audio(page: Any, info: dict[str, Any
         assert struct.unpack_from("<I", data, WAV_HEADER_BYTES - 4)[0] == len(data) - WAV_HEADER_BYTES
         audio, rate = sf.read(io.BytesIO(data), dtype="float32")
         assert rate == info["sample_rate"] and len(audio) == samples and np.isfinite(audio).all()
+    _assert_waveform_drawn(page, samples)
+
+
+def _assert_waveform_drawn(page: Any, samples: int) -> None:
+    """The canvas shows every received sample, and has ink on it."""
+    assert int(page.get_attribute("#waveform", "data-drawn-samples")) == samples
+    inked = page.evaluate(
+        """() => {
+            const canvas = document.getElementById('waveform');
+            const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+            let count = 0;
+            for (let i = 3; i < pixels.length; i += 4) if (pixels[i] > 0) count++;
+            return count;
+        }"""
+    )
+    assert inked > 0
+
+
+def test_speak_without_streaming_at_another_speed(page: Any, info: dict[str, Any], tmp_path: Any) -> None:
+    page.uncheck("#stream")
+    page.fill("#speed", "1.5")
+    with page.expect_request("**/v1/tts") as request:
+        state = _speak(page, "Whole, then played.")
+    assert state == "done", page.text_content("#error")
+    body = request.value.post_data_json
+    assert body["stream"] is False and body["speed"] == 1.5
+    received = int(page.get_attribute("#received", "data-bytes"))
+    _assert_waveform_drawn(page, (received - WAV_HEADER_BYTES) // PCM_BYTES_PER_SAMPLE)
+    page.screenshot(path=str(tmp_path / "whole-response.png"), full_page=True)
+
+
+def _registered_ids(page: Any) -> list[str]:
+    return page.eval_on_selector_all(
+        "#registered-voices li[data-voice-id]", "items => items.map(i => i.dataset.voiceId)"
+    )
+
+
+def _register(page: Any, transcript: str) -> str:
+    """Press Register in the open voice dialog; the id of the voice it added."""
+    before = set(_registered_ids(page))
+    page.fill("#transcript", transcript)
+    page.click("#register")
+    page.wait_for_function(
+        f"document.querySelectorAll('#registered-voices li[data-voice-id]').length > {len(before)}"
+        " || !document.getElementById('voice-error').hidden",
+        timeout=SYNTHESIS_WAIT_MS,
+    )
+    assert page.is_hidden("#voice-error"), page.text_content("#voice-error")
+    [added] = set(_registered_ids(page)) - before
+    return added
+
+
+def test_register_a_voice_from_a_file_speak_with_it_and_delete_it(
+    page: Any, client: httpx.Client, tmp_path: Any
+) -> None:
+    page.click("#open-voices")
+    page.set_input_files("#voice-file", files=[{"name": "me.wav", "mimeType": "audio/wav", "buffer": _prompt_wav()}])
+    voice_id = _register(page, "Hello from my recording.")
+    assert voice_id in [voice["id"] for voice in client.get("/v1/voices").json()["registered_voices"]]
+    assert page.input_value("#voice") == voice_id  # the new voice is picked
+    page.screenshot(path=str(tmp_path / "voice-dialog.png"), full_page=True)
+    page.click("#close-voices")
+
+    page.select_option("#mode", "cross-lingual")
+    with page.expect_request("**/v1/tts") as request:
+        state = _speak(page, "Said in the cloned voice.")
+    assert state == "done", page.text_content("#error")
+    assert request.value.post_data_json["voice"] == voice_id and request.value.post_data_json["cross_lingual"] is True
+    page.screenshot(path=str(tmp_path / "cloned-voice.png"), full_page=True)
+
+    page.click("#open-voices")
+    page.click(f"#registered-voices li[data-voice-id='{voice_id}'] button.delete-voice")
+    page.wait_for_function(f"!document.querySelector(\"#registered-voices li[data-voice-id='{voice_id}']\")")
+    assert voice_id not in [voice["id"] for voice in client.get("/v1/voices").json()["registered_voices"]]
+    assert voice_id not in page.eval_on_selector_all("#voice option", "options => options.map(o => o.value)")
+
+
+def test_register_a_voice_recorded_from_the_microphone(page: Any, client: httpx.Client) -> None:
+    page.click("#open-voices")
+    page.click("#record")
+    page.wait_for_function("document.getElementById('recording-state').dataset.state === 'recording'")
+    page.wait_for_timeout(2500)  # longer than the 1 s minimum prompt
+    page.click("#stop-recording")
+    page.wait_for_function("document.getElementById('recording-state').dataset.state !== 'recording'")
+    assert page.get_attribute("#recording-state", "data-state") == "recorded", page.text_content("#voice-error")
+    voice_id = _register(page, "A beep from the fake microphone.")
+    record = next(voice for voice in client.get("/v1/voices").json()["registered_voices"] if voice["id"] == voice_id)
+    assert record["duration_s"] >= 1.0
+    assert client.delete(f"/v1/voices/{voice_id}").status_code == 200
+
+
+def test_instruct_mode_on_a_model_without_instructions_shows_the_400(page: Any) -> None:
+    page.select_option("#mode", "instruct")
+    assert page.is_visible("#instruct")
+    page.fill("#instruct", "Speak softly.")
+    assert _speak(page, "Hi.") == "error"
+    assert "cannot follow instructions" in page.text_content("#error")
+
+
+def test_a_first_visit_to_a_server_with_keys_asks_for_the_key(
+    first_visit_page: Any, info: dict[str, Any], tmp_path: Any
+) -> None:
+    page = first_visit_page
+    assert page.get_attribute("#status", "data-state") == "error"
+    assert "missing or invalid API key" in page.text_content("#error")
+    page.screenshot(path=str(tmp_path / "needs-a-key.png"), full_page=True)
+    page.fill("#api-key", API_KEY)
+    page.click("#save-key")
+    page.wait_for_function("document.getElementById('status').dataset.state === 'ready'")
+    assert page.evaluate(f"localStorage.getItem({KEY_STORAGE!r})") == API_KEY
+    with page.expect_request("**/v1/tts") as request:
+        assert _speak(page, "Now with the key.") == "done", page.text_content("#error")
+    assert request.value.headers["authorization"] == f"Bearer {API_KEY}"
 
 
 def test_api_error_is_shown(page: Any) -> None:

@@ -1,8 +1,11 @@
 "use strict";
-// The demo page: streams POST v1/tts and plays each piece of audio as it arrives, with the Web Audio API.
-// URLs are relative so that the page also works under a route prefix ending in "/".
+// The demo page: POST v1/tts (streamed or whole), played piece by piece with the Web Audio API and drawn as a
+// waveform as it arrives; voices registered from a file or the microphone (POST/DELETE v1/voices); an API key
+// kept in local storage and sent as a bearer token. URLs are relative so that the page also works under a
+// route prefix ending in "/".
 
-const STREAMABLE_FORMATS = ["wav", "pcm"]; // the formats /v1/tts can stream (serve_app/audio.py)
+const PLAYABLE_FORMATS = ["wav", "pcm"]; // the formats this page decodes itself, piece by piece
+const KEY_STORAGE = "cosyvoice-api-key";
 const BYTES_PER_SAMPLE = 2; // the stream is 16-bit little-endian mono
 const PCM_SCALE = 32768;
 // Network pieces can be a few hundred bytes: merging them means fewer buffer edges to schedule.
@@ -11,7 +14,7 @@ const MIN_BLOCK_SAMPLES = 2048;
 const START_LEAD_S = 0.05;
 
 const byId = (id) => document.getElementById(id);
-let pcmSampleRate = 0; // from /v1/voices; a WAV stream carries its own
+let serverInfo = null; // GET v1/voices: sample rate, voices, formats, what the model can do
 let current = null; // {controller, player} of the latest request
 let downloadUrl = null;
 
@@ -154,10 +157,86 @@ class Player {
   }
 }
 
+// --- waveform ------------------------------------------------------------------------------------------
+
+// Draws the received audio as it arrives: one min/max bar per block of samples, squeezed to the canvas width
+// once it fills it, scaled to the loudest sample so far (quiet audio stays visible).
+class Waveform {
+  static BLOCK_SAMPLES = 256;
+
+  constructor(canvas) {
+    this.canvas = canvas;
+    this.reset();
+  }
+
+  reset() {
+    this.peaks = []; // [min, max] per block
+    this.blockMin = Infinity;
+    this.blockMax = -Infinity;
+    this.blockFill = 0;
+    this.samples = 0;
+    this.loudest = 0;
+    this.frame = null;
+    this.draw();
+  }
+
+  push(samples) {
+    for (const sample of samples) {
+      this.blockMin = Math.min(this.blockMin, sample);
+      this.blockMax = Math.max(this.blockMax, sample);
+      if (++this.blockFill === Waveform.BLOCK_SAMPLES) this.closeBlock();
+    }
+    this.samples += samples.length;
+    this.frame ??= requestAnimationFrame(() => this.draw());
+  }
+
+  closeBlock() {
+    if (this.blockFill === 0) return;
+    this.peaks.push([this.blockMin, this.blockMax]);
+    this.loudest = Math.max(this.loudest, Math.abs(this.blockMin), Math.abs(this.blockMax));
+    this.blockMin = Infinity;
+    this.blockMax = -Infinity;
+    this.blockFill = 0;
+  }
+
+  finish() {
+    this.closeBlock();
+    if (this.frame !== null) cancelAnimationFrame(this.frame);
+    this.draw();
+  }
+
+  draw() {
+    this.frame = null;
+    const { width, height } = this.canvas;
+    const context = this.canvas.getContext("2d");
+    context.clearRect(0, 0, width, height);
+    context.fillStyle = "#1e88e5";
+    const step = width / Math.max(this.peaks.length, width);
+    const middle = height / 2;
+    const scale = middle / Math.max(this.loudest, 1e-4);
+    this.peaks.forEach(([low, high], index) => {
+      context.fillRect(index * step, middle - high * scale, Math.max(step, 1), Math.max(1, (high - low) * scale));
+    });
+    this.canvas.dataset.drawnSamples = String(this.peaks.length === 0 ? 0 : this.samples);
+  }
+}
+
+const waveform = new Waveform(byId("waveform"));
+
 // --- the page ----------------------------------------------------------------------------------------
 
-function showError(message) {
-  const box = byId("error");
+function apiKey() {
+  return localStorage.getItem(KEY_STORAGE) ?? "";
+}
+
+// fetch() with the saved API key as a bearer token.
+function api(path, options = {}) {
+  const headers = { ...(options.headers ?? {}) };
+  if (apiKey() !== "") headers.authorization = `Bearer ${apiKey()}`;
+  return fetch(path, { ...options, headers });
+}
+
+function showError(message, box = byId("error")) {
   box.textContent = message;
   box.hidden = message === "";
 }
@@ -185,33 +264,114 @@ async function apiErrorMessage(response) {
   return `HTTP ${response.status} ${response.statusText}`.trim();
 }
 
+function option(value, label = value) {
+  const element = document.createElement("option");
+  element.value = value;
+  element.textContent = label;
+  return element;
+}
+
 function fillSelect(select, values, labels = {}) {
-  select.replaceChildren(
-    ...values.map((value) => {
-      const option = document.createElement("option");
-      option.value = value;
-      option.textContent = labels[value] ?? value;
-      return option;
+  select.replaceChildren(...values.map((value) => option(value, labels[value] ?? value)));
+}
+
+// Built-in speakers, then registered voices; keeps the selection when it still exists.
+function fillVoices(info) {
+  const select = byId("voice");
+  const previous = select.value;
+  const builtIn = document.createElement("optgroup");
+  builtIn.label = "built-in";
+  builtIn.append(...info.voices.map((voice) => option(voice)));
+  const registered = document.createElement("optgroup");
+  registered.label = "registered";
+  const label = (voice) => (voice.name === voice.id ? voice.id : `${voice.name} (${voice.id})`);
+  registered.append(...info.registered_voices.map((voice) => option(voice.id, label(voice))));
+  select.replaceChildren(builtIn, ...(info.registered_voices.length ? [registered] : []));
+  if ([...select.options].some((item) => item.value === previous)) select.value = previous;
+  fillRegisteredList(info.registered_voices);
+  updateModeHint();
+}
+
+function fillRegisteredList(voices) {
+  const list = byId("registered-voices");
+  list.replaceChildren(
+    ...voices.map((voice) => {
+      const item = document.createElement("li");
+      item.dataset.voiceId = voice.id;
+      const label = document.createElement("span");
+      label.textContent = `${voice.name} (${voice.duration_s.toFixed(1)} s): “${voice.transcript}”`;
+      const remove = document.createElement("button");
+      remove.type = "button";
+      remove.className = "delete-voice";
+      remove.textContent = "Delete";
+      remove.addEventListener("click", () => deleteVoice(voice.id));
+      item.append(label, " ", remove);
+      return item;
     }),
   );
+  if (voices.length === 0) list.replaceChildren(Object.assign(document.createElement("li"), { textContent: "none yet" }));
 }
 
 async function loadVoices() {
   try {
-    const response = await fetch("v1/voices");
+    const response = await api("v1/voices");
     if (!response.ok) throw new Error(await apiErrorMessage(response));
-    const info = await response.json();
-    pcmSampleRate = info.sample_rate;
-    fillSelect(byId("voice"), info.voices);
-    const formats = STREAMABLE_FORMATS.filter((name) => info.formats.includes(name));
-    fillSelect(byId("format"), formats, { wav: "wav", pcm: "pcm (raw 16-bit mono)" });
+    serverInfo = await response.json();
+    fillVoices(serverInfo);
+    fillFormats();
+    byId("cloning-off").hidden = serverInfo.voice_cloning;
+    byId("register").disabled = !serverInfo.voice_cloning;
     byId("voice").disabled = false;
     byId("speak").disabled = false;
+    showError("");
     setStatus("ready");
   } catch (error) {
     showError(`could not load the voices: ${error.message}`);
     setStatus("error");
   }
+}
+
+// The formats the page can play; with streaming on, those the server can also stream.
+function fillFormats() {
+  const choices = byId("stream").checked ? serverInfo.stream_formats : serverInfo.formats;
+  const select = byId("format");
+  const previous = select.value;
+  fillSelect(select, PLAYABLE_FORMATS.filter((name) => choices.includes(name)), { pcm: "pcm (raw 16-bit mono)" });
+  if (previous && [...select.options].some((item) => item.value === previous)) select.value = previous;
+}
+
+const isRegisteredVoice = (voice) => serverInfo?.registered_voices.some((record) => record.id === voice);
+
+// What the chosen mode means with the chosen voice, and the instruction field for instruct mode.
+function updateModeHint() {
+  const mode = byId("mode").value;
+  const instruct = mode === "instruct";
+  byId("instruct").hidden = !instruct;
+  byId("instruct-label").hidden = !instruct;
+  const registered = isRegisteredVoice(byId("voice").value);
+  const hints = {
+    "zero-shot": registered
+      ? "zero-shot: the recording's transcript and speech lead the synthesis"
+      : "a built-in speaker: the model's own voice",
+    "cross-lingual": "cross-lingual: only the timbre of a registered voice, for text in another language",
+    instruct: `instruct: the model follows the instruction (this model: ${serverInfo?.instructions ?? "…"})`,
+  };
+  byId("mode-hint").textContent = hints[mode];
+}
+
+// The /v1/tts body of the form's settings.
+function requestBody(format) {
+  const body = {
+    text: byId("text").value,
+    voice: byId("voice").value,
+    format,
+    stream: byId("stream").checked,
+    speed: Number(byId("speed").value),
+  };
+  const mode = byId("mode").value;
+  if (mode === "cross-lingual") body.cross_lingual = true;
+  if (mode === "instruct") body.instruct_text = byId("instruct").value;
+  return body;
 }
 
 // The streamed WAV header has unknown (0xFFFFFFFF) sizes; a downloaded file gets the real ones.
@@ -242,6 +402,7 @@ function resetStats() {
   for (const id of ["ttfa", "rtf", "duration", "received", "playback"]) byId(id).textContent = "–";
   byId("received").dataset.bytes = "0";
   byId("playback").dataset.scheduledSamples = "0";
+  waveform.reset();
 }
 
 function stop() {
@@ -264,18 +425,19 @@ async function speak(event) {
   current = { controller, player };
   const isCurrent = () => current?.controller === controller;
   byId("stop").disabled = false;
+  const streaming = byId("stream").checked;
   setStatus("requesting", "synthesizing…");
 
   const started = performance.now();
-  const decoder = new SampleDecoder(format, pcmSampleRate);
+  const decoder = new SampleDecoder(format, serverInfo.sample_rate);
   const pieces = [];
   let byteCount = 0;
   let sampleCount = 0;
   try {
-    const response = await fetch("v1/tts", {
+    const response = await api("v1/tts", {
       method: "POST",
       headers: { "content-type": "application/json" },
-      body: JSON.stringify({ text: byId("text").value, voice: byId("voice").value, format, stream: true }),
+      body: JSON.stringify(requestBody(format)),
       signal: controller.signal,
     });
     if (!response.ok) throw new Error(await apiErrorMessage(response));
@@ -294,16 +456,18 @@ async function speak(event) {
       const samples = decoder.push(chunk.value);
       if (samples.length > 0 && sampleCount === 0) {
         byId("ttfa").textContent = `${Math.round(performance.now() - started)} ms`;
-        setStatus("streaming", "playing while synthesizing…");
+        setStatus("streaming", streaming ? "playing while synthesizing…" : "playing…");
       }
       sampleCount += samples.length;
       player.push(samples, decoder.sampleRate);
+      waveform.push(samples);
       byId("received").dataset.bytes = String(byteCount);
       byId("received").textContent = `${byteCount.toLocaleString()} bytes`;
       byId("duration").textContent = `${(sampleCount / decoder.sampleRate).toFixed(2)} s`;
       showPlayback(player);
     }
     player.flush(decoder.sampleRate);
+    waveform.finish();
     showPlayback(player);
     if (sampleCount === 0) throw new Error("the server sent no audio");
     // Real-time factor: seconds spent on the request per second of audio (below 1: faster than real time).
@@ -319,9 +483,139 @@ async function speak(event) {
   }
 }
 
+// --- voices: upload or record, register, delete ------------------------------------------------------
+
+let recorded = null; // a WAV Blob of the last microphone recording
+let recorder = null;
+
+// A 16-bit mono WAV file of float samples: what the server reads (browsers record webm/ogg, which it does not).
+function wavFile(samples, sampleRate) {
+  const header = new ArrayBuffer(44);
+  const view = new DataView(header);
+  const text = (offset, value) => [...value].forEach((char, i) => view.setUint8(offset + i, char.charCodeAt(0)));
+  const dataBytes = samples.length * BYTES_PER_SAMPLE;
+  text(0, "RIFF");
+  view.setUint32(4, 36 + dataBytes, true);
+  text(8, "WAVEfmt ");
+  view.setUint32(16, 16, true);
+  view.setUint16(20, 1, true); // PCM
+  view.setUint16(22, 1, true); // mono
+  view.setUint32(24, sampleRate, true);
+  view.setUint32(28, sampleRate * BYTES_PER_SAMPLE, true);
+  view.setUint16(32, BYTES_PER_SAMPLE, true);
+  view.setUint16(34, 16, true);
+  text(36, "data");
+  view.setUint32(40, dataBytes, true);
+  const data = new DataView(new ArrayBuffer(dataBytes));
+  samples.forEach((sample, i) => data.setInt16(i * BYTES_PER_SAMPLE, Math.max(-1, Math.min(1, sample)) * 32767, true));
+  return new Blob([header, data.buffer], { type: "audio/wav" });
+}
+
+function setRecordingState(state, text) {
+  const label = byId("recording-state");
+  label.dataset.state = state;
+  label.textContent = text;
+}
+
+async function startRecording() {
+  showError("", byId("voice-error"));
+  try {
+    const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+    const parts = [];
+    recorder = new MediaRecorder(stream);
+    recorder.addEventListener("dataavailable", (event) => parts.push(event.data));
+    recorder.addEventListener("stop", async () => {
+      stream.getTracks().forEach((track) => track.stop());
+      try {
+        const context = new OfflineAudioContext(1, 1, 48000);
+        const audio = await context.decodeAudioData(await new Blob(parts).arrayBuffer());
+        recorded = wavFile(audio.getChannelData(0), audio.sampleRate);
+        byId("voice-file").value = ""; // the recording replaces a chosen file
+        setRecordingState("recorded", `recorded ${audio.duration.toFixed(1)} s`);
+      } catch (error) {
+        setRecordingState("none", "no recording");
+        showError(`could not read the recording: ${error.message}`, byId("voice-error"));
+      }
+    });
+    recorder.start();
+    byId("record").disabled = true;
+    byId("stop-recording").disabled = false;
+    setRecordingState("recording", "recording…");
+  } catch (error) {
+    showError(`cannot record from the microphone: ${error.message}`, byId("voice-error"));
+  }
+}
+
+function stopRecording() {
+  recorder?.stop();
+  recorder = null;
+  byId("record").disabled = false;
+  byId("stop-recording").disabled = true;
+}
+
+async function registerVoice() {
+  const box = byId("voice-error");
+  showError("", box);
+  const file = byId("voice-file").files[0] ?? null;
+  const audio = file ?? recorded;
+  if (audio === null) return showError("choose a file or record one first", box);
+  const form = new FormData();
+  form.append("file", audio, file?.name ?? "recording.wav");
+  form.append("transcript", byId("transcript").value);
+  if (byId("voice-name").value.trim()) form.append("name", byId("voice-name").value.trim());
+  byId("register").disabled = true;
+  try {
+    const response = await api("v1/voices", { method: "POST", body: form });
+    if (!response.ok) throw new Error(await apiErrorMessage(response));
+    const voice = await response.json();
+    await loadVoices();
+    byId("voice").value = voice.id; // speak with the new voice next
+    updateModeHint();
+    byId("voice-file").value = "";
+    recorded = null;
+    setRecordingState("none", "no recording");
+  } catch (error) {
+    showError(error.message, box);
+  } finally {
+    byId("register").disabled = !serverInfo?.voice_cloning;
+  }
+}
+
+async function deleteVoice(voiceId) {
+  const box = byId("voice-error");
+  showError("", box);
+  try {
+    const response = await api(`v1/voices/${encodeURIComponent(voiceId)}`, { method: "DELETE" });
+    if (!response.ok) throw new Error(await apiErrorMessage(response));
+    await loadVoices();
+  } catch (error) {
+    showError(error.message, box);
+  }
+}
+
+// --- wiring ------------------------------------------------------------------------------------------
+
+byId("api-key").value = apiKey();
+byId("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  localStorage.setItem(KEY_STORAGE, byId("api-key").value.trim());
+  loadVoices();
+});
 byId("speak-form").addEventListener("submit", speak);
 byId("stop").addEventListener("click", () => {
   stop();
   setStatus("stopped");
+});
+byId("stream").addEventListener("change", () => serverInfo && fillFormats());
+byId("mode").addEventListener("change", updateModeHint);
+byId("voice").addEventListener("change", updateModeHint);
+byId("open-voices").addEventListener("click", () => byId("voice-dialog").showModal());
+byId("close-voices").addEventListener("click", () => byId("voice-dialog").close());
+byId("record").addEventListener("click", startRecording);
+byId("stop-recording").addEventListener("click", stopRecording);
+byId("register").addEventListener("click", registerVoice);
+byId("voice-file").addEventListener("change", () => {
+  recorded = null; // a chosen file replaces a recording
+  setRecordingState("none", "no recording");
 });
 loadVoices();

@@ -1,4 +1,8 @@
-"""Tiny stand-ins for the official voice-cloning ONNX models, with their input/output layout.
+"""Tiny stand-ins for the official voice-cloning ONNX models, with their input/output names and shapes.
+
+The tiny presets ship the files this module writes (`engine/presets/voice_models/<preset>/`), so a server on a
+tiny model can clone voices with no download; `python -m engine.tiny_voice_models` regenerates them (it needs the
+`onnx` package of the `test` extra; serving only needs onnxruntime).
 
 * `campplus.onnx`: float [1, T, 80] -> float [1, 192]: mean of the squared (mean-removed) fbank over time, then a
   fixed projection, so the embedding depends on how each band varies in the recording;
@@ -17,6 +21,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from engine.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, ModelConfig
+
 _OPSET = 17
 _IR_VERSION = 8  # the IR version of opset 17, readable by any onnxruntime that runs opset 17
 _FBANK_BINS = 80
@@ -27,7 +33,7 @@ _VOCABULARY = {1: 4096, 2: 6561}
 
 
 def _save(graph: onnx.GraphProto, path: Path) -> None:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)], producer_name="tests")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET)], producer_name="cosyvoice-serve")
     model.ir_version = _IR_VERSION
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
@@ -81,3 +87,19 @@ def write_tiny_voice_models(directory: Path, version: int, vocabulary: int | Non
     _save(_campplus_graph(rng), directory / "campplus.onnx")
     vocabulary = _VOCABULARY[version] if vocabulary is None else vocabulary
     _save(_speech_tokenizer_graph(rng, version, vocabulary), directory / f"speech_tokenizer_v{version}.onnx")
+
+
+def write_preset_voice_models() -> None:
+    """(Re)write the cloning models shipped with the presets, each tokenizer over its preset's speech vocabulary."""
+    written: set[Path] = set()
+    for preset, directory in PRESET_VOICE_MODELS.items():
+        if directory in written:
+            continue
+        config = ModelConfig.from_yaml_file(PRESETS_DIR / PRESETS[preset])
+        write_tiny_voice_models(directory, config.version, config.flow.vocab_size)
+        written.add(directory)
+        print(f"wrote {directory}")
+
+
+if __name__ == "__main__":
+    write_preset_voice_models()

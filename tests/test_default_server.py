@@ -1,0 +1,108 @@
+"""`cosyvoice-serve run` with no flags, from a fresh clone: it registers, uses, lists and deletes a cloned voice
+with nothing downloaded or generated (the tiny preset ships its cloning models), keeping voices per user.
+
+The clone is of the committed HEAD, so this checks what a new user gets; it skips outside a git checkout.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from benchmarks.http_bench import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 300  # Ray, three deployments and the model loads, on 2 shared CPUs
+STOP_TIMEOUT_S = 60
+
+
+def _prompt_wav(seconds: float = 2.0, sample_rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    buffer = io.BytesIO()
+    sf.write(buffer, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), sample_rate, format="WAV")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fresh_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: there is no commit to clone")
+    clone = tmp_path_factory.mktemp("clone") / "cosyvoice-serve"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
+    return clone
+
+
+@pytest.fixture(scope="module")
+def server(fresh_clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(URL, home dir) of `cosyvoice-serve run` started in the clone, for a user with an empty home."""
+    home = tmp_path_factory.mktemp("home")
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
+    env |= {"HOME": str(home), "PYTHONPATH": str(fresh_clone), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "serve_app.cli", "run", "--port", str(port)]
+    process = subprocess.Popen(command, cwd=fresh_clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _healthy(url):
+            if process.poll() is not None:
+                pytest.fail(f"the server exited with {process.returncode}: {process.stdout.read().decode()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not healthy within {START_TIMEOUT_S} s")
+            time.sleep(2)
+        yield url, home
+    finally:
+        process.send_signal(signal.SIGINT)  # the CLI shuts Serve and Ray down on Ctrl-C
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_clone_ships_the_cloning_models(fresh_clone: Path) -> None:
+    for name in ("tiny/campplus.onnx", "tiny/speech_tokenizer_v1.onnx", "cosyvoice2-tiny/speech_tokenizer_v2.onnx"):
+        assert (fresh_clone / "engine" / "presets" / "voice_models" / name).is_file(), name
+
+
+def test_register_use_list_and_delete_a_voice(server: tuple[str, Path]) -> None:
+    url, home = server
+    with httpx.Client(base_url=url, timeout=300) as client:
+        assert client.get("/v1/voices").json()["voice_cloning"] is True
+        created = client.post(
+            "/v1/voices", files={"file": ("me.wav", _prompt_wav(), "audio/wav")}, data={"transcript": "Hello there."}
+        )
+        assert created.status_code == 201, created.text
+        voice_id = created.json()["id"]
+        assert (home / ".local" / "share" / "cosyvoice-serve" / "voices" / "tiny" / f"{voice_id}.npz").is_file()
+        listed = [voice["id"] for voice in client.get("/v1/voices").json()["registered_voices"]]
+        assert listed == [voice_id]
+
+        body = {"text": "In my voice.", "voice": voice_id, "seed": 1, "sampling": {"max_token_text_ratio": 3.0}}
+        spoken = client.post("/v1/tts", json=body)
+        assert spoken.status_code == 200, spoken.text
+        audio, _ = sf.read(io.BytesIO(spoken.content), dtype="float32")
+        assert len(audio) > 0 and np.isfinite(audio).all()
+
+        assert client.delete(f"/v1/voices/{voice_id}").json() == {"id": voice_id, "object": "voice", "deleted": True}
+        assert client.get("/v1/voices").json()["registered_voices"] == []
+        assert client.post("/v1/tts", json=body).status_code == 404
