@@ -99,17 +99,22 @@ class CausalCFMConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CausalCFMConfig:
         """From the yaml `decoder` node (class `CausalConditionalCFM`, with `cfm_params` and `estimator`)."""
-        _check_class(spec, "CausalConditionalCFM", "flow decoder")
-        params = spec["cfm_params"]
-        if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
-            params = params.get("content", params.kwargs)
-        solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
-        _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
-        _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
         return cls(
-            inference_cfg_rate=float(params.get("inference_cfg_rate", 0.7)),
+            inference_cfg_rate=cfm_inference_cfg_rate(spec),
             estimator=CausalEstimatorConfig.from_yaml(spec["estimator"]),
         )
+
+
+def cfm_inference_cfg_rate(spec: ObjectSpec) -> float:
+    """The CFG rate of a yaml `decoder` node of class `CausalConditionalCFM`, after checking its solver settings."""
+    _check_class(spec, "CausalConditionalCFM", "flow decoder")
+    params = spec["cfm_params"]
+    if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
+        params = params.get("content", params.kwargs)
+    solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
+    _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
+    _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
+    return float(params.get("inference_cfg_rate", 0.7))
 
 
 def _upsample_encoder_config(spec: ObjectSpec) -> EncoderConfig:
@@ -342,11 +347,12 @@ class CausalConditionalDecoder(nn.Module):
 class CausalConditionalCFM(nn.Module):
     """Euler integration of the flow-matching ODE with classifier-free guidance, from the fixed start noise."""
 
-    def __init__(self, config: CausalCFMConfig, mel_bins: int) -> None:
+    def __init__(self, inference_cfg_rate: float, mel_bins: int, estimator: nn.Module) -> None:
+        """`estimator(x, mask, mu, t, spks, cond, streaming=)` is the velocity field (v2 U-Net, v3 DiT)."""
         super().__init__()
-        self.inference_cfg_rate = config.inference_cfg_rate
+        self.inference_cfg_rate = inference_cfg_rate
         self.mel_bins = mel_bins
-        self.estimator = CausalConditionalDecoder(config.estimator)
+        self.estimator = estimator
         # fp32 on CPU, built on first use; a plain attribute, so neither state_dict nor .to(dtype) touch it
         self._fixed_noise: Tensor | None = None
 
@@ -393,11 +399,13 @@ class PreLookaheadLayer(nn.Module):
     """Mixes each token with the next `lookahead` ones: Conv1d k(lookahead+1) over right zeros, leaky ReLU,
     a causal Conv1d k3, plus the residual."""
 
-    def __init__(self, channels: int, lookahead: int) -> None:
+    def __init__(self, channels: int, lookahead: int, hidden: int | None = None) -> None:
+        """`hidden`: the width between the two convolutions (v3: 1024 around 80 channels); default `channels`."""
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = Conv1d(channels, channels, lookahead + 1)
-        self.conv2 = Conv1d(channels, channels, _LOOKAHEAD_OUT_KERNEL)
+        hidden = channels if hidden is None else hidden
+        self.conv1 = Conv1d(channels, hidden, lookahead + 1)
+        self.conv2 = Conv1d(hidden, channels, _LOOKAHEAD_OUT_KERNEL)
 
     def forward(self, x: Tensor, readable: Tensor) -> Tensor:
         """x: [B, T, C] embedded frames, readable: [B, T] bool (frames the look-ahead may read: the request's
@@ -484,7 +492,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
         self.spk_embed_affine_layer = Linear(config.spk_embed_dim, mel)
         self.encoder = UpsampleConformerEncoder(config)
         self.encoder_proj = Linear(config.encoder.output_size, mel)
-        self.decoder = CausalConditionalCFM(config.decoder, mel)
+        self.decoder = CausalConditionalCFM(
+            config.decoder.inference_cfg_rate, mel, CausalConditionalDecoder(config.decoder.estimator)
+        )
 
     def _validate(self, index: int, request: FlowRequest, context: int) -> None:
         config, prompt_feat = self.config, request.prompt_feat

@@ -164,6 +164,16 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple | list):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
 class Recorder:
     """Collects the first call's inputs and outputs of a module via forward hooks."""
 
@@ -172,7 +182,8 @@ class Recorder:
         module.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, _module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self.calls.append((args, kwargs, output))
+        # copies: the official solver refills the same input buffers before every estimator call
+        self.calls.append(tuple(map(_copied, (args, kwargs, output))))
 
     def reset(self) -> None:
         self.calls.clear()
@@ -289,14 +300,14 @@ def flow_case(
         "embedding": embedding,
         "streaming": int(streaming),
         "finalize": int(finalize),
-        "lookahead_out": lookahead.calls[0][2].clone(),
-        "est_in_x": x.clone(),
-        "est_in_mask": mask.clone(),
-        "est_in_mu": mu.clone(),
-        "est_in_t": t.clone(),
-        "est_in_spks": spks.clone(),
-        "est_in_cond": cond.clone(),
-        "est_out_step0": out.clone(),
+        "lookahead_out": lookahead.calls[0][2],
+        "est_in_x": x,
+        "est_in_mask": mask,
+        "est_in_mu": mu,
+        "est_in_t": t,
+        "est_in_spks": spks,
+        "est_in_cond": cond,
+        "est_out_step0": out,
         "num_estimator_calls": len(estimator.calls),
         "feat": feat,
         "mel_len1": prompt_feat.shape[1],
@@ -305,19 +316,23 @@ def flow_case(
 
 
 def hift_case(hift: nn.Module, name: str, mel: Tensor, finalize: bool) -> dict[str, Any]:
-    f0_rec = Recorder(hift.f0_predictor)
+    f0_rec, pre_rec, post_rec = Recorder(hift.f0_predictor), Recorder(hift.conv_pre), Recorder(hift.conv_post)
     speech, source = hift.inference(speech_feat=mel, finalize=finalize)
     f0 = f0_rec.calls[0][2]
+    sine = hift.m_source.l_sin_gen
     return {
         "name": name,
         "function": "cosyvoice.hifigan.generator.CausalHiFTGenerator.inference",
         "mel": mel,
         "finalize": int(finalize),
-        "f0": f0.float(),
-        "f0_float64": f0.clone(),
+        "f0": f0,
+        "source_initial_phase": sine.rand_ini.clone(),
+        "source_noise": sine.sine_waves[:, : source.shape[-1]].clone(),
         "source": source,
+        "conv_pre_out": pre_rec.calls[0][2],
+        "conv_post_out": post_rec.calls[0][2],
         "speech": speech,
-        "voiced_fraction": float((f0 > hift.m_source.l_sin_gen.voiced_threshold).float().mean()),
+        "voiced_fraction": float((f0 > sine.voiced_threshold).float().mean()),
         "clamped_fraction": float((speech.abs() >= hift.audio_limit).float().mean()),
     }
 

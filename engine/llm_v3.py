@@ -1,0 +1,120 @@
+"""The CosyVoice3 speech-token LM (`CosyVoice3LM`): the CosyVoice2 Qwen2 decoder with its own speech vocabulary.
+
+Same backbone, text embedding and continuous-batching decoder as v2 (engine/qwen2_llm.py, engine/llm.py); what
+differs is the speech side:
+- one table, `speech_embedding` [V + 200, D], holds the speech tokens and the special rows: sos = V, eos = V + 1,
+  task id = V + 2, fill = V + 3 (there is no `llm_embedding`);
+- `llm_decoder` is a Linear without bias to V + 200 classes, and every id from V up stops decoding;
+- the text (prompt text + text) must contain `<|endofprompt|>` (id 151646): the official prompt convention is a
+  system/instruct text ending in that token before the text to speak.
+
+min_len: the official code masks only id V (its sos, never a likely pick) before min_len, so its eos can end an
+utterance early; this engine masks every stop id before min_len, as for v1/v2. Greedy decoding of the kit cases
+is the same either way (no case stops before min_len).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import CheckpointError, InvalidInputError
+from engine.layers import Linear
+from engine.llm import GenerationRequest, generate_tokens, sampling_from_yaml
+from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, embed_text
+from engine.sampling import SamplingOptions
+from engine.yaml_config import ObjectSpec
+
+NUM_SPECIAL_SPEECH_TOKENS = 200  # ids V .. V+199 of speech_embedding / llm_decoder, all stop decoding
+SOS_OFFSET, EOS_OFFSET, TASK_ID_OFFSET = 0, 1, 2
+ENDOFPROMPT_TOKEN = 151646  # `<|endofprompt|>` in the CosyVoice3 Qwen tokenizer; the official code hard-codes it
+
+
+@dataclass(frozen=True)
+class CosyVoice3LMConfig:
+    llm_input_size: int
+    llm_output_size: int
+    speech_token_size: int  # V: speech tokens are 0..V-1, the special rows follow
+    qwen: Qwen2Config
+    sampling: SamplingOptions  # the yaml's sampler settings: the default of requests that bring none
+
+    @classmethod
+    def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path) -> CosyVoice3LMConfig:
+        """The yaml `llm` node (class `CosyVoice3LM`); the Qwen2 config is
+        `<model_dir>/CosyVoice-BlankEN/config.json`."""
+        if not isinstance(spec, ObjectSpec) or spec.class_name != "CosyVoice3LM":
+            target = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
+            raise CheckpointError(f"llm class {target!r} is not the CosyVoice3 CosyVoice3LM")
+        backbone = spec.get("llm")
+        if not isinstance(backbone, ObjectSpec) or backbone.class_name != "Qwen2Encoder":
+            raise CheckpointError("the CosyVoice3LM backbone must be a Qwen2Encoder")
+        missing = [key for key in ("llm_input_size", "llm_output_size", "speech_token_size") if key not in spec.kwargs]
+        if missing:
+            raise CheckpointError(f"the CosyVoice3LM config has no {', '.join(missing)}")
+        qwen = Qwen2Config.from_json(Path(model_dir) / QWEN_DIR / "config.json")
+        sizes = (spec["llm_input_size"], spec["llm_output_size"])
+        if any(size != qwen.hidden_size for size in sizes):
+            raise CheckpointError(f"CosyVoice3LM llm_input/output_size {sizes} disagree with Qwen2 hidden_size")
+        if qwen.vocab_size <= ENDOFPROMPT_TOKEN:
+            raise CheckpointError(
+                f"the Qwen2 vocabulary ({qwen.vocab_size}) has no <|endofprompt|> id {ENDOFPROMPT_TOKEN}"
+            )
+        return cls(
+            llm_input_size=int(spec["llm_input_size"]),
+            llm_output_size=int(spec["llm_output_size"]),
+            speech_token_size=int(spec["speech_token_size"]),
+            qwen=qwen,
+            sampling=sampling_from_yaml(spec.get("sampling")),
+        )
+
+
+class CosyVoice3LM(nn.Module):
+    """Module and parameter names follow the official class, so `llm.pt` loads strictly."""
+
+    def __init__(self, cfg: CosyVoice3LMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        classes = cfg.speech_token_size + NUM_SPECIAL_SPEECH_TOKENS
+        self.llm = Qwen2Encoder(cfg.qwen)
+        self.llm_decoder = Linear(cfg.llm_output_size, classes, bias=False)
+        self.speech_embedding = nn.Embedding(classes, cfg.llm_input_size)
+
+    @property
+    def eos(self) -> int:
+        """The first stop id (= speech_token_size, the official sos row); every id from it up stops decoding."""
+        return self.cfg.speech_token_size
+
+    @property
+    def speaker_embed_dim(self) -> int | None:
+        return None  # like v2, the LM has no speaker term: a request's embedding is ignored
+
+    def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size].
+
+        Every row must contain `<|endofprompt|>` within its length (the official code asserts it).
+        """
+        embedded = embed_text(self.llm.model.model.embed_tokens, tokens, lengths)
+        valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths.to(tokens.device)[:, None]
+        lacking = (~((tokens == ENDOFPROMPT_TOKEN) & valid).any(dim=1)).nonzero().flatten().tolist()
+        if lacking:
+            raise InvalidInputError(
+                f"CosyVoice3 text must contain <|endofprompt|> (id {ENDOFPROMPT_TOKEN}) after the system or "
+                f"instruct prompt; row(s) {lacking} have none"
+            )
+        return embedded
+
+    def lm_input(self, request: GenerationRequest) -> Tensor:
+        """The prefill sequence [S, llm_input_size]: sos, text embeddings, task id, prompt speech embeddings."""
+        weight = self.speech_embedding.weight
+        sos, task_id = self.eos + SOS_OFFSET, self.eos + TASK_ID_OFFSET
+        parts = [weight[sos : sos + 1], request.text_encoded.to(weight.device), weight[task_id : task_id + 1]]
+        if request.prompt_speech_tokens is not None:
+            parts.append(self.speech_embedding(request.prompt_speech_tokens.long().to(weight.device).reshape(-1)))
+        return torch.cat([part.to(weight.dtype) for part in parts])
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Tensor]:
+        """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""
+        return generate_tokens(self, requests)
