@@ -229,11 +229,11 @@ def _length_mask(lengths: Tensor, max_length: int) -> Tensor:
 
 
 class CausalConv1d(Conv1d):
-    """Stride-1 Conv1d over zeros on the left only: output t reads inputs t - kernel + 1 .. t."""
+    """Stride-1 Conv1d over zeros on the left only: output t reads inputs t - dilation (kernel - 1) .. t."""
 
     def forward(self, x: Tensor) -> Tensor:
         """[B, in_channels, T] -> [B, out_channels, T]."""
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+        return super().forward(F.pad(x, (self.dilation[0] * (self.kernel_size[0] - 1), 0)))
 
 
 class ChannelsLast(nn.Module):

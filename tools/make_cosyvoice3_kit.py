@@ -338,7 +338,7 @@ def hift_case(hift: nn.Module, name: str, mel: Tensor, finalize: bool) -> dict[s
 
 
 def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
-    """Scale the f0 head and conv_post so f0 is part voiced and the iSTFT magnitudes stay moderate."""
+    """Scale the f0 head and conv_post: f0 part voiced, log-magnitudes about N(-2, 0.5^2), phases N(0, 2^2)."""
     mel = torch.randn(1, 80, 40, generator=generator) * 2 - 4
     with torch.no_grad():
         hidden = hift.f0_predictor.condnet(mel).transpose(1, 2)
@@ -353,7 +353,7 @@ def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
         half = out.shape[0] // 2 + 1
         g = hift.conv_post.parametrizations.weight.original0
         scale = torch.ones(out.shape[0])
-        scale[:half] = 1.0 / out[:half].std(dim=1)
+        scale[:half] = 0.5 / out[:half].std(dim=1)
         scale[half:] = 2.0 / out[half:].std(dim=1)
         g.mul_(scale.reshape(g.shape))
         hift.conv_post.bias.copy_(
