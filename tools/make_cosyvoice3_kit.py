@@ -338,7 +338,7 @@ def hift_case(hift: nn.Module, name: str, mel: Tensor, finalize: bool) -> dict[s
 
 
 def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
-    """Scale the f0 head and conv_post: f0 part voiced, log-magnitudes about N(-2, 0.5^2), phases N(0, 2^2)."""
+    """Scale the f0 head and conv_post: f0 partly voiced, log-magnitudes about N(-2, 0.5^2), phases of std 2."""
     mel = torch.randn(1, 80, 40, generator=generator) * 2 - 4
     with torch.no_grad():
         hidden = hift.f0_predictor.condnet(mel).transpose(1, 2)
