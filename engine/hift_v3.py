@@ -271,9 +271,13 @@ class CausalHiFTGenerator(HiFTGenerator):
         return speech * _length_mask(kept, speech.shape[-1], speech.dtype)[:, 0]
 
     @torch.inference_mode()
-    def inference(self, mels: list[Tensor], finalize: bool = True) -> list[Tensor]:  # type: ignore[override]
+    def inference(
+        self, mels: list[Tensor], seeds: list[int | None] | None = None, finalize: bool = True
+    ) -> list[Tensor]:
         """mels: each [in_channels, T_i] -> each waveform: [T_i * hop], or with finalize=False (a streaming chunk
         whose last frames are look-ahead) [(T_i - 8) * hop] for the released look-aheads (3 f0 + 4 conv_pre + 1).
+
+        `seeds` is accepted for the v1/v2 signature and unused: the v3 source is the same fixed draw for every call.
         """
         if not mels:
             return []

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Linear
 from engine.llm import GenerationRequest, generate_tokens, sampling_from_yaml
-from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, embed_text
+from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, Qwen2TextEmbedding, embed_text
 from engine.sampling import SamplingOptions
 from engine.yaml_config import ObjectSpec
 
@@ -71,6 +71,27 @@ class CosyVoice3LMConfig:
         )
 
 
+def embed_prompted_text(embed_tokens: nn.Embedding, tokens: Tensor, lengths: Tensor) -> Tensor:
+    """`embed_text` of ids whose every row holds `<|endofprompt|>` within its length; InvalidInputError otherwise."""
+    embedded = embed_text(embed_tokens, tokens, lengths)
+    valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths.to(tokens.device)[:, None]
+    lacking = (~((tokens == ENDOFPROMPT_TOKEN) & valid).any(dim=1)).nonzero().flatten().tolist()
+    if lacking:
+        raise InvalidInputError(
+            f"CosyVoice3 text must contain <|endofprompt|> (id {ENDOFPROMPT_TOKEN}) after the system or instruct "
+            f"prompt; row(s) {lacking} have none"
+        )
+    return embedded
+
+
+class CosyVoice3TextEmbedding(Qwen2TextEmbedding):
+    """What an encoder-only replica keeps of a loaded `CosyVoice3LM`: its Qwen2 token embedding."""
+
+    def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """tokens [B, T], lengths [B] -> [B, T, D], as `CosyVoice3LM.encode_text` (the marker is required)."""
+        return embed_prompted_text(self.embed_tokens, tokens, lengths)
+
+
 class CosyVoice3LM(nn.Module):
     """Module and parameter names follow the official class, so `llm.pt` loads strictly."""
 
@@ -96,15 +117,7 @@ class CosyVoice3LM(nn.Module):
 
         Every row must contain `<|endofprompt|>` within its length (the official code asserts it).
         """
-        embedded = embed_text(self.llm.model.model.embed_tokens, tokens, lengths)
-        valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths.to(tokens.device)[:, None]
-        lacking = (~((tokens == ENDOFPROMPT_TOKEN) & valid).any(dim=1)).nonzero().flatten().tolist()
-        if lacking:
-            raise InvalidInputError(
-                f"CosyVoice3 text must contain <|endofprompt|> (id {ENDOFPROMPT_TOKEN}) after the system or "
-                f"instruct prompt; row(s) {lacking} have none"
-            )
-        return embedded
+        return embed_prompted_text(self.llm.model.model.embed_tokens, tokens, lengths)
 
     def lm_input(self, request: GenerationRequest) -> Tensor:
         """The prefill sequence [S, llm_input_size]: sos, text embeddings, task id, prompt speech embeddings."""
