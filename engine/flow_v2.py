@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -469,6 +470,27 @@ class UpsampleConformerEncoder(nn.Module):
         return self.after_norm(x), frame_lengths
 
 
+def check_causal_flow_request(config: CausalFlowConfig | Any, index: int, request: FlowRequest, context: int) -> None:
+    """The request checks of the causal flows (v2, and v3's DiT flow, whose config has the same fields):
+    InvalidInputError unless its tokens give mel frames past the prompt and within the fixed noise.
+    `context`: tokens held back as look-ahead only (finalize=False)."""
+    prompt_feat = request.prompt_feat
+    check_flow_request(request, config.vocab_size, config.output_size, config.spk_embed_dim)
+    encoded = request.prompt_tokens.numel() + request.tokens.numel() - context
+    frames = config.token_mel_ratio * encoded
+    if frames > NOISE_FRAMES:
+        raise InvalidInputError(
+            f"request {index} needs {frames} mel frames (prompt included); the flow can generate at most "
+            f"{NOISE_FRAMES}: split its tokens"
+        )
+    if frames <= prompt_feat.shape[0]:
+        held_back = f" (with finalize=False its last {context} tokens are look-ahead only)" if context else ""
+        raise InvalidInputError(
+            f"request {index} yields no mel frames after its {prompt_feat.shape[0]} prompt frames: "
+            f"its tokens give {frames} frames in all{held_back}"
+        )
+
+
 @dataclass
 class CausalFlowConditioning:
     """Everything the CFM is conditioned on, for a padded batch (mel frames include the prompt frames)."""
@@ -496,23 +518,6 @@ class CausalMaskedDiffWithXvec(nn.Module):
             config.decoder.inference_cfg_rate, mel, CausalConditionalDecoder(config.decoder.estimator)
         )
 
-    def _validate(self, index: int, request: FlowRequest, context: int) -> None:
-        config, prompt_feat = self.config, request.prompt_feat
-        check_flow_request(request, config.vocab_size, config.output_size, config.spk_embed_dim)
-        encoded = request.prompt_tokens.numel() + request.tokens.numel() - context
-        frames = config.token_mel_ratio * encoded
-        if frames > NOISE_FRAMES:
-            raise InvalidInputError(
-                f"request {index} needs {frames} mel frames (prompt included); the flow can generate at most "
-                f"{NOISE_FRAMES}: split its tokens"
-            )
-        if frames <= prompt_feat.shape[0]:
-            held_back = f" (with finalize=False its last {context} tokens are look-ahead only)" if context else ""
-            raise InvalidInputError(
-                f"request {index} yields no mel frames after its {prompt_feat.shape[0]} prompt frames: "
-                f"its tokens give {frames} frames in all{held_back}"
-            )
-
     @torch.inference_mode()
     def prepare(
         self, requests: list[FlowRequest], streaming: bool = False, finalize: bool = True
@@ -525,7 +530,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
             raise InvalidInputError("the flow needs at least one request")
         context = 0 if finalize else self.config.pre_lookahead_len
         for index, request in enumerate(requests):
-            self._validate(index, request, context)
+            check_causal_flow_request(self.config, index, request, context)
         weight = self.input_embedding.weight
         device, dtype = weight.device, weight.dtype
 

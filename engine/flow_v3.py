@@ -27,14 +27,14 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import FlowRequest, check_flow_request
+from engine.flow import FlowRequest
 from engine.flow_estimator import sinusoidal_time_embedding
 from engine.flow_v2 import (
-    NOISE_FRAMES,
     CausalConditionalCFM,
     CausalConv1d,
     PreLookaheadLayer,
     cfm_inference_cfg_rate,
+    check_causal_flow_request,
     chunk_attention_mask,
 )
 from engine.layers import LayerNorm, Linear, softmax_fp32
@@ -307,22 +307,6 @@ class CausalMaskedDiffWithDiT(nn.Module):
         )
         self.decoder = CausalConditionalCFM(config.inference_cfg_rate, mel, DiT(config.estimator))
 
-    def _validate(self, index: int, request: FlowRequest, context: int) -> None:
-        config, prompt_frames = self.config, request.prompt_feat.shape[0]
-        check_flow_request(request, config.vocab_size, config.output_size, config.spk_embed_dim)
-        frames = config.token_mel_ratio * (request.prompt_tokens.numel() + request.tokens.numel() - context)
-        if frames > NOISE_FRAMES:
-            raise InvalidInputError(
-                f"request {index} needs {frames} mel frames (prompt included); the flow can generate at most "
-                f"{NOISE_FRAMES}: split its tokens"
-            )
-        if frames <= prompt_frames:
-            held_back = f" (with finalize=False its last {context} tokens are look-ahead only)" if context else ""
-            raise InvalidInputError(
-                f"request {index} yields no mel frames after its {prompt_frames} prompt frames: its tokens give "
-                f"{frames} frames in all{held_back}"
-            )
-
     @torch.inference_mode()
     def prepare(self, requests: list[FlowRequest], finalize: bool = True) -> DiTFlowConditioning:
         """The CFM conditioning of a batch (see DiTFlowConditioning).
@@ -334,7 +318,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         config = self.config
         context = 0 if finalize else config.pre_lookahead_len
         for index, request in enumerate(requests):
-            self._validate(index, request, context)
+            check_causal_flow_request(config, index, request, context)
         weight = self.input_embedding.weight
         device, dtype = weight.device, weight.dtype
 

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Linear
-from engine.llm import GenerationRequest, generate_tokens, sampling_from_yaml
-from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, Qwen2TextEmbedding, embed_text
+from engine.llm import sampling_from_yaml
+from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, Qwen2LM, Qwen2TextEmbedding, embed_text
 from engine.sampling import SamplingOptions
 from engine.yaml_config import ObjectSpec
 
@@ -92,25 +92,17 @@ class CosyVoice3TextEmbedding(Qwen2TextEmbedding):
         return embed_prompted_text(self.embed_tokens, tokens, lengths)
 
 
-class CosyVoice3LM(nn.Module):
-    """Module and parameter names follow the official class, so `llm.pt` loads strictly."""
+class CosyVoice3LM(Qwen2LM):
+    """Module and parameter names follow the official class, so `llm.pt` loads strictly. The v2 `Qwen2LM`'s
+    decoding (`eos`, `speaker_embed_dim`, `lm_input`, `generate`) is shared; the layers and the special rows differ."""
 
     def __init__(self, cfg: CosyVoice3LMConfig) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # no llm_embedding, and an llm_decoder without bias
         self.cfg = cfg
         classes = cfg.speech_token_size + NUM_SPECIAL_SPEECH_TOKENS
         self.llm = Qwen2Encoder(cfg.qwen)
         self.llm_decoder = Linear(cfg.llm_output_size, classes, bias=False)
         self.speech_embedding = nn.Embedding(classes, cfg.llm_input_size)
-
-    @property
-    def eos(self) -> int:
-        """The first stop id (= speech_token_size, the official sos row); every id from it up stops decoding."""
-        return self.cfg.speech_token_size
-
-    @property
-    def speaker_embed_dim(self) -> int | None:
-        return None  # like v2, the LM has no speaker term: a request's embedding is ignored
 
     def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size].
@@ -119,15 +111,8 @@ class CosyVoice3LM(nn.Module):
         """
         return embed_prompted_text(self.llm.model.model.embed_tokens, tokens, lengths)
 
-    def lm_input(self, request: GenerationRequest) -> Tensor:
-        """The prefill sequence [S, llm_input_size]: sos, text embeddings, task id, prompt speech embeddings."""
+    def special_embeddings(self) -> tuple[Tensor, Tensor]:
+        """The sos and task-id embeddings: rows V and V + 2 of speech_embedding."""
         weight = self.speech_embedding.weight
         sos, task_id = self.eos + SOS_OFFSET, self.eos + TASK_ID_OFFSET
-        parts = [weight[sos : sos + 1], request.text_encoded.to(weight.device), weight[task_id : task_id + 1]]
-        if request.prompt_speech_tokens is not None:
-            parts.append(self.speech_embedding(request.prompt_speech_tokens.long().to(weight.device).reshape(-1)))
-        return torch.cat([part.to(weight.dtype) for part in parts])
-
-    def generate(self, requests: list[GenerationRequest]) -> list[Tensor]:
-        """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""
-        return generate_tokens(self, requests)
+        return weight[sos : sos + 1], weight[task_id : task_id + 1]

@@ -334,11 +334,17 @@ class Qwen2LM(nn.Module):
 
     def lm_input(self, request: GenerationRequest) -> Tensor:
         """The prefill sequence [S, llm_input_size]: sos, text embeddings, task id, prompt speech embeddings."""
-        weight = self.llm_embedding.weight
-        parts = [weight[SOS : SOS + 1], request.text_encoded.to(weight.device), weight[TASK_ID : TASK_ID + 1]]
+        sos, task_id = self.special_embeddings()
+        weight = self.speech_embedding.weight
+        parts = [sos, request.text_encoded.to(weight.device), task_id]
         if request.prompt_speech_tokens is not None:
             parts.append(self.speech_embedding(request.prompt_speech_tokens.long().to(weight.device).reshape(-1)))
         return torch.cat([part.to(weight.dtype) for part in parts])
+
+    def special_embeddings(self) -> tuple[Tensor, Tensor]:
+        """The sos and task-id embeddings [1, llm_input_size] each (v2: the rows of llm_embedding)."""
+        weight = self.llm_embedding.weight
+        return weight[SOS : SOS + 1], weight[TASK_ID : TASK_ID + 1]
 
     def generate(self, requests: list[GenerationRequest]) -> list[Tensor]:
         """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""
