@@ -15,7 +15,6 @@ is the same either way (no case stops before min_len).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,9 +22,7 @@ from torch import Tensor, nn
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Linear
-from engine.llm import sampling_from_yaml
-from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, Qwen2LM, Qwen2TextEmbedding, embed_text
-from engine.sampling import SamplingOptions
+from engine.qwen2_llm import Qwen2Encoder, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding, embed_text
 from engine.yaml_config import ObjectSpec
 
 NUM_SPECIAL_SPEECH_TOKENS = 200  # ids V .. V+199 of speech_embedding / llm_decoder, all stop decoding
@@ -33,42 +30,19 @@ SOS_OFFSET, EOS_OFFSET, TASK_ID_OFFSET = 0, 1, 2
 ENDOFPROMPT_TOKEN = 151646  # `<|endofprompt|>` in the CosyVoice3 Qwen tokenizer; the official code hard-codes it
 
 
-@dataclass(frozen=True)
-class CosyVoice3LMConfig:
-    llm_input_size: int
-    llm_output_size: int
-    speech_token_size: int  # V: speech tokens are 0..V-1, the special rows follow
-    qwen: Qwen2Config
-    sampling: SamplingOptions  # the yaml's sampler settings: the default of requests that bring none
+class CosyVoice3LMConfig(Qwen2LMConfig):
+    """The v2 LM config fields; speech_token_size is V, the first of the 200 special rows."""
 
     @classmethod
-    def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path) -> CosyVoice3LMConfig:
+    def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path, class_name: str = "CosyVoice3LM") -> CosyVoice3LMConfig:
         """The yaml `llm` node (class `CosyVoice3LM`); the Qwen2 config is
         `<model_dir>/CosyVoice-BlankEN/config.json`."""
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "CosyVoice3LM":
-            target = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"llm class {target!r} is not the CosyVoice3 CosyVoice3LM")
-        backbone = spec.get("llm")
-        if not isinstance(backbone, ObjectSpec) or backbone.class_name != "Qwen2Encoder":
-            raise CheckpointError("the CosyVoice3LM backbone must be a Qwen2Encoder")
-        missing = [key for key in ("llm_input_size", "llm_output_size", "speech_token_size") if key not in spec.kwargs]
-        if missing:
-            raise CheckpointError(f"the CosyVoice3LM config has no {', '.join(missing)}")
-        qwen = Qwen2Config.from_json(Path(model_dir) / QWEN_DIR / "config.json")
-        sizes = (spec["llm_input_size"], spec["llm_output_size"])
-        if any(size != qwen.hidden_size for size in sizes):
-            raise CheckpointError(f"CosyVoice3LM llm_input/output_size {sizes} disagree with Qwen2 hidden_size")
-        if qwen.vocab_size <= ENDOFPROMPT_TOKEN:
+        config = super().from_yaml(spec, model_dir, class_name)
+        if config.qwen.vocab_size <= ENDOFPROMPT_TOKEN:
             raise CheckpointError(
-                f"the Qwen2 vocabulary ({qwen.vocab_size}) has no <|endofprompt|> id {ENDOFPROMPT_TOKEN}"
+                f"the Qwen2 vocabulary ({config.qwen.vocab_size}) has no <|endofprompt|> id {ENDOFPROMPT_TOKEN}"
             )
-        return cls(
-            llm_input_size=int(spec["llm_input_size"]),
-            llm_output_size=int(spec["llm_output_size"]),
-            speech_token_size=int(spec["speech_token_size"]),
-            qwen=qwen,
-            sampling=sampling_from_yaml(spec.get("sampling")),
-        )
+        return config
 
 
 def embed_prompted_text(embed_tokens: nn.Embedding, tokens: Tensor, lengths: Tensor) -> Tensor:

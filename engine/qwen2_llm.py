@@ -112,21 +112,22 @@ class Qwen2LMConfig:
     sampling: SamplingOptions  # the yaml's sampler settings: the default of requests that bring none
 
     @classmethod
-    def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path) -> Qwen2LMConfig:
-        """The yaml `llm` node (class `Qwen2LM`); the Qwen2 config is `<model_dir>/CosyVoice-BlankEN/config.json`."""
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "Qwen2LM":
+    def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path, class_name: str = "Qwen2LM") -> Qwen2LMConfig:
+        """The yaml `llm` node (class `class_name`: the CosyVoice2 `Qwen2LM`, or v3's `CosyVoice3LM`); the Qwen2
+        config is `<model_dir>/CosyVoice-BlankEN/config.json`."""
+        if not isinstance(spec, ObjectSpec) or spec.class_name != class_name:
             target = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"llm class {target!r} is not supported here; only the CosyVoice2 Qwen2LM")
+            raise CheckpointError(f"llm class {target!r} is not supported here; expected {class_name}")
         backbone = spec.get("llm")
         if not isinstance(backbone, ObjectSpec) or backbone.class_name != "Qwen2Encoder":
-            raise CheckpointError("the Qwen2LM backbone must be a Qwen2Encoder")
+            raise CheckpointError(f"the {class_name} backbone must be a Qwen2Encoder")
         for key in ("llm_input_size", "llm_output_size", "speech_token_size"):
             if key not in spec.kwargs:
-                raise CheckpointError(f"the Qwen2LM config has no {key}")
+                raise CheckpointError(f"the {class_name} config has no {key}")
         qwen = Qwen2Config.from_json(Path(model_dir) / QWEN_DIR / "config.json")
         sizes = (spec["llm_input_size"], spec["llm_output_size"])
         if any(size != qwen.hidden_size for size in sizes):
-            raise CheckpointError(f"Qwen2LM llm_input/output_size {sizes} disagree with Qwen2 hidden_size")
+            raise CheckpointError(f"{class_name} llm_input/output_size {sizes} disagree with Qwen2 hidden_size")
         return cls(
             llm_input_size=int(spec["llm_input_size"]),
             llm_output_size=int(spec["llm_output_size"]),
