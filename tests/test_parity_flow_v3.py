@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
+from test_parity_flow_v2 import request_of  # the same case fields in v3 kits
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import FlowRequest
 from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
 
 ATOL = 1e-4  # feat, the estimator output and the conditioning (all within a few 1e-6 on the tiny kit)
@@ -32,15 +32,6 @@ def flow_cases(kit: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def flow(kit: Path) -> CausalMaskedDiffWithDiT:
     return strictly_loaded(CausalMaskedDiffWithDiT(DiTFlowConfig.from_yaml(v3_yaml(kit)["flow"])), kit, "flow")
-
-
-def request_of(case: dict[str, Any]) -> FlowRequest:
-    return FlowRequest(
-        tokens=case["token"][0],
-        prompt_tokens=case["prompt_token"][0],
-        prompt_feat=case["prompt_feat"][0],
-        embedding=case["embedding"][0],
-    )
 
 
 def test_conditioning(flow: CausalMaskedDiffWithDiT, flow_cases: list[dict[str, Any]]) -> None:
