@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,17 +100,22 @@ class CausalCFMConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CausalCFMConfig:
         """From the yaml `decoder` node (class `CausalConditionalCFM`, with `cfm_params` and `estimator`)."""
-        _check_class(spec, "CausalConditionalCFM", "flow decoder")
-        params = spec["cfm_params"]
-        if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
-            params = params.get("content", params.kwargs)
-        solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
-        _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
-        _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
         return cls(
-            inference_cfg_rate=float(params.get("inference_cfg_rate", 0.7)),
+            inference_cfg_rate=cfm_inference_cfg_rate(spec),
             estimator=CausalEstimatorConfig.from_yaml(spec["estimator"]),
         )
+
+
+def cfm_inference_cfg_rate(spec: ObjectSpec) -> float:
+    """The CFG rate of a yaml `decoder` node of class `CausalConditionalCFM`, after checking its solver settings."""
+    _check_class(spec, "CausalConditionalCFM", "flow decoder")
+    params = spec["cfm_params"]
+    if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
+        params = params.get("content", params.kwargs)
+    solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
+    _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
+    _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
+    return float(params.get("inference_cfg_rate", 0.7))
 
 
 def _upsample_encoder_config(spec: ObjectSpec) -> EncoderConfig:
@@ -224,11 +230,11 @@ def _length_mask(lengths: Tensor, max_length: int) -> Tensor:
 
 
 class CausalConv1d(Conv1d):
-    """Stride-1 Conv1d over zeros on the left only: output t reads inputs t - kernel + 1 .. t."""
+    """Stride-1 Conv1d over zeros on the left only: output t reads inputs t - dilation (kernel - 1) .. t."""
 
     def forward(self, x: Tensor) -> Tensor:
         """[B, in_channels, T] -> [B, out_channels, T]."""
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+        return super().forward(F.pad(x, (self.dilation[0] * (self.kernel_size[0] - 1), 0)))
 
 
 class ChannelsLast(nn.Module):
@@ -342,11 +348,12 @@ class CausalConditionalDecoder(nn.Module):
 class CausalConditionalCFM(nn.Module):
     """Euler integration of the flow-matching ODE with classifier-free guidance, from the fixed start noise."""
 
-    def __init__(self, config: CausalCFMConfig, mel_bins: int) -> None:
+    def __init__(self, inference_cfg_rate: float, mel_bins: int, estimator: nn.Module) -> None:
+        """`estimator(x, mask, mu, t, spks, cond, streaming=)` is the velocity field (v2 U-Net, v3 DiT)."""
         super().__init__()
-        self.inference_cfg_rate = config.inference_cfg_rate
+        self.inference_cfg_rate = inference_cfg_rate
         self.mel_bins = mel_bins
-        self.estimator = CausalConditionalDecoder(config.estimator)
+        self.estimator = estimator
         # fp32 on CPU, built on first use; a plain attribute, so neither state_dict nor .to(dtype) touch it
         self._fixed_noise: Tensor | None = None
 
@@ -393,11 +400,13 @@ class PreLookaheadLayer(nn.Module):
     """Mixes each token with the next `lookahead` ones: Conv1d k(lookahead+1) over right zeros, leaky ReLU,
     a causal Conv1d k3, plus the residual."""
 
-    def __init__(self, channels: int, lookahead: int) -> None:
+    def __init__(self, channels: int, lookahead: int, hidden: int | None = None) -> None:
+        """`hidden`: the width between the two convolutions (v3: 1024 around 80 channels); default `channels`."""
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = Conv1d(channels, channels, lookahead + 1)
-        self.conv2 = Conv1d(channels, channels, _LOOKAHEAD_OUT_KERNEL)
+        hidden = channels if hidden is None else hidden
+        self.conv1 = Conv1d(channels, hidden, lookahead + 1)
+        self.conv2 = Conv1d(hidden, channels, _LOOKAHEAD_OUT_KERNEL)
 
     def forward(self, x: Tensor, readable: Tensor) -> Tensor:
         """x: [B, T, C] embedded frames, readable: [B, T] bool (frames the look-ahead may read: the request's
@@ -461,6 +470,27 @@ class UpsampleConformerEncoder(nn.Module):
         return self.after_norm(x), frame_lengths
 
 
+def check_causal_flow_request(config: CausalFlowConfig | Any, index: int, request: FlowRequest, context: int) -> None:
+    """The request checks of the causal flows (v2, and v3's DiT flow, whose config has the same fields):
+    InvalidInputError unless its tokens give mel frames past the prompt and within the fixed noise.
+    `context`: tokens held back as look-ahead only (finalize=False)."""
+    prompt_feat = request.prompt_feat
+    check_flow_request(request, config.vocab_size, config.output_size, config.spk_embed_dim)
+    encoded = request.prompt_tokens.numel() + request.tokens.numel() - context
+    frames = config.token_mel_ratio * encoded
+    if frames > NOISE_FRAMES:
+        raise InvalidInputError(
+            f"request {index} needs {frames} mel frames (prompt included); the flow can generate at most "
+            f"{NOISE_FRAMES}: split its tokens"
+        )
+    if frames <= prompt_feat.shape[0]:
+        held_back = f" (with finalize=False its last {context} tokens are look-ahead only)" if context else ""
+        raise InvalidInputError(
+            f"request {index} yields no mel frames after its {prompt_feat.shape[0]} prompt frames: "
+            f"its tokens give {frames} frames in all{held_back}"
+        )
+
+
 @dataclass
 class CausalFlowConditioning:
     """Everything the CFM is conditioned on, for a padded batch (mel frames include the prompt frames)."""
@@ -484,24 +514,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
         self.spk_embed_affine_layer = Linear(config.spk_embed_dim, mel)
         self.encoder = UpsampleConformerEncoder(config)
         self.encoder_proj = Linear(config.encoder.output_size, mel)
-        self.decoder = CausalConditionalCFM(config.decoder, mel)
-
-    def _validate(self, index: int, request: FlowRequest, context: int) -> None:
-        config, prompt_feat = self.config, request.prompt_feat
-        check_flow_request(request, config.vocab_size, config.output_size, config.spk_embed_dim)
-        encoded = request.prompt_tokens.numel() + request.tokens.numel() - context
-        frames = config.token_mel_ratio * encoded
-        if frames > NOISE_FRAMES:
-            raise InvalidInputError(
-                f"request {index} needs {frames} mel frames (prompt included); the flow can generate at most "
-                f"{NOISE_FRAMES}: split its tokens"
-            )
-        if frames <= prompt_feat.shape[0]:
-            held_back = f" (with finalize=False its last {context} tokens are look-ahead only)" if context else ""
-            raise InvalidInputError(
-                f"request {index} yields no mel frames after its {prompt_feat.shape[0]} prompt frames: "
-                f"its tokens give {frames} frames in all{held_back}"
-            )
+        self.decoder = CausalConditionalCFM(
+            config.decoder.inference_cfg_rate, mel, CausalConditionalDecoder(config.decoder.estimator)
+        )
 
     @torch.inference_mode()
     def prepare(
@@ -515,7 +530,7 @@ class CausalMaskedDiffWithXvec(nn.Module):
             raise InvalidInputError("the flow needs at least one request")
         context = 0 if finalize else self.config.pre_lookahead_len
         for index, request in enumerate(requests):
-            self._validate(index, request, context)
+            check_causal_flow_request(self.config, index, request, context)
         weight = self.input_embedding.weight
         device, dtype = weight.device, weight.dtype
 

@@ -56,13 +56,14 @@ class F0PredictorConfig:
     cond_channels: int = 512
 
     @classmethod
-    def from_yaml(cls, spec: ObjectSpec) -> F0PredictorConfig:
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "ConvRNNF0Predictor":
+    def from_yaml(cls, spec: ObjectSpec, class_name: str = "ConvRNNF0Predictor") -> F0PredictorConfig:
+        """The yaml `f0_predictor` node, of class `class_name` (v3: `CausalConvRNNF0Predictor`)."""
+        if not isinstance(spec, ObjectSpec) or spec.class_name != class_name:
             name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"unsupported HiFT f0 predictor {name!r}; only ConvRNNF0Predictor is implemented")
-        _check_options(spec, {"num_class", "in_channels", "cond_channels"}, "ConvRNNF0Predictor")
+            raise CheckpointError(f"unsupported HiFT f0 predictor {name!r}; expected {class_name}")
+        _check_options(spec, {"num_class", "in_channels", "cond_channels"}, class_name)
         if int(spec.get("num_class", 1)) != 1:
-            raise CheckpointError("ConvRNNF0Predictor must predict one f0 value per frame (num_class: 1)")
+            raise CheckpointError(f"{class_name} must predict one f0 value per frame (num_class: 1)")
         defaults = cls()
         return cls(
             in_channels=int(spec.get("in_channels", defaults.in_channels)),
@@ -110,35 +111,7 @@ class HiFTConfig:
         _check_options(spec, _HIFT_OPTIONS, "HiFTGenerator")
         if "f0_predictor" not in spec.kwargs:
             raise CheckpointError("the HiFTGenerator config has no f0_predictor")
-        istft = spec.get("istft_params", {"n_fft": 16, "hop_len": 4})
-        defaults = cls()
-        config = cls(
-            in_channels=int(spec.get("in_channels", defaults.in_channels)),
-            base_channels=int(spec.get("base_channels", defaults.base_channels)),
-            nb_harmonics=int(spec.get("nb_harmonics", defaults.nb_harmonics)),
-            sampling_rate=int(spec.get("sampling_rate", defaults.sampling_rate)),
-            nsf_alpha=float(spec.get("nsf_alpha", defaults.nsf_alpha)),
-            nsf_sigma=float(spec.get("nsf_sigma", defaults.nsf_sigma)),
-            nsf_voiced_threshold=float(spec.get("nsf_voiced_threshold", defaults.nsf_voiced_threshold)),
-            upsample_rates=_int_tuple(spec.get("upsample_rates", defaults.upsample_rates)),
-            upsample_kernel_sizes=_int_tuple(spec.get("upsample_kernel_sizes", defaults.upsample_kernel_sizes)),
-            n_fft=int(istft["n_fft"]),
-            istft_hop=int(istft["hop_len"]),
-            resblock_kernel_sizes=_int_tuple(spec.get("resblock_kernel_sizes", defaults.resblock_kernel_sizes)),
-            resblock_dilation_sizes=tuple(
-                _int_tuple(d) for d in spec.get("resblock_dilation_sizes", defaults.resblock_dilation_sizes)
-            ),
-            source_resblock_kernel_sizes=_int_tuple(
-                spec.get("source_resblock_kernel_sizes", defaults.source_resblock_kernel_sizes)
-            ),
-            source_resblock_dilation_sizes=tuple(
-                _int_tuple(d)
-                for d in spec.get("source_resblock_dilation_sizes", defaults.source_resblock_dilation_sizes)
-            ),
-            lrelu_slope=float(spec.get("lrelu_slope", defaults.lrelu_slope)),
-            audio_limit=float(spec.get("audio_limit", defaults.audio_limit)),
-            f0_predictor=F0PredictorConfig.from_yaml(spec["f0_predictor"]),
-        )
+        config = cls(**hift_fields_from_yaml(spec), f0_predictor=F0PredictorConfig.from_yaml(spec["f0_predictor"]))
         config.validate()
         return config
 
@@ -159,6 +132,37 @@ class HiFTConfig:
             raise CheckpointError("the f0 predictor and HiFT take a different number of mel channels")
         if self.n_fft % 2 or self.n_fft % self.istft_hop:
             raise CheckpointError("HiFT istft n_fft must be even and a multiple of hop_len")
+
+
+def hift_fields_from_yaml(spec: ObjectSpec) -> dict[str, Any]:
+    """The HiFTConfig fields of a yaml `hift` node that both generators share (all but `f0_predictor`)."""
+    istft = spec.get("istft_params", {"n_fft": 16, "hop_len": 4})
+    defaults = HiFTConfig()
+    return dict(
+        in_channels=int(spec.get("in_channels", defaults.in_channels)),
+        base_channels=int(spec.get("base_channels", defaults.base_channels)),
+        nb_harmonics=int(spec.get("nb_harmonics", defaults.nb_harmonics)),
+        sampling_rate=int(spec.get("sampling_rate", defaults.sampling_rate)),
+        nsf_alpha=float(spec.get("nsf_alpha", defaults.nsf_alpha)),
+        nsf_sigma=float(spec.get("nsf_sigma", defaults.nsf_sigma)),
+        nsf_voiced_threshold=float(spec.get("nsf_voiced_threshold", defaults.nsf_voiced_threshold)),
+        upsample_rates=_int_tuple(spec.get("upsample_rates", defaults.upsample_rates)),
+        upsample_kernel_sizes=_int_tuple(spec.get("upsample_kernel_sizes", defaults.upsample_kernel_sizes)),
+        n_fft=int(istft["n_fft"]),
+        istft_hop=int(istft["hop_len"]),
+        resblock_kernel_sizes=_int_tuple(spec.get("resblock_kernel_sizes", defaults.resblock_kernel_sizes)),
+        resblock_dilation_sizes=tuple(
+            _int_tuple(d) for d in spec.get("resblock_dilation_sizes", defaults.resblock_dilation_sizes)
+        ),
+        source_resblock_kernel_sizes=_int_tuple(
+            spec.get("source_resblock_kernel_sizes", defaults.source_resblock_kernel_sizes)
+        ),
+        source_resblock_dilation_sizes=tuple(
+            _int_tuple(d) for d in spec.get("source_resblock_dilation_sizes", defaults.source_resblock_dilation_sizes)
+        ),
+        lrelu_slope=float(spec.get("lrelu_slope", defaults.lrelu_slope)),
+        audio_limit=float(spec.get("audio_limit", defaults.audio_limit)),
+    )
 
 
 def _length_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor:
@@ -295,6 +299,7 @@ class SineGen2(nn.Module):
         self.sine_amp = config.nsf_alpha
         self.noise_std = config.nsf_sigma
         self.voiced_threshold = config.nsf_voiced_threshold
+        self.phase_upsampling = "linear"  # the v3 causal generator repeats each frame's phase ("nearest")
 
     def draw(self, batch: int, length: int, device: torch.device, generator: torch.Generator | None) -> Sine2Draws:
         initial_phase = torch.rand((batch, self.harmonics), generator=generator, device=device)
@@ -313,7 +318,7 @@ class SineGen2(nn.Module):
         frame_cycles = F.interpolate(cycles, scale_factor=1 / self.hop, mode="linear")
         frame_phase = torch.cumsum(frame_cycles, dim=-1) * 2 * math.pi
         # a frame's phase advance spans hop samples, hence the scaling before the interpolation back
-        phase = F.interpolate(frame_phase * self.hop, scale_factor=self.hop, mode="linear")
+        phase = F.interpolate(frame_phase * self.hop, scale_factor=self.hop, mode=self.phase_upsampling)
         sines = torch.sin(phase) * self.sine_amp
         voiced = (f0 > self.voiced_threshold).to(f0.dtype)[:, None, :]
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3

@@ -2,10 +2,12 @@
 
 Load formats (like vLLM's `--load-format`):
 - `official`: a CosyVoice v1 model dir (`cosyvoice.yaml`, `llm.pt`, `flow.pt`, `hift.pt`, optional `spk2info.pt`)
-  or a CosyVoice2 one (`cosyvoice2.yaml`, the same checkpoints, and `CosyVoice-BlankEN/` with the Qwen2 config and
-  tokenizer), every checkpoint loaded strictly with `weights_only=True`;
-- `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`, `cosyvoice2-0.5b`, `cosyvoice2-tiny`) or a
-  yaml file, seeded random weights (a v2 dummy model gets a byte-level stand-in for the Qwen2 tokenizer).
+  or a CosyVoice2 / CosyVoice3 one (`cosyvoice2.yaml` / `cosyvoice3.yaml`, the same checkpoints, and
+  `CosyVoice-BlankEN/` with the Qwen2 config and tokenizer), every checkpoint loaded strictly with
+  `weights_only=True`;
+- `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`, `cosyvoice2-0.5b`, `cosyvoice2-tiny`,
+  `cosyvoice3-0.5b`, `cosyvoice3-tiny`) or a yaml file, seeded random weights (a v2/v3 dummy model gets a
+  byte-level stand-in for the Qwen2 tokenizer).
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
 from engine.flow import FlowConfig, MaskedDiffWithXvec
 from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
+from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
 from engine.frontend import TextFrontend, WhisperTokenizer
 from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
+from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
 from engine.llm import LLMConfig, TransformerLM
+from engine.llm_v3 import CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
 from engine.precision import pack_linear_for_cpu, parse_dtype, quantize_linear_int8
 from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
 from engine.qwen_tokenizer import QwenTokenizer
@@ -37,6 +42,8 @@ PRESETS = {
     "tiny": "tiny.yaml",
     "cosyvoice2-0.5b": "cosyvoice2-0.5b/cosyvoice2.yaml",
     "cosyvoice2-tiny": "cosyvoice2-tiny/cosyvoice2.yaml",
+    "cosyvoice3-0.5b": "cosyvoice3-0.5b/cosyvoice3.yaml",
+    "cosyvoice3-tiny": "cosyvoice3-tiny/cosyvoice3.yaml",
 }
 # The tiny cloning models shipped for presets (written by engine/tiny_voice_models.py): campplus.onnx and the
 # speech tokenizer of the preset's version, over the preset's speech vocabulary.
@@ -49,6 +56,8 @@ PRESET_VOICE_MODELS = {
 }
 V1_CONFIG = "cosyvoice.yaml"
 V2_CONFIG = "cosyvoice2.yaml"
+V3_CONFIG = "cosyvoice3.yaml"
+LLM_VERSIONS = {"TransformerLM": 1, "Qwen2LM": 2, "CosyVoice3LM": 3}  # the yaml's LLM class tells the version
 CHECKPOINT_FILES = ("llm.pt", "flow.pt", "hift.pt")
 COMPONENTS = ("encoder", "decoder")
 
@@ -57,13 +66,13 @@ COMPONENTS = ("encoder", "decoder")
 class ModelConfig:
     """All hyperparameters of a model, read from its yaml (v2: and its Qwen2 config.json)."""
 
-    version: int  # 1: CosyVoice(-300M), 2: CosyVoice2
+    version: int  # 1: CosyVoice(-300M), 2: CosyVoice2, 3: CosyVoice3
     sample_rate: int
     spk_embed_dim: int
     mel_bins: int
-    llm: LLMConfig | Qwen2LMConfig
-    flow: FlowConfig | CausalFlowConfig
-    hift: HiFTConfig
+    llm: LLMConfig | Qwen2LMConfig | CosyVoice3LMConfig
+    flow: FlowConfig | CausalFlowConfig | DiTFlowConfig
+    hift: HiFTConfig | CausalHiFTConfig
 
     @classmethod
     def from_yaml_file(cls, path: Path) -> ModelConfig:
@@ -72,15 +81,21 @@ class ModelConfig:
             if key not in tree:
                 raise CheckpointError(f"model config {path} has no '{key}' entry")
         # The LLM class tells the version: a dummy yaml may have any file name.
-        version = 2 if isinstance(tree["llm"], ObjectSpec) and tree["llm"].class_name == "Qwen2LM" else 1
+        version = LLM_VERSIONS.get(tree["llm"].class_name, 1) if isinstance(tree["llm"], ObjectSpec) else 1
+        llm = {
+            1: lambda: LLMConfig.from_yaml(tree["llm"]),
+            2: lambda: Qwen2LMConfig.from_yaml(tree["llm"], path.parent),
+            3: lambda: CosyVoice3LMConfig.from_yaml(tree["llm"], path.parent),
+        }[version]()
+        flow = {1: FlowConfig, 2: CausalFlowConfig, 3: DiTFlowConfig}[version].from_yaml(tree["flow"])
         return cls(
             version=version,
             sample_rate=int(tree["sample_rate"]),
             spk_embed_dim=int(tree.get("spk_embed_dim", 192)),
             mel_bins=int(tree["flow"].get("output_size", 80)),
-            llm=LLMConfig.from_yaml(tree["llm"]) if version == 1 else Qwen2LMConfig.from_yaml(tree["llm"], path.parent),
-            flow=FlowConfig.from_yaml(tree["flow"]) if version == 1 else CausalFlowConfig.from_yaml(tree["flow"]),
-            hift=HiFTConfig.from_yaml(tree["hift"]),
+            llm=llm,
+            flow=flow,
+            hift=(CausalHiFTConfig if version == 3 else HiFTConfig).from_yaml(tree["hift"]),
         )
 
 
@@ -88,6 +103,7 @@ class ModelConfig:
 MODULES: dict[int, dict[str, type[nn.Module]]] = {
     1: {"llm": TransformerLM, "flow": MaskedDiffWithXvec, "hift": HiFTGenerator},
     2: {"llm": Qwen2LM, "flow": CausalMaskedDiffWithXvec, "hift": HiFTGenerator},
+    3: {"llm": CosyVoice3LM, "flow": CausalMaskedDiffWithDiT, "hift": CausalHiFTGenerator},
 }
 
 
@@ -100,9 +116,9 @@ class LoadedModel:
     frontend: TextFrontend | None
     voices: VoiceBank
     text_llm: TransformerLM | Qwen2LM | Qwen2TextEmbedding | None
-    llm: TransformerLM | Qwen2LM | None
-    flow: MaskedDiffWithXvec | CausalMaskedDiffWithXvec | None
-    hift: HiFTGenerator | None
+    llm: TransformerLM | Qwen2LM | CosyVoice3LM | None
+    flow: MaskedDiffWithXvec | CausalMaskedDiffWithXvec | CausalMaskedDiffWithDiT | None
+    hift: HiFTGenerator | CausalHiFTGenerator | None
     dtype: torch.dtype
     decoder_device: torch.device
     text_device: torch.device
@@ -122,10 +138,13 @@ def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
         raise CheckpointError(f"unknown load format {load_format!r}; use 'official' or 'dummy'")
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} not found (or use one of the presets: {', '.join(PRESETS)})")
-    configs = [path / name for name in (V1_CONFIG, V2_CONFIG) if (path / name).is_file()]
+    configs = [path / name for name in (V1_CONFIG, V2_CONFIG, V3_CONFIG) if (path / name).is_file()]
     if len(configs) != 1:
-        found = "both" if configs else "neither"
-        raise CheckpointError(f"model directory {path} must hold one of {V1_CONFIG} (v1) or {V2_CONFIG} (v2); {found}")
+        found = {0: "none", 2: "both"}.get(len(configs), "all three")
+        raise CheckpointError(
+            f"model directory {path} must hold one of {V1_CONFIG} (v1), {V2_CONFIG} (v2) or {V3_CONFIG} (v3); "
+            f"it holds {found}"
+        )
     missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
@@ -205,7 +224,10 @@ def load_model(
         # One LLM copy serves both halves unless the decoder runs on another device or dtype.
         separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32)
         # v2 encodes text with the Qwen2 embedding lookup alone: an encoder keeps only that table.
-        text_llm = Qwen2TextEmbedding(llm) if isinstance(llm, Qwen2LM) else llm
+        if isinstance(llm, CosyVoice3LM):
+            text_llm = CosyVoice3TextEmbedding(llm)
+        else:
+            text_llm = Qwen2TextEmbedding(llm) if isinstance(llm, Qwen2LM) else llm
         text_llm = copy.deepcopy(text_llm) if separate else text_llm
         if int8 and (separate or not decoding):
             quantize_linear_int8(text_llm)

@@ -113,21 +113,22 @@ class Qwen2LMConfig:
     sampling: SamplingOptions  # the yaml's sampler settings: the default of requests that bring none
 
     @classmethod
-    def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path) -> Qwen2LMConfig:
-        """The yaml `llm` node (class `Qwen2LM`); the Qwen2 config is `<model_dir>/CosyVoice-BlankEN/config.json`."""
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "Qwen2LM":
+    def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path, class_name: str = "Qwen2LM") -> Qwen2LMConfig:
+        """The yaml `llm` node (class `class_name`: the CosyVoice2 `Qwen2LM`, or v3's `CosyVoice3LM`); the Qwen2
+        config is `<model_dir>/CosyVoice-BlankEN/config.json`."""
+        if not isinstance(spec, ObjectSpec) or spec.class_name != class_name:
             target = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"llm class {target!r} is not supported here; only the CosyVoice2 Qwen2LM")
+            raise CheckpointError(f"llm class {target!r} is not supported here; expected {class_name}")
         backbone = spec.get("llm")
         if not isinstance(backbone, ObjectSpec) or backbone.class_name != "Qwen2Encoder":
-            raise CheckpointError("the Qwen2LM backbone must be a Qwen2Encoder")
+            raise CheckpointError(f"the {class_name} backbone must be a Qwen2Encoder")
         for key in ("llm_input_size", "llm_output_size", "speech_token_size"):
             if key not in spec.kwargs:
-                raise CheckpointError(f"the Qwen2LM config has no {key}")
+                raise CheckpointError(f"the {class_name} config has no {key}")
         qwen = Qwen2Config.from_json(Path(model_dir) / QWEN_DIR / "config.json")
         sizes = (spec["llm_input_size"], spec["llm_output_size"])
         if any(size != qwen.hidden_size for size in sizes):
-            raise CheckpointError(f"Qwen2LM llm_input/output_size {sizes} disagree with Qwen2 hidden_size")
+            raise CheckpointError(f"{class_name} llm_input/output_size {sizes} disagree with Qwen2 hidden_size")
         return cls(
             llm_input_size=int(spec["llm_input_size"]),
             llm_output_size=int(spec["llm_output_size"]),
@@ -335,11 +336,17 @@ class Qwen2LM(nn.Module):
 
     def lm_input(self, request: GenerationRequest) -> Tensor:
         """The prefill sequence [S, llm_input_size]: sos, text embeddings, task id, prompt speech embeddings."""
-        weight = self.llm_embedding.weight
-        parts = [weight[SOS : SOS + 1], request.text_encoded.to(weight.device), weight[TASK_ID : TASK_ID + 1]]
+        sos, task_id = self.special_embeddings()
+        weight = self.speech_embedding.weight
+        parts = [sos, request.text_encoded.to(weight.device), task_id]
         if request.prompt_speech_tokens is not None:
             parts.append(self.speech_embedding(request.prompt_speech_tokens.long().to(weight.device).reshape(-1)))
         return torch.cat([part.to(weight.dtype) for part in parts])
+
+    def special_embeddings(self) -> tuple[Tensor, Tensor]:
+        """The sos and task-id embeddings [1, llm_input_size] each (v2: the rows of llm_embedding)."""
+        weight = self.llm_embedding.weight
+        return weight[SOS : SOS + 1], weight[TASK_ID : TASK_ID + 1]
 
     def generate(self, requests: list[GenerationRequest]) -> list[Tensor]:
         """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""

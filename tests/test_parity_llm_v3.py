@@ -1,0 +1,133 @@
+"""Numerical parity of the CosyVoice3 LLM (`CosyVoice3LM`) with the official implementation, on every v3 `llm` case.
+
+Runs on the kit of `tests/kit_v3.py`: $COSYVOICE_CONFORMANCE_KIT when it is a CosyVoice3 kit, else
+tests/fixtures/cosyvoice3-tiny.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
+from test_parity_llm import kit_request, run_alone
+
+from engine.checkpoint import load_strict, read_state_dict
+from engine.errors import CheckpointError, InvalidInputError
+from engine.llm import GenerationRequest
+from engine.llm_v3 import ENDOFPROMPT_TOKEN, NUM_SPECIAL_SPEECH_TOKENS, CosyVoice3LM, CosyVoice3LMConfig
+
+RAW_LOGP_ATOL = 1e-4
+EMBEDDING_ATOL = 1e-6  # lm_input_prefill concatenates embedding rows: exact up to copying
+
+
+@pytest.fixture(scope="module")
+def kit() -> Path:
+    return v3_kit_dir()
+
+
+@pytest.fixture(scope="module")
+def llm_cases(kit: Path) -> list[dict[str, Any]]:
+    cases = v3_kit_cases(kit)["llm"]
+    assert cases, "the kit has no llm cases"
+    # the v3 LM has no speaker term; the helper's request takes the case's embedding, so give it none
+    return [dict(case, embedding=torch.zeros(0)) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def llm(kit: Path) -> CosyVoice3LM:
+    config = CosyVoice3LMConfig.from_yaml(v3_yaml(kit)["llm"], kit / "model")
+    return strictly_loaded(CosyVoice3LM(config), kit, "llm")
+
+
+def test_kit_is_cosyvoice3(kit: Path) -> None:
+    cases = v3_kit_cases(kit)
+    assert cases["meta"][0]["model_version"].startswith("CosyVoice3"), cases["meta"][0]["model_version"]
+    assert all(case["function"] == "cosyvoice.llm.llm.CosyVoice3LM.inference" for case in cases["llm"])
+
+
+def test_special_ids(llm: CosyVoice3LM, llm_cases: list[dict[str, Any]]) -> None:
+    """sos, eos and task id are rows V, V+1, V+2 of the speech table; all 200 ids from V stop decoding."""
+    size = llm.cfg.speech_token_size
+    assert llm.llm_decoder.out_features == llm.speech_embedding.num_embeddings == size + NUM_SPECIAL_SPEECH_TOKENS
+    for case in llm_cases:
+        assert (case["sos_token"], case["eos_token"], case["task_id_token"]) == (size, size + 1, size + 2)
+        assert case["stop_token_ids"].tolist() == list(range(llm.eos, llm.eos + NUM_SPECIAL_SPEECH_TOKENS))
+
+
+def test_lm_input_prefill(llm: CosyVoice3LM, llm_cases: list[dict[str, Any]]) -> None:
+    for case in llm_cases:
+        with torch.inference_mode():
+            lm_input = llm.lm_input(kit_request(llm, case))
+        reference = case["lm_input_prefill"][0]
+        assert lm_input.shape == reference.shape, case["name"]
+        torch.testing.assert_close(lm_input, reference, atol=EMBEDDING_ATOL, rtol=0, msg=case["name"])
+
+
+def test_greedy_decoding_step_by_step(llm: CosyVoice3LM, llm_cases: list[dict[str, Any]]) -> None:
+    for case in llm_cases:
+        name = case["name"]
+        request = kit_request(llm, case)
+        assert int(request.text_len * request.options.min_token_text_ratio) == case["min_len"], name
+        assert int(request.text_len * request.options.max_token_text_ratio) == case["max_len"], name
+        events = run_alone(llm, request)
+        assert len(events) == case["num_steps"], name
+        tokens = [e.token for e in events if e.token is not None]
+        assert torch.equal(torch.tensor(tokens, dtype=torch.long), case["out_tokens"]), name
+        stopped = case["stop_reason"] == "stop_token"
+        assert events[-1].finish_reason == ("eos" if stopped else "max_len"), name
+        if stopped:
+            assert int(events[-1].logprobs.argmax()) == case["stop_token"], name
+
+        scores = torch.stack([e.logprobs for e in events])  # what our sampler saw: every stop id -inf before min_len
+        before_min_len = torch.arange(len(events)) < case["min_len"]
+        assert torch.equal(torch.isinf(scores[:, llm.eos :]).all(dim=1), before_min_len), name
+        unmasked = ~torch.isinf(scores)
+        raw = case["step_raw_logp"]
+        torch.testing.assert_close(scores[unmasked], raw[unmasked], atol=RAW_LOGP_ATOL, rtol=0, msg=name)
+        # where the official sampler saw a clear winner, ours agrees on it
+        assert (case["step_top1_margin"] > 2 * RAW_LOGP_ATOL).all(), f"{name}: a greedy step is a near-tie"
+
+
+def test_batched_decoding_equals_alone(llm: CosyVoice3LM, llm_cases: list[dict[str, Any]]) -> None:
+    requests = [kit_request(llm, case) for case in llm_cases]
+    batched = llm.generate(requests)
+    for case, tokens in zip(llm_cases, batched, strict=True):
+        assert torch.equal(tokens, case["out_tokens"]), case["name"]
+
+
+def test_text_without_endofprompt_is_rejected(llm: CosyVoice3LM) -> None:
+    text = torch.tensor([[5, 6, ENDOFPROMPT_TOKEN, 7], [5, 6, 7, ENDOFPROMPT_TOKEN]])
+    with pytest.raises(InvalidInputError, match="endofprompt"):
+        llm.encode_text(text, torch.tensor([4, 3]))  # row 1's marker lies in its padding
+    assert llm.encode_text(text, torch.tensor([4, 4])).shape == (2, 4, llm.cfg.llm_input_size)
+
+
+def test_prompt_speech_tokens_must_be_speech_ids(llm: CosyVoice3LM, llm_cases: list[dict[str, Any]]) -> None:
+    request = kit_request(llm, llm_cases[0])
+    special = GenerationRequest(
+        text_encoded=request.text_encoded,
+        text_len=request.text_len,
+        prompt_speech_tokens=torch.tensor([llm.eos + 1]),
+        options=request.options,
+    )
+    with pytest.raises(InvalidInputError, match="prompt speech tokens"):
+        llm.generate([special])
+
+
+def test_config_names_the_wrong_llm_class(kit: Path) -> None:
+    spec = v3_yaml(kit)["llm"]
+    spec.target = "cosyvoice.llm.llm.Qwen2LM"
+    with pytest.raises(CheckpointError, match="Qwen2LM"):
+        CosyVoice3LMConfig.from_yaml(spec, kit / "model")
+
+
+def test_checkpoint_mismatch_names_the_key(kit: Path) -> None:
+    path = kit / "model" / "llm.pt"
+    state = read_state_dict(path)
+    state["llm_embedding.weight"] = torch.zeros(2, 1)  # the v2 table, absent from v3
+    model = CosyVoice3LM(CosyVoice3LMConfig.from_yaml(v3_yaml(kit)["llm"], kit / "model"))
+    with pytest.raises(CheckpointError, match=r"unexpected keys: llm_embedding\.weight"):
+        load_strict(model, state, path)

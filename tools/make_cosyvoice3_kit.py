@@ -1,0 +1,534 @@
+"""Make the CosyVoice3 conformance kit by running the official code on tiny random weights.
+
+Run it in a throwaway virtual environment that has the official repository's requirements, never in
+this project's environment::
+
+    python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny
+
+``--official`` is a checkout of FunAudioLLM/CosyVoice with its Matcha-TTS submodule under
+``third_party/Matcha-TTS``. The official modules are imported from there at run time; nothing of them
+is copied into this repository. The script writes ``model/`` (laid out like an official CosyVoice3
+directory) and ``cases.pt``; the README next to them is written by hand from what this prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SEED = 2003
+SPEECH_TOKENS = 96  # speech vocabulary of the tiny kit (6561 in the released model)
+ENDOFPROMPT = 151646  # the official LLM asserts this id is in the text, so the Qwen vocab cannot shrink below it
+QWEN_VOCAB = ENDOFPROMPT + 1
+EOS_SCALE = 0.9  # eos row scale: two LLM cases stop on eos, one runs to max_len
+
+# yaml key path -> (official value as written in the yaml, tiny value)
+TINY_YAML = {
+    "llm_input_size": ("896", "16"),
+    "llm_output_size": ("896", "16"),
+    "llm.speech_token_size": ("6561", str(SPEECH_TOKENS)),
+    "flow.vocab_size": ("6561", str(SPEECH_TOKENS)),
+    "flow.pre_lookahead_layer.channels": ("1024", "32"),
+    "flow.decoder.estimator.dim": ("1024", "32"),
+    "flow.decoder.estimator.depth": ("22", "2"),
+    "flow.decoder.estimator.heads": ("16", "2"),
+    "flow.decoder.estimator.dim_head": ("64", "16"),
+    "hift.base_channels": ("512", "64"),
+    "hift.f0_predictor.cond_channels": ("512", "32"),
+}
+
+TINY_QWEN = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 16,
+    "initializer_range": 0.02,
+    "intermediate_size": 32,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 2,
+    "model_type": "qwen2",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": QWEN_VOCAB,
+}
+
+# Sections of the training yaml that inference never builds; loading them would pull in the training
+# dependencies (whisper, pyworld, librosa, lightning). Overridden to None, as the official flow.py and
+# generator.py self-tests override whole sections.
+TRAINING_KEYS = (
+    "mel_spec_transform1",
+    "hifigan",
+    "parquet_opener",
+    "get_tokenizer",
+    "tokenize",
+    "filter",
+    "resample",
+    "truncate",
+    "feat_extractor",
+    "compute_fbank",
+    "compute_whisper_fbank",
+    "compute_f0",
+    "parse_embedding",
+    "shuffle",
+    "sort",
+    "batch",
+    "padding",
+    "data_pipeline",
+    "data_pipeline_gan",
+)
+
+
+def import_official(root: Path) -> None:
+    """Put the official code on sys.path; stub Matcha's logger, which would import lightning."""
+    sys.path[:0] = [str(root), str(root / "third_party" / "Matcha-TTS")]
+    utils = types.ModuleType("matcha.utils")
+    utils.__path__ = [str(root / "third_party" / "Matcha-TTS" / "matcha" / "utils")]
+    pylogger = types.ModuleType("matcha.utils.pylogger")
+    pylogger.get_pylogger = logging.getLogger
+    sys.modules["matcha.utils"] = utils
+    sys.modules["matcha.utils.pylogger"] = pylogger
+
+
+def tiny_yaml(official_yaml: str) -> str:
+    """The official yaml with the TINY_YAML values replaced, each exactly once under its key path."""
+    lines = official_yaml.splitlines(keepends=True)
+    for path, (old, new) in TINY_YAML.items():
+        *parents, key = path.split(".")
+        depth, start = 0, 0
+        for parent in parents:  # walk down the nested mapping by indentation
+            pattern = re.compile(rf"^{' ' * (4 * depth)}{parent}:")
+            start = next(i for i in range(start, len(lines)) if pattern.match(lines[i]))
+            depth += 1
+        pattern = re.compile(rf"^({' ' * (4 * depth)}{key}: ){re.escape(old)}(\s*(#.*)?)$")
+        index = next(i for i in range(start, len(lines)) if pattern.match(lines[i].rstrip("\n")))
+        lines[index] = pattern.sub(rf"\g<1>{new}\g<2>", lines[index].rstrip("\n")) + "\n"
+    return "".join(lines)
+
+
+def randomise(module: nn.Module, generator: torch.Generator) -> None:
+    """Re-initialise every parameter so that no layer is the identity or zero (official inits zero some)."""
+    names = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, p in names.items():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("parametrizations.weight.original0"):
+                continue  # the weight-norm gain is set from its direction below
+            if leaf == "alpha":
+                p.copy_(torch.rand(p.shape, generator=generator) + 0.5)
+            elif leaf == "bias":
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+            elif p.dim() == 1 or leaf in ("gamma", "beta"):  # norm weights and GRN
+                base = 0.0 if leaf == "beta" else 1.0
+                p.copy_(base + torch.randn(p.shape, generator=generator) * 0.1)
+            elif isinstance(_owner(module, name), nn.Embedding):
+                p.copy_(torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) / p[0].numel() ** 0.5)
+        for name, g in names.items():
+            if name.endswith("parametrizations.weight.original0"):
+                v = names[name[: -len("original0")] + "original1"]
+                norm = v.flatten(1).norm(dim=1).reshape(g.shape)
+                g.copy_(norm * (0.7 + 0.6 * torch.rand(g.shape, generator=generator)))
+
+
+def _owner(root: nn.Module, name: str) -> nn.Module:
+    parts = name.split(".")[:-1]
+    parts = [p for p in parts if p not in ("parametrizations", "weight")]
+    return root.get_submodule(".".join(parts)) if parts else root
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple | list):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
+class Recorder:
+    """Collects the first call's inputs and outputs of a module via forward hooks."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.calls: list[tuple[tuple, dict, Any]] = []
+        module.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, _module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        # copies: the official solver refills the same input buffers before every estimator call
+        self.calls.append(tuple(map(_copied, (args, kwargs, output))))
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+def greedy_sampler(record: list[Tensor]) -> Callable:
+    def sample(weighted_scores: Tensor, decoded_tokens: list, sampling: int) -> int:
+        record.append(weighted_scores.detach().clone())
+        return int(weighted_scores.argmax())
+
+    return sample
+
+
+def llm_case(
+    llm: nn.Module,
+    name: str,
+    text: Tensor,
+    prompt_text: Tensor,
+    prompt_speech: Tensor,
+    max_ratio: float,
+    min_ratio: float,
+) -> dict[str, Any]:
+    scores: list[Tensor] = []
+    llm.sampling = greedy_sampler(scores)
+    decoder = Recorder(llm.llm_decoder)
+    backbone_inputs: list[Tensor] = []
+    original_step = llm.llm.forward_one_step
+
+    def step(xs: Tensor, masks: Tensor, cache: Any = None) -> Any:
+        backbone_inputs.append(xs.detach().clone())
+        return original_step(xs, masks, cache=cache)
+
+    llm.llm.forward_one_step = step
+    text_len = torch.tensor([text.shape[1]], dtype=torch.int32)
+    tokens = list(
+        llm.inference(
+            text=text,
+            text_len=text_len.clone(),
+            prompt_text=prompt_text,
+            prompt_text_len=torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
+            prompt_speech_token=prompt_speech,
+            prompt_speech_token_len=torch.tensor([prompt_speech.shape[1]], dtype=torch.int32),
+            embedding=torch.zeros(0, 192),
+            sampling=25,
+            max_token_text_ratio=max_ratio,
+            min_token_text_ratio=min_ratio,
+        )
+    )
+    llm.llm.forward_one_step = original_step
+    raw = torch.stack([out[0].log_softmax(dim=-1) for _, _, out in decoder.calls])
+    sampled = torch.stack(scores)
+    top2 = sampled.topk(2, dim=-1).values
+    max_len, min_len = int(text.shape[1] * max_ratio), int(text.shape[1] * min_ratio)
+    stopped = len(tokens) < max_len
+    return {
+        "name": name,
+        "function": "cosyvoice.llm.llm.CosyVoice3LM.inference",
+        "text": text,
+        "text_len": text_len,
+        "prompt_text": prompt_text,
+        "prompt_text_len": torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
+        "prompt_speech_token": prompt_speech,
+        "prompt_speech_token_len": torch.tensor([prompt_speech.shape[1]], dtype=torch.int32),
+        "max_token_text_ratio": float(max_ratio),
+        "min_token_text_ratio": float(min_ratio),
+        "min_len": min_len,
+        "max_len": max_len,
+        "sos_token": llm.sos,
+        "eos_token": llm.eos_token,
+        "task_id_token": llm.task_id,
+        "stop_token_ids": torch.tensor(llm.stop_token_ids),
+        "masked_before_min_len": llm.speech_token_size,
+        "out_tokens": torch.tensor(tokens, dtype=torch.int64),
+        "num_steps": len(scores),
+        "step_raw_logp": raw,
+        "step_top1_margin": top2[:, 0] - top2[:, 1],
+        "lm_input_prefill": backbone_inputs[0],
+        "stop_reason": "stop_token" if stopped else "max_len",
+        "stop_token": int(sampled[-1].argmax()) if stopped else -1,
+    }
+
+
+def flow_case(
+    flow: nn.Module,
+    name: str,
+    token: Tensor,
+    prompt_token: Tensor,
+    prompt_feat: Tensor,
+    embedding: Tensor,
+    streaming: bool,
+    finalize: bool,
+) -> dict[str, Any]:
+    estimator = Recorder(flow.decoder.estimator)
+    lookahead = Recorder(flow.pre_lookahead_layer)
+    feat, _ = flow.inference(
+        token=token,
+        token_len=torch.tensor([token.shape[1]], dtype=torch.int32),
+        prompt_token=prompt_token,
+        prompt_token_len=torch.tensor([prompt_token.shape[1]], dtype=torch.int32),
+        prompt_feat=prompt_feat,
+        prompt_feat_len=torch.tensor([prompt_feat.shape[1]], dtype=torch.int32),
+        embedding=embedding,
+        streaming=streaming,
+        finalize=finalize,
+    )
+    args, _kwargs, out = estimator.calls[0]
+    x, mask, mu, t, spks, cond = args[:6]
+    return {
+        "name": name,
+        "function": "cosyvoice.flow.flow.CausalMaskedDiffWithDiT.inference",
+        "token": token,
+        "prompt_token": prompt_token,
+        "prompt_feat": prompt_feat,
+        "embedding": embedding,
+        "streaming": int(streaming),
+        "finalize": int(finalize),
+        "lookahead_out": lookahead.calls[0][2],
+        "est_in_x": x,
+        "est_in_mask": mask,
+        "est_in_mu": mu,
+        "est_in_t": t,
+        "est_in_spks": spks,
+        "est_in_cond": cond,
+        "est_out_step0": out,
+        "num_estimator_calls": len(estimator.calls),
+        "feat": feat,
+        "mel_len1": prompt_feat.shape[1],
+        "mel_len2": feat.shape[2],
+    }
+
+
+def hift_case(hift: nn.Module, name: str, mel: Tensor, finalize: bool) -> dict[str, Any]:
+    f0_rec, pre_rec, post_rec = Recorder(hift.f0_predictor), Recorder(hift.conv_pre), Recorder(hift.conv_post)
+    speech, source = hift.inference(speech_feat=mel, finalize=finalize)
+    f0 = f0_rec.calls[0][2]
+    sine = hift.m_source.l_sin_gen
+    return {
+        "name": name,
+        "function": "cosyvoice.hifigan.generator.CausalHiFTGenerator.inference",
+        "mel": mel,
+        "finalize": int(finalize),
+        "f0": f0,
+        "source_initial_phase": sine.rand_ini.clone(),
+        "source_noise": sine.sine_waves[:, : source.shape[-1]].clone(),
+        "source": source,
+        "conv_pre_out": pre_rec.calls[0][2],
+        "conv_post_out": post_rec.calls[0][2],
+        "speech": speech,
+        "voiced_fraction": float((f0 > sine.voiced_threshold).float().mean()),
+        "clamped_fraction": float((speech.abs() >= hift.audio_limit).float().mean()),
+    }
+
+
+def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
+    """Scale the f0 head and conv_post: f0 partly voiced, log-magnitudes about N(-2, 0.5^2), phases of std 2."""
+    mel = torch.randn(1, 80, 40, generator=generator) * 2 - 4
+    with torch.no_grad():
+        hidden = hift.f0_predictor.condnet(mel).transpose(1, 2)
+        raw = hift.f0_predictor.classifier(hidden)
+        cls = hift.f0_predictor.classifier
+        cls.weight.mul_(40.0 / raw.std())
+        cls.bias.fill_(15.0)
+        post = Recorder(hift.conv_post)
+        hift.inference(speech_feat=mel)
+        hift.f0_predictor.float()
+        out = post.calls[0][2][0]
+        half = out.shape[0] // 2 + 1
+        g = hift.conv_post.parametrizations.weight.original0
+        scale = torch.ones(out.shape[0])
+        scale[:half] = 0.5 / out[:half].std(dim=1)
+        scale[half:] = 2.0 / out[half:].std(dim=1)
+        g.mul_(scale.reshape(g.shape))
+        hift.conv_post.bias.copy_(
+            torch.cat([-2.0 - out[:half].mean(dim=1) * scale[:half], torch.zeros(out.shape[0] - half)])
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
+    parser.add_argument("--out", type=Path, required=True, help="kit directory to write")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import_official(args.official)
+    from hyperpyyaml import load_hyperpyyaml
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model_dir = args.out / "model"
+    blank = model_dir / "CosyVoice-BlankEN"
+    blank.mkdir(parents=True, exist_ok=True)
+    official_yaml = (args.official / "examples/libritts/cosyvoice3/conf/cosyvoice3.yaml").read_text()
+    (model_dir / "cosyvoice3.yaml").write_text(tiny_yaml(official_yaml))
+    (blank / "config.json").write_text(json.dumps(TINY_QWEN, indent=2) + "\n")
+    # The official Qwen2Encoder calls from_pretrained, which needs a weights file; llm.pt overwrites every
+    # tensor, so the file holds all but the (large) tied embedding, which from_pretrained then initialises.
+    torch.manual_seed(SEED)
+    qwen = Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN))
+    save_file(
+        {k: v.contiguous() for k, v in qwen.state_dict().items() if "embed_tokens" not in k and "lm_head" not in k},
+        str(blank / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+
+    overrides = {"qwen_pretrain_path": str(blank.resolve()), **{key: None for key in TRAINING_KEYS}}
+    with open(model_dir / "cosyvoice3.yaml") as f:
+        configs = load_hyperpyyaml(f, overrides=overrides)
+    llm, flow, hift = configs["llm"], configs["flow"], configs["hift"]
+    randomise(llm, torch.Generator().manual_seed(SEED + 1))
+    randomise(flow, torch.Generator().manual_seed(SEED + 2))
+    randomise(hift, torch.Generator().manual_seed(SEED + 3))
+    with torch.no_grad():
+        # Residual branches scaled up so the tiny Qwen is not nearly the identity; the speech head sharpened.
+        for layer in llm.llm.model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(2.0)
+            layer.mlp.down_proj.weight.mul_(2.0)
+        llm.llm_decoder.weight.mul_(8.0)
+        # llm_decoder has no bias. The 200 ids from V up all stop decoding: shrink them so that only eos (V+1)
+        # can win, along a fixed random direction whose scale decides how often it does.
+        llm.llm_decoder.weight[SPEECH_TOKENS:].mul_(0.1 / 8.0)
+        llm.llm_decoder.weight[SPEECH_TOKENS + 1].mul_(EOS_SCALE * 80.0)
+    hift.eval()
+    calibrate_hift(hift, torch.Generator().manual_seed(SEED + 4))
+    for name, module in (("llm", llm), ("flow", flow), ("hift", hift)):
+        torch.save(module.state_dict(), model_dir / f"{name}.pt")
+    speakers = torch.Generator().manual_seed(SEED + 5)
+    torch.save(
+        {sid: {"embedding": torch.randn(1, 192, generator=speakers)} for sid in ("spk3_a", "spk3_b")},
+        model_dir / "spk2info.pt",
+    )
+
+    # Reload through the official model class, which loads the three files strictly.
+    from cosyvoice.cli.model import CosyVoice3Model
+
+    with open(model_dir / "cosyvoice3.yaml") as f:
+        configs = load_hyperpyyaml(f, overrides=overrides)
+    model = CosyVoice3Model(configs["llm"], configs["flow"], configs["hift"], fp16=False)
+    model.load(str(model_dir / "llm.pt"), str(model_dir / "flow.pt"), str(model_dir / "hift.pt"))
+    llm, flow, hift = model.llm, model.flow, model.hift
+
+    g = torch.Generator().manual_seed(SEED + 6)
+
+    def ids(n: int, high: int) -> Tensor:
+        return torch.randint(0, high, (1, n), generator=g, dtype=torch.int32)
+
+    def with_endofprompt(n: int) -> Tensor:
+        return torch.cat([ids(n - 1, 1000), torch.tensor([[ENDOFPROMPT]], dtype=torch.int32)], dim=1)
+
+    empty = torch.zeros(1, 0, dtype=torch.int32)
+    llm_cases = [
+        llm_case(llm, "sft_like_system_prompt", ids(5, 1000), with_endofprompt(3), empty, 20, 2),
+        llm_case(
+            llm,
+            "zero_shot_with_prompt",
+            ids(6, 1000),
+            torch.cat([with_endofprompt(4), ids(5, 1000)], 1),
+            ids(12, SPEECH_TOKENS),
+            10,
+            2,
+        ),
+        llm_case(
+            llm, "instruct_endofprompt_in_text", torch.cat([with_endofprompt(3), ids(4, 1000)], 1), empty, empty, 12, 3
+        ),
+    ]
+    e2e_llm = llm_cases[1]
+    prompt_feat = torch.randn(1, 24, 80, generator=g) * 2 - 4
+    embedding = torch.randn(1, 192, generator=g)
+    flow_cases = [
+        flow_case(
+            flow,
+            "prompt_nonstream_finalize",
+            ids(20, SPEECH_TOKENS),
+            ids(12, SPEECH_TOKENS),
+            prompt_feat,
+            embedding,
+            streaming=False,
+            finalize=True,
+        ),
+        flow_case(
+            flow,
+            "prompt_stream_chunk_not_final",
+            ids(31, SPEECH_TOKENS),
+            ids(12, SPEECH_TOKENS),
+            prompt_feat,
+            embedding,
+            streaming=True,
+            finalize=False,
+        ),
+        flow_case(
+            flow,
+            "e2e_zero_shot_from_llm",
+            e2e_llm["out_tokens"][None].int(),
+            e2e_llm["prompt_speech_token"],
+            prompt_feat,
+            embedding,
+            streaming=False,
+            finalize=True,
+        ),
+    ]
+    flow_cases[2]["e2e_source"] = "token = out_tokens of llm case zero_shot_with_prompt; prompt_token = its prompt"
+    hift_cases = [
+        hift_case(hift, "mel16_finalize", torch.randn(1, 80, 16, generator=g) * 2 - 4, finalize=True),
+        hift_case(hift, "mel24_chunk_not_final", torch.randn(1, 80, 24, generator=g) * 2 - 4, finalize=False),
+        hift_case(hift, "e2e_zero_shot_from_flow", flow_cases[2]["feat"], finalize=True),
+    ]
+    hift_cases[2]["e2e_source"] = "mel = feat of flow case e2e_zero_shot_from_llm"
+    import transformers
+
+    commit = subprocess.run(
+        ["git", "-C", str(args.official), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() or os.environ.get("OFFICIAL_COMMIT", "")
+    meta = {
+        "kit": "cosyvoice3-tiny",
+        "model_version": "CosyVoice3 (Fun-CosyVoice3-0.5B style)",
+        "official_commit": commit,
+        "seed": SEED,
+        "torch_version": str(torch.__version__),
+        "transformers_version": str(transformers.__version__),
+        "device": "cpu",
+        "dtype": "float32",
+        "num_threads": 1,
+        "yaml": "model/cosyvoice3.yaml",
+        "sample_rate": 24000,
+        "hop": 480,
+        "endofprompt_token": ENDOFPROMPT,
+    }
+    torch.save({"meta": [meta], "llm": llm_cases, "flow": flow_cases, "hift": hift_cases}, args.out / "cases.pt")
+    for case in llm_cases:
+        print(
+            f"llm {case['name']}: {len(case['out_tokens'])} tokens, stop {case['stop_reason']} "
+            f"(min {case['min_len']}, max {case['max_len']}), smallest margin {case['step_top1_margin'].min():.3f}"
+        )
+    for case in flow_cases:
+        print(
+            f"flow {case['name']}: feat {list(case['feat'].shape)}, mu {list(case['est_in_mu'].shape)}, "
+            f"|feat| max {case['feat'].abs().max():.2f}"
+        )
+    for case in hift_cases:
+        print(
+            f"hift {case['name']}: speech {list(case['speech'].shape)}, voiced {case['voiced_fraction']:.2f}, "
+            f"clamped {case['clamped_fraction']:.4f}, |speech| max {case['speech'].abs().max():.3f}"
+        )
+    for path in sorted(p for p in args.out.rglob("*") if p.is_file() and p.name != "README.md"):
+        print(f"| `{path.relative_to(args.out)}` | {path.stat().st_size} | `{sha256(path)}` |")
+
+
+if __name__ == "__main__":
+    main()
