@@ -9,8 +9,8 @@ differs is the speech side:
   system/instruct text ending in that token before the text to speak.
 
 min_len: the official code masks only id V (its sos, never a likely pick) before min_len, so its eos can end an
-utterance early; this engine masks every stop id before min_len, as for v1/v2. Greedy decoding of the kit cases
-is the same either way (no case stops before min_len).
+utterance early; the shared decoder does the same by default (`model.eos` is V), and
+`SamplingOptions.mask_all_stop_ids_before_min_len` masks every stop id instead, as it does for v2.
 """
 
 from __future__ import annotations

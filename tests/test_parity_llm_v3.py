@@ -81,9 +81,10 @@ def test_greedy_decoding_step_by_step(llm: CosyVoice3LM, llm_cases: list[dict[st
         if stopped:
             assert int(events[-1].logprobs.argmax()) == case["stop_token"], name
 
-        scores = torch.stack([e.logprobs for e in events])  # what our sampler saw: every stop id -inf before min_len
+        scores = torch.stack([e.logprobs for e in events])  # what our sampler saw: as official, id V -inf before min_len
         before_min_len = torch.arange(len(events)) < case["min_len"]
-        assert torch.equal(torch.isinf(scores[:, llm.eos :]).all(dim=1), before_min_len), name
+        assert torch.equal(torch.isinf(scores[:, llm.eos]), before_min_len), name
+        assert not torch.isinf(scores[:, llm.eos + 1 :]).any(), name  # the other stop ids are not masked
         unmasked = ~torch.isinf(scores)
         raw = case["step_raw_logp"]
         torch.testing.assert_close(scores[unmasked], raw[unmasked], atol=RAW_LOGP_ATOL, rtol=0, msg=name)
