@@ -81,7 +81,8 @@ def test_greedy_decoding_step_by_step(llm: CosyVoice3LM, llm_cases: list[dict[st
         if stopped:
             assert int(events[-1].logprobs.argmax()) == case["stop_token"], name
 
-        scores = torch.stack([e.logprobs for e in events])  # what our sampler saw: as official, id V -inf before min_len
+        # what our sampler saw: as official, id V is -inf before min_len
+        scores = torch.stack([e.logprobs for e in events])
         before_min_len = torch.arange(len(events)) < case["min_len"]
         assert torch.equal(torch.isinf(scores[:, llm.eos]), before_min_len), name
         assert not torch.isinf(scores[:, llm.eos + 1 :]).any(), name  # the other stop ids are not masked

@@ -14,7 +14,7 @@ from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
 from engine.loader import PRESET_VOICE_MODELS
 from engine.voices import DUMMY_VOICES
-from serve_app.app import error_payload, mapped_voice
+from serve_app.app import PROMPT_END, error_payload, mapped_voice, official_instruction
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs
 from serve_app.cli import with_default_voices_dir
 
@@ -118,3 +118,11 @@ def test_openai_voice_names_map_through_the_table() -> None:
     assert mapped_voice("voice_fedcba987654", table, built_in) == "voice_fedcba987654"
     with pytest.raises(UnknownVoiceError, match=r"'echo' stands for 'gone'.*its voices: speaker_a, speaker_b"):
         mapped_voice("echo", table, built_in)
+
+
+def test_an_http_instruction_gets_the_official_prompt_end_once() -> None:
+    assert official_instruction("Speak happily.") == "Speak happily." + PROMPT_END
+    assert official_instruction("Speak happily. ") == "Speak happily." + PROMPT_END
+    tagged = "You are a helpful assistant. Speak happily." + PROMPT_END
+    assert official_instruction(tagged) == tagged
+    assert official_instruction(tagged + "\n") == tagged + "\n"
