@@ -39,6 +39,19 @@ def _require(condition: bool, message: str) -> None:
         raise CheckpointError(message)
 
 
+def cfm_inference_cfg_rate(spec: ObjectSpec, class_name: str) -> float:
+    """The CFG rate of a yaml `decoder` node of class `class_name` (every version's CFM), after checking its
+    solver settings."""
+    _require(spec.class_name == class_name, f"unsupported flow decoder {spec.target!r}; expected {class_name}")
+    params = spec["cfm_params"]
+    if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
+        params = params.get("content", params.kwargs)
+    solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
+    _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
+    _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
+    return float(params.get("inference_cfg_rate", 0.7))
+
+
 @dataclass(frozen=True)
 class CFMConfig:
     inference_cfg_rate: float
@@ -47,17 +60,8 @@ class CFMConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CFMConfig:
         """From the yaml `decoder` node (class `ConditionalCFM`, with `cfm_params` and `estimator`)."""
-        _require(
-            spec.class_name == "ConditionalCFM", f"unsupported flow decoder {spec.target!r}; expected ConditionalCFM"
-        )
-        params = spec["cfm_params"]
-        if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
-            params = params.get("content", params.kwargs)
-        solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
-        _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
-        _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
         return cls(
-            inference_cfg_rate=float(params.get("inference_cfg_rate", 0.7)),
+            inference_cfg_rate=cfm_inference_cfg_rate(spec, "ConditionalCFM"),
             estimator=EstimatorConfig.from_yaml(spec["estimator"]),
         )
 

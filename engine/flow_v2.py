@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.conformer import OUTER_EPS, EncoderBlock, EncoderConfig, InputLayer
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import ConditionalCFM, FlowRequest, check_flow_request
+from engine.flow import ConditionalCFM, FlowRequest, cfm_inference_cfg_rate, check_flow_request
 from engine.flow_estimator import TimestepEmbedding, TransformerBlock, sinusoidal_time_embedding
 from engine.layers import Conv1d, LayerNorm, Linear, apply_mask
 from engine.yaml_config import ObjectSpec
@@ -101,21 +101,9 @@ class CausalCFMConfig:
     def from_yaml(cls, spec: ObjectSpec) -> CausalCFMConfig:
         """From the yaml `decoder` node (class `CausalConditionalCFM`, with `cfm_params` and `estimator`)."""
         return cls(
-            inference_cfg_rate=cfm_inference_cfg_rate(spec),
+            inference_cfg_rate=cfm_inference_cfg_rate(spec, "CausalConditionalCFM"),
             estimator=CausalEstimatorConfig.from_yaml(spec["estimator"]),
         )
-
-
-def cfm_inference_cfg_rate(spec: ObjectSpec) -> float:
-    """The CFG rate of a yaml `decoder` node of class `CausalConditionalCFM`, after checking its solver settings."""
-    _check_class(spec, "CausalConditionalCFM", "flow decoder")
-    params = spec["cfm_params"]
-    if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
-        params = params.get("content", params.kwargs)
-    solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
-    _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
-    _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
-    return float(params.get("inference_cfg_rate", 0.7))
 
 
 def _upsample_encoder_config(spec: ObjectSpec) -> EncoderConfig:

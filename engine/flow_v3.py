@@ -27,13 +27,12 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import FlowRequest
+from engine.flow import FlowRequest, cfm_inference_cfg_rate
 from engine.flow_estimator import sinusoidal_time_embedding
 from engine.flow_v2 import (
     CausalConditionalCFM,
     CausalConv1d,
     PreLookaheadLayer,
-    cfm_inference_cfg_rate,
     check_causal_flow_request,
     chunk_attention_mask,
 )
@@ -125,7 +124,7 @@ class DiTFlowConfig:
             token_mel_ratio=int(spec.get("token_mel_ratio", 2)),
             pre_lookahead_len=int(spec.get("pre_lookahead_len", 3)),
             lookahead_channels=int(lookahead["channels"]),
-            inference_cfg_rate=cfm_inference_cfg_rate(decoder),
+            inference_cfg_rate=cfm_inference_cfg_rate(decoder, "CausalConditionalCFM"),
             estimator=DiTConfig.from_yaml(decoder["estimator"]),
         )
         _require(
