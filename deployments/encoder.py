@@ -64,8 +64,9 @@ class Encoder:
             from serve_app.voice_registry import VoiceRegistry
 
             config = loaded.config
+            models = config.family.cloning_models()
             self.cloner = VoiceCloner.from_model_dir(
-                Path(voice_cloning.models_dir), config.sample_rate, config.version, config.flow.vocab_size
+                Path(voice_cloning.models_dir), models, config.sample_rate, config.flow.vocab_size
             )
             self.registry = VoiceRegistry(Path(voice_cloning.voices_dir), voice_cloning.max_voices)
 
@@ -105,9 +106,13 @@ class Encoder:
         return self.registry is not None and self.registry.delete(voice_id)
 
     def info(self) -> dict[str, Any]:
+        family = self.stage.model.config.family
         return {
             "model": self.model_name,
-            "version": self.stage.model.config.version,
+            "family": family.name,
+            "version": family.version,
+            "instructions": family.instruction_support(self.model_name),
+            "streaming": family.streaming is not None,
             "voices": self.stage.voices,
             "sample_rate": self.stage.sample_rate,
             "voice_cloning": self.cloner is not None,

@@ -15,23 +15,17 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
-from engine.flow import FlowConfig, MaskedDiffWithXvec
-from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
-from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
-from engine.frontend import TextFrontend, WhisperTokenizer
-from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
-from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
-from engine.llm import LLMConfig, TransformerLM
-from engine.llm_v3 import CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
+from engine.families import MODULE_NAMES, ModelFamily, families, family_for_config_file, family_for_llm_class
+from engine.frontend import TextFrontend
+from engine.hift import upgrade_legacy_weight_norm
 from engine.precision import pack_linear_for_cpu, parse_dtype, quantize_linear_int8
-from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
-from engine.qwen_tokenizer import QwenTokenizer
 from engine.voices import VoiceBank
 from engine.yaml_config import ObjectSpec, load_model_yaml
 
@@ -54,25 +48,26 @@ PRESET_VOICE_MODELS = {
     "cosyvoice-300m": PRESET_VOICE_MODELS_DIR / "tiny",
     "cosyvoice2-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice2-tiny",
 }
-V1_CONFIG = "cosyvoice.yaml"
-V2_CONFIG = "cosyvoice2.yaml"
-V3_CONFIG = "cosyvoice3.yaml"
-LLM_VERSIONS = {"TransformerLM": 1, "Qwen2LM": 2, "CosyVoice3LM": 3}  # the yaml's LLM class tells the version
-CHECKPOINT_FILES = ("llm.pt", "flow.pt", "hift.pt")
+CHECKPOINT_FILES = tuple(f"{name}.pt" for name in MODULE_NAMES)
 COMPONENTS = ("encoder", "decoder")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """All hyperparameters of a model, read from its yaml (v2: and its Qwen2 config.json)."""
+    """All hyperparameters of a model, read from its yaml (v2/v3: and its Qwen2 config.json), and its family."""
 
-    version: int  # 1: CosyVoice(-300M), 2: CosyVoice2, 3: CosyVoice3
+    family: ModelFamily  # found from the yaml's LLM class (engine.families)
     sample_rate: int
     spk_embed_dim: int
     mel_bins: int
-    llm: LLMConfig | Qwen2LMConfig | CosyVoice3LMConfig
-    flow: FlowConfig | CausalFlowConfig | DiTFlowConfig
-    hift: HiFTConfig | CausalHiFTConfig
+    llm: Any  # the family's LLM, flow and HiFT configs
+    flow: Any
+    hift: Any
+
+    @property
+    def version(self) -> int:
+        """1: CosyVoice(-300M), 2: CosyVoice2, 3: CosyVoice3 (data for reports; behaviour asks the family)."""
+        return self.family.version
 
     @classmethod
     def from_yaml_file(cls, path: Path) -> ModelConfig:
@@ -80,31 +75,26 @@ class ModelConfig:
         for key in ("llm", "flow", "hift", "sample_rate"):
             if key not in tree:
                 raise CheckpointError(f"model config {path} has no '{key}' entry")
-        # The LLM class tells the version: a dummy yaml may have any file name.
-        version = LLM_VERSIONS.get(tree["llm"].class_name, 1) if isinstance(tree["llm"], ObjectSpec) else 1
-        llm = {
-            1: lambda: LLMConfig.from_yaml(tree["llm"]),
-            2: lambda: Qwen2LMConfig.from_yaml(tree["llm"], path.parent),
-            3: lambda: CosyVoice3LMConfig.from_yaml(tree["llm"], path.parent),
-        }[version]()
-        flow = {1: FlowConfig, 2: CausalFlowConfig, 3: DiTFlowConfig}[version].from_yaml(tree["flow"])
+        if not isinstance(tree["llm"], ObjectSpec):
+            raise CheckpointError(f"model config {path}: 'llm' is not a `!new:` class node")
+        # The LLM class tells the family: a dummy yaml may have any file name, but an official one must agree.
+        family = family_for_llm_class(tree["llm"].class_name)
+        named = family_for_config_file(path.name)
+        if named is not None and named is not family:
+            raise CheckpointError(
+                f"model config {path} is named as a {named.name} config, but its LLM class {family.llm_class} is "
+                f"{family.name}'s"
+            )
+        configs = family.read_configs(tree, path.parent)
         return cls(
-            version=version,
+            family=family,
             sample_rate=int(tree["sample_rate"]),
             spk_embed_dim=int(tree.get("spk_embed_dim", 192)),
             mel_bins=int(tree["flow"].get("output_size", 80)),
-            llm=llm,
-            flow=flow,
-            hift=(CausalHiFTConfig if version == 3 else HiFTConfig).from_yaml(tree["hift"]),
+            llm=configs.llm,
+            flow=configs.flow,
+            hift=configs.hift,
         )
-
-
-# The module classes of each version, by checkpoint name.
-MODULES: dict[int, dict[str, type[nn.Module]]] = {
-    1: {"llm": TransformerLM, "flow": MaskedDiffWithXvec, "hift": HiFTGenerator},
-    2: {"llm": Qwen2LM, "flow": CausalMaskedDiffWithXvec, "hift": HiFTGenerator},
-    3: {"llm": CosyVoice3LM, "flow": CausalMaskedDiffWithDiT, "hift": CausalHiFTGenerator},
-}
 
 
 @dataclass
@@ -115,10 +105,10 @@ class LoadedModel:
     config: ModelConfig
     frontend: TextFrontend | None
     voices: VoiceBank
-    text_llm: TransformerLM | Qwen2LM | Qwen2TextEmbedding | None
-    llm: TransformerLM | Qwen2LM | CosyVoice3LM | None
-    flow: MaskedDiffWithXvec | CausalMaskedDiffWithXvec | CausalMaskedDiffWithDiT | None
-    hift: HiFTGenerator | CausalHiFTGenerator | None
+    text_llm: nn.Module | None  # the family's text module (engine.families)
+    llm: nn.Module | None
+    flow: nn.Module | None
+    hift: nn.Module | None
     dtype: torch.dtype
     decoder_device: torch.device
     text_device: torch.device
@@ -138,13 +128,11 @@ def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
         raise CheckpointError(f"unknown load format {load_format!r}; use 'official' or 'dummy'")
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} not found (or use one of the presets: {', '.join(PRESETS)})")
-    configs = [path / name for name in (V1_CONFIG, V2_CONFIG, V3_CONFIG) if (path / name).is_file()]
+    configs = [path / family.config_file for family in families() if (path / family.config_file).is_file()]
     if len(configs) != 1:
-        found = {0: "none", 2: "both"}.get(len(configs), "all three")
-        raise CheckpointError(
-            f"model directory {path} must hold one of {V1_CONFIG} (v1), {V2_CONFIG} (v2) or {V3_CONFIG} (v3); "
-            f"it holds {found}"
-        )
+        expected = ", ".join(f"{family.config_file} ({family.name})" for family in families())
+        found = ", ".join(config.name for config in configs) or "none"
+        raise CheckpointError(f"model directory {path} must hold exactly one of {expected}; it holds {found}")
     missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
@@ -162,24 +150,11 @@ def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Modu
 
 def load_module(model_dir: str | Path, name: str) -> nn.Module:
     """One official module ("llm", "flow" or "hift") of a model dir, strictly loaded, in eval mode."""
-    if name not in MODULES[1]:
-        raise CheckpointError(f"unknown module {name!r}; use one of {tuple(MODULES[1])}")
+    if name not in MODULE_NAMES:
+        raise CheckpointError(f"unknown module {name!r}; use one of {MODULE_NAMES}")
     _, config_path = _resolve(model_dir, "official")
     config = ModelConfig.from_yaml_file(config_path)
-    return _build(MODULES[config.version][name](getattr(config, name)), config_path.parent, f"{name}.pt")
-
-
-def _text_frontend(config: ModelConfig, config_path: Path, official: bool, max_text_chars: int) -> TextFrontend:
-    """v1: the tokenizer the yaml's `get_tokenizer` names (whisper); v2: the Qwen2 tokenizer of the model dir,
-    or its byte-level stand-in (dummy)."""
-    if config.version == 1:
-        tokenizer = WhisperTokenizer.from_yaml(load_model_yaml(config_path).get("get_tokenizer"))
-        return TextFrontend(max_text_chars=max_text_chars, tokenizer=tokenizer)
-    tokenizer = QwenTokenizer.from_dir(config_path.parent / QWEN_DIR) if official else QwenTokenizer.byte_level()
-    embedding_rows = config.llm.qwen.vocab_size
-    if tokenizer.vocab_size > embedding_rows:
-        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids; the model embeds {embedding_rows}")
-    return TextFrontend(max_text_chars=max_text_chars, tokenizer=tokenizer)
+    return _build(config.family.modules[name](getattr(config, name)), config_path.parent, f"{name}.pt")
 
 
 def load_model(
@@ -211,7 +186,7 @@ def load_model(
     decoder_device = torch.device(device)
     cpu = torch.device("cpu")
 
-    classes = MODULES[config.version]
+    classes = config.family.modules
     decoding = "decoder" in components
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -223,11 +198,7 @@ def load_model(
     if "encoder" in components:
         # One LLM copy serves both halves unless the decoder runs on another device or dtype.
         separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32)
-        # v2 encodes text with the Qwen2 embedding lookup alone: an encoder keeps only that table.
-        if isinstance(llm, CosyVoice3LM):
-            text_llm = CosyVoice3TextEmbedding(llm)
-        else:
-            text_llm = Qwen2TextEmbedding(llm) if isinstance(llm, Qwen2LM) else llm
+        text_llm = config.family.text_module(llm)
         text_llm = copy.deepcopy(text_llm) if separate else text_llm
         if int8 and (separate or not decoding):
             quantize_linear_int8(text_llm)
@@ -251,7 +222,7 @@ def load_model(
     return LoadedModel(
         name=str(source) if fmt == "dummy" else Path(source).name,
         config=config,
-        frontend=_text_frontend(config, config_path, fmt == "official", max_text_chars)
+        frontend=TextFrontend(max_text_chars, tokenizer=config.family.tokenizer(config, config_path, fmt == "official"))
         if "encoder" in components
         else None,
         voices=voices,

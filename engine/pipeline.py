@@ -143,7 +143,7 @@ class TextEncoderStage:
 
         A zero-shot speaker stored in spk2info.pt (official `zero_shot_spk_id`) acts as a cloned voice whose
         prompt is already tokenized."""
-        frontend, version = self.model.frontend, self.model.config.version
+        frontend, rules = self.model.frontend, self.model.config.family.voice_rules
         no_tokens = np.zeros(0, dtype=np.int64)
         stored = self.model.voices.stored_prompt(request.voice) if prompt is None else None
         if stored is not None:
@@ -168,11 +168,13 @@ class TextEncoderStage:
         prompt_text_tokens: list[int] = []
         if request.instruct_text is not None:
             # As official: the caller's instruction carries its `<|endofprompt|>` (nothing is appended); v1's
-            # inference_instruct normalizes it (a no-op once it holds `<|...|>`), v2's inference_instruct2 does not.
-            instruction = frontend.normalize(request.instruct_text) if version == 1 else request.instruct_text
+            # inference_instruct normalizes it (a no-op once it holds `<|...|>`), inference_instruct2 does not.
+            instruction = request.instruct_text
+            if rules.normalize_instruction:
+                instruction = frontend.normalize(instruction)
             prompt_text_tokens = frontend.tokenize(instruction)
             llm_speech_tokens = no_tokens
-            if version == 1:  # v1 Instruct models: no LLM speaker embedding and no prompt speech at all
+            if not rules.instruct_keeps_voice_prompt:  # v1 Instruct: no LLM speaker embedding, no prompt speech at all
                 llm_embedding, speech_tokens, feat = None, no_tokens, feat[:0]
         elif request.cross_lingual:
             llm_speech_tokens = no_tokens

@@ -6,9 +6,9 @@ tiny model can clone voices with no download; `python -m engine.tiny_voice_model
 
 * `campplus.onnx`: float [1, T, 80] -> float [1, 192]: mean of the squared (mean-removed) fbank over time, then a
   fixed projection, so the embedding depends on how each band varies in the recording;
-* `speech_tokenizer_v{1,2}.onnx`: `feats` float [1, 128, T] and `feats_length` int32 [1] -> `indices` int64 [1, T'],
-  T' = T // 2 (v1, 50 tokens/s) or T // 4 (v2, 25 tokens/s): average pooling over time, a fixed projection onto
-  the whole vocabulary, argmax.
+* the family's speech tokenizer (`speech_tokenizer_v1.onnx`, `speech_tokenizer_v2.onnx`): `feats` float [1, 128, T]
+  and `feats_length` int32 [1] -> `indices` int64 [1, T'], T' = T // 2 (v1, 50 tokens/s) or T // 4 (v2, 25 tokens/s):
+  average pooling over time, a fixed projection onto the whole vocabulary, argmax.
 
 Weights come from a fixed seed, so every call writes identical models.
 """
@@ -22,14 +22,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from engine.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, ModelConfig
+from engine.voice_cloning import CloningModels
 
 _OPSET = 17
 _IR_VERSION = 8  # the IR version of opset 17, readable by any onnxruntime that runs opset 17
 _FBANK_BINS = 80
 _EMBEDDING_DIM = 192
 _WHISPER_MELS = 128
-_TOKEN_STRIDE = {1: 2, 2: 4}  # log-mel frames (100 per second) per speech token
-_VOCABULARY = {1: 4096, 2: 6561}
+_LOG_MEL_RATE = 100  # log-mel frames per second
 
 
 def _save(graph: onnx.GraphProto, path: Path) -> None:
@@ -55,8 +55,8 @@ def _campplus_graph(rng: np.random.Generator) -> onnx.GraphProto:
     )
 
 
-def _speech_tokenizer_graph(rng: np.random.Generator, version: int, vocabulary: int) -> onnx.GraphProto:
-    stride = _TOKEN_STRIDE[version]
+def _speech_tokenizer_graph(rng: np.random.Generator, models: CloningModels, vocabulary: int) -> onnx.GraphProto:
+    stride = _LOG_MEL_RATE // models.token_rate
     projection = rng.standard_normal((_WHISPER_MELS, vocabulary)).astype(np.float32)
     nodes = [
         helper.make_node("AveragePool", ["feats"], ["pooled"], kernel_shape=[stride], strides=[stride]),
@@ -66,7 +66,7 @@ def _speech_tokenizer_graph(rng: np.random.Generator, version: int, vocabulary: 
     ]
     return helper.make_graph(
         nodes,
-        f"tiny_speech_tokenizer_v{version}",
+        f"tiny_speech_tokenizer_v{models.version}",
         inputs=[
             helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, _WHISPER_MELS, "frames"]),
             helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1]),
@@ -76,17 +76,15 @@ def _speech_tokenizer_graph(rng: np.random.Generator, version: int, vocabulary: 
     )
 
 
-def write_tiny_voice_models(directory: Path, version: int, vocabulary: int | None = None) -> None:
-    """Write `campplus.onnx` and `speech_tokenizer_v{version}.onnx` (version 1 or 2) into `directory`; the
-    tokens span `vocabulary` ids (default: the official speech vocabulary of the version)."""
-    if version not in _TOKEN_STRIDE:
-        raise ValueError(f"no tiny speech tokenizer for CosyVoice version {version!r}")
+def write_tiny_voice_models(directory: Path, models: CloningModels, vocabulary: int | None = None) -> None:
+    """Write `campplus.onnx` and the family's speech tokenizer (`models.speech_tokenizer_file`) into `directory`;
+    the tokens span `vocabulary` ids (default: the family's official speech vocabulary)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(7000 + version)
+    rng = np.random.default_rng(7000 + models.version)
     _save(_campplus_graph(rng), directory / "campplus.onnx")
-    vocabulary = _VOCABULARY[version] if vocabulary is None else vocabulary
-    _save(_speech_tokenizer_graph(rng, version, vocabulary), directory / f"speech_tokenizer_v{version}.onnx")
+    vocabulary = models.speech_vocab_size if vocabulary is None else vocabulary
+    _save(_speech_tokenizer_graph(rng, models, vocabulary), directory / models.speech_tokenizer_file)
 
 
 def write_preset_voice_models() -> None:
@@ -96,7 +94,7 @@ def write_preset_voice_models() -> None:
         if directory in written:
             continue
         config = ModelConfig.from_yaml_file(PRESETS_DIR / PRESETS[preset])
-        write_tiny_voice_models(directory, config.version, config.flow.vocab_size)
+        write_tiny_voice_models(directory, config.family.cloning_models(), config.flow.vocab_size)
         written.add(directory)
         print(f"wrote {directory}")
 

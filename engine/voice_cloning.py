@@ -3,9 +3,11 @@
 Reproduces the official zero-shot front end. The mono recording is resampled from its own rate straight to each
 consumer's rate, as the official `load_wav` does:
 * 16 kHz -> Kaldi fbank (80 bins, no dither) minus its mean over time -> `campplus.onnx` -> 192-dim embedding;
-* 16 kHz -> Whisper log-mel (128 bins) -> `speech_tokenizer_v{1,2}.onnx` -> speech tokens (50 or 25 per second);
+* 16 kHz -> Whisper log-mel (128 bins) -> the family's speech tokenizer (`speech_tokenizer_v1.onnx`: 50 tokens per
+  second, `speech_tokenizer_v2.onnx`: 25) -> speech tokens;
 * model rate -> the Matcha-TTS mel spectrogram the flow was trained on (80 bins) -> prompt mel frames.
-CosyVoice2 then trims tokens and frames to exactly 2 frames per token.
+A family whose flow upsamples tokens by a fixed ratio (CosyVoice2: 2) then trims tokens and frames to exactly that
+many frames per token. What differs per family is its `CloningModels` (engine.families).
 """
 
 from __future__ import annotations
@@ -35,9 +37,6 @@ FEATURE_SAMPLE_RATE = 16000  # rate of the embedding and speech-token features
 EMBEDDING_DIM = 192
 MEL_BINS = 80
 CAMPPLUS_FILE = "campplus.onnx"
-SPEECH_TOKENIZER_FILES = {1: "speech_tokenizer_v1.onnx", 2: "speech_tokenizer_v2.onnx"}
-SPEECH_TOKEN_VOCAB = {1: 4096, 2: 6561}
-_FRAMES_PER_TOKEN_V2 = 2  # CosyVoice2's flow upsamples tokens x2, so its prompt must hold exactly 2 frames per token
 
 _WHISPER_MELS = 128
 _WHISPER_N_FFT = 400
@@ -60,24 +59,21 @@ class PromptMelConfig:
     fmin: float = 0.0
     fmax: float = 8000.0
 
-    @classmethod
-    def for_model(cls, sample_rate: int, version: int) -> PromptMelConfig:
-        """The official settings of CosyVoice `version`; CheckpointError unless the model rate is that version's."""
-        if version not in _PROMPT_MEL_CONFIGS:
-            raise CheckpointError(f"unsupported CosyVoice version {version!r}; voice cloning supports 1 and 2")
-        config = _PROMPT_MEL_CONFIGS[version]
-        if sample_rate != config.sample_rate:
-            raise CheckpointError(
-                f"CosyVoice v{version} runs at {config.sample_rate} Hz, not {sample_rate} Hz: unsupported model config"
-            )
-        return config
+
+@dataclass(frozen=True)
+class CloningModels:
+    """What voice cloning needs to know about a model family (each family module registers one)."""
+
+    version: int  # the family's version, recorded in the prompts it makes
+    speech_tokenizer_file: str  # the ONNX speech tokenizer in an official model dir
+    speech_vocab_size: int  # the official speech vocabulary
+    token_rate: int  # speech tokens per second
+    prompt_mel: PromptMelConfig  # the flow's mel front end, at the model rate
+    frames_per_token: int | None  # prompt alignment: None keeps tokens and frames as they are, n trims them to n:1
 
 
-_PROMPT_MEL_CONFIGS = {
-    1: PromptMelConfig(sample_rate=22050, n_fft=1024, hop_length=256, win_length=1024),
-    2: PromptMelConfig(sample_rate=24000, n_fft=1920, hop_length=480, win_length=1920),
-}
-_VERSION_BY_SAMPLE_RATE = {config.sample_rate: version for version, config in _PROMPT_MEL_CONFIGS.items()}
+# The version a prompt made for this rate is taken to be when none is given (22.05 kHz: v1, 24 kHz: v2).
+_DEFAULT_VERSION_BY_SAMPLE_RATE = {22050: 1, 24000: 2}
 
 
 def slaney_mel_filters(sample_rate: int, n_fft: int, num_mels: int, fmin: float, fmax: float) -> Tensor:
@@ -148,10 +144,13 @@ def speaker_fbank(waveform_16k: Tensor) -> Tensor:
     return fbank - fbank.mean(dim=0, keepdim=True)
 
 
-def align_prompt_v2(speech_tokens: np.ndarray, speech_feat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """CosyVoice2's rule: keep the longest prefix with exactly 2 mel frames [2P, 80] per token [P]."""
-    token_count = min(speech_feat.shape[0] // _FRAMES_PER_TOKEN_V2, speech_tokens.shape[0])
-    return speech_tokens[:token_count], speech_feat[: _FRAMES_PER_TOKEN_V2 * token_count]
+def align_prompt(
+    speech_tokens: np.ndarray, speech_feat: np.ndarray, frames_per_token: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """CosyVoice2's rule: keep the longest prefix with exactly `frames_per_token` (n) mel frames [n P, 80] per token
+    [P]."""
+    token_count = min(speech_feat.shape[0] // frames_per_token, speech_tokens.shape[0])
+    return speech_tokens[:token_count], speech_feat[: frames_per_token * token_count]
 
 
 def _invalid_unless(condition: bool, message: str) -> None:
@@ -171,7 +170,7 @@ class VoicePrompt:
     speech_tokens: np.ndarray  # int64 [P]
     speech_feat: np.ndarray  # float32 [Tp, 80], at `sample_rate`
     sample_rate: int  # the model rate the mel was made for
-    version: int | None = None  # always set (1 or 2) after construction
+    version: int | None = None  # the model family's version; always set after construction
 
     def __post_init__(self) -> None:
         _invalid_unless(isinstance(self.transcript, str) and bool(self.transcript.strip()), "empty prompt transcript")
@@ -190,11 +189,17 @@ class VoicePrompt:
         )
         if self.version is None:
             _invalid_unless(
-                self.sample_rate in _VERSION_BY_SAMPLE_RATE,
+                self.sample_rate in _DEFAULT_VERSION_BY_SAMPLE_RATE,
                 f"cannot tell the CosyVoice version of a prompt made for {self.sample_rate} Hz; pass `version`",
             )
-            object.__setattr__(self, "version", _VERSION_BY_SAMPLE_RATE[self.sample_rate])
-        _invalid_unless(self.version in SPEECH_TOKENIZER_FILES, f"invalid prompt CosyVoice version {self.version!r}")
+            object.__setattr__(self, "version", _DEFAULT_VERSION_BY_SAMPLE_RATE[self.sample_rate])
+        # imported here: the family modules import this one
+        from engine.families import families
+
+        _invalid_unless(
+            self.version in {family.version for family in families()},
+            f"invalid prompt CosyVoice version {self.version!r}",
+        )
 
     def save(self, path: Path) -> None:
         """Write an npz (no pickles) atomically: a temporary file beside `path`, then a rename over it."""
@@ -285,21 +290,26 @@ def _onnx_session(path: Path, num_threads: int, min_inputs: int) -> onnxruntime.
 
 
 class VoiceCloner:
-    """Turns a prompt recording and its transcript into a `VoicePrompt` for one model (rate and version)."""
+    """Turns a prompt recording and its transcript into a `VoicePrompt` for one model (its family's cloning models)."""
 
     def __init__(
         self,
         campplus_path: Path,
         speech_tokenizer_path: Path,
+        models: CloningModels,
         model_sample_rate: int,
-        version: int,
         num_threads: int = 1,
         speech_vocab_size: int | None = None,
     ) -> None:
-        """`speech_vocab_size`: the model's speech vocabulary (None: the official one of `version`)."""
-        self.version = version
-        self.speech_vocab_size = SPEECH_TOKEN_VOCAB[version] if speech_vocab_size is None else speech_vocab_size
-        self.mel_config = PromptMelConfig.for_model(model_sample_rate, version)
+        """`speech_vocab_size`: the model's speech vocabulary (None: the official one of its family)."""
+        if model_sample_rate != models.prompt_mel.sample_rate:
+            raise CheckpointError(
+                f"CosyVoice v{models.version} runs at {models.prompt_mel.sample_rate} Hz, not {model_sample_rate} Hz: "
+                "unsupported model config"
+            )
+        self.models = models
+        self.speech_vocab_size = models.speech_vocab_size if speech_vocab_size is None else speech_vocab_size
+        self.mel_config = models.prompt_mel
         self.speaker_session = _onnx_session(Path(campplus_path), num_threads, min_inputs=1)
         self.tokenizer_session = _onnx_session(Path(speech_tokenizer_path), num_threads, min_inputs=2)
         self.whisper_mel = WhisperLogMel()
@@ -307,17 +317,15 @@ class VoiceCloner:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: Path, model_sample_rate: int, version: int, speech_vocab_size: int | None = None
+        cls, model_dir: Path, models: CloningModels, model_sample_rate: int, speech_vocab_size: int | None = None
     ) -> VoiceCloner:
-        """From an official model directory (`campplus.onnx`, `speech_tokenizer_v{version}.onnx`)."""
-        if version not in SPEECH_TOKENIZER_FILES:
-            raise CheckpointError(f"unsupported CosyVoice version {version!r}; voice cloning supports 1 and 2")
+        """From an official model directory (`campplus.onnx` and the family's speech tokenizer)."""
         model_dir = Path(model_dir)
-        paths = [model_dir / CAMPPLUS_FILE, model_dir / SPEECH_TOKENIZER_FILES[version]]
+        paths = [model_dir / CAMPPLUS_FILE, model_dir / models.speech_tokenizer_file]
         missing = [path.name for path in paths if not path.is_file()]
         if missing:
             raise CheckpointError(f"voice cloning needs {' and '.join(missing)} in {model_dir}; not found")
-        return cls(paths[0], paths[1], model_sample_rate, version, speech_vocab_size=speech_vocab_size)
+        return cls(paths[0], paths[1], models, model_sample_rate, speech_vocab_size=speech_vocab_size)
 
     @property
     def sample_rate(self) -> int:
@@ -336,15 +344,15 @@ class VoiceCloner:
             speech_tokens = self._speech_tokens(audio_16k)
             model_rate_audio = AF.resample(audio, sample_rate, self.mel_config.sample_rate)
             speech_feat = self.prompt_mel(model_rate_audio).numpy()
-        if self.version == 2:
-            speech_tokens, speech_feat = align_prompt_v2(speech_tokens, speech_feat)
+        if self.models.frames_per_token is not None:
+            speech_tokens, speech_feat = align_prompt(speech_tokens, speech_feat, self.models.frames_per_token)
         return VoicePrompt(
             transcript=transcript,
             embedding=embedding,
             speech_tokens=np.ascontiguousarray(speech_tokens),
             speech_feat=np.ascontiguousarray(speech_feat, dtype=np.float32),
             sample_rate=self.mel_config.sample_rate,
-            version=self.version,
+            version=self.models.version,
         )
 
     def _speaker_embedding(self, audio_16k: Tensor) -> np.ndarray:

@@ -33,6 +33,7 @@ from autoscaling.policy import ScalingRules, cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, VoiceCloningConfig, VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, UnknownVoiceError
+from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
 from observability import STRUCTURED_LOGGING
@@ -49,8 +50,6 @@ logger = logging.getLogger("ray.serve")
 Mode = Literal["whole", "stream", "sse"]
 Chunk = np.ndarray | None  # the first audio chunk of a stream, None when the stream had no audio
 SSE_MEDIA_TYPE = "text/event-stream"
-# The official rule: a CosyVoice v1 model follows instructions when its directory name says it is an Instruct one.
-V1_INSTRUCT_MARK = "-Instruct"
 
 
 class UnknownModelError(CosyVoiceError):
@@ -224,14 +223,6 @@ def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
     return target
 
 
-def instructions_support(info: dict[str, Any]) -> str:
-    """How the served model takes `instructions`: "any_voice" (a v1 Instruct model), "registered_voices" (CosyVoice2's
-    instruct2 speaks an instruction in a cloned voice), or "none"."""
-    if info["version"] == 2:
-        return "registered_voices"
-    return "any_voice" if V1_INSTRUCT_MARK in info["model"] else "none"
-
-
 PROMPT_END = "<|endofprompt|>"
 
 
@@ -243,16 +234,16 @@ def official_instruction(text: str) -> str:
 
 def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
     """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
-    support = instructions_support(info)
+    support = info["instructions"]  # the model family's answer (engine.families)
     if support == "none":
         raise InvalidInputError(
-            f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {V1_INSTRUCT_MARK} models "
-            "and CosyVoice2 models (with a registered voice) can"
+            f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {INSTRUCT_MODEL_MARK} models "
+            "and CosyVoice2 or later models (with a registered voice) can"
         )
     if support == "registered_voices" and voice in info["voices"]:
         raise InvalidInputError(
-            "CosyVoice2 follows instructions in a registered (cloned) voice only: register one with POST /v1/voices "
-            f"and use its id instead of the built-in speaker {voice!r}"
+            f"{info['family']} follows instructions in a registered (cloned) voice only: register one with POST "
+            f"/v1/voices and use its id instead of the built-in speaker {voice!r}"
         )
 
 
@@ -352,7 +343,7 @@ class TTSIngress:
             "registered_voices": registered,
             "openai_voices": self.openai.voices,
             "voice_cloning": info["voice_cloning"],
-            "instructions": instructions_support(info),
+            "instructions": info["instructions"],
         }
 
     @api.post(VOICES_PATH, status_code=201)
@@ -393,7 +384,8 @@ class TTSIngress:
             speed=body.speed,
         )
         mode: Mode = "sse" if body.stream_format == "sse" else "stream"
-        if mode == "stream" and not audio_format(body.response_format).streamable:
+        streamable = audio_format(body.response_format).streamable and (await self.model_info())["streaming"]
+        if mode == "stream" and not streamable:  # OpenAI's default stream_format: the whole file instead
             mode = "whole"
         return await self.respond(request, body.response_format, mode, http)
 
@@ -426,6 +418,8 @@ class TTSIngress:
         check_voice_name(request.voice)
         fmt = audio_format(format_name, streaming=mode == "stream")
         info = await self.model_info()
+        if mode == "stream" and not info["streaming"]:
+            raise InvalidInputError(f"{info['family']} models cannot stream yet: send the request with stream false")
         if request.instruct_text is not None:
             check_follows_instructions(info, request.voice)
             request = dataclasses.replace(request, instruct_text=official_instruction(request.instruct_text))
@@ -434,8 +428,9 @@ class TTSIngress:
         sample_rate = info["sample_rate"]
         timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
         logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
-        if mode == "whole" or not fmt.streamable:  # sse of a format that cannot stream: one event, at the end
-            if len(request.text) > self.limits.long_text_chars:
+        # whole, or sse of a format (or model) that cannot stream: one event, at the end
+        if mode == "whole" or not (fmt.streamable and info["streaming"]):
+            if len(request.text) > self.limits.long_text_chars and info["streaming"]:
                 audio = np.concatenate([chunk async for chunk in self.stream_audio(segments, request_id)])
             else:
                 decoder = self.router.handle()

@@ -19,7 +19,7 @@ from torch import Tensor
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.sampling import SamplingOptions
-from engine.streaming import DecodeStream
+from engine.streaming import OverlappingChunks
 
 # The kits' acceptance for a flow mel, and for HiFT decode(mel, source) in each version (measured on the tiny
 # kits: about 4e-6 and 1e-6).
@@ -90,7 +90,7 @@ def replay_official_draws(
         mels.append(mel[0].clone())
         return decode(mel, source, lengths)
 
-    monkeypatch.setattr(DecodeStream, "_start_noise", staticmethod(start_noise))
+    monkeypatch.setattr(OverlappingChunks, "start_noise", staticmethod(start_noise))
     monkeypatch.setattr(hift, "make_source", make_source)
     monkeypatch.setattr(hift, "decode", recording_decode)
     return mels

@@ -7,7 +7,7 @@ import pytest
 
 from engine.pipeline import CosyVoice, SynthesisRequest
 from engine.sampling import SamplingOptions
-from engine.streaming import StreamSchedule
+from engine.streaming import OverlappingChunks
 
 # A fixed speech length of 3 chunks and a half: 12 text tokens x 30 = 360 tokens.
 FIXED = SamplingOptions(seed=11, min_token_text_ratio=30, max_token_text_ratio=30)
@@ -37,7 +37,8 @@ def _run(stream) -> tuple[list[np.ndarray], list[int]]:
 
 
 def test_first_chunk_comes_after_the_first_hop_and_the_rest_follows(tts: CosyVoice, segment) -> None:
-    schedule = StreamSchedule.v1(50, 256)
+    schedule = OverlappingChunks(tts.decoder).schedule
+    assert (schedule.token_hop, schedule.token_overlap) == (100, 20)  # the official v1 chunking at 50 tokens/s
     total_tokens = segment.text_len * 30
     chunks, steps = _run(tts.decoder.open_stream([segment]))
     assert steps[0] == schedule.token_hop + schedule.token_overlap  # one token per step

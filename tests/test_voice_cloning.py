@@ -12,6 +12,7 @@ import soundfile
 import torch
 
 from engine.errors import CheckpointError, InvalidInputError
+from engine.families import COSYVOICE1, COSYVOICE2, COSYVOICE3
 from engine.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, ModelConfig
 from engine.tiny_voice_models import write_tiny_voice_models
 from engine.voice_cloning import (
@@ -20,10 +21,11 @@ from engine.voice_cloning import (
     VoiceCloner,
     VoicePrompt,
     WhisperLogMel,
-    align_prompt_v2,
+    align_prompt,
 )
 
 MODEL_RATES = {1: 22050, 2: 24000}
+CLONING = {1: COSYVOICE1.cloning_models(), 2: COSYVOICE2.cloning_models()}
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +33,15 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     directories = {}
     for version in MODEL_RATES:
         directories[version] = tmp_path_factory.mktemp(f"voice_models_v{version}")
-        write_tiny_voice_models(directories[version], version)
+        write_tiny_voice_models(directories[version], CLONING[version])
     return directories
 
 
 @pytest.fixture(scope="module")
 def cloners(model_dirs: dict[int, Path]) -> dict[int, VoiceCloner]:
     return {
-        version: VoiceCloner.from_model_dir(path, MODEL_RATES[version], version) for version, path in model_dirs.items()
+        version: VoiceCloner.from_model_dir(path, CLONING[version], MODEL_RATES[version])
+        for version, path in model_dirs.items()
     }
 
 
@@ -121,10 +124,10 @@ def test_shapes_dtypes_and_token_rate(cloners: dict[int, VoiceCloner], version: 
 def test_v2_alignment_keeps_two_frames_per_token() -> None:
     tokens = np.arange(10, dtype=np.int64)
     feat = np.arange(25 * 80, dtype=np.float32).reshape(25, 80)
-    kept_tokens, kept_feat = align_prompt_v2(tokens, feat)  # more frames than 2 per token: frames are cut
+    kept_tokens, kept_feat = align_prompt(tokens, feat, 2)  # more frames than 2 per token: frames are cut
     np.testing.assert_array_equal(kept_tokens, tokens)
     np.testing.assert_array_equal(kept_feat, feat[:20])
-    kept_tokens, kept_feat = align_prompt_v2(tokens, feat[:15])  # fewer: tokens are cut too, to 15 // 2
+    kept_tokens, kept_feat = align_prompt(tokens, feat[:15], 2)  # fewer: tokens are cut too, to 15 // 2
     np.testing.assert_array_equal(kept_tokens, tokens[:7])
     np.testing.assert_array_equal(kept_feat, feat[:14])
 
@@ -159,7 +162,7 @@ def test_embedding_is_deterministic_and_tells_voices_apart(
     low, high = voice(110.0), voice(230.0)
     first = cloners[1].clone(low, 16000, "hi")
     np.testing.assert_array_equal(first.embedding, cloners[1].clone(low, 16000, "hi").embedding)
-    fresh = VoiceCloner(model_dirs[1] / "campplus.onnx", model_dirs[1] / "speech_tokenizer_v1.onnx", 22050, 1)
+    fresh = VoiceCloner(model_dirs[1] / "campplus.onnx", model_dirs[1] / "speech_tokenizer_v1.onnx", CLONING[1], 22050)
     again = fresh.clone(low, 16000, "hi")
     np.testing.assert_array_equal(first.embedding, again.embedding)
     np.testing.assert_array_equal(first.speech_tokens, again.speech_tokens)
@@ -310,21 +313,21 @@ def test_decode_audio_rejects_garbage(data: bytes) -> None:
 
 def test_model_file_errors(tmp_path: Path, model_dirs: dict[int, Path]) -> None:
     with pytest.raises(CheckpointError, match=re.escape("needs campplus.onnx and speech_tokenizer_v2.onnx in")):
-        VoiceCloner.from_model_dir(tmp_path, 24000, 2)
+        VoiceCloner.from_model_dir(tmp_path, CLONING[2], 24000)
     with pytest.raises(CheckpointError, match=re.escape("needs speech_tokenizer_v2.onnx in")):
-        VoiceCloner.from_model_dir(model_dirs[1], 24000, 2)
-    with pytest.raises(CheckpointError, match="unsupported CosyVoice version 3"):
-        VoiceCloner.from_model_dir(model_dirs[1], 24000, 3)
+        VoiceCloner.from_model_dir(model_dirs[1], CLONING[2], 24000)
+    with pytest.raises(CheckpointError, match="voice cloning is not available for CosyVoice3 models"):
+        COSYVOICE3.cloning_models()
     with pytest.raises(CheckpointError, match="CosyVoice v1 runs at 22050 Hz, not 24000 Hz"):
-        VoiceCloner.from_model_dir(model_dirs[1], 24000, 1)
+        VoiceCloner.from_model_dir(model_dirs[1], CLONING[1], 24000)
     broken = tmp_path / "campplus.onnx"
     broken.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match="cannot load voice cloning model"):
-        VoiceCloner(broken, model_dirs[1] / "speech_tokenizer_v1.onnx", 22050, 1)
+        VoiceCloner(broken, model_dirs[1] / "speech_tokenizer_v1.onnx", CLONING[1], 22050)
 
 
 def test_tokens_beyond_the_models_speech_vocabulary_are_a_configuration_error(model_dirs: dict[int, Path]) -> None:
-    small = VoiceCloner.from_model_dir(model_dirs[2], 24000, 2, speech_vocab_size=4)  # a model with 4 speech tokens
+    small = VoiceCloner.from_model_dir(model_dirs[2], CLONING[2], 24000, speech_vocab_size=4)  # 4 speech tokens
     with pytest.raises(CheckpointError, match="tokenizer of this model"):
         small.clone(voice(110.0), 16000, "hi")
 
@@ -332,6 +335,6 @@ def test_tokens_beyond_the_models_speech_vocabulary_are_a_configuration_error(mo
 def test_the_shipped_preset_models_are_what_the_generator_writes(tmp_path: Path) -> None:
     for preset, directory in PRESET_VOICE_MODELS.items():
         config = ModelConfig.from_yaml_file(PRESETS_DIR / PRESETS[preset])
-        write_tiny_voice_models(tmp_path / preset, config.version, config.flow.vocab_size)
+        write_tiny_voice_models(tmp_path / preset, config.family.cloning_models(), config.flow.vocab_size)
         for generated in (tmp_path / preset).iterdir():
             assert (directory / generated.name).read_bytes() == generated.read_bytes(), f"{preset}: {generated.name}"

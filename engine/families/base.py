@@ -1,0 +1,106 @@
+"""`ModelFamily`: what one CosyVoice generation does its own way, and the registry of the known families.
+
+A family is found from the model yaml's LLM class (`family_for_llm_class`) or, in an official model directory,
+from its config file's name (`family_for_config_file`). Each family module (`engine.families.cosyvoice1`, ...)
+registers one `ModelFamily`; the loader, the stages, streaming, voice cloning, the deployments and the ingress ask
+the model's family instead of testing its version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+from torch import nn
+
+from engine.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from engine.frontend import TextTokenizer
+    from engine.loader import ModelConfig
+    from engine.streaming import ChunkStrategy
+    from engine.voice_cloning import CloningModels
+
+# How a model takes instructions: in any voice (v1 -Instruct models), only in a registered (cloned) voice
+# (CosyVoice2's instruct2), or not at all.
+InstructionSupport = Literal["any_voice", "registered_voices", "none"]
+MODULE_NAMES = ("llm", "flow", "hift")  # the modules of a model, each with its checkpoint `<name>.pt`
+
+
+class ModuleConfigs(NamedTuple):
+    llm: Any
+    flow: Any
+    hift: Any
+
+
+@dataclass(frozen=True)
+class VoiceRules:
+    """How the family's official frontend conditions an instruct request (engine.pipeline applies them; the
+    sft, zero-shot and cross-lingual modes are the same in every family so far)."""
+
+    normalize_instruction: bool  # v1 `inference_instruct` text-normalizes the instruction; instruct2 takes it as is
+    # instruct2 keeps the voice's LLM embedding and its prompt speech in the flow (the LLM drops the prompt speech);
+    # v1's instruct conditions the flow on the speaker embedding alone and gives the LLM no speaker embedding
+    instruct_keeps_voice_prompt: bool
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: a family is one registered object, compared by identity
+class ModelFamily:
+    name: str  # "CosyVoice2": how messages name it
+    version: int  # data only (reported by /v1/voices, recorded in cloned prompts): nothing branches on it
+    config_file: str  # the yaml of an official model dir
+    llm_class: str  # the class of the yaml's `llm` node, which tells the family of any yaml
+    read_configs: Callable[[dict[str, Any], Path], ModuleConfigs]  # (yaml tree, model dir) -> module configs
+    modules: Mapping[str, type[nn.Module]]  # MODULE_NAMES -> class, built from its config
+    text_module: Callable[[nn.Module], nn.Module]  # the encoder-side text encoder, made from the LLM
+    tokenizer: Callable[[ModelConfig, Path, bool], TextTokenizer]  # (config, yaml path, official dir?)
+    voice_rules: VoiceRules
+    instruction_support: Callable[[str], InstructionSupport]  # model name -> how it takes instructions
+    streaming: type[ChunkStrategy] | None  # None: streaming is refused (InvalidInputError)
+    cloning: CloningModels | None  # None: voice cloning is refused (CheckpointError)
+
+    def cloning_models(self) -> CloningModels:
+        """The family's cloning models; CheckpointError when it has none."""
+        if self.cloning is None:
+            raise CheckpointError(f"voice cloning is not available for {self.name} models")
+        return self.cloning
+
+
+_FAMILIES: list[ModelFamily] = []
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Add a family to the registry; its LLM class and config file name must be its own."""
+    for known in _FAMILIES:
+        if known.llm_class == family.llm_class or known.config_file == family.config_file:
+            raise ValueError(f"{family.name} reuses the LLM class or config file of {known.name}")
+    if set(family.modules) != set(MODULE_NAMES):
+        raise ValueError(f"{family.name} must name a module class for each of {MODULE_NAMES}")
+    _FAMILIES.append(family)
+    return family
+
+
+def families() -> tuple[ModelFamily, ...]:
+    """Every registered family, in registration order (v1 first)."""
+    return tuple(_FAMILIES)
+
+
+def family_for_llm_class(class_name: str) -> ModelFamily:
+    """The family whose yaml `llm` node has class `class_name`; CheckpointError naming the known ones otherwise."""
+    for family in _FAMILIES:
+        if family.llm_class == class_name:
+            return family
+    known = ", ".join(f"{family.llm_class} ({family.name})" for family in _FAMILIES)
+    raise CheckpointError(f"unknown LLM class {class_name!r} in the model yaml; the known classes are {known}")
+
+
+def family_for_config_file(file_name: str) -> ModelFamily | None:
+    """The family whose official model dir holds a config named `file_name`; None for any other name."""
+    return next((family for family in _FAMILIES if family.config_file == file_name), None)
+
+
+def registered_voices_only(model_name: str) -> InstructionSupport:
+    """instruct2 (CosyVoice2 and later): every model follows instructions, spoken in a registered voice."""
+    return "registered_voices"

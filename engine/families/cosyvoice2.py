@@ -1,0 +1,66 @@
+"""CosyVoice2 (CosyVoice2-0.5B): the Qwen2 `Qwen2LM`, the causal Conformer + U-Net CFM flow, HiFT at 24 kHz.
+
+The Qwen2 tokenizer of the model dir (a byte-level stand-in for dummy weights), streaming over the causal token
+prefix, instruct2 (an instruction in a registered voice, taken as given), 25 Hz speech tokens for cloning with
+2 prompt mel frames per token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.errors import CheckpointError
+from engine.families.base import ModelFamily, ModuleConfigs, VoiceRules, register, registered_voices_only
+from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
+from engine.hift import HiFTConfig, HiFTGenerator
+from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
+from engine.qwen_tokenizer import QwenTokenizer
+from engine.streaming import CausalPrefixChunks
+from engine.voice_cloning import CloningModels, PromptMelConfig
+
+# instruct2: the instruction, as given, takes the transcript's place; the prompt speech stays in the flow
+INSTRUCT2 = VoiceRules(normalize_instruction=False, instruct_keeps_voice_prompt=True)
+
+
+def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:
+    return ModuleConfigs(
+        llm=Qwen2LMConfig.from_yaml(tree["llm"], model_dir),
+        flow=CausalFlowConfig.from_yaml(tree["flow"]),
+        hift=HiFTConfig.from_yaml(tree["hift"]),
+    )
+
+
+def qwen_tokenizer(config: Any, config_path: Path, official: bool) -> QwenTokenizer:
+    """The Qwen2 tokenizer of an official model dir, or its byte-level stand-in (dummy weights); CheckpointError
+    when it has more ids than the LLM embeds."""
+    tokenizer = QwenTokenizer.from_dir(config_path.parent / QWEN_DIR) if official else QwenTokenizer.byte_level()
+    embedding_rows = config.llm.qwen.vocab_size
+    if tokenizer.vocab_size > embedding_rows:
+        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids; the model embeds {embedding_rows}")
+    return tokenizer
+
+
+COSYVOICE2 = register(
+    ModelFamily(
+        name="CosyVoice2",
+        version=2,
+        config_file="cosyvoice2.yaml",
+        llm_class="Qwen2LM",
+        read_configs=_read_configs,
+        modules={"llm": Qwen2LM, "flow": CausalMaskedDiffWithXvec, "hift": HiFTGenerator},
+        text_module=Qwen2TextEmbedding,  # the encoder keeps only the Qwen2 embedding table
+        tokenizer=qwen_tokenizer,
+        voice_rules=INSTRUCT2,
+        instruction_support=registered_voices_only,
+        streaming=CausalPrefixChunks,
+        cloning=CloningModels(
+            version=2,
+            speech_tokenizer_file="speech_tokenizer_v2.onnx",
+            speech_vocab_size=6561,
+            token_rate=25,
+            prompt_mel=PromptMelConfig(sample_rate=24000, n_fft=1920, hop_length=480, win_length=1920),
+            frames_per_token=2,  # the flow upsamples tokens x2
+        ),
+    )
+)
