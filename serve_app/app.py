@@ -247,6 +247,12 @@ def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
         )
 
 
+def check_streams(info: dict[str, Any]) -> None:
+    """InvalidInputError (400) for a streamed request to a model whose family cannot stream (yet)."""
+    if not info["streaming"]:
+        raise InvalidInputError(f"{info['family']} models cannot stream yet: send the request with stream false")
+
+
 @serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)
 @serve.ingress(api)
 class TTSIngress:
@@ -418,8 +424,8 @@ class TTSIngress:
         check_voice_name(request.voice)
         fmt = audio_format(format_name, streaming=mode == "stream")
         info = await self.model_info()
-        if mode == "stream" and not info["streaming"]:
-            raise InvalidInputError(f"{info['family']} models cannot stream yet: send the request with stream false")
+        if mode == "stream":
+            check_streams(info)
         if request.instruct_text is not None:
             check_follows_instructions(info, request.voice)
             request = dataclasses.replace(request, instruct_text=official_instruction(request.instruct_text))

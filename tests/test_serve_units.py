@@ -14,7 +14,7 @@ from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
 from engine.loader import PRESET_VOICE_MODELS
 from engine.voices import DUMMY_VOICES
-from serve_app.app import PROMPT_END, error_payload, mapped_voice, official_instruction
+from serve_app.app import PROMPT_END, check_streams, error_payload, mapped_voice, official_instruction
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs
 from serve_app.cli import with_default_voices_dir
 
@@ -126,3 +126,9 @@ def test_an_http_instruction_gets_the_official_prompt_end_once() -> None:
     tagged = "You are a helpful assistant. Speak happily." + PROMPT_END
     assert official_instruction(tagged) == tagged
     assert official_instruction(tagged + "\n") == tagged + "\n"
+
+
+def test_a_streamed_request_to_a_family_that_cannot_stream_is_a_400() -> None:
+    check_streams({"family": "CosyVoice2", "streaming": True})
+    with pytest.raises(InvalidInputError, match=r"^CosyVoice3 models cannot stream yet: send the request with stream"):
+        check_streams({"family": "CosyVoice3", "streaming": False})
