@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError
-from engine.layers import LayerNorm, Linear, softmax_fp32
+from engine.layers import LayerNorm, Linear, length_mask, softmax_fp32
 from engine.yaml_config import ObjectSpec
 
 BLOCK_EPS = 1e-12  # LayerNorms inside the blocks
@@ -332,7 +332,7 @@ class RelPositionEncoder(nn.Module):
 
         Padded positions never influence valid ones; their own outputs are unspecified (finite).
         """
-        valid = torch.arange(x.shape[1], device=x.device) < lengths.to(x.device)[:, None]
+        valid = length_mask(lengths.to(x.device), x.shape[1])
         mask = attention_mask(valid, 0, self.cfg.causal)
         x = self.embed(x)
         for block in self.encoders:

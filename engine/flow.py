@@ -10,6 +10,7 @@ keep each one identical to its own unbatched result.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch.nn.utils.rnn import pad_sequence
 from engine.conformer import EncoderConfig, RelPositionEncoder
 from engine.errors import CheckpointError, InvalidInputError
 from engine.flow_estimator import ConditionalDecoder, EstimatorConfig, MaskedGroupNorm
-from engine.layers import Conv1d, Linear
+from engine.layers import Conv1d, Linear, length_mask
 from engine.yaml_config import ObjectSpec
 
 # v1 hard-codes the mel frame rate of 22050 Hz / hop 256 when converting token counts to frames
@@ -55,14 +56,17 @@ def cfm_inference_cfg_rate(spec: ObjectSpec, class_name: str) -> float:
 @dataclass(frozen=True)
 class CFMConfig:
     inference_cfg_rate: float
-    estimator: EstimatorConfig
+    estimator: Any  # EstimatorConfig (v1 U-Net) or engine.flow_v2.CausalEstimatorConfig
 
     @classmethod
-    def from_yaml(cls, spec: ObjectSpec) -> CFMConfig:
-        """From the yaml `decoder` node (class `ConditionalCFM`, with `cfm_params` and `estimator`)."""
+    def from_yaml(
+        cls, spec: ObjectSpec, class_name: str = "ConditionalCFM", estimator: Any = EstimatorConfig
+    ) -> CFMConfig:
+        """From the yaml `decoder` node (class `class_name`, with `cfm_params` and an `estimator` node that
+        `estimator.from_yaml` reads)."""
         return cls(
-            inference_cfg_rate=cfm_inference_cfg_rate(spec, "ConditionalCFM"),
-            estimator=EstimatorConfig.from_yaml(spec["estimator"]),
+            inference_cfg_rate=cfm_inference_cfg_rate(spec, class_name),
+            estimator=estimator.from_yaml(spec["estimator"]),
         )
 
 
@@ -165,9 +169,31 @@ class FlowConditioning:
         return caches
 
 
-def _length_mask(lengths: Tensor, max_length: int) -> Tensor:
-    """[B] -> [B, max_length] bool, True on valid positions."""
-    return torch.arange(max_length, device=lengths.device) < lengths.unsqueeze(1)
+def embed_flow_tokens(embedding: nn.Embedding, requests: list[FlowRequest]) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompt + target tokens of each request, embedded and right-padded (every flow version's first step)
+    -> (embedded [B, T, D] zero past each row, token lengths [B], valid [B, T] bool)."""
+    device, dtype = embedding.weight.device, embedding.weight.dtype
+    tokens = [torch.cat([r.prompt_tokens, r.tokens]).to(device=device, dtype=torch.long) for r in requests]
+    token_lengths = torch.tensor([len(t) for t in tokens], device=device)
+    padded = pad_sequence(tokens, batch_first=True)
+    valid = length_mask(token_lengths, padded.shape[1])
+    return embedding(padded.clamp(min=0)) * valid.unsqueeze(-1).to(dtype), token_lengths, valid
+
+
+def speaker_vectors(affine: nn.Module, requests: list[FlowRequest]) -> Tensor:
+    """The L2-normalized x-vectors through the flow's `spk_embed_affine_layer` -> [B, mel]."""
+    weight = affine.weight
+    embeddings = torch.stack([r.embedding.reshape(-1) for r in requests]).to(device=weight.device, dtype=torch.float32)
+    return affine(F.normalize(embeddings, dim=1))
+
+
+def prompt_condition(requests: list[FlowRequest], like: Tensor, mel_bins: int) -> Tensor:
+    """`cond` [B, mel_bins, T] in `like`'s dtype and device ([B, *, T]): each prompt mel in its first frames, zeros
+    after."""
+    cond = torch.zeros(like.shape[0], mel_bins, like.shape[2], device=like.device, dtype=like.dtype)
+    for index, request in enumerate(requests):
+        cond[index, :, : request.prompt_feat.shape[0]] = request.prompt_feat.t().to(cond)
+    return cond
 
 
 class InterpolateRegulator(nn.Module):
@@ -214,12 +240,13 @@ class InterpolateRegulator(nn.Module):
 
 
 class ConditionalCFM(nn.Module):
-    """Euler integration of the flow-matching ODE with classifier-free guidance."""
+    """Euler integration of the flow-matching ODE with classifier-free guidance (every flow version's solver)."""
 
-    def __init__(self, config: CFMConfig) -> None:
+    def __init__(self, inference_cfg_rate: float, estimator: nn.Module) -> None:
+        """`estimator(x, mask, mu, t, spks, cond, **options)` is the velocity field (v1/v2 U-Net, v3 DiT)."""
         super().__init__()
-        self.inference_cfg_rate = config.inference_cfg_rate
-        self.estimator = ConditionalDecoder(config.estimator)
+        self.inference_cfg_rate = inference_cfg_rate
+        self.estimator = estimator
 
     @staticmethod
     def time_span(n_timesteps: int, device: torch.device | None = None) -> Tensor:
@@ -228,11 +255,19 @@ class ConditionalCFM(nn.Module):
         return 1 - torch.cos(linear * 0.5 * torch.pi)
 
     def forward(
-        self, noise: Tensor, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int = 10
+        self,
+        noise: Tensor,
+        mu: Tensor,
+        mask: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        n_timesteps: int = 10,
+        **estimator_options: bool,
     ) -> Tensor:
-        """Integrate from `noise` at t=0 to the mel at t=1.
+        """Integrate from `noise` at t=0 to the mel at t=1; `estimator_options` go to every estimator call.
 
-        noise, mu, cond: [B, 80, T]; mask: [B, 1, T]; spks: [B, 80] -> [B, 80, T] fp32 (the ODE state is fp32).
+        noise, cond: [B, 80, T]; mu: [B, C_mu, T]; mask: [B, 1, T]; spks: [B, 80] -> [B, 80, T] fp32 (the ODE
+        state is fp32).
         """
         batch = noise.shape[0]
         # one estimator call per step on 2B rows: the conditional rows, then the same x with mu = spks = cond = 0
@@ -244,7 +279,9 @@ class ConditionalCFM(nn.Module):
         # t is accumulated by adding dt in fp32 and dt re-derived from it, as the official solver does
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, n_timesteps + 1):
-            velocity = self.estimator(torch.cat([x, x]), mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in)
+            velocity = self.estimator(
+                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, **estimator_options
+            )
             conditional, unconditional = velocity.float().split(batch)
             x = x + dt * ((1.0 + rate) * conditional - rate * unconditional)
             t = t + dt
@@ -263,7 +300,7 @@ class MaskedDiffWithXvec(nn.Module):
         self.encoder = RelPositionEncoder(config.encoder)
         self.encoder_proj = Linear(config.encoder.output_size, mel)
         self.length_regulator = InterpolateRegulator(mel, config.regulator_convs, config.regulator_groups)
-        self.decoder = ConditionalCFM(config.decoder)
+        self.decoder = ConditionalCFM(config.decoder.inference_cfg_rate, ConditionalDecoder(config.decoder.estimator))
 
     def _validate(self, request: FlowRequest) -> None:
         check_flow_request(request, self.config.vocab_size, self.config.output_size, self.config.spk_embed_dim)
@@ -281,11 +318,7 @@ class MaskedDiffWithXvec(nn.Module):
         device, dtype = weight.device, weight.dtype
         rate = self.config.input_frame_rate
 
-        tokens = [torch.cat([r.prompt_tokens, r.tokens]).to(device=device, dtype=torch.long) for r in requests]
-        token_lengths = torch.tensor([len(t) for t in tokens], device=device)
-        padded_tokens = pad_sequence(tokens, batch_first=True)
-        token_mask = _length_mask(token_lengths, padded_tokens.shape[1]).unsqueeze(-1)
-        embedded = self.input_embedding(padded_tokens.clamp(min=0)) * token_mask.to(dtype)
+        embedded, token_lengths, _ = embed_flow_tokens(self.input_embedding, requests)
         encoder_out = self.encoder(embedded, token_lengths)
         encoder_proj_out = self.encoder_proj(encoder_out)
 
@@ -297,21 +330,16 @@ class MaskedDiffWithXvec(nn.Module):
             target = mel_frames(request.tokens.numel(), rate)
             stretched.append(self.length_regulator.stretch(h[:split], h[split:], prompt, target, rate).t())
         mel_lengths = [s.shape[0] for s in stretched]
-        mel_mask = _length_mask(torch.tensor(mel_lengths, device=device), max(mel_lengths)).unsqueeze(1).to(dtype)
+        mel_mask = length_mask(torch.tensor(mel_lengths, device=device), max(mel_lengths)).unsqueeze(1).to(dtype)
         mu = self.length_regulator(pad_sequence(stretched, batch_first=True).transpose(1, 2), mel_mask)
 
-        embeddings = torch.stack([r.embedding.reshape(-1) for r in requests]).to(device=device, dtype=torch.float32)
-        spks = self.spk_embed_affine_layer(F.normalize(embeddings, dim=1))
-        cond = torch.zeros_like(mu)
-        for index, request in enumerate(requests):
-            cond[index, :, : prompt_frames[index]] = request.prompt_feat.t().to(device=device, dtype=dtype)
         return FlowConditioning(
             encoder_out=encoder_out,
             encoder_proj_out=encoder_proj_out,
             token_lengths=token_lengths,
             mu=mu,
-            spks=spks,
-            cond=cond,
+            spks=speaker_vectors(self.spk_embed_affine_layer, requests),
+            cond=prompt_condition(requests, mu, self.config.output_size),
             mask=mel_mask,
             prompt_frames=prompt_frames,
             mel_lengths=mel_lengths,

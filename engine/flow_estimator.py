@@ -87,11 +87,13 @@ class Block1D(nn.Module):
 
 
 class ResnetBlock1D(nn.Module):
+    block_class: type[nn.Module] = Block1D  # (dim, dim_out) -> forward(x, mask); the causal flow's is causal
+
     def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
         super().__init__()
         self.mlp = nn.Sequential(nn.Mish(), Linear(time_emb_dim, dim_out))
-        self.block1 = Block1D(dim, dim_out)
-        self.block2 = Block1D(dim_out, dim_out)
+        self.block1 = self.block_class(dim, dim_out)
+        self.block2 = self.block_class(dim_out, dim_out)
         self.res_conv = Conv1d(dim, dim_out, 1)
 
     def forward(self, x: Tensor, mask: Tensor | None, time_emb: Tensor) -> Tensor:

@@ -21,13 +21,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pad_sequence
 
 from engine.conformer import OUTER_EPS, EncoderBlock, EncoderConfig, InputLayer
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import ConditionalCFM, FlowRequest, cfm_inference_cfg_rate, check_flow_request
-from engine.flow_estimator import TimestepEmbedding, TransformerBlock, sinusoidal_time_embedding
-from engine.layers import Conv1d, LayerNorm, Linear, apply_mask
+from engine.flow import (
+    CFMConfig,
+    ConditionalCFM,
+    FlowRequest,
+    check_flow_request,
+    embed_flow_tokens,
+    prompt_condition,
+    speaker_vectors,
+)
+from engine.flow_estimator import ResnetBlock1D, TimestepEmbedding, TransformerBlock, sinusoidal_time_embedding
+from engine.layers import Conv1d, LayerNorm, Linear, apply_mask, length_mask
 from engine.yaml_config import ObjectSpec
 
 # The official UpsampleConformerEncoder hard-codes these instead of reading them from the config.
@@ -92,20 +99,6 @@ class CausalEstimatorConfig:
         )
 
 
-@dataclass(frozen=True)
-class CausalCFMConfig:
-    inference_cfg_rate: float
-    estimator: CausalEstimatorConfig
-
-    @classmethod
-    def from_yaml(cls, spec: ObjectSpec) -> CausalCFMConfig:
-        """From the yaml `decoder` node (class `CausalConditionalCFM`, with `cfm_params` and `estimator`)."""
-        return cls(
-            inference_cfg_rate=cfm_inference_cfg_rate(spec, "CausalConditionalCFM"),
-            estimator=CausalEstimatorConfig.from_yaml(spec["estimator"]),
-        )
-
-
 def _upsample_encoder_config(spec: ObjectSpec) -> EncoderConfig:
     """The Conformer block settings of an `UpsampleConformerEncoder` node; other variants are rejected."""
     _check_class(spec, "UpsampleConformerEncoder", "flow encoder")
@@ -153,7 +146,7 @@ class CausalFlowConfig:
     pre_lookahead_len: int  # tokens the pre-lookahead layer reads ahead
     encoder: EncoderConfig  # the Conformer blocks of both stages
     encoder_chunk_size: int  # tokens per attention chunk when streaming (the up stage uses x token_mel_ratio)
-    decoder: CausalCFMConfig
+    decoder: CFMConfig  # its estimator: a CausalEstimatorConfig
 
     @property
     def decoder_chunk_size(self) -> int:
@@ -176,7 +169,7 @@ class CausalFlowConfig:
             pre_lookahead_len=int(spec.get("pre_lookahead_len", 3)),
             encoder=_upsample_encoder_config(encoder),
             encoder_chunk_size=int(encoder.get("static_chunk_size", 0)),
-            decoder=CausalCFMConfig.from_yaml(spec["decoder"]),
+            decoder=CFMConfig.from_yaml(spec["decoder"], "CausalConditionalCFM", CausalEstimatorConfig),
         )
         _require(config.input_size == ENCODER_WIDTH, f"flow input_size must be {ENCODER_WIDTH}, as its encoder's")
         _require(
@@ -212,11 +205,6 @@ def chunk_attention_mask(valid: Tensor, chunk_size: int) -> Tensor:
     return allowed | (positions[:, None] == positions[None, :])
 
 
-def _length_mask(lengths: Tensor, max_length: int) -> Tensor:
-    """[B] -> [B, max_length] bool, True on valid positions."""
-    return torch.arange(max_length, device=lengths.device) < lengths.unsqueeze(1)
-
-
 class CausalConv1d(Conv1d):
     """Stride-1 Conv1d over zeros on the left only: output t reads inputs t - dilation (kernel - 1) .. t."""
 
@@ -245,18 +233,8 @@ class CausalBlock1D(nn.Module):
         return apply_mask(self.block(apply_mask(x, mask)), mask)
 
 
-class CausalResnetBlock1D(nn.Module):
-    def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Mish(), Linear(time_emb_dim, dim_out))
-        self.block1 = CausalBlock1D(dim, dim_out)
-        self.block2 = CausalBlock1D(dim_out, dim_out)
-        self.res_conv = Conv1d(dim, dim_out, 1)
-
-    def forward(self, x: Tensor, mask: Tensor | None, time_emb: Tensor) -> Tensor:
-        """x: [B, dim, T], mask: [B, 1, T] or None, time_emb: [B, time_emb_dim] -> [B, dim_out, T]."""
-        h = self.block1(x, mask) + self.mlp(time_emb).unsqueeze(-1)
-        return self.block2(h, mask) + self.res_conv(apply_mask(x, mask))
+class CausalResnetBlock1D(ResnetBlock1D):
+    block_class = CausalBlock1D
 
 
 class CausalUNetLevel(nn.ModuleList):
@@ -333,15 +311,13 @@ class CausalConditionalDecoder(nn.Module):
         return apply_mask(self.final_proj(apply_mask(x, frame_mask)), frame_mask)
 
 
-class CausalConditionalCFM(nn.Module):
-    """Euler integration of the flow-matching ODE with classifier-free guidance, from the fixed start noise."""
+class CausalConditionalCFM(ConditionalCFM):
+    """The CFM solver started from the fixed noise instead of a per-request draw (v2 and v3)."""
 
     def __init__(self, inference_cfg_rate: float, mel_bins: int, estimator: nn.Module) -> None:
         """`estimator(x, mask, mu, t, spks, cond, streaming=)` is the velocity field (v2 U-Net, v3 DiT)."""
-        super().__init__()
-        self.inference_cfg_rate = inference_cfg_rate
+        super().__init__(inference_cfg_rate, estimator)
         self.mel_bins = mel_bins
-        self.estimator = estimator
         # fp32 on CPU, built on first use; a plain attribute, so neither state_dict nor .to(dtype) touch it
         self._fixed_noise: Tensor | None = None
 
@@ -355,33 +331,17 @@ class CausalConditionalCFM(nn.Module):
             self._fixed_noise = torch.randn(1, self.mel_bins, NOISE_FRAMES, generator=generator)
         return self._fixed_noise[:, :, :frames]
 
-    def forward(
+    def forward(  # no `noise` argument: it is the fixed one
         self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int = 10, streaming: bool = False
     ) -> Tensor:
         """Integrate from the fixed noise at t=0 to the mel at t=1.
 
-        mu, cond: [B, 80, T]; mask: [B, 1, T]; spks: [B, 80] -> [B, 80, T] fp32 (the ODE state is fp32).
+        mu: [B, C_mu, T]; cond: [B, 80, T]; mask: [B, 1, T]; spks: [B, 80] -> [B, 80, T] fp32.
         """
         batch, _, frames = mu.shape
         # every request starts at noise frame 0, so one prefix serves all rows of the padded batch
-        x = self.start_noise(frames).to(mu.device).expand(batch, -1, -1)
-        # one estimator call per step on 2B rows: the conditional rows, then the same x with mu = spks = cond = 0
-        mask_in = torch.cat([mask, mask])
-        mu_in, spks_in, cond_in = (torch.cat([c, torch.zeros_like(c)]) for c in (mu, spks, cond))
-        rate = self.inference_cfg_rate
-        t_span = ConditionalCFM.time_span(n_timesteps, mu.device)
-        # t is accumulated by adding dt in fp32 and dt re-derived from it, as the official solver does
-        t, dt = t_span[0], t_span[1] - t_span[0]
-        for step in range(1, n_timesteps + 1):
-            velocity = self.estimator(
-                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * batch), spks_in, cond_in, streaming=streaming
-            )
-            conditional, unconditional = velocity.float().split(batch)
-            x = x + dt * ((1.0 + rate) * conditional - rate * unconditional)
-            t = t + dt
-            if step < n_timesteps:
-                dt = t_span[step + 1] - t
-        return x
+        noise = self.start_noise(frames).to(mu.device).expand(batch, -1, -1)
+        return super().forward(noise, mu, mask, spks, cond, n_timesteps, streaming=streaming)
 
 
 class PreLookaheadLayer(nn.Module):
@@ -443,16 +403,16 @@ class UpsampleConformerEncoder(nn.Module):
         """
         encoded = lengths - context
         x = self.embed(x)
-        x = self.pre_lookahead_layer(x, _length_mask(lengths, x.shape[1]))[:, : x.shape[1] - context]
+        x = self.pre_lookahead_layer(x, length_mask(lengths, x.shape[1]))[:, : x.shape[1] - context]
         chunk = self.chunk_size if streaming else 0
-        mask = chunk_attention_mask(_length_mask(encoded, x.shape[1]), chunk)
+        mask = chunk_attention_mask(length_mask(encoded, x.shape[1]), chunk)
         for block in self.encoders:
             x = block(x, mask)
 
         stride = self.up_layer.stride
         x = self.up_embed(self.up_layer(x.transpose(1, 2)).transpose(1, 2))
         frame_lengths = encoded * stride
-        mask = chunk_attention_mask(_length_mask(frame_lengths, x.shape[1]), chunk * stride)
+        mask = chunk_attention_mask(length_mask(frame_lengths, x.shape[1]), chunk * stride)
         for block in self.up_encoders:
             x = block(x, mask)
         return self.after_norm(x), frame_lengths
@@ -519,33 +479,18 @@ class CausalMaskedDiffWithXvec(nn.Module):
         context = 0 if finalize else self.config.pre_lookahead_len
         for index, request in enumerate(requests):
             check_causal_flow_request(self.config, index, request, context)
-        weight = self.input_embedding.weight
-        device, dtype = weight.device, weight.dtype
-
-        tokens = [torch.cat([r.prompt_tokens, r.tokens]).to(device=device, dtype=torch.long) for r in requests]
-        token_lengths = torch.tensor([len(t) for t in tokens], device=device)
-        padded_tokens = pad_sequence(tokens, batch_first=True)
-        token_mask = _length_mask(token_lengths, padded_tokens.shape[1]).unsqueeze(-1)
-        embedded = self.input_embedding(padded_tokens.clamp(min=0)) * token_mask.to(dtype)
+        embedded, token_lengths, _ = embed_flow_tokens(self.input_embedding, requests)
         encoder_out, frame_lengths = self.encoder(embedded, token_lengths, context, streaming)
         encoder_proj_out = self.encoder_proj(encoder_out)
         mu = encoder_proj_out.transpose(1, 2)
-        mask = _length_mask(frame_lengths, mu.shape[2]).unsqueeze(1).to(dtype)
-
-        embeddings = torch.stack([r.embedding.reshape(-1) for r in requests]).to(device=device, dtype=torch.float32)
-        spks = self.spk_embed_affine_layer(F.normalize(embeddings, dim=1))
-        prompt_frames = [r.prompt_feat.shape[0] for r in requests]
-        cond = torch.zeros_like(mu)
-        for index, request in enumerate(requests):
-            cond[index, :, : prompt_frames[index]] = request.prompt_feat.t().to(device=device, dtype=dtype)
         return CausalFlowConditioning(
             encoder_out=encoder_out,
             encoder_proj_out=encoder_proj_out,
             mu=mu,
-            spks=spks,
-            cond=cond,
-            mask=mask,
-            prompt_frames=prompt_frames,
+            spks=speaker_vectors(self.spk_embed_affine_layer, requests),
+            cond=prompt_condition(requests, mu, self.config.output_size),
+            mask=length_mask(frame_lengths, mu.shape[2]).unsqueeze(1).to(mu.dtype),
+            prompt_frames=[r.prompt_feat.shape[0] for r in requests],
             mel_lengths=frame_lengths.tolist(),
         )
 

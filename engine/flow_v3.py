@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import FlowRequest, cfm_inference_cfg_rate
+from engine.flow import FlowRequest, cfm_inference_cfg_rate, embed_flow_tokens, prompt_condition, speaker_vectors
 from engine.flow_estimator import sinusoidal_time_embedding
 from engine.flow_v2 import (
     CausalConditionalCFM,
@@ -36,7 +35,7 @@ from engine.flow_v2 import (
     check_causal_flow_request,
     chunk_attention_mask,
 )
-from engine.layers import LayerNorm, Linear, softmax_fp32
+from engine.layers import LayerNorm, Linear, length_mask, softmax_fp32
 from engine.yaml_config import ObjectSpec
 
 TIME_FREQUENCY_DIM = 256  # the official TimestepEmbedding's sinusoid width (not in the yaml)
@@ -318,25 +317,14 @@ class CausalMaskedDiffWithDiT(nn.Module):
         context = 0 if finalize else config.pre_lookahead_len
         for index, request in enumerate(requests):
             check_causal_flow_request(config, index, request, context)
-        weight = self.input_embedding.weight
-        device, dtype = weight.device, weight.dtype
-
-        tokens = [torch.cat([r.prompt_tokens, r.tokens]).to(device=device, dtype=torch.long) for r in requests]
-        token_lengths = torch.tensor([len(t) for t in tokens], device=device)
-        padded = pad_sequence(tokens, batch_first=True)
-        readable = torch.arange(padded.shape[1], device=device) < token_lengths[:, None]
-        embedded = self.input_embedding(padded.clamp(min=0)) * readable.unsqueeze(-1).to(dtype)
-        lookahead_out = self.pre_lookahead_layer(embedded, readable)[:, : padded.shape[1] - context]
+        embedded, token_lengths, readable = embed_flow_tokens(self.input_embedding, requests)
+        lookahead_out = self.pre_lookahead_layer(embedded, readable)[:, : embedded.shape[1] - context]
         mu = lookahead_out.repeat_interleave(config.token_mel_ratio, dim=1).transpose(1, 2)
         mel_lengths = (token_lengths - context) * config.token_mel_ratio
-        mask = (torch.arange(mu.shape[2], device=device) < mel_lengths[:, None]).unsqueeze(1).to(dtype)
-
-        embeddings = torch.stack([r.embedding.reshape(-1) for r in requests]).to(device=device, dtype=torch.float32)
-        spks = self.spk_embed_affine_layer(F.normalize(embeddings, dim=1))
+        mask = length_mask(mel_lengths, mu.shape[2]).unsqueeze(1).to(mu.dtype)
+        spks = speaker_vectors(self.spk_embed_affine_layer, requests)
+        cond = prompt_condition(requests, mu, config.output_size)
         prompt_frames = [r.prompt_feat.shape[0] for r in requests]
-        cond = torch.zeros(len(requests), config.output_size, mu.shape[2], device=device, dtype=dtype)
-        for index, request in enumerate(requests):
-            cond[index, :, : prompt_frames[index]] = request.prompt_feat.t().to(device=device, dtype=dtype)
         return DiTFlowConditioning(lookahead_out, mu, spks, cond, mask, prompt_frames, mel_lengths.tolist())
 
     @torch.inference_mode()

@@ -24,7 +24,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 from engine.checkpoint import load_strict
 from engine.errors import CheckpointError, InvalidInputError
-from engine.layers import Conv1d, ConvTranspose1d, Linear, apply_mask
+from engine.layers import Conv1d, ConvTranspose1d, Linear, apply_mask, length_mask
 from engine.yaml_config import ObjectSpec
 
 # The official code picks the v1 `SineGen` at 22050 Hz and `SineGen2` (v2, 24 kHz) otherwise.
@@ -167,8 +167,7 @@ def hift_fields_from_yaml(spec: ObjectSpec) -> dict[str, Any]:
 
 def _length_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor:
     """[B] valid lengths -> [B, 1, size] mask of ones on the valid positions."""
-    positions = torch.arange(size, device=lengths.device)
-    return (positions[None, :] < lengths[:, None]).to(dtype)[:, None, :]
+    return length_mask(lengths, size).to(dtype)[:, None, :]
 
 
 def _padding_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor | None:

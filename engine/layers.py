@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def length_mask(lengths: Tensor, max_length: int) -> Tensor:
+    """[B] lengths -> [B, max_length] bool, True on each row's first `lengths[b]` positions."""
+    return torch.arange(max_length, device=lengths.device) < lengths.unsqueeze(1)
+
+
 class LayerNorm(nn.LayerNorm):
     def forward(self, x: Tensor) -> Tensor:
         weight = None if self.weight is None else self.weight.float()

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from engine.conformer import KVCache, attention_mask
 from engine.errors import CheckpointError, InvalidInputError
-from engine.layers import Linear, softmax_fp32
+from engine.layers import Linear, length_mask, softmax_fp32
 from engine.llm import SOS, TASK_ID, GenerationRequest, generate_tokens, sampling_from_yaml
 from engine.sampling import SamplingOptions
 from engine.yaml_config import ObjectSpec
@@ -263,7 +263,7 @@ class Qwen2Encoder(nn.Module):
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
         """x [B, T, D] embeddings (right-padded), lengths [B] -> [B, T, D] last hidden states (after the final
         norm), causal. Padded positions never influence valid ones; their own outputs are unspecified (finite)."""
-        valid = torch.arange(x.shape[1], device=x.device) < lengths.to(x.device)[:, None]
+        valid = length_mask(lengths.to(x.device), x.shape[1])
         return self.forward_incremental(x, valid, self.new_cache(x.shape[0], x.device))
 
     def forward_incremental(self, x: Tensor, valid: Tensor, cache: KVCache) -> Tensor:
