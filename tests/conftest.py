@@ -1,8 +1,10 @@
-"""Shared fixtures: the conformance kit (overridable through COSYVOICE_CONFORMANCE_KIT) and its modules.
+"""Shared fixtures: the conformance kits (overridable through COSYVOICE_CONFORMANCE_KIT) and their modules.
 
-`kit_llm`, `kit_flow`, `kit_hift` (and the CosyVoice2 `kit_qwen2_llm`, `kit_flow_v2`, `kit_hift_v2`) are built
-once per session through the loader (`engine.loader.load_module`): a test that changes a module (dtype,
-weights, attributes) must work on a `copy.deepcopy` of it.
+There is one kit per model family: `conformance_kit` (v1), `v2_kit`, `v3_kit`, and `each_kit` runs a test on
+each of them. With COSYVOICE_CONFORMANCE_KIT set, that kit replaces the one of its own version and the tests of
+the other versions skip. `kit_llm`, `kit_flow`, `kit_hift` (and the CosyVoice2 `kit_qwen2_llm`, `kit_flow_v2`,
+`kit_hift_v2`) are built once per session through the loader (`engine.loader.load_module`): a test that changes a
+module (dtype, weights, attributes) must work on a `copy.deepcopy` of it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from engine.families import families
 from engine.flow import MaskedDiffWithXvec
 from engine.flow_v2 import CausalMaskedDiffWithXvec
 from engine.hift import HiFTGenerator
@@ -22,24 +25,20 @@ from engine.loader import load_module
 from engine.qwen2_llm import Qwen2LM
 
 FIXTURES = Path(__file__).parent / "fixtures"
-DEFAULT_KIT = FIXTURES / "cosyvoice1-tiny"
-DEFAULT_V2_KIT = FIXTURES / "cosyvoice2-tiny"
-KIT_YAMLS = {1: "cosyvoice.yaml", 2: "cosyvoice2.yaml"}  # the model yaml names the CosyVoice version
+DEFAULT_KITS = {1: FIXTURES / "cosyvoice1-tiny", 2: FIXTURES / "cosyvoice2-tiny", 3: FIXTURES / "cosyvoice3-tiny"}
+KIT_YAMLS = {family.version: family.config_file for family in families()}  # the model yaml names the version
+KIT_FIXTURES = {1: "conformance_kit", 2: "v2_kit", 3: "v3_kit"}
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
-def kit_dir() -> Path:
-    """The kit under test: $COSYVOICE_CONFORMANCE_KIT, else the copy in tests/fixtures."""
-    return Path(os.environ.get("COSYVOICE_CONFORMANCE_KIT", DEFAULT_KIT))
-
-
 def kit_model_version(path: Path) -> int | None:
-    """1 or 2: the CosyVoice version of the kit at `path`, from its model yaml's name; None if neither is there."""
+    """The CosyVoice version of the kit at `path`, from its model yaml's name; None unless exactly one is there."""
     found = [version for version, name in KIT_YAMLS.items() if (path / "model" / name).is_file()]
     return found[0] if len(found) == 1 else None
 
 
-KIT_MODEL_VERSIONS = {1: "CosyVoice v1", 2: "CosyVoice2"}  # how each version's meta `model_version` starts
+# how each version's meta `model_version` starts
+KIT_MODEL_VERSIONS = {1: "CosyVoice v1", 2: "CosyVoice2", 3: "CosyVoice3"}
 
 
 def _require_kit_layout(path: Path) -> int:
@@ -65,6 +64,17 @@ def _require_kit_layout(path: Path) -> int:
     return version
 
 
+def version_kit(version: int) -> Path:
+    """The kit of CosyVoice `version`: $COSYVOICE_CONFORMANCE_KIT when that is one, else the copy in tests/fixtures
+    (unset, a default run checks every version); a kit of another version in the variable skips the caller."""
+    path = Path(os.environ.get("COSYVOICE_CONFORMANCE_KIT", DEFAULT_KITS[version]))
+    if _require_kit_layout(path) != version:
+        pytest.skip(
+            f"conformance kit {path} is not a {KIT_MODEL_VERSIONS[version]} kit (no model/{KIT_YAMLS[version]})"
+        )
+    return path
+
+
 def kit_group(cases: dict[str, list[dict[str, Any]]], group: str) -> list[dict[str, Any]]:
     """The cases of one group; a kit without that group skips its tests (kits may cover different paths)."""
     if not cases.get(group):
@@ -74,12 +84,14 @@ def kit_group(cases: dict[str, list[dict[str, Any]]], group: str) -> list[dict[s
 
 @pytest.fixture(scope="session")
 def v2_kit() -> Path:
-    """The CosyVoice2 kit: $COSYVOICE_CONFORMANCE_KIT when that is a v2 kit, else (unset) the v2 copy in
-    tests/fixtures, so a default run checks both versions. A v1 kit in the variable skips the v2 tests."""
-    path = Path(os.environ.get("COSYVOICE_CONFORMANCE_KIT", DEFAULT_V2_KIT))
-    if _require_kit_layout(path) != 2:
-        pytest.skip(f"conformance kit {path} is not a CosyVoice2 kit (no model/{KIT_YAMLS[2]})")
-    return path
+    """The CosyVoice2 kit (see `version_kit`)."""
+    return version_kit(2)
+
+
+@pytest.fixture(scope="session")
+def v3_kit() -> Path:
+    """The CosyVoice3 kit (see `version_kit`)."""
+    return version_kit(3)
 
 
 @pytest.fixture(scope="session")
@@ -105,19 +117,28 @@ def kit_hift_v2(v2_kit: Path) -> HiFTGenerator:
     return _kit_module(v2_kit, "hift", HiFTGenerator)
 
 
-@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
+@pytest.fixture(scope="module", params=list(KIT_FIXTURES.values()))
 def each_kit(request: pytest.FixtureRequest) -> Path:
-    """The v1 kit, then the v2 kit (a kit of the other version in the variable skips its half)."""
+    """The v1 kit, then the v2 and v3 kits (a kit of another version in the variable skips the others)."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def each_kit_cases(each_kit: Path) -> dict[str, list[dict[str, Any]]]:
+    return torch.load(each_kit / "cases.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def each_kit_version(each_kit: Path) -> int:
+    version = kit_model_version(each_kit)
+    assert version is not None
+    return version
 
 
 @pytest.fixture(scope="session")
 def conformance_kit() -> Path:
-    """The CosyVoice v1 kit under test; a CosyVoice2 kit in the variable skips the v1 tests."""
-    path = kit_dir()
-    if _require_kit_layout(path) != 1:
-        pytest.skip(f"conformance kit {path} is not a CosyVoice v1 kit (no model/{KIT_YAMLS[1]})")
-    return path
+    """The CosyVoice v1 kit (see `version_kit`)."""
+    return version_kit(1)
 
 
 @pytest.fixture(scope="session")

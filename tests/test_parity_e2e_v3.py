@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from kit_v3 import v3_kit_cases, v3_kit_dir
-from test_parity_flow_v2 import request_of
+from test_parity_flow import request_of  # the same case fields in every kit
 from test_parity_llm import kit_request
 
 from engine.errors import InvalidInputError

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
-from test_parity_flow_v2 import request_of  # the same case fields in v3 kits
+from test_parity_flow import request_of  # the same case fields in every kit
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig

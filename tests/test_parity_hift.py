@@ -1,75 +1,110 @@
-"""Numerical parity of engine.hift with the official HiFTGenerator, on every hift case of the conformance kit."""
+"""Numerical parity of engine.hift's `HiFTGenerator` with the official one, on every hift case of the v1 kit
+(`SineGen` source, 22.05 kHz) and of the v2 kit (`SineGen2`, 24 kHz). What only v2 has: test_parity_hift_v2.py;
+CosyVoice3's causal HiFT: test_parity_hift_v3.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import kit_group
+from conftest import kit_group, kit_model_version
 from torch import Tensor
 
-from engine.hift import HiFTGenerator, SineDraws
+from engine.hift import HiFTGenerator, Sine2Draws, SineDraws
+from engine.loader import load_module
 
-# Kit README acceptance: f0 rtol 1e-5, speech atol 1e-4; hidden tensors atol 5e-5. conv_post_out feeds exp()
-# directly and reaches ~10, so it gets the speech tolerance.
+# Kit README acceptance: f0 rtol 1e-5; speech atol 1e-4 (v1), 5e-4 (v2: exp magnitudes, three upsampling stages);
+# hidden tensors atol 5e-5. conv_post_out feeds exp() directly and reaches ~10, so it gets the speech tolerance.
 F0_RTOL, F0_ATOL = 1e-5, 1e-4
-SPEECH_ATOL = 1e-4
-INTERMEDIATE_ATOL = {"conv_pre_out": 5e-5, "s_stft": 5e-5, "conv_post_out": 1e-4}
+SPEECH_ATOL = {1: 1e-4, 2: 5e-4}
+HIDDEN_ATOL = 5e-5
 # The source is tanh of sines whose phase is a long float32 prefix sum: expect small phase differences.
 SOURCE_ATOL = 1e-3
+# The official random draws of each source, in order (the third, the unused noise branch, is not replayed), and
+# the draws object they make.
+OFFICIAL_DRAW_ORDER = {
+    1: (["Uniform.sample", "torch.randn_like", "torch.randn_like"], SineDraws),
+    2: (["torch.rand", "torch.randn_like", "torch.randn_like"], Sine2Draws),
+}
 
 
 def assert_close(actual: Tensor, expected: Tensor, *, atol: float, rtol: float = 0.0, what: str) -> None:
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda message: f"{what}: {message}")
 
 
+def with_cache_source(source: Tensor, case: dict[str, Any]) -> Tensor:
+    """The official `inference(speech_feat, cache_source)`: the cached source overwrites the first samples."""
+    cached = case["cache_source"]
+    source = source.clone()
+    source[:, :, : cached.shape[-1]] = cached
+    return source
+
+
+@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
+def kit(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="module")
-def hift_cases(kit_cases: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    return kit_group(kit_cases, "hift")
+def version(kit: Path) -> int:
+    return kit_model_version(kit)
 
 
-def test_f0_matches_official(kit_hift: HiFTGenerator, hift_cases: list[dict[str, Any]]) -> None:
+@pytest.fixture(scope="module")
+def hift(kit: Path) -> HiFTGenerator:
+    """The kit's vocoder, strictly loaded from hift.pt (legacy weight-norm keys accepted), in eval mode."""
+    return load_module(kit / "model", "hift")
+
+
+@pytest.fixture(scope="module")
+def hift_cases(kit: Path) -> list[dict[str, Any]]:
+    return kit_group(torch.load(kit / "cases.pt", weights_only=True), "hift")
+
+
+def test_f0_matches_official(hift: HiFTGenerator, hift_cases: list[dict[str, Any]]) -> None:
     for case in hift_cases:
         with torch.inference_mode():
-            f0 = kit_hift.predict_f0(case["mel"])
+            f0 = hift.predict_f0(case["mel"])
         assert_close(f0, case["f0"], atol=F0_ATOL, rtol=F0_RTOL, what=f"{case['name']} f0")
 
 
 def test_decode_matches_official_speech_and_intermediates(
-    kit_hift: HiFTGenerator, hift_cases: list[dict[str, Any]]
+    hift: HiFTGenerator, hift_cases: list[dict[str, Any]], version: int
 ) -> None:
     captured: dict[str, Tensor] = {}
     hooks = [
-        kit_hift.conv_pre.register_forward_hook(lambda _m, _i, out: captured.update(conv_pre_out=out)),
-        kit_hift.source_downs[0].register_forward_pre_hook(lambda _m, inputs: captured.update(s_stft=inputs[0])),
-        kit_hift.conv_post.register_forward_hook(lambda _m, _i, out: captured.update(conv_post_out=out)),
+        hift.conv_pre.register_forward_hook(lambda _m, _i, out: captured.update(conv_pre_out=out)),
+        hift.source_downs[0].register_forward_pre_hook(lambda _m, inputs: captured.update(s_stft=inputs[0])),
+        hift.conv_post.register_forward_hook(lambda _m, _i, out: captured.update(conv_post_out=out)),
     ]
+    tolerances = {"conv_pre_out": HIDDEN_ATOL, "s_stft": HIDDEN_ATOL, "conv_post_out": SPEECH_ATOL[version]}
     try:
         for case in hift_cases:
             captured.clear()
             with torch.inference_mode():
-                speech = kit_hift.decode(case["mel"], case["source"])
-            assert_close(speech, case["speech"], atol=SPEECH_ATOL, what=f"{case['name']} speech")
+                speech = hift.decode(case["mel"], case["source"])
+            assert_close(speech, case["speech"], atol=SPEECH_ATOL[version], what=f"{case['name']} speech")
             assert speech.abs().max() <= case["audio_limit"]
-            compared = [key for key in INTERMEDIATE_ATOL if key in case]
+            compared = [key for key in tolerances if key in case]
             assert "conv_pre_out" in compared
             for key in compared:
-                assert_close(captured[key], case[key], atol=INTERMEDIATE_ATOL[key], what=f"{case['name']} {key}")
+                assert_close(captured[key], case[key], atol=tolerances[key], what=f"{case['name']} {key}")
     finally:
         for hook in hooks:
             hook.remove()
 
 
-def test_source_from_recorded_draws_matches_official(kit_hift: HiFTGenerator, hift_cases: list[dict[str, Any]]) -> None:
+def test_source_from_recorded_draws_matches_official(
+    hift: HiFTGenerator, hift_cases: list[dict[str, Any]], version: int
+) -> None:
     replayable = [case for case in hift_cases if case["rand_draw_order"]]
     if not replayable:
         pytest.skip("this kit records no HiFT random draws")
+    order, draws = OFFICIAL_DRAW_ORDER[version]
     for case in replayable:
-        # SineGen draws the phases, then the noise; the third draw (the unused noise branch) is not needed
-        assert case["rand_draw_order"].split(",")[:2] == ["Uniform.sample", "torch.randn_like"]
-        cached = case["cache_source"]
+        assert case["rand_draw_order"].split(",") == order, case["name"]
         with torch.inference_mode():
-            source = kit_hift.source_from_draws(case["f0"], SineDraws(case["rand_draw_0"], case["rand_draw_1"]))
-            source[:, :, : cached.shape[-1]] = cached  # the official cache_source overwrite
-        assert_close(source, case["source"], atol=SOURCE_ATOL, what=f"{case['name']} source")
+            source = hift.source_from_draws(case["f0"], draws(case["rand_draw_0"], case["rand_draw_1"]))
+        assert_close(with_cache_source(source, case), case["source"], atol=SOURCE_ATOL, what=f"{case['name']} source")
