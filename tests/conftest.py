@@ -123,6 +123,13 @@ def each_kit(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(request.param)
 
 
+@pytest.fixture(scope="module", params=[KIT_FIXTURES[1], KIT_FIXTURES[2]])
+def v1_v2_kit(request: pytest.FixtureRequest) -> Path:
+    """The v1 kit, then the v2 kit: for the checks v1 and CosyVoice2 share and CosyVoice3 does not (its modules
+    differ: DiT flow, causal HiFT)."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="module")
 def each_kit_cases(each_kit: Path) -> dict[str, list[dict[str, Any]]]:
     return torch.load(each_kit / "cases.pt", weights_only=True)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from test_parity_flow import request_of
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError, InvalidInputError
@@ -38,6 +38,17 @@ def requests(kit_cases: dict[str, list[dict[str, Any]]]) -> list[FlowRequest]:
 def max_error(actual: Tensor, expected: Tensor) -> float:
     assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     return (actual.float() - expected.float()).abs().max().item()
+
+
+def assert_low_precision_close(flow: nn.Module, requests: list[FlowRequest], dtype: torch.dtype, **modes: bool) -> None:
+    """A `dtype` copy of `flow` gives finite fp32 mels within LOW_PRECISION_RTOL of the fp32 ones."""
+    low = copy.deepcopy(flow).to(dtype)
+    assert all(p.dtype == dtype for p in low.parameters())
+    pairs = zip(flow.inference(requests, **modes), low.inference(requests, **modes), strict=True)
+    for index, (reference, feat) in enumerate(pairs):
+        assert feat.dtype == torch.float32 and torch.isfinite(feat).all(), f"request {index}"
+        scale = reference.abs().max().item()
+        assert max_error(feat, reference) <= LOW_PRECISION_RTOL * scale, f"request {index}"
 
 
 def test_batched_requests_equal_each_alone(kit_flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
@@ -81,12 +92,7 @@ def test_seed_makes_the_noise_reproducible(kit_flow: MaskedDiffWithXvec, request
 def test_low_precision_weights_run_and_stay_close(
     kit_flow: MaskedDiffWithXvec, requests: list[FlowRequest], dtype: torch.dtype
 ) -> None:
-    low = copy.deepcopy(kit_flow).to(dtype)
-    assert all(p.dtype == dtype for p in low.parameters())
-    for index, (reference, feat) in enumerate(zip(kit_flow.inference(requests), low.inference(requests), strict=True)):
-        assert feat.dtype == torch.float32 and torch.isfinite(feat).all(), f"request {index}"
-        scale = reference.abs().max().item()
-        assert max_error(feat, reference) <= LOW_PRECISION_RTOL * scale, f"request {index}"
+    assert_low_precision_close(kit_flow, requests, dtype)
 
 
 def test_wrong_checkpoint_raises_checkpoint_error(
@@ -106,7 +112,7 @@ def test_wrong_checkpoint_raises_checkpoint_error(
         load_strict(fresh, misshaped, "misshaped.pt")
 
 
-def _with(spec: ObjectSpec, path: tuple[str, ...], value: Any) -> ObjectSpec:
+def with_node(spec: ObjectSpec, path: tuple[str, ...], value: Any) -> ObjectSpec:
     """A deep copy of `spec` with the node at `path` replaced (or its target, for the key 'target')."""
     changed = copy.deepcopy(spec)
     node = changed
@@ -134,7 +140,7 @@ def test_unsupported_config_raises_checkpoint_error(
     flow_yaml: ObjectSpec, path: tuple[str, ...], value: Any, message: str
 ) -> None:
     with pytest.raises(CheckpointError, match=message):
-        FlowConfig.from_yaml(_with(flow_yaml, path, value))
+        FlowConfig.from_yaml(with_node(flow_yaml, path, value))
 
 
 def test_invalid_requests_raise_invalid_input_error(kit_flow: MaskedDiffWithXvec, requests: list[FlowRequest]) -> None:

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_flow import BATCH_ATOL, assert_low_precision_close, max_error, with_node
 from test_parity_flow import request_of  # the same case fields in every kit
-from torch import Tensor
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.flow import FlowRequest
 from engine.flow_v2 import NOISE_FRAMES, CausalFlowConfig, CausalMaskedDiffWithXvec, chunk_attention_mask
 from engine.yaml_config import ObjectSpec, load_model_yaml
 
-BATCH_ATOL = 1e-4  # a request inside a padded batch vs alone, fp32
-LOW_PRECISION_RTOL = 0.05  # fp16/bf16 weights vs fp32: max error relative to the largest fp32 value
 MODES = [(False, True), (True, True), (True, False)]  # (streaming, finalize)
 
 
@@ -40,11 +37,6 @@ def requests(v2_kit_cases: dict[str, list[dict[str, Any]]]) -> list[FlowRequest]
         embedding=torch.randn(192, generator=generator),
     )
     return [no_prompt, long, short]
-
-
-def max_error(actual: Tensor, expected: Tensor) -> float:
-    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    return (actual.float() - expected.float()).abs().max().item()
 
 
 @pytest.mark.parametrize(("streaming", "finalize"), MODES)
@@ -105,14 +97,7 @@ def test_noise_and_seed_are_ignored(kit_flow_v2: CausalMaskedDiffWithXvec, reque
 def test_low_precision_weights_run_and_stay_close(
     kit_flow_v2: CausalMaskedDiffWithXvec, requests: list[FlowRequest], dtype: torch.dtype
 ) -> None:
-    low = copy.deepcopy(kit_flow_v2).to(dtype)
-    assert all(p.dtype == dtype for p in low.parameters())
-    modes = {"streaming": True, "finalize": False}  # the most masked mode
-    pairs = zip(kit_flow_v2.inference(requests, **modes), low.inference(requests, **modes), strict=True)
-    for index, (reference, feat) in enumerate(pairs):
-        assert feat.dtype == torch.float32 and torch.isfinite(feat).all(), f"request {index}"
-        scale = reference.abs().max().item()
-        assert max_error(feat, reference) <= LOW_PRECISION_RTOL * scale, f"request {index}"
+    assert_low_precision_close(kit_flow_v2, requests, dtype, streaming=True, finalize=False)  # the most masked mode
 
 
 def test_too_long_requests_are_rejected(kit_flow_v2: CausalMaskedDiffWithXvec, requests: list[FlowRequest]) -> None:
@@ -138,19 +123,6 @@ def test_invalid_requests_raise_invalid_input_error(
         kit_flow_v2.inference([dataclasses.replace(base, prompt_feat=base.prompt_feat[:0])])
     with pytest.raises(InvalidInputError, match="at least one request"):
         kit_flow_v2.prepare([])
-
-
-def _with(spec: ObjectSpec, path: tuple[str, ...], value: Any) -> ObjectSpec:
-    """A deep copy of `spec` with the node at `path` replaced (or its target, for the key 'target')."""
-    changed = copy.deepcopy(spec)
-    node = changed
-    for key in path[:-1]:
-        node = node[key]
-    if path[-1] == "target":
-        node.target = value
-    else:
-        node.kwargs[path[-1]] = value
-    return changed
 
 
 def test_from_yaml_reads_the_kit_config(flow_yaml: ObjectSpec) -> None:
@@ -184,4 +156,4 @@ def test_unsupported_config_raises_checkpoint_error(
     flow_yaml: ObjectSpec, path: tuple[str, ...], value: Any, message: str
 ) -> None:
     with pytest.raises(CheckpointError, match=message):
-        CausalFlowConfig.from_yaml(_with(flow_yaml, path, value))
+        CausalFlowConfig.from_yaml(with_node(flow_yaml, path, value))

@@ -9,11 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import KIT_YAMLS, kit_model_version
 from test_parity_llm import case_text, kit_request, run_alone
+from torch import nn
 
 from engine.conformer import EncoderConfig, RelPositionEncoder
 from engine.errors import CheckpointError, InvalidInputError
 from engine.llm import GenerationRequest, LLMConfig, TokenEvent, TokenGenerator, TransformerLM
+from engine.loader import load_module
 from engine.sampling import SamplingOptions, make_generator, nucleus_sample, sample_token
 from engine.yaml_config import load_model_yaml
 
@@ -79,41 +82,61 @@ def test_encoder_padding_and_incremental_decoding(causal: bool) -> None:
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=BATCH_ATOL, rtol=0)
 
 
-def test_batched_generation_equals_alone(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
-    requests = [kit_request(kit_llm, case) for case in llm_cases]
-    assert len({len(kit_llm.lm_input(r)) for r in requests}) > 1, "the kit's prefills should have mixed lengths"
-    generator = TokenGenerator(kit_llm)
+# ---- every family's LLM on its kit (v1 and CosyVoice2; CosyVoice3's: test_parity_llm_v3.py) -----------------
+
+
+@pytest.fixture(scope="module")
+def kit(v1_v2_kit: Path) -> Path:
+    return v1_v2_kit
+
+
+@pytest.fixture(scope="module")
+def llm(kit: Path) -> nn.Module:
+    """The kit's LLM, of its family's class, strictly loaded through the loader."""
+    return load_module(kit / "model", "llm")
+
+
+@pytest.fixture(scope="module")
+def kit_llm_cases(kit: Path) -> list[dict[str, Any]]:
+    cases = torch.load(kit / "cases.pt", weights_only=True)["llm"]
+    assert len(cases) >= 2, "batching tests need at least two llm cases"
+    return cases
+
+
+def test_batched_generation_equals_alone(llm: nn.Module, kit_llm_cases: list[dict[str, Any]]) -> None:
+    requests = [kit_request(llm, case) for case in kit_llm_cases]
+    assert len({len(llm.lm_input(r)) for r in requests}) > 1, "the kit's prefills should have mixed lengths"
+    generator = TokenGenerator(llm)
     ids = [generator.add(r) for r in requests]
     assert generator.active == len(requests) and generator.batch_size == 0
     events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
     collect(generator, events)
     assert generator.batch_size == 0
-    for case, request_id, request in zip(llm_cases, ids, requests, strict=True):
-        assert_same_decoding(events[request_id], run_alone(kit_llm, request), case["name"])
-    assert [t.tolist() for t in kit_llm.generate(requests)] == [c["out_tokens"].tolist() for c in llm_cases]
+    for case, request_id, request in zip(kit_llm_cases, ids, requests, strict=True):
+        assert_same_decoding(events[request_id], run_alone(llm, request), case["name"])
+    assert [t.tolist() for t in llm.generate(requests)] == [c["out_tokens"].tolist() for c in kit_llm_cases]
 
 
 @pytest.mark.parametrize("join_after", [1, 7])
-def test_requests_joining_mid_way(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]], join_after: int) -> None:
+def test_requests_joining_mid_way(llm: nn.Module, kit_llm_cases: list[dict[str, Any]], join_after: int) -> None:
     """The first case runs alone for a few steps, then the others join (their prefills may be longer or shorter)."""
-    requests = [kit_request(kit_llm, case) for case in llm_cases]
-    generator = TokenGenerator(kit_llm)
-    events: dict[int, list[TokenEvent]] = {}
+    requests = [kit_request(llm, case) for case in kit_llm_cases]
+    generator = TokenGenerator(llm)
     first = generator.add(requests[0])
-    events[first] = []
+    events: dict[int, list[TokenEvent]] = {first: []}
     for _ in range(join_after):
         for event in generator.step():
             events[event.request_id].append(event)
     ids = [first] + [generator.add(r) for r in requests[1:]]
     events.update({i: [] for i in ids[1:]})
     collect(generator, events)
-    for case, request_id, request in zip(llm_cases, ids, requests, strict=True):
-        assert_same_decoding(events[request_id], run_alone(kit_llm, request), case["name"])
+    for case, request_id, request in zip(kit_llm_cases, ids, requests, strict=True):
+        assert_same_decoding(events[request_id], run_alone(llm, request), case["name"])
 
 
-def test_cancel_frees_the_slot(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
-    requests = [kit_request(kit_llm, case) for case in llm_cases]
-    generator = TokenGenerator(kit_llm)
+def test_cancel_frees_the_slot(llm: nn.Module, kit_llm_cases: list[dict[str, Any]]) -> None:
+    requests = [kit_request(llm, case) for case in kit_llm_cases]
+    generator = TokenGenerator(llm)
     ids = [generator.add(r) for r in requests]
     events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
     for event in generator.step():
@@ -126,36 +149,56 @@ def test_cancel_frees_the_slot(kit_llm: TransformerLM, llm_cases: list[dict[str,
     assert generator.cancel(pending) and generator.active == len(ids) - 1  # a pending request can leave too
     collect(generator, events)
     assert len(events[ids[0]]) == 1 and pending not in events
-    for case, request_id, request in list(zip(llm_cases, ids, requests, strict=True))[1:]:
-        assert_same_decoding(events[request_id], run_alone(kit_llm, request), case["name"])
+    for case, request_id, request in list(zip(kit_llm_cases, ids, requests, strict=True))[1:]:
+        assert_same_decoding(events[request_id], run_alone(llm, request), case["name"])
     assert generator.step() == []
 
 
-def test_sampled_request_is_reproducible_in_any_batch(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
+def test_sampled_request_is_reproducible_in_any_batch(llm: nn.Module, kit_llm_cases: list[dict[str, Any]]) -> None:
     options = SamplingOptions(seed=1234, max_token_text_ratio=6.0)
-    request = kit_request(kit_llm, llm_cases[0], options)
-    alone = kit_llm.generate([request])[0]
-    others = [kit_request(kit_llm, case, replace(options, seed=i)) for i, case in enumerate(llm_cases[1:])]
-    in_batch = kit_llm.generate([*others, request])[-1]
+    request = kit_request(llm, kit_llm_cases[0], options)
+    alone = llm.generate([request])[0]
+    others = [kit_request(llm, case, replace(options, seed=i)) for i, case in enumerate(kit_llm_cases[1:])]
+    in_batch = llm.generate([*others, request])[-1]
     assert torch.equal(alone, in_batch) and len(alone) > 0
-    different_seed = kit_llm.generate([replace(request, options=replace(options, seed=4321))])[0]
+    assert int(alone.max()) < llm.eos
+    different_seed = llm.generate([replace(request, options=replace(options, seed=4321))])[0]
     assert not torch.equal(alone, different_seed)
 
 
-def test_invalid_requests_are_rejected(kit_llm: TransformerLM, llm_cases: list[dict[str, Any]]) -> None:
-    request = kit_request(kit_llm, llm_cases[0])
-    generator = TokenGenerator(kit_llm)
+def test_invalid_requests_are_rejected(llm: nn.Module, kit_llm_cases: list[dict[str, Any]]) -> None:
+    request = kit_request(llm, kit_llm_cases[0])
+    generator = TokenGenerator(llm)
     bad = [
         replace(request, text_len=0),
+        replace(request, text_len=len(request.text_encoded) + 1),
         replace(request, text_encoded=request.text_encoded[:, :-1]),
-        replace(request, embedding=torch.ones(3)),
-        replace(request, prompt_speech_tokens=torch.tensor([kit_llm.eos])),
+        replace(request, prompt_speech_tokens=torch.tensor([llm.eos])),
+        replace(request, prompt_speech_tokens=torch.tensor([-1])),
         replace(request, options=SamplingOptions(min_token_text_ratio=0.0, max_token_text_ratio=0.1)),
     ]
+    if isinstance(llm, TransformerLM):  # only v1 takes the speaker embedding (CosyVoice2 ignores any)
+        bad.append(replace(request, embedding=torch.ones(3)))
     for candidate in bad:
         with pytest.raises(InvalidInputError):
             generator.add(candidate)
     assert generator.active == 0
+
+
+def test_requests_without_options_use_the_yaml_sampler(kit: Path, llm: nn.Module) -> None:
+    sampler = load_model_yaml(kit / "model" / KIT_YAMLS[kit_model_version(kit)])["llm"]["sampling"]
+    for key in ("top_p", "top_k", "win_size", "tau_r"):
+        assert getattr(llm.cfg.sampling, key) == sampler[key]
+    encoded = torch.zeros(3, llm.cfg.llm_input_size)
+    tokens = llm.generate([GenerationRequest(encoded, text_len=1)])[0]
+    assert 1 <= len(tokens) <= int(llm.cfg.sampling.max_token_text_ratio)
+    assert int(tokens.max()) < llm.eos
+
+
+# ---- v1 ----------------------------------------------------------------------------------------------------------
+
+
+def test_text_outside_the_vocabulary_is_rejected(kit_llm: TransformerLM) -> None:
     with pytest.raises(InvalidInputError):
         kit_llm.encode_text(torch.tensor([[kit_llm.cfg.text_token_size]]), torch.tensor([1]))
 
@@ -277,16 +320,6 @@ def test_masked_tokens_are_never_drawn_and_greedy_is_argmax() -> None:
 def test_invalid_sampling_options(bad: dict[str, Any]) -> None:
     with pytest.raises(InvalidInputError):
         SamplingOptions(**bad)
-
-
-def test_requests_without_options_use_the_yaml_sampler(conformance_kit: Path, kit_llm: TransformerLM) -> None:
-    sampler = load_model_yaml(conformance_kit / "model" / "cosyvoice.yaml")["llm"]["sampling"]
-    for key in ("top_p", "top_k", "win_size", "tau_r"):
-        assert getattr(kit_llm.cfg.sampling, key) == sampler[key]
-    encoded = torch.zeros(3, kit_llm.cfg.llm_input_size)
-    tokens = kit_llm.generate([GenerationRequest(encoded, text_len=1)])[0]
-    assert 1 <= len(tokens) <= int(kit_llm.cfg.sampling.max_token_text_ratio)
-    assert int(tokens.max()) < kit_llm.eos
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Batching, continuous batching, stopping, precision and config handling of the CosyVoice2 LLM (`Qwen2LM`)."""
+"""Stopping, precision and config handling of the CosyVoice2 LLM (`Qwen2LM`); its batching and request checks are
+test_llm.py's, run on every kit."""
 
 from __future__ import annotations
 
@@ -12,11 +13,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import KIT_YAMLS
-from test_llm import assert_same_decoding, collect
 from test_parity_llm import case_text, kit_request, run_alone
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.llm import GenerationRequest, TokenEvent, TokenGenerator
 from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, Qwen2LM, Qwen2LMConfig
 from engine.sampling import SamplingOptions
 from engine.yaml_config import load_model_yaml
@@ -84,67 +83,6 @@ def test_padding_and_incremental_decoding() -> None:
         torch.testing.assert_close(torch.cat(steps, dim=1)[0], alone[0], atol=BATCH_ATOL, rtol=0)
 
 
-def test_batched_generation_equals_alone(kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]]) -> None:
-    requests = [kit_request(kit_qwen2_llm, case) for case in llm_cases]
-    assert len({len(kit_qwen2_llm.lm_input(r)) for r in requests}) > 1, "the kit's prefills should have mixed lengths"
-    generator = TokenGenerator(kit_qwen2_llm)
-    ids = [generator.add(r) for r in requests]
-    assert generator.active == len(requests) and generator.batch_size == 0
-    events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
-    collect(generator, events)
-    assert generator.batch_size == 0
-    for case, request_id, request in zip(llm_cases, ids, requests, strict=True):
-        assert_same_decoding(events[request_id], run_alone(kit_qwen2_llm, request), case["name"])
-    expected = [c["out_tokens"].tolist() for c in llm_cases]
-    assert [t.tolist() for t in kit_qwen2_llm.generate(requests)] == expected
-
-
-@pytest.mark.parametrize("join_after", [1, 7])
-def test_requests_joining_mid_way(kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]], join_after: int) -> None:
-    """The first case runs alone for a few steps, then the others join with shorter/longer caches."""
-    requests = [kit_request(kit_qwen2_llm, case) for case in llm_cases]
-    generator = TokenGenerator(kit_qwen2_llm)
-    first = generator.add(requests[0])
-    events: dict[int, list[TokenEvent]] = {first: []}
-    for _ in range(join_after):
-        for event in generator.step():
-            events[event.request_id].append(event)
-    ids = [first] + [generator.add(r) for r in requests[1:]]
-    events.update({i: [] for i in ids[1:]})
-    collect(generator, events)
-    for case, request_id, request in zip(llm_cases, ids, requests, strict=True):
-        assert_same_decoding(events[request_id], run_alone(kit_qwen2_llm, request), case["name"])
-
-
-def test_cancel_frees_the_slot(kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]]) -> None:
-    requests = [kit_request(kit_qwen2_llm, case) for case in llm_cases]
-    generator = TokenGenerator(kit_qwen2_llm)
-    ids = [generator.add(r) for r in requests]
-    events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
-    for event in generator.step():
-        events[event.request_id].append(event)
-    running = generator.batch_size
-    assert generator.cancel(ids[0]) and not generator.cancel(ids[0])
-    assert generator.batch_size == running - 1 and generator.active == len(ids) - 1
-    collect(generator, events)
-    assert len(events[ids[0]]) == 1
-    for case, request_id, request in list(zip(llm_cases, ids, requests, strict=True))[1:]:
-        assert_same_decoding(events[request_id], run_alone(kit_qwen2_llm, request), case["name"])
-    assert generator.step() == []
-
-
-def test_sampled_request_is_reproducible_in_any_batch(kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]]) -> None:
-    options = SamplingOptions(seed=1234, max_token_text_ratio=6.0)
-    request = kit_request(kit_qwen2_llm, llm_cases[0], options)
-    alone = kit_qwen2_llm.generate([request])[0]
-    others = [kit_request(kit_qwen2_llm, case, replace(options, seed=i)) for i, case in enumerate(llm_cases[1:])]
-    in_batch = kit_qwen2_llm.generate([*others, request])[-1]
-    assert torch.equal(alone, in_batch) and len(alone) > 0
-    assert int(alone.max()) < kit_qwen2_llm.eos
-    different_seed = kit_qwen2_llm.generate([replace(request, options=replace(options, seed=4321))])[0]
-    assert not torch.equal(alone, different_seed)
-
-
 def test_speaker_embedding_is_ignored(kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]]) -> None:
     request = kit_request(kit_qwen2_llm, llm_cases[0])
     without = replace(request, embedding=None)
@@ -177,23 +115,6 @@ def test_the_other_stop_ids_end_a_request_before_min_len_unless_masked_on_reques
     assert events[-1].finish_reason == "eos" and int(events[-1].logprobs.argmax()) == model.eos + offset
 
 
-def test_invalid_requests_are_rejected(kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]]) -> None:
-    request = kit_request(kit_qwen2_llm, llm_cases[0])
-    generator = TokenGenerator(kit_qwen2_llm)
-    bad = [
-        replace(request, text_len=0),
-        replace(request, text_len=len(request.text_encoded) + 1),
-        replace(request, text_encoded=request.text_encoded[:, :-1]),
-        replace(request, prompt_speech_tokens=torch.tensor([kit_qwen2_llm.eos])),
-        replace(request, prompt_speech_tokens=torch.tensor([-1])),
-        replace(request, options=SamplingOptions(min_token_text_ratio=0.0, max_token_text_ratio=0.1)),
-    ]
-    for candidate in bad:
-        with pytest.raises(InvalidInputError):
-            generator.add(candidate)
-    assert generator.active == 0
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_model_runs_and_stays_close(
     kit_qwen2_llm: Qwen2LM, llm_cases: list[dict[str, Any]], dtype: torch.dtype
@@ -211,16 +132,6 @@ def test_low_precision_model_runs_and_stays_close(
         first, second = reference[0].logprobs, events[0].logprobs
         assert second.dtype == torch.float32 and torch.isfinite(second).all(), case["name"]
         torch.testing.assert_close(second, first, atol=0.02 * float(first.abs().max()), rtol=0, msg=case["name"])
-
-
-def test_requests_without_options_use_the_yaml_sampler(v2_kit: Path, kit_qwen2_llm: Qwen2LM) -> None:
-    sampler = load_model_yaml(v2_kit / "model" / KIT_YAMLS[2])["llm"]["sampling"]
-    for key in ("top_p", "top_k", "win_size", "tau_r"):
-        assert getattr(kit_qwen2_llm.cfg.sampling, key) == sampler[key]
-    encoded = torch.zeros(3, kit_qwen2_llm.cfg.llm_input_size)
-    tokens = kit_qwen2_llm.generate([GenerationRequest(encoded, text_len=1)])[0]
-    assert 1 <= len(tokens) <= int(kit_qwen2_llm.cfg.sampling.max_token_text_ratio)
-    assert int(tokens.max()) < kit_qwen2_llm.eos
 
 
 def test_config_comes_from_the_qwen_config_json(v2_kit: Path, kit_qwen2_llm: Qwen2LM) -> None:

@@ -50,9 +50,9 @@ def assert_close(actual: Tensor, expected: Tensor, atol: float, what: str) -> No
     assert error <= atol, f"{what}: max abs error {error:.3g} > {atol}"
 
 
-@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
-def kit(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue(request.param)
+@pytest.fixture(scope="module")
+def kit(v1_v2_kit: Path) -> Path:
+    return v1_v2_kit
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,9 @@ def with_cache_source(source: Tensor, case: dict[str, Any]) -> Tensor:
     return source
 
 
-@pytest.fixture(scope="module", params=["conformance_kit", "v2_kit"])
-def kit(request: pytest.FixtureRequest) -> Path:
-    return request.getfixturevalue(request.param)
+@pytest.fixture(scope="module")
+def kit(v1_v2_kit: Path) -> Path:
+    return v1_v2_kit
 
 
 @pytest.fixture(scope="module")

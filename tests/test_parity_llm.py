@@ -66,6 +66,19 @@ def run_alone(model: nn.Module, request: GenerationRequest) -> list[TokenEvent]:
     return events
 
 
+def decode_greedily(llm: nn.Module, case: dict[str, Any]) -> list[TokenEvent]:
+    """The case decoded greedily on its own, after checking its length bounds; its tokens must be the official ones."""
+    name = case["name"]
+    request = kit_request(llm, case)
+    assert int(request.text_len * request.options.min_token_text_ratio) == case["min_len"], name
+    assert int(request.text_len * request.options.max_token_text_ratio) == case["max_len"], name
+    events = run_alone(llm, request)
+    assert len(events) == case["num_steps"], name
+    tokens = [e.token for e in events if e.token is not None]
+    assert torch.equal(torch.tensor(tokens, dtype=torch.long), case["out_tokens"]), name
+    return events
+
+
 @pytest.fixture(scope="module")
 def llm(each_kit: Path) -> nn.Module:
     """The kit's LLM, of its family's class, strictly loaded from llm.pt through the loader."""
@@ -111,13 +124,7 @@ def test_greedy_decoding_step_by_step(llm: nn.Module, llm_cases: list[dict[str, 
         pytest.skip("this kit records no top-5 scores per step (v3: test_parity_llm_v3.py checks its greedy steps)")
     for case in llm_cases:
         name = case["name"]
-        request = kit_request(llm, case)
-        assert int(request.text_len * request.options.min_token_text_ratio) == case["min_len"], name
-        assert int(request.text_len * request.options.max_token_text_ratio) == case["max_len"], name
-        events = run_alone(llm, request)
-        assert len(events) == case["num_steps"], name
-        tokens = [e.token for e in events if e.token is not None]
-        assert torch.equal(torch.tensor(tokens, dtype=torch.long), case["out_tokens"]), name
+        events = decode_greedily(llm, case)
         assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1), name
         assert events[-1].finish_reason == case["stop_reason"], name
         if case["stop_reason"] == "eos":

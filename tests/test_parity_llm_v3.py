@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
-from test_parity_llm import kit_request, run_alone
+from test_parity_llm import decode_greedily, kit_request
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.llm import GenerationRequest
@@ -53,13 +53,7 @@ def test_special_ids(llm: CosyVoice3LM, llm_cases: list[dict[str, Any]]) -> None
 def test_greedy_decoding_step_by_step(llm: CosyVoice3LM, llm_cases: list[dict[str, Any]]) -> None:
     for case in llm_cases:
         name = case["name"]
-        request = kit_request(llm, case)
-        assert int(request.text_len * request.options.min_token_text_ratio) == case["min_len"], name
-        assert int(request.text_len * request.options.max_token_text_ratio) == case["max_len"], name
-        events = run_alone(llm, request)
-        assert len(events) == case["num_steps"], name
-        tokens = [e.token for e in events if e.token is not None]
-        assert torch.equal(torch.tensor(tokens, dtype=torch.long), case["out_tokens"]), name
+        events = decode_greedily(llm, case)
         stopped = case["stop_reason"] == "stop_token"
         assert events[-1].finish_reason == ("eos" if stopped else "max_len"), name
         if stopped:

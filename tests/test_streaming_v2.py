@@ -1,18 +1,17 @@
 """CosyVoice2 streaming: chunks aligned to the 25-token flow chunks with 3 look-ahead tokens, growing hops,
-the whole-prefix causal flow, the 8-frame HiFT cache; on the tiny v2 dummy model."""
+the whole-prefix causal flow; on the tiny v2 dummy model (what every family's streaming shares: test_streaming.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_streaming import SETUPS, run_stream
 
 from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.sampling import SamplingOptions
 from engine.voice_cloning import VoicePrompt
 
-# The random dummy LLM may stop early on its other stop tokens: this seed gives 111 tokens (3 chunks).
-FIXED = SamplingOptions(seed=1, min_token_text_ratio=6, max_token_text_ratio=6)
-TEXT = "Streaming in version two."
+SETUP = SETUPS["cosyvoice2-tiny"]
+FIXED, TEXT = SETUP.sampling, SETUP.text
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +23,6 @@ def tts() -> CosyVoice:
 def segment(tts: CosyVoice):
     [segment] = tts.encoder.encode(SynthesisRequest(TEXT, tts.voices[0], sampling=FIXED))
     return segment
-
-
-def _run(stream) -> tuple[list[np.ndarray], list[int]]:
-    """-> the non-empty chunks of segment 0, and the step at which each arrived."""
-    chunks, steps = [], []
-    for step, outputs in enumerate(stream, start=1):
-        if outputs[0] is not None and len(outputs[0]):
-            chunks.append(outputs[0])
-            steps.append(step)
-    return chunks, steps
 
 
 def expected_chunk_ends(total_tokens: int, first_hop_pad: int = 0) -> list[int]:
@@ -51,7 +40,7 @@ def expected_chunk_ends(total_tokens: int, first_hop_pad: int = 0) -> list[int]:
 
 def test_chunks_follow_the_v2_schedule_and_join_to_the_whole_length(tts: CosyVoice, segment) -> None:
     [tokens] = tts.decoder.generate_tokens([segment])
-    chunks, steps = _run(tts.decoder.open_stream([segment]))
+    chunks, steps = run_stream(tts.decoder.open_stream([segment]))
     ends = expected_chunk_ends(len(tokens))
     assert ends == [28, 78], "this seed should give hops of 25 and 50 (+3 look-ahead), then the rest"
     assert steps[: len(ends)] == ends  # one token per step: a chunk as soon as its hop and look-ahead exist
@@ -71,31 +60,9 @@ def test_a_prompt_pads_the_first_hop_to_the_flow_chunk_grid(tts: CosyVoice) -> N
     )
     [segment] = tts.encoder.encode(SynthesisRequest(TEXT, tts.voices[0], sampling=FIXED), prompt=prompt)
     [tokens] = tts.decoder.generate_tokens([segment])
-    _, steps = _run(tts.decoder.open_stream([segment]))
+    _, steps = run_stream(tts.decoder.open_stream([segment]))
     assert steps[0] == 25 + 15 + 3  # 10 prompt tokens + 15 padding complete the first 25-token chunk
     assert steps[:-1] == expected_chunk_ends(len(tokens), first_hop_pad=15)
-
-
-def test_no_discontinuity_at_the_seams(tts: CosyVoice, segment) -> None:
-    chunks, _ = _run(tts.decoder.open_stream([segment]))
-    audio = np.concatenate(chunks)
-    assert np.isfinite(audio).all()
-    jumps = np.abs(np.diff(audio))
-    typical = np.percentile(jumps, 99.9)
-    for seam in np.cumsum([len(c) for c in chunks[:-1]]):
-        assert jumps[seam - 1] <= typical, f"jump {jumps[seam - 1]:.4f} at the seam {seam} (99.9th pct {typical:.4f})"
-
-
-def test_streams_in_one_batch_equal_streams_alone(tts: CosyVoice, segment) -> None:
-    [other] = tts.encoder.encode(SynthesisRequest("Another one.", tts.voices[1], sampling=FIXED))
-    together: list[list[np.ndarray]] = [[], []]
-    for outputs in tts.decoder.open_stream([segment, other]):
-        for index, chunk in enumerate(outputs):
-            if chunk is not None:
-                together[index].append(chunk)
-    for index, seg in enumerate([segment, other]):
-        alone = np.concatenate([c for c in (o[0] for o in tts.decoder.open_stream([seg])) if c is not None])
-        np.testing.assert_allclose(np.concatenate(together[index]), alone, atol=1e-4)
 
 
 def test_only_the_final_chunk_runs_the_flow_with_full_attention(
@@ -112,6 +79,6 @@ def test_only_the_final_chunk_runs_the_flow_with_full_attention(
         return original(requests, n_timesteps, streaming=streaming, finalize=finalize)
 
     monkeypatch.setattr(flow, "inference", spy)
-    chunks, _ = _run(tts.decoder.open_stream([segment]))
+    chunks, _ = run_stream(tts.decoder.open_stream([segment]))
     assert len(calls) == len(chunks) >= 2
     assert calls == [(True, False)] * (len(calls) - 1) + [(False, True)]
