@@ -247,6 +247,14 @@ def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
         )
 
 
+def openai_mode(stream_format: str, response_format: str, info: dict[str, Any]) -> Mode:
+    """How an OpenAI speech request is answered: "sse" events, else a streamed body ("stream", OpenAI's default),
+    or the whole file where the format or the model's family cannot stream."""
+    if stream_format == "sse":
+        return "sse"
+    return "stream" if audio_format(response_format).streamable and info["streaming"] else "whole"
+
+
 def check_streams(info: dict[str, Any]) -> None:
     """InvalidInputError (400) for a streamed request to a model whose family cannot stream (yet)."""
     if not info["streaming"]:
@@ -389,10 +397,7 @@ class TTSIngress:
             instruct_text=body.instructions,
             speed=body.speed,
         )
-        mode: Mode = "sse" if body.stream_format == "sse" else "stream"
-        streamable = audio_format(body.response_format).streamable and (await self.model_info())["streaming"]
-        if mode == "stream" and not streamable:  # OpenAI's default stream_format: the whole file instead
-            mode = "whole"
+        mode = openai_mode(body.stream_format, body.response_format, await self.model_info())
         return await self.respond(request, body.response_format, mode, http)
 
     async def resolve_voice(self, voice: str) -> str:

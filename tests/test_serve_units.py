@@ -14,7 +14,7 @@ from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
 from engine.loader import PRESET_VOICE_MODELS
 from engine.voices import DUMMY_VOICES
-from serve_app.app import PROMPT_END, check_streams, error_payload, mapped_voice, official_instruction
+from serve_app.app import PROMPT_END, check_streams, error_payload, mapped_voice, official_instruction, openai_mode
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs
 from serve_app.cli import with_default_voices_dir
 
@@ -132,3 +132,11 @@ def test_a_streamed_request_to_a_family_that_cannot_stream_is_a_400() -> None:
     check_streams({"family": "CosyVoice2", "streaming": True})
     with pytest.raises(InvalidInputError, match=r"^CosyVoice3 models cannot stream yet: send the request with stream"):
         check_streams({"family": "CosyVoice3", "streaming": False})
+
+
+def test_openai_speech_is_sent_whole_where_the_format_or_the_family_cannot_stream() -> None:
+    streams, cannot = {"streaming": True}, {"streaming": False}
+    assert openai_mode("audio", "mp3", streams) == "stream"
+    assert openai_mode("audio", "flac", streams) == "whole"
+    assert openai_mode("audio", "mp3", cannot) == "whole"
+    assert openai_mode("sse", "mp3", cannot) == "sse"  # respond() then sends one event at the end
