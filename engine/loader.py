@@ -8,6 +8,8 @@ Load formats (like vLLM's `--load-format`):
 - `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`, `cosyvoice2-0.5b`, `cosyvoice2-tiny`,
   `cosyvoice3-0.5b`, `cosyvoice3-tiny`) or a yaml file, seeded random weights (a v2/v3 dummy model gets a
   byte-level stand-in for the Qwen2 tokenizer).
+The yaml's LLM class picks the model family (`engine.families`), which names the config readers, module classes,
+encoder-side text module and tokenizer used here.
 """
 
 from __future__ import annotations
