@@ -4,6 +4,11 @@
 the way a Hugging Face Qwen2 tokenizer directory looks: `vocab.json`, `merges.txt`, a `tokenizer_config.json`
 with `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` as added tokens right after the vocabulary, and optionally a
 `tokenizer.json`. Deterministic: the same files on every call.
+
+With `qwen2_ids` those three tokens take the ids they have in the real Qwen2 tokenizer (151643-151645) instead, so
+that the tokens CosyVoice adds after them get their real ids too (`<|endofprompt|>` 151646, which the CosyVoice3 LLM
+requires): the three are then vocab.json entries as well, because the tokenizers library gives a new added token
+the id after the largest one it holds, and would otherwise number them from the vocabulary's size (380).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from engine.qwen_tokenizer import QWEN2_PRETOKENIZE_PATTERN, special_token
 # 380 trained ids + the 3 config tokens + CosyVoice2's 17 new special tokens = 400, the kit's Qwen2 vocab_size.
 TINY_VOCAB_SIZE = 380
 CONFIG_ADDED_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN2_ENDOFTEXT_ID = 151643  # the real Qwen2 vocabulary's first added token
 CORPUS = (
     "The quick brown fox jumps over the lazy dog while seven bright stars watch from far above.",
     "Hello world, this is a tiny tokenizer for the CosyVoice test suite; it isn't meant to be good.",
@@ -43,8 +49,10 @@ def _training_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_tiny_qwen_tokenizer(directory: Path, *, with_tokenizer_json: bool = False) -> Path:
+def write_tiny_qwen_tokenizer(directory: Path, *, with_tokenizer_json: bool = False, qwen2_ids: bool = False) -> Path:
     """Write the tiny tokenizer files into `directory` (created if needed) and return it."""
+    if with_tokenizer_json and qwen2_ids:
+        raise ValueError("qwen2_ids is written as vocab.json entries; a tokenizer.json would number them anew")
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _training_tokenizer()
     trainer = trainers.BpeTrainer(
@@ -56,9 +64,14 @@ def write_tiny_qwen_tokenizer(directory: Path, *, with_tokenizer_json: bool = Fa
     )
     tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
     tokenizer.model.save(str(directory))  # vocab.json + merges.txt
-    vocab_size = tokenizer.get_vocab_size()
+    first_added_id = QWEN2_ENDOFTEXT_ID if qwen2_ids else tokenizer.get_vocab_size()
+    if qwen2_ids:
+        vocab_path = directory / "vocab.json"
+        vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+        vocab.update({token: first_added_id + i for i, token in enumerate(CONFIG_ADDED_TOKENS)})
+        vocab_path.write_text(json.dumps(vocab, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
     added = {
-        str(vocab_size + i): {
+        str(first_added_id + i): {
             "content": token,
             "lstrip": False,
             "normalized": False,

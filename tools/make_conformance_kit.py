@@ -341,38 +341,47 @@ class Maker:
     # ---- v2 frontend ------------------------------------------------------------------------------------------
 
     def frontend_cases(self) -> list[dict[str, Any]]:
-        from cosyvoice.cli.frontend import CosyVoiceFrontEnd
+        frontend = official_text_frontend(self.configs)
+        return [text_path_case(frontend, text) for text in FRONTEND_TEXTS]
 
-        frontend = CosyVoiceFrontEnd.__new__(CosyVoiceFrontEnd)  # the text half only: no ONNX models needed
-        frontend.tokenizer = self.configs["get_tokenizer"]()
-        frontend.allowed_special = self.configs["allowed_special"]
-        import inflect
-        from wetext import Normalizer
 
-        frontend.inflect_parser = inflect.engine()
-        frontend.zh_tn_model, frontend.en_tn_model = Normalizer(remove_erhua=False), Normalizer()
-        frontend.text_frontend = "wetext"
-        cases = []
-        for text in FRONTEND_TEXTS:
-            segments = frontend.text_normalize(text, split=True)
-            tokens = [frontend.tokenizer.encode(s, allowed_special=frontend.allowed_special) for s in segments]
-            cases.append(
-                {
-                    "text": text,
-                    "function": "cosyvoice.cli.frontend.CosyVoiceFrontEnd.text_normalize + tokenizer.encode",
-                    "allowed_special": str(frontend.allowed_special),
-                    "text_frontend": frontend.text_frontend,
-                    "raw_tokens": torch.tensor(
-                        frontend.tokenizer.encode(text, allowed_special=frontend.allowed_special), dtype=torch.int64
-                    ),
-                    "normalized_text": frontend.text_normalize(text, split=False),
-                    "num_segments": len(segments),
-                    "segments_joined": "\n".join(segments),
-                    "segment_token_lens": torch.tensor([len(t) for t in tokens], dtype=torch.int64),
-                    "segment_tokens": torch.tensor([i for t in tokens for i in t], dtype=torch.int64),
-                }
-            )
-        return cases
+def official_text_frontend(configs: dict[str, Any]) -> Any:
+    """The text half of the official `CosyVoiceFrontEnd` (no ONNX models needed) with the yaml's tokenizer, set up as
+    its constructor does where ttsfrd is not installed: wetext for Chinese and English, inflect."""
+    import inflect
+    from cosyvoice.cli.frontend import CosyVoiceFrontEnd
+    from wetext import Normalizer
+
+    frontend = CosyVoiceFrontEnd.__new__(CosyVoiceFrontEnd)
+    frontend.tokenizer = configs["get_tokenizer"]()
+    frontend.allowed_special = configs["allowed_special"]
+    frontend.inflect_parser = inflect.engine()
+    frontend.zh_tn_model, frontend.en_tn_model = Normalizer(remove_erhua=False), Normalizer()
+    frontend.text_frontend = "wetext"
+    return frontend
+
+
+def text_path_case(frontend: Any, text: str) -> dict[str, Any]:
+    """A `frontend` case: the official `text_normalize` of `text`, whole and split, and the token ids of the text and
+    of each segment (`frontend`: a `CosyVoiceFrontEnd` with its text half set up)."""
+
+    def ids(part: str) -> list[int]:
+        return frontend.tokenizer.encode(part, allowed_special=frontend.allowed_special)
+
+    segments = frontend.text_normalize(text, split=True)
+    tokens = [ids(segment) for segment in segments]
+    return {
+        "text": text,
+        "function": "cosyvoice.cli.frontend.CosyVoiceFrontEnd.text_normalize + tokenizer.encode",
+        "allowed_special": str(frontend.allowed_special),
+        "text_frontend": frontend.text_frontend,
+        "raw_tokens": torch.tensor(ids(text), dtype=torch.int64),
+        "normalized_text": frontend.text_normalize(text, split=False),
+        "num_segments": len(segments),
+        "segments_joined": "\n".join(segments),
+        "segment_token_lens": torch.tensor([len(t) for t in tokens], dtype=torch.int64),
+        "segment_tokens": torch.tensor([i for t in tokens for i in t], dtype=torch.int64),
+    }
 
 
 def sha256(path: Path) -> str:

@@ -1,14 +1,21 @@
-"""Make the CosyVoice3 conformance kit by running the official code on tiny random weights.
+"""Make the CosyVoice3 conformance kit by running the official code on tiny random weights, or extend one.
 
 Run it in a throwaway virtual environment that has the official repository's requirements, never in
 this project's environment::
 
-    python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny
+    python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny \
+        --qwen-tokenizer /path/to/tokenizer-files
 
 ``--official`` is a checkout of FunAudioLLM/CosyVoice with its Matcha-TTS submodule under
 ``third_party/Matcha-TTS``. The official modules are imported from there at run time; nothing of them
-is copied into this repository. The script writes ``model/`` (laid out like an official CosyVoice3
-directory) and ``cases.pt``; the README next to them is written by hand from what this prints.
+is copied into this repository. ``--qwen-tokenizer`` names Qwen2 tokenizer files to copy into
+``model/CosyVoice-BlankEN`` (the kit's come from ``tests/tokenizer_files.py`` with ``qwen2_ids=True``).
+
+Without ``--out/cases.pt`` the script writes ``model/`` (laid out like an official CosyVoice3 directory) and
+``cases.pt`` with every group. With it, the kit is extended in place: its model files and its groups are kept
+as they are and the groups of MADE_GROUPS (``stream``: the official streaming loop; ``frontend``: the official
+text path) are added or replaced, computed on the kit's own files. The README next to them is written by hand
+from what this prints.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -34,6 +42,28 @@ SPEECH_TOKENS = 96  # speech vocabulary of the tiny kit (6561 in the released mo
 ENDOFPROMPT = 151646  # the official LLM asserts this id is in the text, so the Qwen vocab cannot shrink below it
 QWEN_VOCAB = ENDOFPROMPT + 1
 EOS_SCALE = 0.9  # eos row scale: two LLM cases stop on eos, one runs to max_len
+QWEN_DIR = "CosyVoice-BlankEN"
+MADE_GROUPS = ("stream", "frontend")  # what extending a kit adds or replaces; the other groups are kept as they are
+# Inputs of the prompted stream case. With this seed its greedy LLM runs to max_len (8 text tokens x 12 = 96, found
+# by trying seeds); its 12 prompt tokens pad the first hop to 25 + 13, so hops of 38 and 50 (each + 3 look-ahead
+# tokens) and a short final chunk.
+STREAM_SEED = 2019
+FRONTEND_TEXTS = (
+    "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。",
+    "You are a helpful assistant. 请用广东话表达。<|endofprompt|>",
+    "You are a helpful assistant.<|endofprompt|>[breath]因为他们那一辈人[breath]在乡里面住的要习惯一点，"
+    "[breath]邻居都很活络，[breath]嗯，都很熟悉。[breath]",
+    "He paused [breath] and then, after a quick breath [quick_breath], went on.",
+    "八百标兵奔北坡，北坡炮兵并排跑，炮兵怕把标兵碰，标兵怕碰炮兵炮。",
+    "Hello world, this is a streaming test of the third CosyVoice.",
+    "今天是2024年3月5日，气温25.5度，我买了3个苹果。",
+    "I have 3 apples and 25 pears, 28 in all, for 4.50 dollars.",
+    "高管也通过电话、短信、微信等方式对报道[j][ǐ]予好评。",
+    " ".join(
+        f"Sentence number {word} tells about the quick brown fox and the lazy dog near the river."
+        for word in ("one", "two", "three", "four", "five", "six")
+    ),
+)
 
 # yaml key path -> (official value as written in the yaml, tiny value)
 TINY_YAML = {
@@ -76,13 +106,12 @@ TINY_QWEN = {
 }
 
 # Sections of the training yaml that inference never builds; loading them would pull in the training
-# dependencies (whisper, pyworld, librosa, lightning). Overridden to None, as the official flow.py and
-# generator.py self-tests override whole sections.
+# dependencies (pyworld, librosa, lightning). Overridden to None, as the official flow.py and generator.py
+# self-tests override whole sections. (get_tokenizer stays: the front end uses it.)
 TRAINING_KEYS = (
     "mel_spec_transform1",
     "hifigan",
     "parquet_opener",
-    "get_tokenizer",
     "tokenize",
     "filter",
     "resample",
@@ -361,21 +390,14 @@ def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
-    parser.add_argument("--out", type=Path, required=True, help="kit directory to write")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    import_official(args.official)
-    from hyperpyyaml import load_hyperpyyaml
+def write_model_files(official: Path, model_dir: Path) -> None:
+    """Write `model/` with tiny random weights (a new kit only: an existing kit's files are never rewritten)."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model_dir = args.out / "model"
-    blank = model_dir / "CosyVoice-BlankEN"
+    blank = model_dir / QWEN_DIR
     blank.mkdir(parents=True, exist_ok=True)
-    official_yaml = (args.official / "examples/libritts/cosyvoice3/conf/cosyvoice3.yaml").read_text()
+    official_yaml = (official / "examples/libritts/cosyvoice3/conf/cosyvoice3.yaml").read_text()
     (model_dir / "cosyvoice3.yaml").write_text(tiny_yaml(official_yaml))
     (blank / "config.json").write_text(json.dumps(TINY_QWEN, indent=2) + "\n")
     # The official Qwen2Encoder calls from_pretrained, which needs a weights file; llm.pt overwrites every
@@ -388,9 +410,7 @@ def main() -> None:
         metadata={"format": "pt"},
     )
 
-    overrides = {"qwen_pretrain_path": str(blank.resolve()), **{key: None for key in TRAINING_KEYS}}
-    with open(model_dir / "cosyvoice3.yaml") as f:
-        configs = load_hyperpyyaml(f, overrides=overrides)
+    configs = official_configs(model_dir)
     llm, flow, hift = configs["llm"], configs["flow"], configs["hift"]
     randomise(llm, torch.Generator().manual_seed(SEED + 1))
     randomise(flow, torch.Generator().manual_seed(SEED + 2))
@@ -415,15 +435,29 @@ def main() -> None:
         model_dir / "spk2info.pt",
     )
 
-    # Reload through the official model class, which loads the three files strictly.
+
+def official_configs(model_dir: Path) -> dict[str, Any]:
+    """The official objects `load_hyperpyyaml` builds from the kit's yaml, training-only sections set to None."""
+    from hyperpyyaml import load_hyperpyyaml
+
+    overrides = {"qwen_pretrain_path": str((model_dir / QWEN_DIR).resolve()), **{key: None for key in TRAINING_KEYS}}
+    with open(model_dir / "cosyvoice3.yaml") as f:
+        return load_hyperpyyaml(f, overrides=overrides)
+
+
+def load_official_model(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The official `CosyVoice3Model` over the kit's files (its loader is strict), and the yaml's objects."""
     from cosyvoice.cli.model import CosyVoice3Model
 
-    with open(model_dir / "cosyvoice3.yaml") as f:
-        configs = load_hyperpyyaml(f, overrides=overrides)
+    configs = official_configs(model_dir)
     model = CosyVoice3Model(configs["llm"], configs["flow"], configs["hift"], fp16=False)
-    model.load(str(model_dir / "llm.pt"), str(model_dir / "flow.pt"), str(model_dir / "hift.pt"))
-    llm, flow, hift = model.llm, model.flow, model.hift
+    model.load(*(str(model_dir / f"{name}.pt") for name in ("llm", "flow", "hift")))
+    return model, configs
 
+
+def reference_cases(model: Any, official: Path) -> dict[str, list[dict[str, Any]]]:
+    """The groups of a new kit: meta, llm, flow and hift (single official calls)."""
+    llm, flow, hift = model.llm, model.flow, model.hift
     g = torch.Generator().manual_seed(SEED + 6)
 
     def ids(n: int, high: int) -> Tensor:
@@ -493,7 +527,7 @@ def main() -> None:
     import transformers
 
     commit = subprocess.run(
-        ["git", "-C", str(args.official), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ["git", "-C", str(official), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip() or os.environ.get("OFFICIAL_COMMIT", "")
     meta = {
         "kit": "cosyvoice3-tiny",
@@ -510,24 +544,274 @@ def main() -> None:
         "hop": 480,
         "endofprompt_token": ENDOFPROMPT,
     }
-    torch.save({"meta": [meta], "llm": llm_cases, "flow": flow_cases, "hift": hift_cases}, args.out / "cases.pt")
-    for case in llm_cases:
+    return {"meta": [meta], "llm": llm_cases, "flow": flow_cases, "hift": hift_cases}
+
+
+class InlineThread:
+    """Stands in for `threading.Thread` in the official model module: start() runs the LLM job to its end, so the
+    streaming loop then finds every token and cuts the chunks it cuts in any thread timing (a chunk waits for
+    hop + look-ahead tokens, the last one for the LLM's end), with no thread."""
+
+    def __init__(self, target: Callable, args: tuple = ()) -> None:
+        self.target, self.args = target, args
+
+    def start(self) -> None:
+        self.target(*self.args)
+
+    def join(self) -> None:
+        pass
+
+
+def run_tts(model: Any, inputs: dict[str, Tensor], stream: bool) -> tuple[list[Tensor], list[dict[str, Any]]]:
+    """The official `CosyVoice3Model.tts` on `inputs`, with its LLM thread run inline and no sleeps: the speech it
+    yields and, per token2wav call, its arguments, the flow mel and the HiFT call's mel, source and speech."""
+    import cosyvoice.cli.model as official_model
+
+    calls: list[dict[str, Any]] = []
+    token2wav, flow_inference, hift_inference = model.token2wav, model.flow.inference, model.hift.inference
+
+    def recording_token2wav(**kwargs: Any) -> Tensor:
+        cache = model.hift_cache_dict[kwargs["uuid"]]
+        calls.append(
+            {
+                "tokens": kwargs["token"][0].to(torch.int64).clone(),
+                "token_offset": int(kwargs["token_offset"]),
+                "streaming": int(kwargs.get("stream", False)),
+                "finalize": int(kwargs["finalize"]),
+                "speech_offset": 0 if cache is None else int(cache["speech_offset"]),
+            }
+        )
+        return token2wav(**kwargs)
+
+    def recording_flow(**kwargs: Any) -> tuple[Tensor, Any]:
+        feat, rest = flow_inference(**kwargs)
+        calls[-1]["flow_mel"] = feat.clone()
+        return feat, rest
+
+    def recording_hift(speech_feat: Tensor, finalize: bool = True) -> tuple[Tensor, Tensor]:
+        speech, source = hift_inference(speech_feat=speech_feat, finalize=finalize)
+        calls[-1].update(hift_mel=speech_feat.clone(), hift_source=source.clone(), hift_speech=speech.clone())
+        return speech, source
+
+    model.token2wav, model.flow.inference, model.hift.inference = recording_token2wav, recording_flow, recording_hift
+    model.token_hop_len = 25  # the official tts grows it on the model for good; each case starts as a new model
+    thread, clock = official_model.threading.Thread, official_model.time
+    official_model.threading.Thread = InlineThread
+    official_model.time = types.SimpleNamespace(sleep=lambda _seconds: None)
+    try:
+        speech = [out["tts_speech"].clone() for out in model.tts(**inputs, stream=stream)]
+    finally:
+        official_model.threading.Thread, official_model.time = thread, clock
+        del model.token2wav, model.flow.inference, model.hift.inference
+    return speech, calls
+
+
+def stream_case(
+    model: Any,
+    name: str,
+    inputs: dict[str, Tensor],
+    ratio: tuple[float, float],
+    llm_tokens: list[int] | None = None,
+) -> dict[str, Any]:
+    """`CosyVoice3Model.tts(stream=True)` and `tts(stream=False)` on the same input, the LLM greedy (or, with
+    `llm_tokens`, replaced by that list), both length ratios fixed; see the kit README for the fields."""
+    llm = model.llm
+    llm_inference = llm.inference
+    yielded: list[int] = []
+
+    def recording_inference(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(min_token_text_ratio=ratio[0], max_token_text_ratio=ratio[1])
+        for token in llm_inference(*args, **kwargs) if llm_tokens is None else iter(llm_tokens):
+            yielded.append(int(token))
+            yield token
+
+    llm.sampling = greedy_sampler([])
+    llm.inference = recording_inference
+    try:
+        speech, chunks = run_tts(model, inputs, stream=True)
+        stream_tokens = list(yielded)
+        yielded.clear()
+        whole_speech, (whole,) = run_tts(model, inputs, stream=False)
+    finally:
+        del llm.inference
+    assert yielded == stream_tokens, "the LLM is greedy: both runs must generate the same tokens"
+    last = chunks[-1]
+    case: dict[str, Any] = {
+        "name": name,
+        "function": "cosyvoice.cli.model.CosyVoice3Model.tts(stream=True), then tts(stream=False)",
+        "sampler": "greedy argmax over the scores passed to llm.sampling"
+        if llm_tokens is None
+        else "none: llm.inference replaced by a fixed token list (llm_tokens)",
+        **{key: value.clone() for key, value in inputs.items()},
+        "min_token_text_ratio": float(ratio[0]),
+        "max_token_text_ratio": float(ratio[1]),
+        "token_hop_len": 25,
+        "token_max_hop_len": int(model.token_max_hop_len),
+        "stream_scale_factor": int(model.stream_scale_factor),
+        "pre_lookahead_len": int(model.flow.pre_lookahead_len),
+        "token_mel_ratio": int(model.flow.token_mel_ratio),
+        "silent_tokens": torch.tensor(model.silent_tokens, dtype=torch.int64),
+        "max_silent_token_run": 5,
+        "llm_tokens": torch.tensor(stream_tokens, dtype=torch.int64),
+        "out_tokens": last["tokens"],
+        "num_chunks": len(chunks),
+    }
+    # Each chunk's audio is stored as a view of the concatenation (torch.save keeps one copy of a shared storage).
+    concatenated = torch.cat(speech, dim=1)
+    start = 0
+    for k, (chunk, audio) in enumerate(zip(chunks, speech, strict=True)):
+        frames = chunk["hift_mel"].shape[2]
+        # Each HiFT call re-runs the whole accumulated mel: its mel and source are prefixes of the last call's.
+        assert torch.equal(chunk["hift_mel"], last["hift_mel"][:, :, :frames]), f"{name} chunk {k} mel"
+        assert torch.equal(chunk["hift_source"], last["hift_source"][:, :, : chunk["hift_source"].shape[2]]), k
+        assert torch.equal(audio, chunk["hift_speech"][:, chunk["speech_offset"] :]), f"{name} chunk {k} speech"
+        case[f"chunk_{k}_tokens"] = chunk["tokens"]
+        case[f"chunk_{k}_token_offset"] = chunk["token_offset"]
+        case[f"chunk_{k}_streaming"] = chunk["streaming"]
+        case[f"chunk_{k}_finalize"] = chunk["finalize"]
+        case[f"chunk_{k}_flow_mel"] = chunk["flow_mel"]
+        case[f"chunk_{k}_hift_frames"] = frames
+        case[f"chunk_{k}_speech_offset"] = chunk["speech_offset"]
+        case[f"chunk_{k}_speech"] = concatenated[:, start : start + audio.shape[1]]
+        start += audio.shape[1]
+    # The last chunk is the whole call's flow call (all tokens, full attention, finalize): one mel, stored once.
+    assert torch.equal(whole["tokens"], last["tokens"]) and torch.equal(whole["flow_mel"], last["flow_mel"]), name
+    case.update(
+        hift_mel=last["hift_mel"],
+        hift_source=last["hift_source"],
+        speech=concatenated,
+        whole_mel=last["flow_mel"],
+        whole_source=whole["hift_source"],
+        whole_speech=whole_speech[0],
+    )
+    return case
+
+
+def stream_inputs(llm_case: dict[str, Any], prompt_feat: Tensor, embedding: Tensor) -> dict[str, Tensor]:
+    """The `tts` arguments of a zero-shot call with an llm case's text and prompt (the flow gets the same prompt)."""
+    return {
+        "text": llm_case["text"],
+        "prompt_text": llm_case["prompt_text"],
+        "llm_prompt_speech_token": llm_case["prompt_speech_token"],
+        "flow_prompt_speech_token": llm_case["prompt_speech_token"],
+        "prompt_speech_feat": prompt_feat,
+        "flow_embedding": embedding,
+        "llm_embedding": embedding,
+    }
+
+
+def stream_cases(model: Any, llm_cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(STREAM_SEED)
+    embedding = torch.randn(1, 192, generator=g)
+    system = torch.randint(0, 1000, (1, 4), generator=g, dtype=torch.int32)
+    prompted = {
+        "prompt_speech_token": torch.randint(0, SPEECH_TOKENS, (1, 12), generator=g, dtype=torch.int32),
+        "prompt_text": torch.cat([system, torch.tensor([[ENDOFPROMPT]], dtype=torch.int32), system[:, :2]], dim=1),
+        "text": torch.randint(0, 1000, (1, 8), generator=g, dtype=torch.int32),
+    }
+    prompt_feat = torch.randn(1, 24, 80, generator=g) * 2 - 4
+    no_prompt = next(case for case in llm_cases if case["name"] == "instruct_endofprompt_in_text")
+    no_prompt_inputs = stream_inputs(no_prompt, torch.zeros(1, 0, 80), embedding)
+    no_prompt_ratio = (no_prompt["min_token_text_ratio"], no_prompt["max_token_text_ratio"])
+    # a run of 8 silent tokens (the official llm_job keeps 5) after 20 of no_prompt's tokens, then 6 more
+    tokens = no_prompt["out_tokens"].tolist()
+    with_silence = [*tokens[:20], 1, 2, 28, 29, 55, 1, 2, 28, *tokens[20:26]]
+    return [
+        stream_case(model, "no_prompt_three_chunks", no_prompt_inputs, no_prompt_ratio),
+        stream_case(model, "zero_shot_padded_first_hop", stream_inputs(prompted, prompt_feat, embedding), (2.0, 12.0)),
+        stream_case(model, "silent_run_dropped", no_prompt_inputs, no_prompt_ratio, llm_tokens=with_silence),
+    ]
+
+
+def frontend_cases(configs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The official text path of CosyVoice3 for FRONTEND_TEXTS, recorded as the v1/v2 tool records it (the
+    tokenizer's `encode` is what `_extract_text_token` calls), plus whether markup skipped the normalisation."""
+    # the sibling tool, on sys.path when this runs as a script
+    from make_conformance_kit import official_text_frontend, text_path_case
+
+    frontend = official_text_frontend(configs)
+    return [
+        {
+            **text_path_case(frontend, text),
+            "tokenizer": "cosyvoice.tokenizer.tokenizer.CosyVoice3Tokenizer (get_qwen_tokenizer, cosyvoice3)",
+            "normalization_skipped": int("<|" in text and "|>" in text),
+        }
+        for text in FRONTEND_TEXTS
+    ]
+
+
+def check_fixed_draws(model: Any, hift_cases: list[dict[str, Any]]) -> None:
+    """The HiFT source buffers are drawn from the global RNG while the modules are built; the flow's CFM seeds it
+    (0) first, so every build draws the same ones. Check it against the kit's recorded buffers."""
+    sine = model.hift.m_source.l_sin_gen
+    for case in hift_cases:
+        assert torch.equal(sine.rand_ini, case["source_initial_phase"]), case["name"]
+        assert torch.equal(sine.sine_waves[:, : case["source_noise"].shape[1]], case["source_noise"]), case["name"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
+    parser.add_argument("--out", type=Path, required=True, help="kit directory to write or extend")
+    parser.add_argument("--qwen-tokenizer", type=Path, help="tokenizer files to copy into model/CosyVoice-BlankEN")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import_official(args.official)
+
+    model_dir = args.out / "model"
+    cases_path = args.out / "cases.pt"
+    extending = cases_path.is_file()
+    if not extending:
+        write_model_files(args.official, model_dir)
+    if args.qwen_tokenizer:
+        for path in sorted(args.qwen_tokenizer.iterdir()):
+            if path.is_file() and path.name != "config.json":
+                shutil.copyfile(path, model_dir / QWEN_DIR / path.name)
+    model, configs = load_official_model(model_dir)
+    cases = torch.load(cases_path, weights_only=True) if extending else reference_cases(model, args.official)
+    check_fixed_draws(model, cases["hift"])
+    cases = {group: value for group, value in cases.items() if group not in MADE_GROUPS}
+    cases["stream"] = stream_cases(model, cases["llm"])
+    cases["frontend"] = frontend_cases(configs)
+    torch.save(cases, cases_path)
+    print_summary(cases, args.out)
+
+
+def print_summary(cases: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    for case in cases["llm"]:
         print(
             f"llm {case['name']}: {len(case['out_tokens'])} tokens, stop {case['stop_reason']} "
             f"(min {case['min_len']}, max {case['max_len']}), smallest margin {case['step_top1_margin'].min():.3f}"
         )
-    for case in flow_cases:
+    for case in cases["flow"]:
         print(
             f"flow {case['name']}: feat {list(case['feat'].shape)}, mu {list(case['est_in_mu'].shape)}, "
             f"|feat| max {case['feat'].abs().max():.2f}"
         )
-    for case in hift_cases:
+    for case in cases["hift"]:
         print(
             f"hift {case['name']}: speech {list(case['speech'].shape)}, voiced {case['voiced_fraction']:.2f}, "
             f"clamped {case['clamped_fraction']:.4f}, |speech| max {case['speech'].abs().max():.3f}"
         )
-    for path in sorted(p for p in args.out.rglob("*") if p.is_file() and p.name != "README.md"):
-        print(f"| `{path.relative_to(args.out)}` | {path.stat().st_size} | `{sha256(path)}` |")
+    for case in cases["stream"]:
+        chunks = [
+            f"{len(case[f'chunk_{k}_tokens'])} tokens from {case[f'chunk_{k}_token_offset']}"
+            f"{' final' if case[f'chunk_{k}_finalize'] else ''} -> {case[f'chunk_{k}_speech'].shape[1]} samples"
+            for k in range(case["num_chunks"])
+        ]
+        print(
+            f"stream {case['name']}: llm {len(case['llm_tokens'])} tokens, flow {len(case['out_tokens'])}; "
+            f"chunks: {'; '.join(chunks)}; whole {case['whole_speech'].shape[1]} samples, "
+            f"|speech - whole| max {(case['speech'] - case['whole_speech']).abs().max():.3f}"
+        )
+    for case in cases["frontend"]:
+        print(
+            f"frontend {case['text'][:40]!r}: skipped {case['normalization_skipped']}, "
+            f"{case['num_segments']} segments, {len(case['segment_tokens'])} tokens, "
+            f"max id {int(case['raw_tokens'].max())}"
+        )
+    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name != "README.md"):
+        print(f"| `{path.relative_to(out)}` | {path.stat().st_size} | `{sha256(path)}` |")
 
 
 if __name__ == "__main__":
