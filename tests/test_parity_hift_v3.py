@@ -17,7 +17,9 @@ from engine.errors import CheckpointError, InvalidInputError
 from engine.hift_v3 import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator, FixedSourceDraws
 
 ATOL = 1e-4  # speech, f0 (Hz) and the source
-CONV_POST_ATOL, CONV_POST_RTOL = 2e-4, 0.0  # float32 rounding over ~30 convolutions; values up to ~20
+# conv_post: float32 rounding over ~30 convolutions grows with the values (up to ~20), so the bound is relative to
+# each case's peak: 1.7e-5 of it was measured on an AVX-512 machine with one thread (2.07e-4 at a peak of 11.9).
+CONV_POST_PEAK_FRACTION = 3e-5
 BATCH_ATOL = 5e-5  # batched convolutions may pick other algorithms
 
 
@@ -74,10 +76,11 @@ def test_decode(hift: CausalHiFTGenerator, hift_cases: list[dict[str, Any]]) -> 
             # ours keeps the padded width and zeros past the kept samples
             assert not speech[:, reference.shape[1] :].any(), name
             torch.testing.assert_close(speech[:, : reference.shape[1]], reference, atol=ATOL, rtol=0, msg=name)
-            for key, atol, rtol in (("conv_pre", ATOL, 0.0), ("conv_post", CONV_POST_ATOL, CONV_POST_RTOL)):
+            for key in ("conv_pre", "conv_post"):
                 expected = case[f"{key}_out"]
+                atol = ATOL if key == "conv_pre" else CONV_POST_PEAK_FRACTION * expected.abs().max().item()
                 actual = recorded[key][..., : expected.shape[-1]]
-                torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=f"{name} {key}")
+                torch.testing.assert_close(actual, expected, atol=atol, rtol=0, msg=f"{name} {key}")
     finally:
         for hook in hooks:
             hook.remove()
