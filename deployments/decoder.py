@@ -53,11 +53,12 @@ class _Slot:
 
 
 def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
-    """cuda when the replica was given a GPU fraction and sees a GPU, else cpu; `auto` dtype: fp16 on GPU."""
+    """cuda when the replica was given a GPU fraction and sees a GPU, else cpu; `auto` dtype: float32 on CPU, on a
+    GPU each module's, chosen at load for the model (engine.precision.decoder_dtypes: float16; CosyVoice3 bfloat16)."""
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
     if dtype != "auto":
         return device, dtype
-    return device, "float16" if device == "cuda" else "float32"
+    return device, "auto" if device == "cuda" else "float32"
 
 
 @serve.deployment(name="Decoder", logging_config=STRUCTURED_LOGGING)
@@ -98,7 +99,7 @@ class Decoder:
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self.set_max_batch_size(max_batch_size)
-        logger.info("Decoder on %s in %s, max batch %d", device, dtype, max_batch_size)
+        logger.info("Decoder on %s in %s, max batch %d", device, self.stage.model.dtype, max_batch_size)
 
     # --- runtime tuning -------------------------------------------------------------------------
 

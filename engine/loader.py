@@ -29,7 +29,7 @@ from engine.hift import HiFTConfig, HiFTGenerator, upgrade_legacy_weight_norm
 from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
 from engine.llm import LLMConfig, TransformerLM
 from engine.llm_v3 import CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
-from engine.precision import pack_linear_for_cpu, parse_dtype, quantize_linear_int8
+from engine.precision import decoder_dtypes, pack_linear_for_cpu, quantize_linear_int8
 from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
 from engine.qwen_tokenizer import QwenTokenizer
 from engine.voices import VoiceBank
@@ -119,7 +119,7 @@ class LoadedModel:
     llm: TransformerLM | Qwen2LM | CosyVoice3LM | None
     flow: MaskedDiffWithXvec | CausalMaskedDiffWithXvec | CausalMaskedDiffWithDiT | None
     hift: HiFTGenerator | CausalHiFTGenerator | None
-    dtype: torch.dtype
+    dtype: torch.dtype  # the LLM's and the flow's (the vocoder's may differ: see engine.precision.decoder_dtypes)
     decoder_device: torch.device
     text_device: torch.device
 
@@ -196,7 +196,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a model for the given stage `components` ("encoder": frontend + text encoder, "decoder").
 
-    `dtype` casts the decoder weights (float32 / float16 / bfloat16: real low-precision weights);
+    `dtype` casts the decoder weights (float32 / float16 / bfloat16: real low-precision weights; `auto`: each
+    module's dtype chosen for the version and device, `engine.precision.decoder_dtypes`);
     the text encoder always runs in float32 on CPU, INT8-quantized when `int8` (then a CPU float32
     decoder LLM is quantized too). `cpu_packing` packs the float32 CPU LLM's Linear weights for oneDNN (faster
     batched decode steps); turn it off to keep plain `nn.Linear` weights for casts, copies or state dicts.
@@ -207,8 +208,9 @@ def load_model(
     fmt, config_path = _resolve(source, load_format)
     config = ModelConfig.from_yaml_file(config_path)
     model_dir = config_path.parent if fmt == "official" else None
-    torch_dtype = parse_dtype(dtype)
     decoder_device = torch.device(device)
+    dtypes = decoder_dtypes(dtype, config.version, decoder_device)
+    torch_dtype = dtypes.llm
     cpu = torch.device("cpu")
 
     classes = MODULES[config.version]
@@ -240,8 +242,8 @@ def load_model(
         decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
         if cpu_packing and not int8:
             pack_linear_for_cpu(decoder_llm)  # only float32 CPU layers are packed
-        flow = flow.to(device=decoder_device, dtype=torch_dtype)
-        hift = hift.to(device=decoder_device, dtype=torch_dtype)
+        flow = flow.to(device=decoder_device, dtype=dtypes.flow)
+        hift = hift.to(device=decoder_device, dtype=dtypes.hift)
 
     spk2info = None if model_dir is None else model_dir / "spk2info.pt"
     if spk2info is not None and spk2info.is_file():
