@@ -23,6 +23,7 @@ from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sa
 from engine.errors import CosyVoiceError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
+from engine.precision import FALLBACKS
 from engine.scheduler import Output, Scheduler, Ticket
 from observability import STRUCTURED_LOGGING
 from observability.metrics import DecoderMetrics
@@ -89,6 +90,7 @@ class Decoder:
         self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu, sampler=sampler)
         self._gpu = gpu
         self.metrics = DecoderMetrics()
+        FALLBACKS.add_listener(self.metrics.record_precision_fallback)
         self.metrics.utilization_from_busy_time.set(0 if sampler is not None else 1)
         # Built per replica so that max_concurrent_batches comes from the app's arguments.
         self._admit = serve.batch(
