@@ -23,6 +23,7 @@ from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sa
 from engine.errors import CosyVoiceError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
+from engine.precision import FALLBACKS
 from engine.scheduler import Output, Scheduler, Ticket
 from observability import STRUCTURED_LOGGING
 from observability.metrics import DecoderMetrics
@@ -53,11 +54,12 @@ class _Slot:
 
 
 def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
-    """cuda when the replica was given a GPU fraction and sees a GPU, else cpu; `auto` dtype: fp16 on GPU."""
+    """cuda when the replica was given a GPU fraction and sees a GPU, else cpu; `auto` dtype: float32 on CPU, on a
+    GPU each module's, chosen at load for the model (engine.precision.decoder_dtypes: float16; CosyVoice3 bfloat16)."""
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
     if dtype != "auto":
         return device, dtype
-    return device, "float16" if device == "cuda" else "float32"
+    return device, "auto" if device == "cuda" else "float32"
 
 
 @serve.deployment(name="Decoder", logging_config=STRUCTURED_LOGGING)
@@ -88,6 +90,7 @@ class Decoder:
         self.load = ReplicaLoadTracker(max_batch_size, gpu=gpu, sampler=sampler)
         self._gpu = gpu
         self.metrics = DecoderMetrics()
+        FALLBACKS.add_listener(self.metrics.record_precision_fallback)
         self.metrics.utilization_from_busy_time.set(0 if sampler is not None else 1)
         # Built per replica so that max_concurrent_batches comes from the app's arguments.
         self._admit = serve.batch(
@@ -98,7 +101,7 @@ class Decoder:
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self.set_max_batch_size(max_batch_size)
-        logger.info("Decoder on %s in %s, max batch %d", device, dtype, max_batch_size)
+        logger.info("Decoder on %s in %s, max batch %d", device, self.stage.model.dtype, max_batch_size)
 
     # --- runtime tuning -------------------------------------------------------------------------
 

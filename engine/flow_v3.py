@@ -12,6 +12,10 @@ Rotary embedding: x_transformers' interleaved-pair rotation of width dim_head, a
 before they are split into heads, so only the first dim_head channels (head 0) rotate; the others carry no
 position, as in the official model.
 
+Precision (bfloat16 on GPU by default, engine.precision): LayerNorms and the attention's scores, softmax and
+sums run in fp32, the residual stream between the blocks is kept in fp32, and so is the ODE state; a request whose
+mel comes out non-finite at reduced precision is computed again in fp32 (engine.precision.recompute_non_finite).
+
 Batching: requests are right-padded. Attention keys are masked (static 50-frame chunks when streaming) and the
 only convolutions that read the future are the pre-lookahead's, whose inputs are zeroed past each request, so a
 request's mel does not depend on what it is batched with.
@@ -35,7 +39,8 @@ from engine.flow_v2 import (
     check_causal_flow_request,
     chunk_attention_mask,
 )
-from engine.layers import LayerNorm, Linear, length_mask, softmax_fp32
+from engine.layers import LayerNorm, Linear, compute_dtype, length_mask
+from engine.precision import recompute_non_finite
 from engine.yaml_config import ObjectSpec
 
 TIME_FREQUENCY_DIM = 256  # the official TimestepEmbedding's sinusoid width (not in the yaml)
@@ -209,9 +214,8 @@ class Attention(nn.Module):
         q = rotate_leading_channels(self.to_q(x), *rotary)
         k = rotate_leading_channels(self.to_k(x), *rotary)
         q, k, v = (h.view(batch, frames, self.heads, self.dim_head).transpose(1, 2) for h in (q, k, self.to_v(x)))
-        scores = torch.matmul(q * self.dim_head**-0.5, k.transpose(-1, -2))
-        weights = softmax_fp32(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
-        out = torch.matmul(weights.to(v.dtype), v).transpose(1, 2).flatten(2)
+        # scores, softmax and sums accumulate in fp32 inside the kernel whatever q/k/v's dtype; no [T, T] scores
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None]).transpose(1, 2).flatten(2)
         return self.to_out[0](out)
 
 
@@ -269,9 +273,10 @@ class DiT(nn.Module):
     ) -> Tensor:
         """x, cond: [B, mel, T], mask: [B, 1, T] (1 on valid frames), mu: [B, mu_dim, T], t: [B], spks: [B, spk_dim]
         -> [B, mel, T]. With `streaming` each frame attends only to its own and earlier static chunks."""
-        dtype = self.proj_out.weight.dtype
+        dtype = compute_dtype(self.proj_out.weight.dtype)
         time = self.time_embed(t)
         h = self.input_embed(*(v.transpose(1, 2).to(dtype) for v in (x, cond, mu)), spks.to(dtype))
+        h = h.float()  # the residual stream: each block adds its reduced-precision output to it in fp32
         allowed = chunk_attention_mask(mask[:, 0] > 0, self.config.static_chunk_size if streaming else 0)
         rotary = self.rotary_embed(h.shape[1])
         for block in self.transformer_blocks:
@@ -335,7 +340,8 @@ class CausalMaskedDiffWithDiT(nn.Module):
 
         mel_len2 = token_mel_ratio * (prompt + target tokens, less the last pre_lookahead_len when finalize is
         False) - prompt frames. `streaming` limits the DiT attention to static chunks, as the official streaming
-        calls do. The ODE starts from the fixed noise, so the requests' `noise` and `seed` are ignored.
+        calls do. The ODE starts from the fixed noise, so the requests' `noise` and `seed` are ignored. A mel that
+        is not finite at reduced precision is computed again in fp32 (see engine.precision.recompute_non_finite).
         """
         if not requests:
             return []
@@ -344,4 +350,10 @@ class CausalMaskedDiffWithDiT(nn.Module):
             conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond, n_timesteps, streaming
         )
         spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-        return [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        mels = [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        return recompute_non_finite(
+            "flow",
+            mels,
+            self.input_embedding.weight.dtype,
+            lambda index: self.inference([requests[index]], n_timesteps, streaming, finalize)[0],
+        )

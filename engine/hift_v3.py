@@ -47,7 +47,8 @@ from engine.hift import (
     _length_mask,
     hift_fields_from_yaml,
 )
-from engine.layers import Conv1d, Linear
+from engine.layers import Conv1d, Linear, compute_dtype
+from engine.precision import recompute_non_finite
 from engine.yaml_config import ObjectSpec
 
 F0_LOOKAHEAD = 3  # the official CausalConvRNNF0Predictor's first conv: kernel 4, right padding 3
@@ -246,7 +247,7 @@ class CausalHiFTGenerator(HiFTGenerator):
         spectrum_frames = frames * config.hop // config.istft_hop + 1
         source_spectrum = self._source_spectrum(source[:, 0], lengths * config.hop, spectrum_frames)
 
-        dtype = self.conv_pre.bias.dtype
+        dtype = compute_dtype(self.conv_pre.bias.dtype)
         x = self.conv_pre(mel.to(dtype) * _length_mask(lengths, frames, dtype))
         stage_lengths = lengths - look_right
         kernels = len(config.resblock_kernel_sizes)
@@ -278,6 +279,8 @@ class CausalHiFTGenerator(HiFTGenerator):
         whose last frames are look-ahead) [(T_i - 8) * hop] for the released look-aheads (3 f0 + 4 conv_pre + 1).
 
         `seeds` is accepted for the v1/v2 signature and unused: the v3 source is the same fixed draw for every call.
+        A waveform that is not finite at reduced precision (from a finite mel) is computed again in fp32 (see
+        engine.precision.recompute_non_finite).
         """
         if not mels:
             return []
@@ -299,4 +302,10 @@ class CausalHiFTGenerator(HiFTGenerator):
         source = torch.cat([F.pad(s, (0, (width - s.shape[-1] // hop) * hop)) for s in sources])
         speech = self.decode(batch, source, lengths, finalize)
         samples = lengths * hop if finalize else (lengths - config.conv_pre_look_right - 1) * hop
-        return [speech[i, :n] for i, n in enumerate(samples.tolist())]
+        return recompute_non_finite(
+            "vocoder",
+            [speech[i, :n] for i, n in enumerate(samples.tolist())],
+            self.conv_pre.bias.dtype,
+            lambda index: self.inference([mels[index]], finalize=finalize)[0],
+            inputs=mels,
+        )

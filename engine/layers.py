@@ -2,10 +2,15 @@
 
 Following whisper's model.py: LayerNorm, softmax and log-softmax compute in fp32 and cast back, and
 Linear/Conv cast their input to the weight dtype, so a module converted with `.half()` really holds
-half-precision weights and stays finite.
+half-precision weights and stays finite. Inside `float32_compute()` Linear and Conv1d compute in fp32 from
+their low-precision weights instead (the NaN guard's recompute, engine.precision).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +38,8 @@ class GroupNorm(nn.GroupNorm):
 
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        weight, bias = _compute_weights(self)
+        return F.linear(x.to(weight.dtype), weight, bias)
 
 
 class PackedLinear(nn.Module):
@@ -78,7 +84,8 @@ def _pack(weight: Tensor) -> Tensor:
 
 class Conv1d(nn.Conv1d):
     def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x.to(self.weight.dtype))
+        weight, bias = _compute_weights(self)
+        return self._conv_forward(x.to(weight.dtype), weight, bias)
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):
@@ -99,3 +106,29 @@ def log_softmax_fp32(x: Tensor, dim: int = -1) -> Tensor:
 def apply_mask(x: Tensor, mask: Tensor | None) -> Tensor:
     """x * mask; `None` stands for a batch without padding, where the product would only copy x."""
     return x if mask is None else x * mask
+
+
+_FLOAT32_COMPUTE: ContextVar[bool] = ContextVar("float32_compute", default=False)
+
+
+@contextmanager
+def float32_compute() -> Iterator[None]:
+    """Within the block `Linear` and `Conv1d` compute in float32 whatever their weights' dtype (the weights are
+    cast per call; the modules keep theirs) and `compute_dtype` answers float32: one request recomputed at full
+    precision with no float32 copy of the model. Per thread and task (a context variable)."""
+    token = _FLOAT32_COMPUTE.set(True)
+    try:
+        yield
+    finally:
+        _FLOAT32_COMPUTE.reset(token)
+
+
+def compute_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype layers whose weights are `weight_dtype` compute in: that one, or float32 in `float32_compute()`."""
+    return torch.float32 if _FLOAT32_COMPUTE.get() else weight_dtype
+
+
+def _compute_weights(layer: nn.Linear | nn.Conv1d) -> tuple[Tensor, Tensor | None]:
+    weight = layer.weight  # read once: a weight-normed weight is recomputed on every read
+    dtype = compute_dtype(weight.dtype)
+    return weight.to(dtype), None if layer.bias is None else layer.bias.to(dtype)

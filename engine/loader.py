@@ -27,7 +27,7 @@ from engine.errors import CheckpointError
 from engine.families import MODULE_NAMES, ModelFamily, families, family_for_config_file, family_for_llm_class
 from engine.frontend import TextFrontend
 from engine.hift import upgrade_legacy_weight_norm
-from engine.precision import pack_linear_for_cpu, parse_dtype, quantize_linear_int8
+from engine.precision import decoder_dtypes, pack_linear_for_cpu, quantize_linear_int8
 from engine.voices import VoiceBank
 from engine.yaml_config import ObjectSpec, load_model_yaml
 
@@ -111,7 +111,7 @@ class LoadedModel:
     llm: nn.Module | None
     flow: nn.Module | None
     hift: nn.Module | None
-    dtype: torch.dtype
+    dtype: torch.dtype  # the LLM's and the flow's (the vocoder's may differ: see engine.precision.decoder_dtypes)
     decoder_device: torch.device
     text_device: torch.device
 
@@ -173,7 +173,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a model for the given stage `components` ("encoder": frontend + text encoder, "decoder").
 
-    `dtype` casts the decoder weights (float32 / float16 / bfloat16: real low-precision weights);
+    `dtype` casts the decoder weights (float32 / float16 / bfloat16: real low-precision weights; `auto`: each
+    module's dtype chosen for the family and device, `engine.precision.decoder_dtypes`);
     the text encoder always runs in float32 on CPU, INT8-quantized when `int8` (then a CPU float32
     decoder LLM is quantized too). `cpu_packing` packs the float32 CPU LLM's Linear weights for oneDNN (faster
     batched decode steps); turn it off to keep plain `nn.Linear` weights for casts, copies or state dicts.
@@ -184,8 +185,9 @@ def load_model(
     fmt, config_path = _resolve(source, load_format)
     config = ModelConfig.from_yaml_file(config_path)
     model_dir = config_path.parent if fmt == "official" else None
-    torch_dtype = parse_dtype(dtype)
     decoder_device = torch.device(device)
+    dtypes = decoder_dtypes(dtype, config.family.prefers_bfloat16, decoder_device)
+    torch_dtype = dtypes.llm
     cpu = torch.device("cpu")
 
     classes = config.family.modules
@@ -213,8 +215,8 @@ def load_model(
         decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
         if cpu_packing and not int8:
             pack_linear_for_cpu(decoder_llm)  # only float32 CPU layers are packed
-        flow = flow.to(device=decoder_device, dtype=torch_dtype)
-        hift = hift.to(device=decoder_device, dtype=torch_dtype)
+        flow = flow.to(device=decoder_device, dtype=dtypes.flow)
+        hift = hift.to(device=decoder_device, dtype=dtypes.hift)
 
     spk2info = None if model_dir is None else model_dir / "spk2info.pt"
     if spk2info is not None and spk2info.is_file():

@@ -25,6 +25,7 @@ GPU_MEMORY_ALLOCATED = "cosyvoice_decoder_gpu_memory_allocated_bytes"
 GPU_MEMORY_RESERVED = "cosyvoice_decoder_gpu_memory_reserved_bytes"
 AUTOSCALING_DECISIONS = "cosyvoice_autoscaling_decisions_total"
 UTILIZATION_FROM_BUSY_TIME = "cosyvoice_decoder_utilization_from_busy_time"
+PRECISION_FALLBACKS = "cosyvoice_decoder_precision_fallbacks_total"
 
 
 class IngressMetrics:
@@ -60,7 +61,8 @@ class IngressMetrics:
 
 
 class DecoderMetrics:
-    """Queue depth, ongoing requests and GPU memory of a decoder replica; its batch sizes by path."""
+    """Queue depth, ongoing requests and GPU memory of a decoder replica; its batch sizes by path; its requests
+    recomputed in float32 (engine.precision's NaN guard)."""
 
     def __init__(self) -> None:
         self.queue_depth = Gauge(DECODER_QUEUE_DEPTH, "Requests waiting in the replica for a batch")
@@ -73,6 +75,16 @@ class DecoderMetrics:
             "1: the replica reports its busy-time fraction as autoscaling utilization (no GPU, or NVML unavailable); "
             "0: NVML GPU utilization",
         )
+        self.precision_fallbacks = Counter(
+            PRECISION_FALLBACKS,
+            "Requests whose reduced-precision flow mel or audio was not finite and were recomputed in float32; "
+            "recovered: whether float32 was finite",
+            ("stage", "recovered"),
+        )
+
+    def record_precision_fallback(self, stage: str, recovered: bool) -> None:
+        """A listener for engine.precision.FALLBACKS."""
+        self.precision_fallbacks.inc(tags={"stage": stage, "recovered": str(recovered).lower()})
 
 
 class AutoscalingMetrics:

@@ -89,7 +89,7 @@ class DecoderArgs(_Strict):
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPU fraction per replica; 0 runs on CPU")
     num_cpus: float = Field(0.5, gt=0)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto: float16 when the replica has a GPU, else float32"
+        "auto", description="auto: float32 on CPU; on a GPU float16 (CosyVoice3: bfloat16 LLM and flow)"
     )
     max_batch_size: int = Field(4, ge=1, description="sentences decoding at once in a replica's loop (LLM batch)")
     batch_wait_timeout_s: float = Field(0.05, ge=0)

@@ -200,6 +200,17 @@ def test_autoscaling_decisions_are_counted_once_with_their_reason() -> None:
     assert len(counter.calls) == 1
 
 
+def test_precision_fallbacks_are_counted_by_stage_and_outcome() -> None:
+    decoder_metrics = metrics.DecoderMetrics.__new__(metrics.DecoderMetrics)  # no Ray: only the counter is used
+    decoder_metrics.precision_fallbacks = RecordingCounter()
+    decoder_metrics.record_precision_fallback("flow", True)
+    decoder_metrics.record_precision_fallback("vocoder", False)
+    assert decoder_metrics.precision_fallbacks.calls == [
+        {"stage": "flow", "recovered": "true"},
+        {"stage": "vocoder", "recovered": "false"},
+    ]
+
+
 # --- benchmarks -----------------------------------------------------------------------------------------
 
 

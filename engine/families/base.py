@@ -60,6 +60,9 @@ class ModelFamily:
     instruction_support: Callable[[str], InstructionSupport]  # model name -> how it takes instructions
     streaming: type[ChunkStrategy] | None  # None: streaming is refused (InvalidInputError)
     cloning: CloningModels | None  # None: voice cloning is refused (CheckpointError)
+    # The LLM and flow overflow float16 (engine.precision.decoder_dtypes): `auto` gives them bfloat16 on a GPU that
+    # has it natively.
+    prefers_bfloat16: bool = False
 
     def cloning_models(self) -> CloningModels:
         """The family's cloning models; CheckpointError when it has none."""

@@ -39,5 +39,6 @@ COSYVOICE3 = register(
         instruction_support=registered_voices_only,
         streaming=None,  # the v3 streaming strategy (an engine.streaming.ChunkStrategy) goes here
         cloning=None,  # the v3 cloning models (speech_tokenizer_v3.onnx, 25 Hz, 24 kHz prompt mel) go here
+        prefers_bfloat16=True,  # upstream reports NaN audio from its float16 DiT flow
     )
 )
