@@ -137,6 +137,12 @@ class Qwen2LMConfig:
             sampling=sampling_from_yaml(spec.get("sampling")),
         )
 
+    def kv_cache_bytes_per_position(self, dtype_bytes: int) -> int:
+        """Bytes of keys and values one sequence position holds in the cache (grouped-query attention caches only
+        the key/value heads)."""
+        qwen = self.qwen
+        return 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * dtype_bytes
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
