@@ -298,7 +298,8 @@ def embed_text(embed_tokens: nn.Embedding, tokens: Tensor, lengths: Tensor) -> T
     """
     vocab = embed_tokens.num_embeddings
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
-        raise InvalidInputError(f"text token ids must be in [0, {vocab})")
+        # e.g. a special tag of the tokenizer beyond a small test vocabulary
+        raise InvalidInputError(f"text token ids must be in [0, {vocab}); the text holds id {int(tokens.max())}")
     if lengths.shape != tokens.shape[:1] or (lengths.numel() and int(lengths.max()) > tokens.shape[1]):
         raise InvalidInputError("text lengths must be [B] and at most the padded text length")
     return embed_tokens(tokens.long())
