@@ -63,17 +63,23 @@ def test_cross_lingual_keeps_the_voice_but_not_the_prompt_text_or_speech_in_the_
     np.testing.assert_array_equal(segment.prompt_feat, prompt.speech_feat)
 
 
-@pytest.mark.parametrize("instruction", ["Speak slowly.<|endofprompt|>", "Read 25 words."])
-def test_instruct_with_a_cloned_voice(tts: CosyVoice, instruction: str) -> None:
+@pytest.mark.parametrize(
+    ("instruction", "official_form"),
+    [
+        ("Speak slowly.<|endofprompt|>", "Speak slowly.<|endofprompt|>"),
+        (" Read 25 words. ", "Read 25 words.<|endofprompt|>"),
+    ],
+)
+def test_instruct_with_a_cloned_voice(tts: CosyVoice, instruction: str, official_form: str) -> None:
     prompt = make_prompt(tts)
     segment = encode(tts, prompt, instruct_text=instruction)
     version = tts.encoder.model.config.version
     frontend = tts.encoder.model.frontend
-    # official: nothing is appended; v1 normalizes the instruction (not when it holds <|...|>), v2 never does
-    said = frontend.normalize(instruction) if version == 1 else instruction
-    assert (said != instruction) == (version == 1 and "<|" not in instruction)  # "25" is spelled out in v1
-    instruct_tokens = len(frontend.tokenize(said))
-    assert len(segment.text_encoded) == instruct_tokens + text_tokens(tts, TEXT)  # the instruction, not the transcript
+    # the official form ends in <|endofprompt|>, which the engine appends to a plain instruction, once; its
+    # markup turns v1's normalisation off ("25" stays digits)
+    [text] = tts.encoder.segment_texts(SynthesisRequest(TEXT, tts.voices[0], instruct_text=instruction), prompt)
+    assert text.prompt == frontend.tokenize(official_form)
+    assert len(segment.text_encoded) == len(text.prompt) + text_tokens(tts, TEXT)  # the instruction, not the transcript
     assert len(segment.llm_prompt_speech_tokens) == 0
     if version == 1:  # v1 Instruct: the speaker only through the flow embedding, no prompt speech
         assert segment.llm_embedding is None and len(segment.flow_prompt_speech_tokens) == 0

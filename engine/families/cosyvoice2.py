@@ -18,8 +18,8 @@ from engine.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, QwenTokenizer
 from engine.streaming import CausalPrefixChunks
 from engine.voice_cloning import CloningModels, PromptMelConfig
 
-# instruct2: the instruction, as given, takes the transcript's place; the prompt speech stays in the flow
-INSTRUCT2 = VoiceRules(normalize_instruction=False, instruct_keeps_voice_prompt=True)
+# instruct2: the instruction takes the transcript's place; the prompt speech stays in the flow
+INSTRUCT2 = VoiceRules(instruct_keeps_voice_prompt=True)
 
 
 def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:

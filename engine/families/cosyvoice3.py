@@ -1,9 +1,9 @@
 """CosyVoice3 (Fun-CosyVoice3-0.5B): `CosyVoice3LM`, the DiT flow, the causal HiFT at 24 kHz.
 
-Built so far: loading, whole-utterance synthesis with CosyVoice3's tokenizer (`<|endofprompt|>` must be id 151646,
-which the LLM requires in every input) and instruct2 rules. Not built yet, each with its place below: streaming
-(refused with an InvalidInputError until a strategy is set), the v3 prompt convention (a system text ending in
-`<|endofprompt|>`) and voice cloning (speech_tokenizer_v3.onnx).
+The Qwen2 tokenizer with CosyVoice3's special tokens (`<|endofprompt|>` must be id 151646, which the LLM
+requires in every input), the official prompt convention (a system prompt ended by `<|endofprompt|>` before the
+transcript, the instruction or the text) and instruct2. Not built yet, each with its place below: streaming
+(refused with an InvalidInputError until a strategy is set) and voice cloning (speech_tokenizer_v3.onnx).
 """
 
 from __future__ import annotations
@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError
-from engine.families.base import ModelFamily, ModuleConfigs, register, registered_voices_only
-from engine.families.cosyvoice2 import INSTRUCT2, qwen_tokenizer
+from engine.families.base import ModelFamily, ModuleConfigs, VoiceRules, register, registered_voices_only
+from engine.families.cosyvoice2 import qwen_tokenizer
 from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
 from engine.frontend import ENDOFPROMPT
 from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
 from engine.llm_v3 import ENDOFPROMPT_TOKEN, CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
 from engine.qwen2_llm import QWEN_DIR
 from engine.qwen_tokenizer import COSYVOICE3_SPECIAL_TOKENS, QWEN2_ENDOFTEXT_ID, QwenTokenizer
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # the official examples' system prompt
 
 
 def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:
@@ -53,7 +55,8 @@ COSYVOICE3 = register(
         modules={"llm": CosyVoice3LM, "flow": CausalMaskedDiffWithDiT, "hift": CausalHiFTGenerator},
         text_module=CosyVoice3TextEmbedding,
         tokenizer=_tokenizer,
-        voice_rules=INSTRUCT2,  # the v3 prompt convention (system text ending in <|endofprompt|>) goes here
+        # instruct2 with the system prompt: "You are a helpful assistant. <instruction><|endofprompt|>"
+        voice_rules=VoiceRules(instruct_keeps_voice_prompt=True, system_prompt=DEFAULT_SYSTEM_PROMPT),
         instruction_support=registered_voices_only,
         streaming=None,  # the v3 streaming strategy (an engine.streaming.ChunkStrategy) goes here
         cloning=None,  # the v3 cloning models (speech_tokenizer_v3.onnx, 25 Hz, 24 kHz prompt mel) go here
