@@ -187,10 +187,10 @@ class TextEncoderStage:
             speech_tokens = llm_speech_tokens = no_tokens
             feat = np.zeros((0, self.model.config.mel_bins), dtype=np.float32)
         else:
-            if prompt.sample_rate != self.sample_rate:
+            if prompt.family != family.name:
                 raise InvalidInputError(
-                    f"voice {request.voice!r} was prepared for {prompt.sample_rate} Hz; this model runs at "
-                    f"{self.sample_rate} Hz: register the voice again for this model"
+                    f"voice {request.voice!r} was prepared for {prompt.family} models; this model is {family.name}: "
+                    "register the voice again for this model"
                 )
             speaker = llm_embedding = prompt.embedding
             speech_tokens = llm_speech_tokens = prompt.speech_tokens

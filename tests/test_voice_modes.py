@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from engine.errors import InvalidInputError
+from engine.families import families
 from engine.pipeline import CosyVoice, SynthesisRequest
 from engine.sampling import SamplingOptions
 from engine.voice_cloning import VoicePrompt
@@ -29,6 +32,7 @@ def make_prompt(tts: CosyVoice, tokens: int = 10) -> VoicePrompt:
         speech_tokens=rng.integers(0, 96, tokens).astype(np.int64),
         speech_feat=rng.standard_normal((frames, 80)).astype(np.float32),
         sample_rate=tts.sample_rate,
+        family=tts.encoder.model.config.family.name,
     )
 
 
@@ -108,11 +112,12 @@ def test_mode_errors(tts: CosyVoice, options: dict, with_prompt: bool, needle: s
         encode(tts, make_prompt(tts) if with_prompt else None, **options)
 
 
-def test_a_prompt_made_for_another_sample_rate_is_refused(tts: CosyVoice) -> None:
-    other_rate = 22050 if tts.sample_rate == 24000 else 24000
+def test_a_prompt_made_for_another_family_is_refused(tts: CosyVoice) -> None:
     prompt = make_prompt(tts)
-    foreign = VoicePrompt(
-        prompt.transcript, prompt.embedding, prompt.speech_tokens, prompt.speech_feat, sample_rate=other_rate
-    )
-    with pytest.raises(InvalidInputError, match="register the voice again"):
-        encode(tts, foreign)
+    for family in families():
+        if family is tts.encoder.model.config.family:
+            continue
+        rate = family.cloning_models().prompt_mel.sample_rate
+        foreign = replace(prompt, family=family.name, sample_rate=rate)
+        with pytest.raises(InvalidInputError, match=f"prepared for {family.name} models; .* register the voice again"):
+            encode(tts, foreign)

@@ -2,8 +2,9 @@
 
 The Qwen2 tokenizer with CosyVoice3's special tokens (`<|endofprompt|>` must be id 151646, which the LLM
 requires in every input), the official prompt convention (a system prompt ended by `<|endofprompt|>` before the
-transcript, the instruction or the text) and instruct2. Not built yet, each with its place below: streaming
-(refused with an InvalidInputError until a strategy is set) and voice cloning (speech_tokenizer_v3.onnx).
+transcript, the instruction or the text), instruct2, and cloning with `speech_tokenizer_v3.onnx` (25 Hz) and a
+24 kHz prompt mel without an upper band edge. Not built yet: streaming (refused with an InvalidInputError until a
+strategy is set).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
 from engine.llm_v3 import ENDOFPROMPT_TOKEN, CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
 from engine.qwen2_llm import QWEN_DIR
 from engine.qwen_tokenizer import COSYVOICE3_SPECIAL_TOKENS, QWEN2_ENDOFTEXT_ID, QwenTokenizer
+from engine.voice_cloning import CloningModels, PromptMelConfig
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # the official examples' system prompt
 
@@ -59,6 +61,14 @@ COSYVOICE3 = register(
         voice_rules=VoiceRules(instruct_keeps_voice_prompt=True, system_prompt=DEFAULT_SYSTEM_PROMPT),
         instruction_support=registered_voices_only,
         streaming=None,  # the v3 streaming strategy (an engine.streaming.ChunkStrategy) goes here
-        cloning=None,  # the v3 cloning models (speech_tokenizer_v3.onnx, 25 Hz, 24 kHz prompt mel) go here
+        cloning=CloningModels(
+            version=3,
+            speech_tokenizer_file="speech_tokenizer_v3.onnx",
+            speech_vocab_size=6561,
+            token_rate=25,
+            # the v3 yaml's feat_extractor has fmax null: the filters reach half the sample rate
+            prompt_mel=PromptMelConfig(sample_rate=24000, n_fft=1920, hop_length=480, win_length=1920, fmax=None),
+            frames_per_token=2,  # the flow repeats each token's lookahead output twice
+        ),
     )
 )
