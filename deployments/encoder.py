@@ -64,9 +64,8 @@ class Encoder:
             from serve_app.voice_registry import VoiceRegistry
 
             config = loaded.config
-            models = config.family.cloning_models()
             self.cloner = VoiceCloner.from_model_dir(
-                Path(voice_cloning.models_dir), models, config.sample_rate, config.flow.vocab_size
+                Path(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size
             )
             self.registry = VoiceRegistry(Path(voice_cloning.voices_dir), voice_cloning.max_voices)
 

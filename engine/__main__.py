@@ -9,6 +9,7 @@ import time
 import soundfile as sf
 
 from engine.errors import CosyVoiceError
+from engine.loader import PRESETS
 from engine.pipeline import CosyVoice
 
 
@@ -16,12 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     parser.add_argument("text")
     parser.add_argument("-o", "--output", default="out.wav", help="output wav file")
-    parser.add_argument("--model", default="tiny", help="official model dir, or a preset: tiny, dummy")
+    parser.add_argument("--model", default="tiny", help=f"official model dir, or a preset: {', '.join(PRESETS)}")
     parser.add_argument("--voice", default=None, help="speaker id (default: the model's first voice)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--int8", action="store_true", help="INT8 Linear layers for CPU execution")
-    parser.add_argument("--instruct", default=None, help="instruct text (Instruct models)")
+    parser.add_argument("--instruct", default=None, help="an instruction (v1 -Instruct models)")
     parser.add_argument("--speed", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

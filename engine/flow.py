@@ -53,6 +53,17 @@ def cfm_inference_cfg_rate(spec: ObjectSpec, class_name: str) -> float:
     return float(params.get("inference_cfg_rate", 0.7))
 
 
+CFG_ROWS = 2  # classifier-free guidance runs the estimator on each request twice (with and without conditions)
+
+
+def unet_activation_bytes(estimator: Any, width: int, frames: int, dtype_bytes: int) -> int:
+    """Peak activations of a U-Net estimator (v1, v2) over `frames` mel frames, for the CFG pair: its stacked input
+    and about four tensors of its widest level (`width` channels), and the attention scores in fp32."""
+    hidden = CFG_ROWS * frames * (estimator.in_channels + 4 * width) * dtype_bytes
+    attention = CFG_ROWS * estimator.num_heads * frames * frames * 4
+    return hidden + attention
+
+
 @dataclass(frozen=True)
 class CFMConfig:
     inference_cfg_rate: float
@@ -116,6 +127,15 @@ class FlowConfig:
             f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
         )
         return config
+
+    def mel_frames_of(self, speech_tokens: int) -> int:
+        """Mel frames the flow makes from `speech_tokens` tokens."""
+        return mel_frames(speech_tokens, self.input_frame_rate)
+
+    def activation_bytes(self, frames: int, dtype_bytes: int) -> int:
+        """Peak bytes of the flow's activations over `frames` mel frames (its estimator's)."""
+        estimator = self.decoder.estimator
+        return unet_activation_bytes(estimator, max(estimator.channels), frames, dtype_bytes)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from engine.flow import (
     embed_flow_tokens,
     prompt_condition,
     speaker_vectors,
+    unet_activation_bytes,
 )
 from engine.flow_estimator import ResnetBlock1D, TimestepEmbedding, TransformerBlock, sinusoidal_time_embedding
 from engine.layers import Conv1d, LayerNorm, Linear, apply_mask, length_mask
@@ -188,6 +189,15 @@ class CausalFlowConfig:
             f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
         )
         return config
+
+    def mel_frames_of(self, speech_tokens: int) -> int:
+        """Mel frames the flow makes from `speech_tokens` tokens."""
+        return speech_tokens * self.token_mel_ratio
+
+    def activation_bytes(self, frames: int, dtype_bytes: int) -> int:
+        """Peak bytes of the flow's activations over `frames` mel frames (its estimator's)."""
+        estimator = self.decoder.estimator
+        return unet_activation_bytes(estimator, estimator.channels, frames, dtype_bytes)
 
 
 def chunk_attention_mask(valid: Tensor, chunk_size: int) -> Tensor:

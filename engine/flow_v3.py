@@ -30,7 +30,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import FlowRequest, cfm_inference_cfg_rate, embed_flow_tokens, prompt_condition, speaker_vectors
+from engine.flow import (
+    CFG_ROWS,
+    FlowRequest,
+    cfm_inference_cfg_rate,
+    embed_flow_tokens,
+    prompt_condition,
+    speaker_vectors,
+)
 from engine.flow_estimator import sinusoidal_time_embedding
 from engine.flow_v2 import (
     CausalConditionalCFM,
@@ -141,6 +148,21 @@ class DiTFlowConfig:
         _require(estimator.mu_dim == config.input_size, "DiT mu_dim must equal the flow input_size")
         _require(estimator.spk_dim == mel, "DiT spk_dim must equal output_size (the projected speaker vector)")
         return config
+
+    def mel_frames_of(self, speech_tokens: int) -> int:
+        """Mel frames the flow makes from `speech_tokens` tokens."""
+        return speech_tokens * self.token_mel_ratio
+
+    def activation_bytes(self, frames: int, dtype_bytes: int) -> int:
+        """Peak bytes of the DiT's activations over `frames` mel frames, for the CFG pair: per frame its stacked
+        input, one block's q, k, v, attention output and feed-forward hidden layer, and the residual stream (kept
+        in fp32); per pair of frames the attention mask, and the fp32 scores where a kernel materialises them."""
+        dit = self.estimator
+        inner = dit.heads * dit.dim_head
+        stacked_input = 2 * dit.mel_dim + dit.mu_dim + dit.spk_dim
+        per_frame = (stacked_input + 4 * inner + int(dit.ff_mult * dit.dim)) * dtype_bytes + 2 * dit.dim * 4
+        per_frame_pair = dit.heads * 4 + 1
+        return CFG_ROWS * (frames * per_frame + frames * frames * per_frame_pair)
 
 
 class TimestepEmbedding(nn.Module):

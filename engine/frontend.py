@@ -61,6 +61,9 @@ WHISPER_DEFAULT_NUM_LANGUAGES = 99  # the default of whisper's get_tokenizer; Co
 NUM_TIMESTAMP_TOKENS = 1501  # <|0.00|> ... <|30.00|>, every 20 ms
 WHISPER_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
+# The official tag that ends a system or instruct prompt before the text to speak (one special token for the Qwen
+# tokenizers of CosyVoice2 and later; CosyVoice3's LLM requires it in every input).
+ENDOFPROMPT = "<|endofprompt|>"
 CHINESE_CHAR = re.compile(r"[\u4e00-\u9fff]")
 # replace_blank: a space survives only between two non-space ASCII characters.
 SPACE_NOT_BETWEEN_ASCII = re.compile(r"(?<![\x00-\x1f\x21-\x7f]) | (?![\x00-\x1f\x21-\x7f])")

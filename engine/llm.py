@@ -68,6 +68,10 @@ class LLMConfig:
             sampling=sampling_from_yaml(spec.get("sampling")),
         )
 
+    def kv_cache_bytes_per_position(self, dtype_bytes: int) -> int:
+        """Bytes of keys and values one sequence position holds in the backbone's attention cache."""
+        return 2 * self.llm.num_blocks * self.llm.output_size * dtype_bytes
+
 
 def sampling_from_yaml(sampler: object) -> SamplingOptions:
     """The llm node's `sampling` (a `ras_sampling` partial) as the default options; the defaults when absent."""

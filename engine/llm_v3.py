@@ -28,6 +28,7 @@ from engine.yaml_config import ObjectSpec
 NUM_SPECIAL_SPEECH_TOKENS = 200  # ids V .. V+199 of speech_embedding / llm_decoder, all stop decoding
 SOS_OFFSET, EOS_OFFSET, TASK_ID_OFFSET = 0, 1, 2
 ENDOFPROMPT_TOKEN = 151646  # `<|endofprompt|>` in the CosyVoice3 Qwen tokenizer; the official code hard-codes it
+DUMMY_SPEECH_LOGIT_GAIN = 10.0  # the initial speech rows' gain over the stop rows (see CosyVoice3LM.__init__)
 
 
 class CosyVoice3LMConfig(Qwen2LMConfig):
@@ -77,6 +78,11 @@ class CosyVoice3LM(Qwen2LM):
         self.llm = Qwen2Encoder(cfg.qwen)
         self.llm_decoder = Linear(cfg.llm_output_size, classes, bias=False)
         self.speech_embedding = nn.Embedding(classes, cfg.llm_input_size)
+        with torch.no_grad():  # dummy weights only: a checkpoint overwrites these
+            # A fresh decoder's logits are flat, so its 200 stop rows (2/3 of the tiny preset's rows) take enough
+            # of the mass to end almost every dummy utterance at once; a trained one keeps them for the end.
+            self.llm_decoder.weight[: cfg.speech_token_size] *= DUMMY_SPEECH_LOGIT_GAIN
+            self.llm_decoder.weight[cfg.speech_token_size :] *= 1 / DUMMY_SPEECH_LOGIT_GAIN
 
     def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size].

@@ -49,6 +49,7 @@ PRESET_VOICE_MODELS = {
     "dummy": PRESET_VOICE_MODELS_DIR / "tiny",  # the same version and speech vocabulary as tiny
     "cosyvoice-300m": PRESET_VOICE_MODELS_DIR / "tiny",
     "cosyvoice2-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice2-tiny",
+    "cosyvoice3-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice3-tiny",
 }
 CHECKPOINT_FILES = tuple(f"{name}.pt" for name in MODULE_NAMES)
 COMPONENTS = ("encoder", "decoder")

@@ -3,15 +3,15 @@
 The estimate counts the tensors that grow with the request: the LLM's KV cache at the request's
 maximum length, the flow's widest activations (CFG doubles the batch; attention scores are fp32), and
 the vocoder's activations at the waveform rate. Weights are not included: they are paid once per replica.
+Each family's module configs answer for their own tensors: the LLM config's `kv_cache_bytes_per_position`, the
+flow config's `mel_frames_of` and `activation_bytes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.flow import FlowConfig, mel_frames
 from engine.loader import ModelConfig
-from engine.qwen2_llm import Qwen2LMConfig
 
 _SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
 
@@ -38,26 +38,10 @@ def estimate_request_memory(
     """Peak bytes of one request of `text_tokens` target text tokens, decoded with weights of `dtype_bytes`."""
     max_speech = int(text_tokens * max_token_text_ratio)
     sequence = 2 + prompt_text_tokens + text_tokens + prompt_speech_tokens + max_speech  # + sos, task id
-    if isinstance(config.llm, Qwen2LMConfig):  # grouped-query attention caches only the key/value heads
-        qwen = config.llm.qwen
-        kv_width, layers = qwen.num_key_value_heads * qwen.head_dim, qwen.num_hidden_layers
-    else:
-        kv_width, layers = config.llm.llm.output_size, config.llm.llm.num_blocks
-    kv_cache = 2 * layers * sequence * kv_width * dtype_bytes
+    kv_cache = sequence * config.llm.kv_cache_bytes_per_position(dtype_bytes)
 
-    flow = config.flow
-    speech_tokens = prompt_speech_tokens + max_speech
-    if isinstance(flow, FlowConfig):
-        frames = mel_frames(speech_tokens, flow.input_frame_rate)
-        width = max(flow.decoder.estimator.channels)
-    else:
-        frames = speech_tokens * flow.token_mel_ratio
-        width = flow.decoder.estimator.channels
-    estimator = flow.decoder.estimator
-    cfg_rows = 2
-    hidden = cfg_rows * frames * (estimator.in_channels + 4 * width) * dtype_bytes
-    attention = cfg_rows * estimator.num_heads * frames * frames * 4
-    flow_bytes = hidden + attention
+    frames = config.flow.mel_frames_of(prompt_speech_tokens + max_speech)
+    flow_bytes = config.flow.activation_bytes(frames, dtype_bytes)
 
     hift = config.hift
     samples = frames * hift.hop

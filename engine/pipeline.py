@@ -19,6 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import InvalidInputError, NonFiniteOutputError
 from engine.flow import FlowRequest
+from engine.frontend import ENDOFPROMPT
 from engine.llm import GenerationRequest
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingOptions
@@ -35,7 +36,10 @@ class SynthesisRequest:
     """What a caller asks for. `seed` makes the request reproducible; None draws one.
 
     `cross_lingual` (with a cloned voice) keeps the prompt's voice but not its transcript and speech
-    tokens in the LLM input, for text in another language than the prompt.
+    tokens in the LLM input, for text in another language than the prompt. `instruct_text` is a plain
+    instruction ("Speak happily.") or one in the official form, ending in `<|endofprompt|>` (taken as written).
+    `system_prompt` replaces the family's default system prompt (CosyVoice3: "You are a helpful assistant.");
+    families without one refuse it.
     """
 
     text: str
@@ -44,12 +48,15 @@ class SynthesisRequest:
     speed: float = 1.0
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     cross_lingual: bool = False
+    system_prompt: str | None = None
 
     def validated(self) -> SynthesisRequest:
         if not MIN_SPEED <= self.speed <= MAX_SPEED:
             raise InvalidInputError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {self.speed}")
         if self.instruct_text is not None and not self.instruct_text.strip():
             raise InvalidInputError("instruct_text must not be empty when given")
+        if self.system_prompt is not None and (not self.system_prompt.strip() or ENDOFPROMPT in self.system_prompt):
+            raise InvalidInputError(f"system_prompt must be non-empty text without {ENDOFPROMPT} (it is appended)")
         if self.cross_lingual and self.instruct_text is not None:
             raise InvalidInputError("cross_lingual and instruct_text cannot be combined")
         if self.sampling.seed is None:
@@ -75,10 +82,20 @@ class EncodedSegment:
 
 
 @dataclass(frozen=True)
+class SegmentText:
+    """The text ids the LLM gets for one segment: `prompt` (system prompt, instruction or transcript), then `text`,
+    whose length sets the segment's speech length bounds."""
+
+    prompt: list[int]
+    text: list[int]
+
+
+@dataclass(frozen=True)
 class _VoiceConditioning:
     """How a voice enters the LLM and the flow, for one request mode."""
 
     prompt_text_tokens: list[int]
+    text_lead_tokens: list[int]  # lead the text to speak and count with it (CosyVoice3 cross-lingual: system text)
     llm_embedding: np.ndarray | None
     flow_embedding: np.ndarray
     llm_prompt_speech_tokens: np.ndarray
@@ -115,16 +132,16 @@ class TextEncoderStage:
 
         Without `prompt` the voice is a built-in speaker (`request.voice`); with a cloned-voice `prompt`
         the request is zero-shot (prompt transcript and speech tokens lead the LLM input), cross-lingual,
-        or instruct (v2 instruct2: the instruction replaces the transcript, the prompt speech stays in the flow).
+        or instruct (instruct2: the instruction replaces the transcript, the prompt speech stays in the flow).
         """
         request = request.validated()
         voice = self._voice_conditioning(request, prompt)
-        sentences = self.model.frontend.segment_tokens(request.text)
-        encoded = self._encode_batch([voice.prompt_text_tokens + tokens for tokens in sentences])
+        texts = self._segment_texts(request, voice)
+        encoded = self._encode_batch([text.prompt + text.text for text in texts])
         return [
             EncodedSegment(
                 text_encoded=text_encoded,
-                text_len=len(tokens),
+                text_len=len(text.text),
                 llm_embedding=voice.llm_embedding,
                 flow_embedding=voice.flow_embedding,
                 llm_prompt_speech_tokens=voice.llm_prompt_speech_tokens,
@@ -133,17 +150,30 @@ class TextEncoderStage:
                 sampling=replace(request.sampling, seed=request.sampling.seed + index),
                 speed=request.speed,
                 segment_index=index,
-                num_segments=len(sentences),
+                num_segments=len(texts),
             )
-            for index, (tokens, text_encoded) in enumerate(zip(sentences, encoded, strict=True))
+            for index, (text, text_encoded) in enumerate(zip(texts, encoded, strict=True))
         ]
 
+    def segment_texts(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> list[SegmentText]:
+        """The text ids each segment of `request` gives the LLM (what `encode` embeds), in the official form."""
+        request = request.validated()
+        return self._segment_texts(request, self._voice_conditioning(request, prompt))
+
+    def _segment_texts(self, request: SynthesisRequest, voice: _VoiceConditioning) -> list[SegmentText]:
+        segments = self.model.frontend.segment_tokens(request.text)
+        return [SegmentText(voice.prompt_text_tokens, voice.text_lead_tokens + tokens) for tokens in segments]
+
     def _voice_conditioning(self, request: SynthesisRequest, prompt: VoicePrompt | None) -> _VoiceConditioning:
-        """The official frontend modes (sft, zero-shot, cross-lingual, instruct, instruct2) as one table of rules.
+        """The official frontend modes (sft, zero-shot, cross-lingual, instruct, instruct2) as one table of rules;
+        the family's `VoiceRules` write the prompt texts (CosyVoice3: after its system prompt).
 
         A zero-shot speaker stored in spk2info.pt (official `zero_shot_spk_id`) acts as a cloned voice whose
         prompt is already tokenized."""
-        frontend, rules = self.model.frontend, self.model.config.family.voice_rules
+        family = self.model.config.family
+        frontend, rules = self.model.frontend, family.voice_rules
+        if request.system_prompt is not None:
+            rules = rules.with_system_prompt(request.system_prompt, family.name)
         no_tokens = np.zeros(0, dtype=np.int64)
         stored = self.model.voices.stored_prompt(request.voice) if prompt is None else None
         if stored is not None:
@@ -157,33 +187,37 @@ class TextEncoderStage:
             speech_tokens = llm_speech_tokens = no_tokens
             feat = np.zeros((0, self.model.config.mel_bins), dtype=np.float32)
         else:
-            if prompt.sample_rate != self.sample_rate:
+            if prompt.family != family.name:
                 raise InvalidInputError(
-                    f"voice {request.voice!r} was prepared for {prompt.sample_rate} Hz; this model runs at "
-                    f"{self.sample_rate} Hz: register the voice again for this model"
+                    f"voice {request.voice!r} was prepared for {prompt.family} models; this model is {family.name}: "
+                    "register the voice again for this model"
                 )
             speaker = llm_embedding = prompt.embedding
             speech_tokens = llm_speech_tokens = prompt.speech_tokens
             feat = prompt.speech_feat
-        prompt_text_tokens: list[int] = []
+        # A text already holding <|endofprompt|> carries its own prompt (official callers write it in the text).
+        system_text = "" if ENDOFPROMPT in request.text else rules.system_text()
+        text_lead = ""
         if request.instruct_text is not None:
-            # As official: the caller's instruction carries its `<|endofprompt|>` (nothing is appended); v1's
-            # inference_instruct normalizes it (a no-op once it holds `<|...|>`), inference_instruct2 does not.
-            instruction = request.instruct_text
-            if rules.normalize_instruction:
-                instruction = frontend.normalize(instruction)
-            prompt_text_tokens = frontend.tokenize(instruction)
+            # instruct (v1) and instruct2: the instruction in the official form, not normalised (official
+            # `inference_instruct` normalises it, which its <|endofprompt|> turns off)
+            prompt_text_tokens = frontend.tokenize(rules.instruction_prompt(request.instruct_text))
             llm_speech_tokens = no_tokens
             if not rules.instruct_keeps_voice_prompt:  # v1 Instruct: no LLM speaker embedding, no prompt speech at all
                 llm_embedding, speech_tokens, feat = None, no_tokens, feat[:0]
-        elif request.cross_lingual:
+        elif request.cross_lingual:  # official: the system text leads the text to speak itself
+            prompt_text_tokens, text_lead = [], system_text
             llm_speech_tokens = no_tokens
         elif prompt is not None:
-            prompt_text_tokens = frontend.tokenize(frontend.normalize(prompt.transcript))
+            # normalised as officially, which leaves a transcript behind a system prompt as it is
+            prompt_text_tokens = frontend.tokenize(frontend.normalize(rules.transcript_prompt(prompt.transcript)))
         elif stored is not None:
-            prompt_text_tokens = stored.prompt_text_tokens
+            prompt_text_tokens = stored.prompt_text_tokens  # written with the prompt by the official code
+        else:  # a built-in speaker: the system text alone is the prompt text
+            prompt_text_tokens = frontend.tokenize(system_text)
         return _VoiceConditioning(
             prompt_text_tokens=prompt_text_tokens,
+            text_lead_tokens=frontend.tokenize(text_lead),
             llm_embedding=llm_embedding,
             flow_embedding=speaker,
             llm_prompt_speech_tokens=llm_speech_tokens,

@@ -137,6 +137,12 @@ class Qwen2LMConfig:
             sampling=sampling_from_yaml(spec.get("sampling")),
         )
 
+    def kv_cache_bytes_per_position(self, dtype_bytes: int) -> int:
+        """Bytes of keys and values one sequence position holds in the cache (grouped-query attention caches only
+        the key/value heads)."""
+        qwen = self.qwen
+        return 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * dtype_bytes
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -292,7 +298,8 @@ def embed_text(embed_tokens: nn.Embedding, tokens: Tensor, lengths: Tensor) -> T
     """
     vocab = embed_tokens.num_embeddings
     if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
-        raise InvalidInputError(f"text token ids must be in [0, {vocab})")
+        # e.g. a special tag of the tokenizer beyond a small test vocabulary
+        raise InvalidInputError(f"text token ids must be in [0, {vocab}); the text holds id {int(tokens.max())}")
     if lengths.shape != tokens.shape[:1] or (lengths.numel() and int(lengths.max()) > tokens.shape[1]):
         raise InvalidInputError("text lengths must be [B] and at most the padded text length")
     return embed_tokens(tokens.long())

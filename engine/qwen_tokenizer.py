@@ -1,4 +1,5 @@
-"""CosyVoice2 text tokenizer: the Qwen2 byte-level BPE of `<model_dir>/CosyVoice-BlankEN`, plus CosyVoice's tokens.
+"""CosyVoice2 / CosyVoice3 text tokenizer: the Qwen2 byte-level BPE of `<model_dir>/CosyVoice-BlankEN`, plus the
+special tokens the family's official tokenizer class adds (`CosyVoice2Tokenizer`, `CosyVoice3Tokenizer`).
 
 It gives the ids of `AutoTokenizer.from_pretrained(dir)` (transformers' `Qwen2TokenizerFast`) after the official
 front end's `add_special_tokens`, built with the `tokenizers` library alone (no transformers dependency):
@@ -6,7 +7,8 @@ front end's `add_special_tokens`, built with the `tokenizers` library alone (no 
      converts them: NFC normaliser, the Qwen2 split regex (isolated) then byte-level mapping, byte-level BPE;
   2. the added tokens of `tokenizer_config.json` (`added_tokens_decoder`, in id order) and its special tokens
      (Qwen2's defaults: `<|endoftext|>` as eos, pad and unk), each one the tokenizer does not have yet;
-  3. CosyVoice2's special tokens, in their official order; new ones take the next free ids.
+  3. the family's special tokens (`COSYVOICE2_SPECIAL_TOKENS` or `COSYVOICE3_SPECIAL_TOKENS`), in their official
+     order; new ones take the next free ids.
 Added tokens in the text are matched as single tokens; no BOS/EOS is added.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from engine.errors import CheckpointError, InvalidInputError
+from engine.frontend import ENDOFPROMPT
 
 TOKENIZER_DIR_NAME = "CosyVoice-BlankEN"  # inside an official CosyVoice2 model directory
 QWEN2_PRETOKENIZE_PATTERN = (
@@ -26,13 +29,43 @@ QWEN2_PRETOKENIZE_PATTERN = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 ENDOFTEXT = "<|endoftext|>"
+QWEN2_ENDOFTEXT_ID = 151643  # the released Qwen2 vocabulary's first added token; `<|im_start|>`, `<|im_end|>` follow
 QWEN2_DEFAULT_SPECIAL_TOKENS = {"unk_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT}
 # The official CosyVoice2 front end adds these (eos/pad first, then the additional ones) in this order.
 COSYVOICE2_SPECIAL_TOKENS = (
-    ENDOFTEXT, "<|im_start|>", "<|im_end|>", "<|endofprompt|>", "[breath]", "<strong>", "</strong>",
+    ENDOFTEXT, "<|im_start|>", "<|im_end|>", ENDOFPROMPT, "[breath]", "<strong>", "</strong>",
     "[noise]", "[laughter]", "[cough]", "[clucking]", "[accent]", "[quick_breath]", "<laughter>", "</laughter>",
     "[hissing]", "[sigh]", "[vocalized-noise]", "[lipsmack]", "[mn]",
 )  # fmt: skip
+# CosyVoice3 adds, after those, `<|endofsystem|>` and phoneme tags in brackets for pronunciation fixes: ARPAbet
+# (every vowel bare and with stress 0-2, and the consonants) and pinyin initials and finals with tone marks, each
+# list in code point order as the official class writes them.
+_ARPABET_VOWELS = ("AA", "AE", "AH", "AO", "AW", "AY", "EH", "ER", "EY", "IH", "IY", "OW", "OY", "UH", "UW")
+_ARPABET_CONSONANTS = (
+    "B", "CH", "D", "DH", "F", "G", "HH", "JH", "K", "L", "M", "N", "NG", "P", "R", "S", "SH", "T", "TH", "V", "W",
+    "Y", "Z", "ZH",
+)  # fmt: skip
+_PINYIN = (
+    "a", "ai", "an", "ang", "ao", "b", "c", "ch", "d", "e", "ei", "en", "eng", "f", "g", "h", "i", "ian", "in",
+    "ing", "iu", "ià", "iàn", "iàng", "iào", "iá", "ián", "iáng", "iáo", "iè", "ié", "iòng", "ióng", "iù", "iú",
+    "iā", "iān", "iāng", "iāo", "iē", "iě", "iōng", "iū", "iǎ", "iǎn", "iǎng", "iǎo", "iǒng", "iǔ", "j", "k", "l",
+    "m", "n", "o", "ong", "ou", "p", "q", "r", "s", "sh", "t", "u", "uang", "ue", "un", "uo", "uà", "uài", "uàn",
+    "uàng", "uá", "uái", "uán", "uáng", "uè", "ué", "uì", "uí", "uò", "uó", "uā", "uāi", "uān", "uāng", "uē", "uě",
+    "uī", "uō", "uǎ", "uǎi", "uǎn", "uǎng", "uǐ", "uǒ", "vè", "w", "x", "y", "z", "zh", "à", "ài", "àn", "àng",
+    "ào", "á", "ái", "án", "áng", "áo", "è", "èi", "èn", "èng", "èr", "é", "éi", "én", "éng", "ér", "ì", "ìn",
+    "ìng", "í", "ín", "íng", "ò", "òng", "òu", "ó", "óng", "óu", "ù", "ùn", "ú", "ún", "ā", "āi", "ān", "āng", "āo",
+    "ē", "ēi", "ēn", "ēng", "ě", "ěi", "ěn", "ěng", "ěr", "ī", "īn", "īng", "ō", "ōng", "ōu", "ū", "ūn", "ǎ", "ǎi",
+    "ǎn", "ǎng", "ǎo", "ǐ", "ǐn", "ǐng", "ǒ", "ǒng", "ǒu", "ǔ", "ǔn", "ǘ", "ǚ", "ǜ",
+)  # fmt: skip
+_ARPABET = sorted(
+    (*(vowel + stress for vowel in _ARPABET_VOWELS for stress in ("", "0", "1", "2")), *_ARPABET_CONSONANTS)
+)
+COSYVOICE3_SPECIAL_TOKENS = (
+    *COSYVOICE2_SPECIAL_TOKENS,
+    "<|endofsystem|>",
+    *(f"[{phoneme}]" for phoneme in _ARPABET),
+    *(f"[{phoneme}]" for phoneme in _PINYIN),
+)
 TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
 VOCAB_JSON, MERGES_TXT = "vocab.json", "merges.txt"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -120,15 +153,15 @@ def _config_added_tokens(config: dict[str, Any], path: Path) -> list[AddedToken]
 
 
 class QwenTokenizer:
-    """Text -> Qwen2 BPE ids with CosyVoice2's special tokens (see the module docstring)."""
+    """Text -> Qwen2 BPE ids with a CosyVoice family's special tokens (see the module docstring)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        """`tokenizer`: the Qwen2 tokenizer before CosyVoice's special tokens, which are added here."""
-        tokenizer.add_special_tokens([special_token(token) for token in COSYVOICE2_SPECIAL_TOKENS])
+    def __init__(self, tokenizer: Tokenizer, special_tokens: tuple[str, ...] = COSYVOICE2_SPECIAL_TOKENS) -> None:
+        """`tokenizer`: the Qwen2 tokenizer before CosyVoice's `special_tokens`, which are added here."""
+        tokenizer.add_special_tokens([special_token(token) for token in special_tokens])
         self._tokenizer = tokenizer
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> QwenTokenizer:
+    def from_dir(cls, path: str | Path, special_tokens: tuple[str, ...] = COSYVOICE2_SPECIAL_TOKENS) -> QwenTokenizer:
         """From a Hugging Face tokenizer directory such as `<model_dir>/CosyVoice-BlankEN`."""
         path = Path(path)
         if not path.is_dir():
@@ -152,21 +185,28 @@ class QwenTokenizer:
             config = json.loads((path / TOKENIZER_CONFIG).read_text(encoding="utf-8"))
         # adding a token the tokenizer already has keeps its id, as transformers' loading does
         tokenizer.add_tokens(_config_added_tokens(config, path / TOKENIZER_CONFIG))
-        return cls(tokenizer)
+        return cls(tokenizer, special_tokens)
 
     @classmethod
-    def byte_level(cls) -> QwenTokenizer:
+    def byte_level(
+        cls, special_tokens: tuple[str, ...] = COSYVOICE2_SPECIAL_TOKENS, endoftext_id: int = 256
+    ) -> QwenTokenizer:
         """A file-less stand-in for dummy-weight models: the 256 byte tokens (ids = byte values), no merges, then
-        `<|endoftext|>` and CosyVoice2's special tokens (276 ids)."""
+        `<|endoftext|>` at `endoftext_id` and the rest of `special_tokens` (which start with it) after it. The
+        default packs them after the bytes (276 ids with CosyVoice2's); `QWEN2_ENDOFTEXT_ID` gives each special
+        token its id in the released vocabulary, as a CosyVoice3 LLM needs (`<|endofprompt|>` = 151646)."""
         vocab = {char: byte for byte, char in enumerate(byte_level_alphabet())}
+        vocab[ENDOFTEXT] = endoftext_id
         tokenizer = _qwen2_pipeline(_bpe(vocab, []))
+        # added on its own first: the tokenizers library numbers new added tokens after the largest added id
         tokenizer.add_special_tokens([special_token(ENDOFTEXT)])
-        return cls(tokenizer)
+        return cls(tokenizer, special_tokens)
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included (transformers' `len(tokenizer)`)."""
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+        """One past the largest id, added tokens included (transformers' `len(tokenizer)` for a dense vocabulary):
+        the embedding rows a model needs for every id."""
+        return max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in it (e.g. `<|endofprompt|>`, `[breath]`) are single ids."""

@@ -6,9 +6,9 @@ tiny model can clone voices with no download; `python -m engine.tiny_voice_model
 
 * `campplus.onnx`: float [1, T, 80] -> float [1, 192]: mean of the squared (mean-removed) fbank over time, then a
   fixed projection, so the embedding depends on how each band varies in the recording;
-* the family's speech tokenizer (`speech_tokenizer_v1.onnx`, `speech_tokenizer_v2.onnx`): `feats` float [1, 128, T]
-  and `feats_length` int32 [1] -> `indices` int64 [1, T'], T' = T // 2 (v1, 50 tokens/s) or T // 4 (v2, 25 tokens/s):
-  average pooling over time, a fixed projection onto the whole vocabulary, argmax.
+* the family's speech tokenizer (`speech_tokenizer_v1.onnx`, `_v2.onnx`, `_v3.onnx`): `feats` float [1, 128, T]
+  and `feats_length` int32 [1] -> `indices` int64 [1, T'], T' = T // 2 (v1, 50 tokens/s) or T // 4 (v2 and v3,
+  25 tokens/s): average pooling over time, a fixed projection onto the whole vocabulary, argmax.
 
 Weights come from a fixed seed, so every call writes identical models.
 """

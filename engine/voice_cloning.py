@@ -4,10 +4,11 @@ Reproduces the official zero-shot front end. The mono recording is resampled fro
 consumer's rate, as the official `load_wav` does:
 * 16 kHz -> Kaldi fbank (80 bins, no dither) minus its mean over time -> `campplus.onnx` -> 192-dim embedding;
 * 16 kHz -> Whisper log-mel (128 bins) -> the family's speech tokenizer (`speech_tokenizer_v1.onnx`: 50 tokens per
-  second, `speech_tokenizer_v2.onnx`: 25) -> speech tokens;
+  second, `speech_tokenizer_v2.onnx` and `speech_tokenizer_v3.onnx`: 25) -> speech tokens;
 * model rate -> the Matcha-TTS mel spectrogram the flow was trained on (80 bins) -> prompt mel frames.
-A family whose flow upsamples tokens by a fixed ratio (CosyVoice2: 2) then trims tokens and frames to exactly that
-many frames per token. What differs per family is its `CloningModels` (engine.families).
+A family whose flow upsamples tokens by a fixed ratio (CosyVoice2 and 3: 2) then trims tokens and frames to exactly
+that many frames per token. What differs per family is its `CloningModels` (engine.families); a prompt records the
+family it was made for, and only that family's models take it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime
@@ -29,6 +31,9 @@ import torchaudio.functional as AF
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError, InvalidInputError
+
+if TYPE_CHECKING:
+    from engine.families import ModelFamily
 
 MIN_PROMPT_SECONDS = 1.0
 MAX_PROMPT_SECONDS = 30.0  # the official speech tokenizer refuses longer audio
@@ -57,23 +62,23 @@ class PromptMelConfig:
     win_length: int
     num_mels: int = MEL_BINS
     fmin: float = 0.0
-    fmax: float = 8000.0
+    fmax: float | None = 8000.0  # None: half the sample rate (librosa's default for a yaml `fmax: null`)
+
+    @property
+    def upper_band_edge(self) -> float:
+        return self.sample_rate / 2 if self.fmax is None else self.fmax
 
 
 @dataclass(frozen=True)
 class CloningModels:
     """What voice cloning needs to know about a model family (each family module registers one)."""
 
-    version: int  # the family's version, recorded in the prompts it makes
+    version: int  # the family's version (the speech tokenizer's: speech_tokenizer_v<version>.onnx)
     speech_tokenizer_file: str  # the ONNX speech tokenizer in an official model dir
     speech_vocab_size: int  # the official speech vocabulary
     token_rate: int  # speech tokens per second
     prompt_mel: PromptMelConfig  # the flow's mel front end, at the model rate
     frames_per_token: int | None  # prompt alignment: None keeps tokens and frames as they are, n trims them to n:1
-
-
-# The version a prompt made for this rate is taken to be when none is given (22.05 kHz: v1, 24 kHz: v2).
-_DEFAULT_VERSION_BY_SAMPLE_RATE = {22050: 1, 24000: 2}
 
 
 def slaney_mel_filters(sample_rate: int, n_fft: int, num_mels: int, fmin: float, fmax: float) -> Tensor:
@@ -117,7 +122,9 @@ class PromptMelSpectrogram(nn.Module):
         super().__init__()
         self.config = config
         self.register_buffer("window", torch.hann_window(config.win_length), persistent=False)
-        filters = slaney_mel_filters(config.sample_rate, config.n_fft, config.num_mels, config.fmin, config.fmax)
+        filters = slaney_mel_filters(
+            config.sample_rate, config.n_fft, config.num_mels, config.fmin, config.upper_band_edge
+        )
         self.register_buffer("mel_filters", filters, persistent=False)
 
     def forward(self, waveform: Tensor) -> Tensor:
@@ -158,19 +165,20 @@ def _invalid_unless(condition: bool, message: str) -> None:
         raise InvalidInputError(message)
 
 
-_PROMPT_ARRAYS = ("transcript", "embedding", "speech_tokens", "speech_feat", "sample_rate", "version")
+_PROMPT_ARRAYS = ("transcript", "embedding", "speech_tokens", "speech_feat", "sample_rate")
+_FAMILY_ARRAY, _LEGACY_VERSION_ARRAY = "family", "version"  # files written before the family was recorded: version
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no boolean equality
 class VoicePrompt:
-    """Everything a cloned voice contributes to synthesis; `version` defaults to the one `sample_rate` implies."""
+    """Everything a cloned voice contributes to synthesis, for the models of one family."""
 
     transcript: str
     embedding: np.ndarray  # float32 [192]
-    speech_tokens: np.ndarray  # int64 [P]
+    speech_tokens: np.ndarray  # int64 [P], of the family's speech tokenizer
     speech_feat: np.ndarray  # float32 [Tp, 80], at `sample_rate`
-    sample_rate: int  # the model rate the mel was made for
-    version: int | None = None  # the model family's version; always set after construction
+    sample_rate: int  # the model rate the mel was made for: the family's
+    family: str  # the name of the model family it was made for (`ModelFamily.name`)
 
     def __post_init__(self) -> None:
         _invalid_unless(isinstance(self.transcript, str) and bool(self.transcript.strip()), "empty prompt transcript")
@@ -183,22 +191,14 @@ class VoicePrompt:
             _is_array(self.speech_feat, np.float32, (None, MEL_BINS)) and bool(np.isfinite(self.speech_feat).all()),
             f"the prompt mel must be finite float32 [T, {MEL_BINS}]",
         )
+        known = {family.name: family for family in _registered_families()}
+        _invalid_unless(self.family in known, f"invalid prompt model family {self.family!r}")
+        models = known[self.family].cloning
+        _invalid_unless(models is not None, f"{self.family} models do not clone voices")
+        family_rate = models.prompt_mel.sample_rate
         _invalid_unless(
-            isinstance(self.sample_rate, int) and not isinstance(self.sample_rate, bool) and self.sample_rate > 0,
-            f"invalid prompt sample rate {self.sample_rate!r}",
-        )
-        if self.version is None:
-            _invalid_unless(
-                self.sample_rate in _DEFAULT_VERSION_BY_SAMPLE_RATE,
-                f"cannot tell the CosyVoice version of a prompt made for {self.sample_rate} Hz; pass `version`",
-            )
-            object.__setattr__(self, "version", _DEFAULT_VERSION_BY_SAMPLE_RATE[self.sample_rate])
-        # imported here: the family modules import this one
-        from engine.families import families
-
-        _invalid_unless(
-            self.version in {family.version for family in families()},
-            f"invalid prompt CosyVoice version {self.version!r}",
+            self.sample_rate == family_rate,
+            f"a {self.family} prompt is made at {family_rate} Hz, not {self.sample_rate!r}",
         )
 
     def save(self, path: Path) -> None:
@@ -215,7 +215,7 @@ class VoicePrompt:
                     speech_tokens=self.speech_tokens,
                     speech_feat=self.speech_feat,
                     sample_rate=np.array(self.sample_rate, dtype=np.int64),
-                    version=np.array(self.version, dtype=np.int64),
+                    family=np.array(self.family, dtype=np.str_),
                 )
                 file.flush()
                 os.fsync(file.fileno())
@@ -227,10 +227,9 @@ class VoicePrompt:
     def load(cls, path: Path) -> VoicePrompt:
         """Read a file written by `save`; InvalidInputError if it is corrupt, FileNotFoundError if it is missing."""
         arrays = _read_npz(Path(path))
-        transcript, sample_rate, version = arrays["transcript"], arrays["sample_rate"], arrays["version"]
+        transcript, sample_rate = arrays["transcript"], arrays["sample_rate"]
         _invalid_unless(transcript.shape == () and transcript.dtype.kind == "U", f"{path}: corrupt transcript")
-        for name, scalar in (("sample_rate", sample_rate), ("version", version)):
-            _invalid_unless(scalar.shape == () and scalar.dtype.kind in "iu", f"{path}: corrupt {name}")
+        _invalid_unless(sample_rate.shape == () and sample_rate.dtype.kind in "iu", f"{path}: corrupt sample_rate")
         try:
             return cls(
                 transcript=str(transcript[()]),
@@ -238,10 +237,30 @@ class VoicePrompt:
                 speech_tokens=arrays["speech_tokens"],
                 speech_feat=arrays["speech_feat"],
                 sample_rate=int(sample_rate),
-                version=int(version),
+                family=_family_of(arrays, path),
             )
         except InvalidInputError as error:
             raise InvalidInputError(f"{path}: corrupt voice prompt: {error.message}") from None
+
+
+def _family_of(arrays: dict[str, np.ndarray], path: Path) -> str:
+    """The family a prompt file was made for: its `family`, or in a file written before that was recorded, the
+    family of its `version` (1 or 2: no other family could clone then)."""
+    family = arrays.get(_FAMILY_ARRAY)
+    if family is not None:
+        _invalid_unless(family.shape == () and family.dtype.kind == "U", f"{path}: corrupt family")
+        return str(family[()])
+    version = arrays[_LEGACY_VERSION_ARRAY]
+    _invalid_unless(version.shape == () and version.dtype.kind in "iu", f"{path}: corrupt version")
+    by_version = {family.version: family.name for family in _registered_families()}
+    _invalid_unless(int(version) in by_version, f"{path}: invalid prompt CosyVoice version {int(version)}")
+    return by_version[int(version)]
+
+
+def _registered_families() -> tuple[ModelFamily, ...]:
+    from engine.families import families  # imported here: the family modules import this one
+
+    return families()
 
 
 def _is_array(value: object, dtype: type, shape: tuple[int | None, ...]) -> bool:
@@ -267,9 +286,12 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
         raise InvalidInputError(f"{path} is not a voice prompt file (a single array, not an npz archive)")
     with archive:
         missing = [name for name in _PROMPT_ARRAYS if name not in archive.files]
+        if _FAMILY_ARRAY not in archive.files and _LEGACY_VERSION_ARRAY not in archive.files:
+            missing.append(_FAMILY_ARRAY)
         _invalid_unless(not missing, f"{path} is not a voice prompt file: missing {', '.join(missing)}")
+        present = [name for name in (*_PROMPT_ARRAYS, _FAMILY_ARRAY, _LEGACY_VERSION_ARRAY) if name in archive.files]
         try:
-            return {name: archive[name] for name in _PROMPT_ARRAYS}
+            return {name: archive[name] for name in present}
         except corrupt as error:
             raise InvalidInputError(f"{path} is not a readable voice prompt file: {error}") from None
 
@@ -296,17 +318,19 @@ class VoiceCloner:
         self,
         campplus_path: Path,
         speech_tokenizer_path: Path,
-        models: CloningModels,
+        family: ModelFamily,
         model_sample_rate: int,
         num_threads: int = 1,
         speech_vocab_size: int | None = None,
     ) -> None:
         """`speech_vocab_size`: the model's speech vocabulary (None: the official one of its family)."""
+        models = family.cloning_models()
         if model_sample_rate != models.prompt_mel.sample_rate:
             raise CheckpointError(
-                f"CosyVoice v{models.version} runs at {models.prompt_mel.sample_rate} Hz, not {model_sample_rate} Hz: "
+                f"{family.name} runs at {models.prompt_mel.sample_rate} Hz, not {model_sample_rate} Hz: "
                 "unsupported model config"
             )
+        self.family = family
         self.models = models
         self.speech_vocab_size = models.speech_vocab_size if speech_vocab_size is None else speech_vocab_size
         self.mel_config = models.prompt_mel
@@ -317,15 +341,15 @@ class VoiceCloner:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: Path, models: CloningModels, model_sample_rate: int, speech_vocab_size: int | None = None
+        cls, model_dir: Path, family: ModelFamily, model_sample_rate: int, speech_vocab_size: int | None = None
     ) -> VoiceCloner:
         """From an official model directory (`campplus.onnx` and the family's speech tokenizer)."""
         model_dir = Path(model_dir)
-        paths = [model_dir / CAMPPLUS_FILE, model_dir / models.speech_tokenizer_file]
+        paths = [model_dir / CAMPPLUS_FILE, model_dir / family.cloning_models().speech_tokenizer_file]
         missing = [path.name for path in paths if not path.is_file()]
         if missing:
             raise CheckpointError(f"voice cloning needs {' and '.join(missing)} in {model_dir}; not found")
-        return cls(paths[0], paths[1], models, model_sample_rate, speech_vocab_size=speech_vocab_size)
+        return cls(paths[0], paths[1], family, model_sample_rate, speech_vocab_size=speech_vocab_size)
 
     @property
     def sample_rate(self) -> int:
@@ -352,7 +376,7 @@ class VoiceCloner:
             speech_tokens=np.ascontiguousarray(speech_tokens),
             speech_feat=np.ascontiguousarray(speech_feat, dtype=np.float32),
             sample_rate=self.mel_config.sample_rate,
-            version=self.models.version,
+            family=self.family.name,
         )
 
     def _speaker_embedding(self, audio_16k: Tensor) -> np.ndarray:

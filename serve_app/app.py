@@ -7,7 +7,6 @@ streaming requests sentence by sentence through its batched streaming path.
 
 import asyncio
 import base64
-import dataclasses
 import json
 import logging
 import math
@@ -223,15 +222,6 @@ def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
     return target
 
 
-PROMPT_END = "<|endofprompt|>"
-
-
-def official_instruction(text: str) -> str:
-    """The instruction as the official examples write it, ending in `<|endofprompt|>`: the engine appends
-    nothing (as the official frontends), so an HTTP caller's plain "Speak happily." gets the tag here, once."""
-    return text if text.rstrip().endswith(PROMPT_END) else text.rstrip() + PROMPT_END
-
-
 def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
     """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
     support = info["instructions"]  # the model family's answer (engine.families)
@@ -433,7 +423,6 @@ class TTSIngress:
             check_streams(info)
         if request.instruct_text is not None:
             check_follows_instructions(info, request.voice)
-            request = dataclasses.replace(request, instruct_text=official_instruction(request.instruct_text))
         request = request.validated()
         segments: list[EncodedSegment] = await self.call(partial(self.encoder.encode.remote, request, request_id))
         sample_rate = info["sample_rate"]

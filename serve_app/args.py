@@ -232,7 +232,10 @@ def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> Non
 class AppArgs(_Strict):
     """Everything `build_app` needs; every field has a default that runs on a laptop CPU."""
 
-    model: str = Field("tiny", description="an official CosyVoice v1 model dir, or a preset: tiny, dummy")
+    model: str = Field(
+        "tiny",
+        description="an official CosyVoice model dir, or a preset (tiny, dummy, cosyvoice2-tiny, cosyvoice3-tiny...)",
+    )
     served_model_name: str | None = Field(None, description="name shown by /v1/models (default: from `model`)")
     ingress: IngressArgs = IngressArgs()
     encoder: EncoderArgs = EncoderArgs()
@@ -246,8 +249,8 @@ class AppArgs(_Strict):
     )
     voice_models_dir: str | None = Field(
         None,
-        description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2: _v2.onnx); default: the model dir, "
-        "or for a tiny preset the tiny cloning models it ships",
+        description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2, v3: _v2.onnx, _v3.onnx); default: the "
+        "model dir, or for a tiny preset the tiny cloning models it ships",
     )
 
     @model_validator(mode="after")

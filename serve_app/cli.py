@@ -1,6 +1,6 @@
 """Console entry point `cosyvoice-serve`.
 
-cosyvoice-serve run [--model-dir DIR] [--config FILE]   start a local Ray and the app (tiny model by default)
+cosyvoice-serve run [--model DIR|PRESET] [--config FILE]   start a local Ray and the app (tiny model by default)
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
 cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
 """
@@ -68,8 +68,8 @@ def run(options: argparse.Namespace) -> int:
 
     application, http_options = read_serve_config(options.config)
     args = dict(application.get("args") or {})
-    if options.model_dir is not None:
-        args["model"] = str(options.model_dir)
+    if options.model is not None:
+        args["model"] = options.model
     for key in ("voices_dir", "voice_models_dir"):
         if getattr(options, key) is not None:
             args[key] = str(getattr(options, key))
@@ -149,7 +149,13 @@ def parser() -> argparse.ArgumentParser:
     commands = main_parser.add_subparsers(dest="command", required=True)
 
     run_parser = commands.add_parser("run", help="start a local Ray and the app")
-    run_parser.add_argument("--model-dir", type=Path, default=None, help="official model dir (default: tiny preset)")
+    run_parser.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model",
+        default=None,
+        help="an official model dir, or a preset: tiny (the default), cosyvoice2-tiny, cosyvoice3-tiny, ...",
+    )
     run_parser.add_argument("--config", type=Path, default=None, help="Serve config file (its `args` are used)")
     run_parser.add_argument(
         "--voices-dir",
@@ -162,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
         "--voice-models-dir",
         type=Path,
         default=None,
-        help="campplus.onnx and speech_tokenizer_v1.onnx (default: the model dir)",
+        help="campplus.onnx and the speech tokenizer (speech_tokenizer_v1/v2/v3.onnx; default: the model dir)",
     )
     run_parser.add_argument("--host", default=None)
     run_parser.add_argument("--port", type=int, default=None)

@@ -80,7 +80,9 @@ def _healthy(url: str) -> bool:
 
 
 def test_the_clone_ships_the_cloning_models(fresh_clone: Path) -> None:
-    for name in ("tiny/campplus.onnx", "tiny/speech_tokenizer_v1.onnx", "cosyvoice2-tiny/speech_tokenizer_v2.onnx"):
+    shipped = ("tiny/speech_tokenizer_v1.onnx", "cosyvoice2-tiny/speech_tokenizer_v2.onnx")
+    shipped += ("cosyvoice3-tiny/speech_tokenizer_v3.onnx", "cosyvoice3-tiny/campplus.onnx", "tiny/campplus.onnx")
+    for name in shipped:
         assert (fresh_clone / "engine" / "presets" / "voice_models" / name).is_file(), name
 
 

@@ -94,6 +94,35 @@ def test_instruction_support_per_family() -> None:
     assert COSYVOICE3.instruction_support("Fun-CosyVoice3-0.5B") == "registered_voices"
 
 
+@pytest.mark.parametrize(
+    ("family", "official_form"),
+    [
+        (COSYVOICE1, "Speak happily.<|endofprompt|>"),
+        (COSYVOICE2, "Speak happily.<|endofprompt|>"),
+        (COSYVOICE3, "You are a helpful assistant. Speak happily.<|endofprompt|>"),
+    ],
+)
+def test_each_family_writes_a_plain_instruction_in_its_official_form_once(
+    family: ModelFamily, official_form: str
+) -> None:
+    rules = family.voice_rules
+    assert rules.instruction_prompt("Speak happily.") == rules.instruction_prompt(" Speak happily. \n") == official_form
+    assert rules.instruction_prompt(official_form) == official_form  # an instruction in the official form as it is
+    tagged = "Whisper.<|endofprompt|>"
+    assert rules.instruction_prompt(tagged) == tagged
+
+
+def test_only_cosyvoice3_has_a_system_prompt_and_a_caller_may_replace_it() -> None:
+    assert COSYVOICE1.voice_rules.system_text() == COSYVOICE2.voice_rules.system_text() == ""
+    assert COSYVOICE3.voice_rules.system_text() == "You are a helpful assistant.<|endofprompt|>"
+    assert COSYVOICE3.voice_rules.transcript_prompt("Hi.") == "You are a helpful assistant.<|endofprompt|>Hi."
+    assert COSYVOICE2.voice_rules.transcript_prompt("Hi.") == "Hi."
+    own = COSYVOICE3.voice_rules.with_system_prompt("You read the news.", COSYVOICE3.name)
+    assert own.instruction_prompt("Slowly.") == "You read the news. Slowly.<|endofprompt|>"
+    with pytest.raises(InvalidInputError, match=r"^CosyVoice2 models take no system prompt$"):
+        COSYVOICE2.voice_rules.with_system_prompt("You read the news.", COSYVOICE2.name)
+
+
 @pytest.fixture(scope="module")
 def v3_decoder() -> SpeechDecoderStage:
     return SpeechDecoderStage(load_model("cosyvoice3-tiny", components=("decoder",)))

@@ -12,12 +12,10 @@ from kit_v3 import v3_kit_cases, v3_kit_dir
 from test_parity_flow import request_of  # the same case fields in every kit
 from test_parity_llm import kit_request
 
-from engine.errors import InvalidInputError
 from engine.flow_v3 import CausalMaskedDiffWithDiT
 from engine.hift_v3 import CausalHiFTGenerator
 from engine.llm_v3 import CosyVoice3LM, CosyVoice3TextEmbedding
 from engine.loader import PRESETS_DIR, ModelConfig, load_model, load_module
-from engine.pipeline import CosyVoice
 
 ATOL = 1e-4
 
@@ -66,10 +64,3 @@ def test_presets_build() -> None:
         22,
         512,
     )
-
-
-def test_text_without_endofprompt_is_a_clear_error() -> None:
-    """The official prompt convention is not added by the front end yet: synthesis says what is missing."""
-    tts = CosyVoice.load("cosyvoice3-tiny")
-    with pytest.raises(InvalidInputError, match="endofprompt"):
-        tts.synthesize("hello there", tts.voices[0])

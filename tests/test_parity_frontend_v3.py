@@ -1,31 +1,28 @@
 """The CosyVoice3 text path recorded in the v3 kit's `frontend` group (official `text_normalize` with wetext and
-`_extract_text_token` with `CosyVoice3Tokenizer` over the kit's tiny Qwen2-format tokenizer), checked against the
-engine's text front end with the kit's tokenizer files.
-
-The engine's Qwen tokenizer adds CosyVoice2's special tokens; CosyVoice3 adds more after them (`<|endofsystem|>`
-and the phoneme tags such as `[j]`), which the engine does not have yet: cases holding those tokens are expected
-to fail the token check (strict xfail) until it does.
+`_extract_text_token` with `CosyVoice3Tokenizer` over the kit's tiny Qwen2-format tokenizer): what is CosyVoice3's
+own. Every case's ids, normalisation and segments are checked for every kit by tests/test_parity_frontend.py, with
+the tokenizer the family builds; here, the tokenizer files, the ids of CosyVoice3's tags and the texts the
+official front end leaves as they are.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from kit_v3 import v3_kit_cases, v3_kit_dir
+from kit_v3 import V3_YAML, v3_kit_cases, v3_kit_dir
 from tokenizer_files import write_tiny_qwen_tokenizer
 
-from engine.frontend import TextFrontend
+from engine.families import COSYVOICE3
+from engine.frontend import ENDOFPROMPT, TextFrontend
 from engine.llm_v3 import ENDOFPROMPT_TOKEN
+from engine.loader import ModelConfig
 from engine.qwen2_llm import QWEN_DIR
 from engine.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, QwenTokenizer
 
-WETEXT_INSTALLED = importlib.util.find_spec("wetext") is not None
-ENDOFPROMPT = "<|endofprompt|>"
+# the ids the official CosyVoice3Tokenizer gives over Qwen2's added tokens (the kit README's table)
+RELEASED_TAG_IDS = {ENDOFPROMPT: 151646, "[breath]": 151647, "<|endofsystem|>": 151663, "[AA]": 151664, "[ǜ]": 151923}
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +41,11 @@ def frontend_cases(kit: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def tokenizer(kit: Path) -> QwenTokenizer:
-    return QwenTokenizer.from_dir(kit / "model" / QWEN_DIR)
-
-
-@pytest.fixture(scope="module")
-def frontend(tokenizer: QwenTokenizer) -> TextFrontend:
-    return TextFrontend(use_wetext=WETEXT_INSTALLED, tokenizer=tokenizer)
-
-
-def needs_cosyvoice3_tokens(case: dict[str, Any], tokenizer: QwenTokenizer) -> bool:
-    """Whether the official ids hold a special token CosyVoice3 adds after CosyVoice2's."""
-    last_cosyvoice2_id = max(tokenizer.encode(token)[0] for token in COSYVOICE2_SPECIAL_TOKENS)
-    return int(case["raw_tokens"].max()) > last_cosyvoice2_id
+    """The kit dir's tokenizer as the loader builds it for an official CosyVoice3 dir."""
+    path = kit / "model" / V3_YAML
+    config = ModelConfig.from_yaml_file(path)
+    assert config.family is COSYVOICE3
+    return COSYVOICE3.tokenizer(config, path, True)
 
 
 def describe(case: dict[str, Any]) -> str:
@@ -78,46 +68,26 @@ def test_endofprompt_has_the_id_the_llm_requires(
         assert ENDOFPROMPT_TOKEN in case["raw_tokens"].tolist(), describe(case)
 
 
-def test_normalisation_and_segments(frontend: TextFrontend, frontend_cases: list[dict[str, Any]]) -> None:
-    """Text with `<|...|>` markup is one segment as written; other text is normalised (wetext) and split."""
-    if not WETEXT_INSTALLED:
-        message = "wetext is not installed (pip install 'cosyvoice-serve[text]')"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{message}; CI must run the frontend parity test")
-        pytest.skip(message)
-    assert {case["text_frontend"] for case in frontend_cases} == {"wetext"}
-    for case in frontend_cases:
-        assert frontend.normalize(case["text"]) == case["normalized_text"], describe(case)
-        segments = frontend.split(case["text"])
-        assert len(segments) == case["num_segments"], describe(case)
-        assert "\n".join(segments) == case["segments_joined"], describe(case)
-        if case["normalization_skipped"]:
-            assert segments == [case["text"]] == [case["normalized_text"]], describe(case)
-
-
-def check_tokens(frontend: TextFrontend, case: dict[str, Any]) -> None:
-    assert frontend.tokenize(case["text"]) == case["raw_tokens"].tolist(), describe(case)
-    if WETEXT_INSTALLED:
-        segments = frontend.segment_tokens(case["text"])
-        assert [len(tokens) for tokens in segments] == case["segment_token_lens"].tolist(), describe(case)
-        assert torch.equal(torch.tensor([t for tokens in segments for t in tokens]), case["segment_tokens"])
-
-
-def test_tokens_of_cosyvoice2_vocabulary_cases(
-    frontend: TextFrontend, tokenizer: QwenTokenizer, frontend_cases: list[dict[str, Any]]
+def test_cosyvoice3_tags_have_their_official_ids(
+    tokenizer: QwenTokenizer, frontend_cases: list[dict[str, Any]]
 ) -> None:
-    cases = [case for case in frontend_cases if not needs_cosyvoice3_tokens(case, tokenizer)]
-    assert cases, "every frontend case needs CosyVoice3's special tokens"
-    for case in cases:
-        check_tokens(frontend, case)
+    """The tags CosyVoice3 adds after CosyVoice2's (phonemes such as `[j]`, `<|endofsystem|>`) are single ids."""
+    for tag, token_id in RELEASED_TAG_IDS.items():
+        assert tokenizer.encode(tag) == [token_id], tag
+    last_cosyvoice2_id = max(tokenizer.encode(token)[0] for token in COSYVOICE2_SPECIAL_TOKENS)
+    with_v3_tags = [case for case in frontend_cases if int(case["raw_tokens"].max()) > last_cosyvoice2_id]
+    assert with_v3_tags, "no frontend case holds a CosyVoice3-only tag"
+    for case in with_v3_tags:
+        assert tokenizer.encode(case["text"]) == case["raw_tokens"].tolist(), describe(case)
 
 
-@pytest.mark.xfail(strict=True, reason="the engine's Qwen tokenizer lacks CosyVoice3's added special tokens")
-def test_tokens_of_cases_with_cosyvoice3_tokens(
-    frontend: TextFrontend, tokenizer: QwenTokenizer, frontend_cases: list[dict[str, Any]]
+def test_text_with_markup_is_one_segment_as_written(
+    tokenizer: QwenTokenizer, frontend_cases: list[dict[str, Any]]
 ) -> None:
-    cases = [case for case in frontend_cases if needs_cosyvoice3_tokens(case, tokenizer)]
-    if not cases:
-        pytest.skip("no frontend case holds a CosyVoice3-only special token")
-    for case in cases:
-        check_tokens(frontend, case)
+    """Every text with a system prompt or an instruction (`<|...|>`) is neither normalised nor split, however long
+    (no wetext needed: that rule comes first)."""
+    frontend = TextFrontend(use_wetext=False, tokenizer=tokenizer)
+    skipped = [case for case in frontend_cases if case["normalization_skipped"]]
+    assert skipped, "the kit has no frontend case the official front end left as it was"
+    for case in skipped:
+        assert frontend.split(case["text"]) == [case["text"]] == [case["normalized_text"]], describe(case)

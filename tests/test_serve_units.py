@@ -14,7 +14,7 @@ from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
 from engine.loader import PRESET_VOICE_MODELS
 from engine.voices import DUMMY_VOICES
-from serve_app.app import PROMPT_END, check_streams, error_payload, mapped_voice, official_instruction, openai_mode
+from serve_app.app import check_streams, error_payload, mapped_voice, openai_mode
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs
 from serve_app.cli import with_default_voices_dir
 
@@ -118,14 +118,6 @@ def test_openai_voice_names_map_through_the_table() -> None:
     assert mapped_voice("voice_fedcba987654", table, built_in) == "voice_fedcba987654"
     with pytest.raises(UnknownVoiceError, match=r"'echo' stands for 'gone'.*its voices: speaker_a, speaker_b"):
         mapped_voice("echo", table, built_in)
-
-
-def test_an_http_instruction_gets_the_official_prompt_end_once() -> None:
-    assert official_instruction("Speak happily.") == "Speak happily." + PROMPT_END
-    assert official_instruction("Speak happily. ") == "Speak happily." + PROMPT_END
-    tagged = "You are a helpful assistant. Speak happily." + PROMPT_END
-    assert official_instruction(tagged) == tagged
-    assert official_instruction(tagged + "\n") == tagged + "\n"
 
 
 def test_a_streamed_request_to_a_family_that_cannot_stream_is_a_400() -> None:

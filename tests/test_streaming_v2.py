@@ -57,6 +57,7 @@ def test_a_prompt_pads_the_first_hop_to_the_flow_chunk_grid(tts: CosyVoice) -> N
         speech_tokens=rng.integers(0, 96, 10).astype(np.int64),
         speech_feat=rng.standard_normal((20, 80)).astype(np.float32),
         sample_rate=24000,
+        family=tts.encoder.model.config.family.name,
     )
     [segment] = tts.encoder.encode(SynthesisRequest(TEXT, tts.voices[0], sampling=FIXED), prompt=prompt)
     [tokens] = tts.decoder.generate_tokens([segment])

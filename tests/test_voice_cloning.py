@@ -24,8 +24,9 @@ from engine.voice_cloning import (
     align_prompt,
 )
 
-MODEL_RATES = {1: 22050, 2: 24000}
-CLONING = {1: COSYVOICE1.cloning_models(), 2: COSYVOICE2.cloning_models()}
+MODEL_RATES = {1: 22050, 2: 24000, 3: 24000}
+FAMILIES = {1: COSYVOICE1, 2: COSYVOICE2, 3: COSYVOICE3}
+CLONING = {version: family.cloning_models() for version, family in FAMILIES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 @pytest.fixture(scope="module")
 def cloners(model_dirs: dict[int, Path]) -> dict[int, VoiceCloner]:
     return {
-        version: VoiceCloner.from_model_dir(path, CLONING[version], MODEL_RATES[version])
+        version: VoiceCloner.from_model_dir(path, FAMILIES[version], MODEL_RATES[version])
         for version, path in model_dirs.items()
     }
 
@@ -91,7 +92,8 @@ def reference_matcha_mel(wave: np.ndarray, config: PromptMelConfig) -> np.ndarra
         np.pad(wave.astype(np.float64), padding, mode="reflect"), config.n_fft, config.hop_length
     )
     magnitude = np.sqrt(spectrum.real**2 + spectrum.imag**2 + 1e-9)
-    filters = reference_mel_filters(config.sample_rate, config.n_fft, 80, config.fmax)
+    fmax = config.sample_rate / 2 if config.fmax is None else config.fmax  # librosa's default for None
+    filters = reference_mel_filters(config.sample_rate, config.n_fft, 80, fmax)
     return np.log(np.maximum(magnitude @ filters.T, 1e-5))
 
 
@@ -105,19 +107,21 @@ def reference_whisper_log_mel(wave: np.ndarray) -> np.ndarray:
 # --- features ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("version", "input_rate"), [(1, 16000), (1, 44100), (2, 16000), (2, 48000)])
+@pytest.mark.parametrize(
+    ("version", "input_rate"), [(1, 16000), (1, 44100), (2, 16000), (2, 48000), (3, 16000), (3, 44100)]
+)
 def test_shapes_dtypes_and_token_rate(cloners: dict[int, VoiceCloner], version: int, input_rate: int) -> None:
     prompt = cloners[version].clone(voice(140.0, seconds=3.0, sample_rate=input_rate), input_rate, " Hello there. ")
-    tokens_per_second = {1: 50, 2: 25}[version]
+    tokens_per_second = {1: 50, 2: 25, 3: 25}[version]
     assert prompt.transcript == "Hello there."
-    assert (prompt.sample_rate, prompt.version) == (MODEL_RATES[version], version)
+    assert (prompt.sample_rate, prompt.family) == (MODEL_RATES[version], FAMILIES[version].name)
     assert prompt.embedding.dtype == np.float32 and prompt.embedding.shape == (192,)
     assert prompt.speech_tokens.dtype == np.int64 and prompt.speech_tokens.shape == (3 * tokens_per_second,)
-    assert prompt.speech_tokens.min() >= 0 and prompt.speech_tokens.max() < {1: 4096, 2: 6561}[version]
+    assert prompt.speech_tokens.min() >= 0 and prompt.speech_tokens.max() < {1: 4096, 2: 6561, 3: 6561}[version]
     assert prompt.speech_feat.dtype == np.float32
-    hop = {1: 256, 2: 480}[version]
+    hop = {1: 256, 2: 480, 3: 480}[version]
     assert prompt.speech_feat.shape == (3 * MODEL_RATES[version] // hop, 80)
-    if version == 2:
+    if version > 1:  # v2 and v3 keep 2 mel frames per token
         assert prompt.speech_feat.shape[0] == 2 * prompt.speech_tokens.shape[0]
 
 
@@ -132,7 +136,7 @@ def test_v2_alignment_keeps_two_frames_per_token() -> None:
     np.testing.assert_array_equal(kept_feat, feat[:14])
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_prompt_mel_matches_matcha_formula(cloners: dict[int, VoiceCloner], version: int) -> None:
     rate = MODEL_RATES[version]
     t = np.arange(int(2.5 * rate)) / rate
@@ -143,6 +147,8 @@ def test_prompt_mel_matches_matcha_formula(cloners: dict[int, VoiceCloner], vers
     assert expected.shape[0] == len(wave) // cloners[version].mel_config.hop_length
     frames = prompt.speech_feat.shape[0]
     assert frames == (expected.shape[0] if version == 1 else 2 * (expected.shape[0] // 2))
+    if version == 3:  # fmax null: the filters reach 12 kHz, where v2's stop at 8 kHz
+        assert cloners[version].mel_config.upper_band_edge == 12000.0
     np.testing.assert_allclose(prompt.speech_feat, expected[:frames], atol=2e-4)
     assert prompt.speech_feat.max() - prompt.speech_feat.min() > 5.0  # the sine's band stands out
 
@@ -162,7 +168,7 @@ def test_embedding_is_deterministic_and_tells_voices_apart(
     low, high = voice(110.0), voice(230.0)
     first = cloners[1].clone(low, 16000, "hi")
     np.testing.assert_array_equal(first.embedding, cloners[1].clone(low, 16000, "hi").embedding)
-    fresh = VoiceCloner(model_dirs[1] / "campplus.onnx", model_dirs[1] / "speech_tokenizer_v1.onnx", CLONING[1], 22050)
+    fresh = VoiceCloner(model_dirs[1] / "campplus.onnx", model_dirs[1] / "speech_tokenizer_v1.onnx", COSYVOICE1, 22050)
     again = fresh.clone(low, 16000, "hi")
     np.testing.assert_array_equal(first.embedding, again.embedding)
     np.testing.assert_array_equal(first.speech_tokens, again.speech_tokens)
@@ -213,24 +219,41 @@ def test_save_load_round_trip(cloners: dict[int, VoiceCloner], tmp_path: Path) -
     prompt.save(path)
     assert [entry.name for entry in tmp_path.iterdir()] == ["voice.npz"], "no temporary file may be left behind"
     loaded = VoicePrompt.load(path)
-    assert (loaded.transcript, loaded.sample_rate, loaded.version) == ("你好, world", 24000, 2)
+    assert (loaded.transcript, loaded.sample_rate, loaded.family) == ("你好, world", 24000, "CosyVoice2")
     for name in ("embedding", "speech_tokens", "speech_feat"):
         np.testing.assert_array_equal(getattr(loaded, name), getattr(prompt, name))
         assert getattr(loaded, name).dtype == getattr(prompt, name).dtype
 
 
-def test_version_follows_sample_rate_unless_given() -> None:
+def test_a_v3_prompt_records_its_family_through_a_file(cloners: dict[int, VoiceCloner], tmp_path: Path) -> None:
+    prompt = cloners[3].clone(voice(200.0, seconds=1.2), 16000, "hi")
+    prompt.save(tmp_path / "voice.npz")
+    assert VoicePrompt.load(tmp_path / "voice.npz").family == "CosyVoice3"  # the same rate as v2, told apart
+
+
+@pytest.mark.parametrize(("version", "family"), [(1, "CosyVoice v1"), (2, "CosyVoice2")])
+def test_a_file_written_before_families_were_recorded_loads_with_its_versions_family(
+    tmp_path: Path, version: int, family: str
+) -> None:
+    path = tmp_path / "voice.npz"
+    arrays = {name: array for name, array in _valid_arrays().items() if name != "family"}
+    np.savez(path, **{**arrays, "sample_rate": np.array(MODEL_RATES[version]), "version": np.array(version)})
+    assert VoicePrompt.load(path).family == family
+
+
+def test_the_family_and_its_rate_are_checked() -> None:
     arrays = {
         "embedding": np.zeros(192, np.float32),
         "speech_tokens": np.zeros(4, np.int64),
         "speech_feat": np.zeros((8, 80), np.float32),
     }
-    assert VoicePrompt("hi", sample_rate=22050, **arrays).version == 1
-    assert VoicePrompt("hi", sample_rate=24000, **arrays).version == 2
-    with pytest.raises(InvalidInputError, match="cannot tell the CosyVoice version of a prompt made for 16000 Hz"):
-        VoicePrompt("hi", sample_rate=16000, **arrays)
+    assert VoicePrompt("hi", sample_rate=24000, family="CosyVoice3", **arrays).family == "CosyVoice3"
+    with pytest.raises(InvalidInputError, match=r"a CosyVoice v1 prompt is made at 22050 Hz, not 24000"):
+        VoicePrompt("hi", sample_rate=24000, family="CosyVoice v1", **arrays)
+    with pytest.raises(InvalidInputError, match="invalid prompt model family 'CosyVoice9'"):
+        VoicePrompt("hi", sample_rate=24000, family="CosyVoice9", **arrays)
     with pytest.raises(InvalidInputError, match="speaker embedding must be finite float32"):
-        VoicePrompt("hi", sample_rate=22050, **{**arrays, "embedding": np.zeros(192, np.float64)})
+        VoicePrompt("hi", sample_rate=24000, family="CosyVoice3", **{**arrays, "embedding": np.zeros(192, np.float64)})
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -246,16 +269,18 @@ def _valid_arrays() -> dict[str, np.ndarray]:
         "speech_tokens": np.zeros(4, np.int64),
         "speech_feat": np.zeros((8, 80), np.float32),
         "sample_rate": np.array(22050),
-        "version": np.array(1),
+        "family": np.array("CosyVoice v1"),
     }
 
 
 BAD_PROMPT_ARRAYS = {  # expected message -> changed arrays (None: left out)
-    "missing version": {"version": None},
+    "missing family": {"family": None},
     "the prompt mel must be finite float32 [T, 80]": {"speech_feat": np.zeros((8, 81), np.float32)},
     "the prompt speech tokens must be int64 [P]": {"speech_tokens": np.zeros(4, np.int32)},
     "corrupt transcript": {"transcript": np.array(3)},
-    "invalid prompt CosyVoice version 7": {"version": np.array(7)},
+    "corrupt family": {"family": np.array(3)},
+    "invalid prompt model family 'Other'": {"family": np.array("Other")},
+    "invalid prompt CosyVoice version 7": {"family": None, "version": np.array(7)},
 }
 
 
@@ -313,21 +338,19 @@ def test_decode_audio_rejects_garbage(data: bytes) -> None:
 
 def test_model_file_errors(tmp_path: Path, model_dirs: dict[int, Path]) -> None:
     with pytest.raises(CheckpointError, match=re.escape("needs campplus.onnx and speech_tokenizer_v2.onnx in")):
-        VoiceCloner.from_model_dir(tmp_path, CLONING[2], 24000)
-    with pytest.raises(CheckpointError, match=re.escape("needs speech_tokenizer_v2.onnx in")):
-        VoiceCloner.from_model_dir(model_dirs[1], CLONING[2], 24000)
-    with pytest.raises(CheckpointError, match="voice cloning is not available for CosyVoice3 models"):
-        COSYVOICE3.cloning_models()
+        VoiceCloner.from_model_dir(tmp_path, COSYVOICE2, 24000)
+    with pytest.raises(CheckpointError, match=re.escape("needs speech_tokenizer_v3.onnx in")):
+        VoiceCloner.from_model_dir(model_dirs[2], COSYVOICE3, 24000)
     with pytest.raises(CheckpointError, match="CosyVoice v1 runs at 22050 Hz, not 24000 Hz"):
-        VoiceCloner.from_model_dir(model_dirs[1], CLONING[1], 24000)
+        VoiceCloner.from_model_dir(model_dirs[1], COSYVOICE1, 24000)
     broken = tmp_path / "campplus.onnx"
     broken.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match="cannot load voice cloning model"):
-        VoiceCloner(broken, model_dirs[1] / "speech_tokenizer_v1.onnx", CLONING[1], 22050)
+        VoiceCloner(broken, model_dirs[1] / "speech_tokenizer_v1.onnx", COSYVOICE1, 22050)
 
 
 def test_tokens_beyond_the_models_speech_vocabulary_are_a_configuration_error(model_dirs: dict[int, Path]) -> None:
-    small = VoiceCloner.from_model_dir(model_dirs[2], CLONING[2], 24000, speech_vocab_size=4)  # 4 speech tokens
+    small = VoiceCloner.from_model_dir(model_dirs[2], COSYVOICE2, 24000, speech_vocab_size=4)  # 4 speech tokens
     with pytest.raises(CheckpointError, match="tokenizer of this model"):
         small.clone(voice(110.0), 16000, "hi")
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from engine.errors import InvalidInputError
+from engine.families import families
 from engine.pipeline import CosyVoice, SynthesisRequest
 from engine.sampling import SamplingOptions
 from engine.voice_cloning import VoicePrompt
@@ -29,6 +32,7 @@ def make_prompt(tts: CosyVoice, tokens: int = 10) -> VoicePrompt:
         speech_tokens=rng.integers(0, 96, tokens).astype(np.int64),
         speech_feat=rng.standard_normal((frames, 80)).astype(np.float32),
         sample_rate=tts.sample_rate,
+        family=tts.encoder.model.config.family.name,
     )
 
 
@@ -63,17 +67,23 @@ def test_cross_lingual_keeps_the_voice_but_not_the_prompt_text_or_speech_in_the_
     np.testing.assert_array_equal(segment.prompt_feat, prompt.speech_feat)
 
 
-@pytest.mark.parametrize("instruction", ["Speak slowly.<|endofprompt|>", "Read 25 words."])
-def test_instruct_with_a_cloned_voice(tts: CosyVoice, instruction: str) -> None:
+@pytest.mark.parametrize(
+    ("instruction", "official_form"),
+    [
+        ("Speak slowly.<|endofprompt|>", "Speak slowly.<|endofprompt|>"),
+        (" Read 25 words. ", "Read 25 words.<|endofprompt|>"),
+    ],
+)
+def test_instruct_with_a_cloned_voice(tts: CosyVoice, instruction: str, official_form: str) -> None:
     prompt = make_prompt(tts)
     segment = encode(tts, prompt, instruct_text=instruction)
     version = tts.encoder.model.config.version
     frontend = tts.encoder.model.frontend
-    # official: nothing is appended; v1 normalizes the instruction (not when it holds <|...|>), v2 never does
-    said = frontend.normalize(instruction) if version == 1 else instruction
-    assert (said != instruction) == (version == 1 and "<|" not in instruction)  # "25" is spelled out in v1
-    instruct_tokens = len(frontend.tokenize(said))
-    assert len(segment.text_encoded) == instruct_tokens + text_tokens(tts, TEXT)  # the instruction, not the transcript
+    # the official form ends in <|endofprompt|>, which the engine appends to a plain instruction, once; its
+    # markup turns v1's normalisation off ("25" stays digits)
+    [text] = tts.encoder.segment_texts(SynthesisRequest(TEXT, tts.voices[0], instruct_text=instruction), prompt)
+    assert text.prompt == frontend.tokenize(official_form)
+    assert len(segment.text_encoded) == len(text.prompt) + text_tokens(tts, TEXT)  # the instruction, not the transcript
     assert len(segment.llm_prompt_speech_tokens) == 0
     if version == 1:  # v1 Instruct: the speaker only through the flow embedding, no prompt speech
         assert segment.llm_embedding is None and len(segment.flow_prompt_speech_tokens) == 0
@@ -102,11 +112,12 @@ def test_mode_errors(tts: CosyVoice, options: dict, with_prompt: bool, needle: s
         encode(tts, make_prompt(tts) if with_prompt else None, **options)
 
 
-def test_a_prompt_made_for_another_sample_rate_is_refused(tts: CosyVoice) -> None:
-    other_rate = 22050 if tts.sample_rate == 24000 else 24000
+def test_a_prompt_made_for_another_family_is_refused(tts: CosyVoice) -> None:
     prompt = make_prompt(tts)
-    foreign = VoicePrompt(
-        prompt.transcript, prompt.embedding, prompt.speech_tokens, prompt.speech_feat, sample_rate=other_rate
-    )
-    with pytest.raises(InvalidInputError, match="register the voice again"):
-        encode(tts, foreign)
+    for family in families():
+        if family is tts.encoder.model.config.family:
+            continue
+        rate = family.cloning_models().prompt_mel.sample_rate
+        foreign = replace(prompt, family=family.name, sample_rate=rate)
+        with pytest.raises(InvalidInputError, match=f"prepared for {family.name} models; .* register the voice again"):
+            encode(tts, foreign)

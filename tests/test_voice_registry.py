@@ -18,6 +18,7 @@ from ray import serve
 from serve_testing import running_app
 
 from engine.errors import InvalidInputError, UnknownVoiceError
+from engine.families import COSYVOICE1
 from engine.voice_cloning import VoicePrompt
 from serve_app import build_app
 from serve_app.guard import check_voice_name
@@ -42,11 +43,16 @@ def make_prompt(seed: int = 0, transcript: str = "Hello there.") -> VoicePrompt:
         speech_tokens=rng.integers(0, 4096, size=50, dtype=np.int64),
         speech_feat=rng.standard_normal((172, 80)).astype(np.float32),
         sample_rate=22050,
+        family=COSYVOICE1.name,
     )
 
 
 def assert_same_prompt(actual: VoicePrompt, expected: VoicePrompt) -> None:
-    assert actual.transcript == expected.transcript and actual.sample_rate == expected.sample_rate
+    assert (actual.transcript, actual.sample_rate, actual.family) == (
+        expected.transcript,
+        expected.sample_rate,
+        expected.family,
+    )
     np.testing.assert_array_equal(actual.embedding, expected.embedding)
     np.testing.assert_array_equal(actual.speech_tokens, expected.speech_tokens)
     np.testing.assert_array_equal(actual.speech_feat, expected.speech_feat)

@@ -9,13 +9,14 @@ the model's family instead of testing its version.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from torch import nn
 
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, InvalidInputError
+from engine.frontend import ENDOFPROMPT
 
 if TYPE_CHECKING:
     from engine.frontend import TextTokenizer
@@ -37,13 +38,42 @@ class ModuleConfigs(NamedTuple):
 
 @dataclass(frozen=True)
 class VoiceRules:
-    """How the family's official frontend conditions an instruct request (engine.pipeline applies them; the
-    sft, zero-shot and cross-lingual modes are the same in every family so far)."""
+    """How the family's official frontend writes the LLM's text prompt and conditions an instruct request
+    (engine.pipeline applies them).
 
-    normalize_instruction: bool  # v1 `inference_instruct` text-normalizes the instruction; instruct2 takes it as is
+    A text that already holds `<|endofprompt|>` was written in the official form by its caller and is taken as
+    written; otherwise the rules complete it, so that a caller never needs to type the tag.
+    """
+
     # instruct2 keeps the voice's LLM embedding and its prompt speech in the flow (the LLM drops the prompt speech);
     # v1's instruct conditions the flow on the speaker embedding alone and gives the LLM no speaker embedding
     instruct_keeps_voice_prompt: bool
+    # CosyVoice3's official prompts start with a system prompt ended by `<|endofprompt|>`: before the transcript
+    # (zero-shot), the instruction (instruct2) or the text itself (cross-lingual); None: the family has none
+    system_prompt: str | None = None
+
+    def with_system_prompt(self, system_prompt: str, family_name: str) -> VoiceRules:
+        """These rules with a caller's system prompt; InvalidInputError for a family that takes none."""
+        if self.system_prompt is None:
+            raise InvalidInputError(f"{family_name} models take no system prompt")
+        return replace(self, system_prompt=system_prompt)
+
+    def system_text(self) -> str:
+        """The system prompt and its `<|endofprompt|>`, which lead a text with no other prompt; '' without one."""
+        return "" if self.system_prompt is None else self.system_prompt + ENDOFPROMPT
+
+    def transcript_prompt(self, transcript: str) -> str:
+        """A zero-shot prompt text: the system text, then the voice's transcript."""
+        return transcript if ENDOFPROMPT in transcript else self.system_text() + transcript
+
+    def instruction_prompt(self, instruction: str) -> str:
+        """An instruction in the official form, ending in `<|endofprompt|>` (v3: after the system prompt and a
+        space): "Speak happily." -> "Speak happily.<|endofprompt|>" or
+        "You are a helpful assistant. Speak happily.<|endofprompt|>"."""
+        if ENDOFPROMPT in instruction:
+            return instruction
+        lead = "" if self.system_prompt is None else self.system_prompt + " "
+        return f"{lead}{instruction.strip()}{ENDOFPROMPT}"
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: a family is one registered object, compared by identity

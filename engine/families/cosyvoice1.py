@@ -1,7 +1,7 @@
 """CosyVoice v1 (CosyVoice-300M, -SFT, -Instruct): `TransformerLM`, the Conformer + U-Net CFM flow, HiFT at 22.05 kHz.
 
 Whisper's multilingual tokenizer, streaming in overlapping chunks with the flow cache, instructions only in the
--Instruct models (in any voice, normalized as `inference_instruct` does), 50 Hz speech tokens for cloning.
+-Instruct models (in any voice), 50 Hz speech tokens for cloning.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ COSYVOICE1 = register(
         modules={"llm": TransformerLM, "flow": MaskedDiffWithXvec, "hift": HiFTGenerator},
         text_module=_llm_encodes_text,
         tokenizer=_yaml_tokenizer,
-        voice_rules=VoiceRules(normalize_instruction=True, instruct_keeps_voice_prompt=False),
+        voice_rules=VoiceRules(instruct_keeps_voice_prompt=False),
         instruction_support=_instruct_models_only,
         streaming=OverlappingChunks,
         cloning=CloningModels(

@@ -10,17 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.errors import CheckpointError
 from engine.families.base import ModelFamily, ModuleConfigs, VoiceRules, register, registered_voices_only
 from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
 from engine.hift import HiFTConfig, HiFTGenerator
 from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
-from engine.qwen_tokenizer import QwenTokenizer
+from engine.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, QwenTokenizer
 from engine.streaming import CausalPrefixChunks
 from engine.voice_cloning import CloningModels, PromptMelConfig
 
-# instruct2: the instruction, as given, takes the transcript's place; the prompt speech stays in the flow
-INSTRUCT2 = VoiceRules(normalize_instruction=False, instruct_keeps_voice_prompt=True)
+# instruct2: the instruction takes the transcript's place; the prompt speech stays in the flow
+INSTRUCT2 = VoiceRules(instruct_keeps_voice_prompt=True)
 
 
 def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:
@@ -31,14 +30,20 @@ def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:
     )
 
 
-def qwen_tokenizer(config: Any, config_path: Path, official: bool) -> QwenTokenizer:
-    """The Qwen2 tokenizer of an official model dir, or its byte-level stand-in (dummy weights); CheckpointError
-    when it has more ids than the LLM embeds."""
-    tokenizer = QwenTokenizer.from_dir(config_path.parent / QWEN_DIR) if official else QwenTokenizer.byte_level()
-    embedding_rows = config.llm.qwen.vocab_size
-    if tokenizer.vocab_size > embedding_rows:
-        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids; the model embeds {embedding_rows}")
-    return tokenizer
+def qwen_tokenizer(
+    config: Any,
+    config_path: Path,
+    official: bool,
+    special_tokens: tuple[str, ...] = COSYVOICE2_SPECIAL_TOKENS,
+    stand_in_endoftext_id: int = 256,
+) -> QwenTokenizer:
+    """The Qwen2 tokenizer of an official model dir with the family's `special_tokens`, or its byte-level stand-in
+    for dummy weights (`<|endoftext|>` at `stand_in_endoftext_id`). Ids the LLM does not embed are refused per
+    request (`engine.qwen2_llm.embed_text`), as a model dir whose table ends before the last special tags loads
+    officially."""
+    if official:
+        return QwenTokenizer.from_dir(config_path.parent / QWEN_DIR, special_tokens)
+    return QwenTokenizer.byte_level(special_tokens, stand_in_endoftext_id)
 
 
 COSYVOICE2 = register(

@@ -1,8 +1,10 @@
 """CosyVoice3 (Fun-CosyVoice3-0.5B): `CosyVoice3LM`, the DiT flow, the causal HiFT at 24 kHz.
 
-Built so far: loading, whole-utterance synthesis with the CosyVoice2 tokenizer and instruct2 rules. Not built
-yet, each with its place below: streaming (refused with an InvalidInputError until a strategy is set), the v3
-prompt convention (a system text ending in `<|endofprompt|>`) and voice cloning (speech_tokenizer_v3.onnx).
+The Qwen2 tokenizer with CosyVoice3's special tokens (`<|endofprompt|>` must be id 151646, which the LLM
+requires in every input), the official prompt convention (a system prompt ended by `<|endofprompt|>` before the
+transcript, the instruction or the text), instruct2, and cloning with `speech_tokenizer_v3.onnx` (25 Hz) and a
+24 kHz prompt mel without an upper band edge. Not built yet: streaming (refused with an InvalidInputError until a
+strategy is set).
 """
 
 from __future__ import annotations
@@ -10,11 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.families.base import ModelFamily, ModuleConfigs, register, registered_voices_only
-from engine.families.cosyvoice2 import INSTRUCT2, qwen_tokenizer
+from engine.errors import CheckpointError
+from engine.families.base import ModelFamily, ModuleConfigs, VoiceRules, register, registered_voices_only
+from engine.families.cosyvoice2 import qwen_tokenizer
 from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
+from engine.frontend import ENDOFPROMPT
 from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
-from engine.llm_v3 import CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
+from engine.llm_v3 import ENDOFPROMPT_TOKEN, CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
+from engine.qwen2_llm import QWEN_DIR
+from engine.qwen_tokenizer import COSYVOICE3_SPECIAL_TOKENS, QWEN2_ENDOFTEXT_ID, QwenTokenizer
+from engine.voice_cloning import CloningModels, PromptMelConfig
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # the official examples' system prompt
 
 
 def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:
@@ -23,6 +32,19 @@ def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:
         flow=DiTFlowConfig.from_yaml(tree["flow"]),
         hift=CausalHiFTConfig.from_yaml(tree["hift"]),
     )
+
+
+def _tokenizer(config: Any, config_path: Path, official: bool) -> QwenTokenizer:
+    """`CosyVoice3Tokenizer`'s ids (its stand-in gives every special token its released id); CheckpointError
+    unless `<|endofprompt|>` is the single id the LLM requires."""
+    tokenizer = qwen_tokenizer(config, config_path, official, COSYVOICE3_SPECIAL_TOKENS, QWEN2_ENDOFTEXT_ID)
+    ids = tokenizer.encode(ENDOFPROMPT)
+    if ids != [ENDOFPROMPT_TOKEN]:
+        raise CheckpointError(
+            f"the tokenizer in {config_path.parent / QWEN_DIR} gives {ENDOFPROMPT} the id(s) {ids}; the CosyVoice3 "
+            f"LLM requires the single id {ENDOFPROMPT_TOKEN}: use the model's own tokenizer files"
+        )
+    return tokenizer
 
 
 COSYVOICE3 = register(
@@ -34,11 +56,20 @@ COSYVOICE3 = register(
         read_configs=_read_configs,
         modules={"llm": CosyVoice3LM, "flow": CausalMaskedDiffWithDiT, "hift": CausalHiFTGenerator},
         text_module=CosyVoice3TextEmbedding,
-        tokenizer=qwen_tokenizer,  # the v3 tokenizer (CosyVoice3's added special tokens) goes here
-        voice_rules=INSTRUCT2,  # the v3 prompt convention (system text ending in <|endofprompt|>) goes here
+        tokenizer=_tokenizer,
+        # instruct2 with the system prompt: "You are a helpful assistant. <instruction><|endofprompt|>"
+        voice_rules=VoiceRules(instruct_keeps_voice_prompt=True, system_prompt=DEFAULT_SYSTEM_PROMPT),
         instruction_support=registered_voices_only,
         streaming=None,  # the v3 streaming strategy (an engine.streaming.ChunkStrategy) goes here
-        cloning=None,  # the v3 cloning models (speech_tokenizer_v3.onnx, 25 Hz, 24 kHz prompt mel) go here
+        cloning=CloningModels(
+            version=3,
+            speech_tokenizer_file="speech_tokenizer_v3.onnx",
+            speech_vocab_size=6561,
+            token_rate=25,
+            # the v3 yaml's feat_extractor has fmax null: the filters reach half the sample rate
+            prompt_mel=PromptMelConfig(sample_rate=24000, n_fft=1920, hop_length=480, win_length=1920, fmax=None),
+            frames_per_token=2,  # the flow repeats each token's lookahead output twice
+        ),
         prefers_bfloat16=True,  # upstream reports NaN audio from its float16 DiT flow
     )
 )
