@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.flow import FlowConfig, mel_frames
+from engine.flow_v3 import DiTFlowConfig
 from engine.loader import ModelConfig
 from engine.qwen2_llm import Qwen2LMConfig
 
@@ -47,16 +48,22 @@ def estimate_request_memory(
 
     flow = config.flow
     speech_tokens = prompt_speech_tokens + max_speech
-    if isinstance(flow, FlowConfig):
-        frames = mel_frames(speech_tokens, flow.input_frame_rate)
-        width = max(flow.decoder.estimator.channels)
-    else:
+    if isinstance(flow, DiTFlowConfig):  # CosyVoice3: the DiT takes concat(x, cond, mu, speaker)
+        dit = flow.estimator
         frames = speech_tokens * flow.token_mel_ratio
-        width = flow.decoder.estimator.channels
-    estimator = flow.decoder.estimator
+        in_channels, width, heads = 2 * dit.mel_dim + dit.mu_dim + dit.spk_dim, dit.dim, dit.heads
+    else:
+        estimator = flow.decoder.estimator
+        if isinstance(flow, FlowConfig):
+            frames = mel_frames(speech_tokens, flow.input_frame_rate)
+            width = max(estimator.channels)
+        else:
+            frames = speech_tokens * flow.token_mel_ratio
+            width = estimator.channels
+        in_channels, heads = estimator.in_channels, estimator.num_heads
     cfg_rows = 2
-    hidden = cfg_rows * frames * (estimator.in_channels + 4 * width) * dtype_bytes
-    attention = cfg_rows * estimator.num_heads * frames * frames * 4
+    hidden = cfg_rows * frames * (in_channels + 4 * width) * dtype_bytes
+    attention = cfg_rows * heads * frames * frames * 4
     flow_bytes = hidden + attention
 
     hift = config.hift

@@ -60,6 +60,8 @@ class ModelFamily:
     instruction_support: Callable[[str], InstructionSupport]  # model name -> how it takes instructions
     streaming: type[ChunkStrategy] | None  # None: streaming is refused (InvalidInputError)
     cloning: CloningModels | None  # None: voice cloning is refused (CheckpointError)
+    # speech tokens the flow never gets past a run of 5 (the official llm_job: silent/breath codes)
+    silent_tokens: frozenset[int] = frozenset()
 
     def cloning_models(self) -> CloningModels:
         """The family's cloning models; CheckpointError when it has none."""
