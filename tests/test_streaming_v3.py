@@ -149,3 +149,12 @@ def test_the_bounded_vocoder_window_gives_the_full_re_run_samples(
     # each window: the history, the 8 frames held back by the last chunk, and the new frames
     assert decoded_frames[-2] == history + 8 + 200 - 3  # an intermediate chunk decodes all but its 3 f0 look-ahead
     assert max(decoded_frames) <= history + 8 + 200
+
+
+def test_the_source_of_later_frames_alone_equals_the_whole_call_s(decoder: SpeechDecoderStage) -> None:
+    hift: CausalHiFTGenerator = decoder.model.hift
+    f0 = torch.rand(1, 900, generator=torch.Generator().manual_seed(1)) * 300
+    f0[:, ::7] = 0  # unvoiced frames too
+    whole = hift.fixed_source(f0)
+    for first_frame in (1, 333, 899):
+        assert torch.equal(hift.fixed_source(f0, first_frame), whole[:, :, first_frame * hift.config.hop :])
