@@ -112,6 +112,7 @@ class Encoder:
             "version": family.version,
             "instructions": family.instruction_support(self.model_name),
             "streaming": family.streaming is not None,
+            "streaming_speed": family.streaming is not None and family.streaming.streams_speed,
             "voices": self.stage.voices,
             "sample_rate": self.stage.sample_rate,
             "voice_cloning": self.cloner is not None,

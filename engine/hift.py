@@ -298,7 +298,6 @@ class SineGen2(nn.Module):
         self.sine_amp = config.nsf_alpha
         self.noise_std = config.nsf_sigma
         self.voiced_threshold = config.nsf_voiced_threshold
-        self.phase_upsampling = "linear"  # the v3 causal generator repeats each frame's phase ("nearest")
 
     def draw(self, batch: int, length: int, device: torch.device, generator: torch.Generator | None) -> Sine2Draws:
         initial_phase = torch.rand((batch, self.harmonics), generator=generator, device=device)
@@ -317,11 +316,16 @@ class SineGen2(nn.Module):
         frame_cycles = F.interpolate(cycles, scale_factor=1 / self.hop, mode="linear")
         frame_phase = torch.cumsum(frame_cycles, dim=-1) * 2 * math.pi
         # a frame's phase advance spans hop samples, hence the scaling before the interpolation back
-        phase = F.interpolate(frame_phase * self.hop, scale_factor=self.hop, mode=self.phase_upsampling)
+        phase = F.interpolate(frame_phase * self.hop, scale_factor=self.hop, mode="linear")
+        return self.excitation(phase, f0, draws.noise.transpose(1, 2))
+
+    def excitation(self, phase: Tensor, f0: Tensor, noise: Tensor) -> Tensor:
+        """phase [B, harmonics + 1, L] radians, f0 [B, L] Hz at the sample rate, noise [B, harmonics + 1, L]
+        -> the sines where voiced, plus noise [B, harmonics + 1, L]."""
         sines = torch.sin(phase) * self.sine_amp
         voiced = (f0 > self.voiced_threshold).to(f0.dtype)[:, None, :]
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        return sines * voiced + noise_amp * draws.noise.transpose(1, 2)
+        return sines * voiced + noise_amp * noise
 
 
 SourceDraws = SineDraws | Sine2Draws
@@ -339,7 +343,10 @@ class SourceModuleHnNSF(nn.Module):
 
     def forward(self, f0: Tensor, draws: SourceDraws) -> Tensor:
         """f0: [B, L] fp32 Hz at the sample rate -> source [B, 1, L] fp32"""
-        sines = self.l_sin_gen(f0, draws)
+        return self.merge(self.l_sin_gen(f0, draws))
+
+    def merge(self, sines: Tensor) -> Tensor:
+        """The sine generator's channels [B, harmonics + 1, L] -> source [B, 1, L] fp32 (linear layer, tanh)."""
         return torch.tanh(self.l_linear(sines.transpose(1, 2))).float().transpose(1, 2)
 
 

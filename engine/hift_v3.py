@@ -8,14 +8,21 @@ Differences from engine/hift.py's `HiFTGenerator`, as in the official class:
 - the f0 predictor (`CausalConvRNNF0Predictor`) runs in float64, whatever the weights' dtype: the source phase
   integrates f0 over the whole utterance, and the official code moves the predictor to float64 for that;
 - the NSF source is not random per call: a fixed initial phase and a fixed uniform noise sequence (the official
-  buffers), and frame phases are repeated (nearest) rather than interpolated up to the sample rate. The official
-  buffers come from the global RNG state at construction, which depends on the whole model build; this engine
-  draws its own once from a seeded generator, so parity is checked on `decode(mel, source)` with the recorded
-  source and on the source from the recorded buffers.
+  buffers), and frame phases are repeated (nearest) rather than interpolated up to the sample rate, so the phase
+  is a cumulative sum over frames and any run of frames can be made alone (`source_from_draws(first_frame=)`).
+  The official buffers come from the global RNG state at construction, which depends on the whole model build;
+  this engine draws its own once from a seeded generator, so parity is checked on `decode(mel, source)` with the
+  recorded source and on the source from the recorded buffers.
 
 `finalize=False` is the streaming call: the last frames are look-ahead only. The f0 predictor then yields
 T - 3 frames; decode consumes 4 more as conv_pre look-ahead and drops the last hop of samples, whose iSTFT
 overlap is incomplete, so a chunk of T mel frames gives (T - 8) * hop samples.
+
+Streaming (`continue_streams`): the official loop runs inference() again over all the mel so far at every chunk and
+sends the samples past those already sent, which costs O(n^2) over an utterance. Only the convolutions' reach
+(`decode_history_frames`, 30 frames for the released layout) before the first new sample can change it, so a
+stream keeps that window of mel and the f0 of every frame (the source phase sums over them all) and decodes only
+the window: the same samples, within float rounding, at a bounded cost per chunk.
 
 Batch-first: items are right-padded; because only the two look-right convolutions read ahead and their inputs
 are zeroed past each item, an item's audio does not depend on what it is batched with.
@@ -53,6 +60,9 @@ from engine.yaml_config import ObjectSpec
 
 F0_LOOKAHEAD = 3  # the official CausalConvRNNF0Predictor's first conv: kernel 4, right padding 3
 _F0_KERNEL = 3
+_F0_CAUSAL_CONVS = 4
+F0_HISTORY = _F0_CAUSAL_CONVS * (_F0_KERNEL - 1)  # frames before a frame that its f0 depends on
+CONV_POST_KERNEL = 7
 SOURCE_SEED = 0
 _NOISE_BLOCK = 24000 * 10  # fixed source noise is drawn in 10 s blocks, each from its own seed: prefix-stable
 
@@ -145,7 +155,7 @@ class CausalConvRNNF0Predictor(nn.Module):
         super().__init__()
         channels = config.cond_channels
         layers: list[nn.Module] = [weight_norm(LookAheadConv1d(config.in_channels, channels, F0_LOOKAHEAD + 1))]
-        for _ in range(4):
+        for _ in range(_F0_CAUSAL_CONVS):
             layers += [nn.ELU(), weight_norm(CausalConv1d(channels, channels, _F0_KERNEL))]
         self.condnet = nn.Sequential(*layers, nn.ELU())
         self.classifier = Linear(channels, 1)
@@ -166,6 +176,40 @@ class CausalConvRNNF0Predictor(nn.Module):
         return F.linear(x.transpose(1, 2), weight, bias).squeeze(-1).abs().float()
 
 
+def _resblock_reach(kernels: tuple[int, ...], dilations: tuple[tuple[int, ...], ...]) -> int:
+    """Samples before an output that the widest of these CausalResBlocks reads (a dilated then a plain conv per
+    layer)."""
+    return max(sum((k - 1) * (d + 1) for d in ds) for k, ds in zip(kernels, dilations, strict=True))
+
+
+def decode_history_frames(config: CausalHiFTConfig) -> int:
+    """Mel frames before a sample that can change it in decode(): at each upsampling stage, the residual blocks'
+    reach plus the longer of the upsampling conv's (added to the earlier stages') and the source branch's, then
+    conv_post's; rounded up, plus a frame for the STFT/iSTFT windows and the reflection pads. Decoding from that
+    many frames before the first wanted sample gives the samples of the whole call."""
+    reach, rate = 0.0, 1  # reach in mel frames; rate: stage samples per mel frame
+    stages = zip(config.upsample_rates, config.upsample_kernel_sizes, strict=True)
+    for i, (up, kernel) in enumerate(stages):
+        rate *= up
+        down = math.prod(config.upsample_rates[i + 1 :])  # source (STFT) frames per stage sample
+        source_kernels = (config.source_resblock_kernel_sizes[i],), (config.source_resblock_dilation_sizes[i],)
+        source = (2 * down - 1) / (rate * down) + _resblock_reach(*source_kernels) / rate
+        resblocks = _resblock_reach(config.resblock_kernel_sizes, config.resblock_dilation_sizes) / rate
+        reach = max(reach + (kernel - 1) / rate, source) + resblocks
+    reach += (CONV_POST_KERNEL - 1) / rate
+    return math.ceil(reach) + 1
+
+
+@dataclass
+class VocoderStream:
+    """What `CausalHiFTGenerator.continue_streams` keeps of one utterance between its chunks."""
+
+    mel: Tensor  # [in_channels, n] fp32: the mel from frame `first_frame` on (older frames change no sample to come)
+    f0: Tensor  # [frames] Hz of every frame whose f0 is final
+    first_frame: int = 0
+    samples_sent: int = 0
+
+
 class FixedSourceDraws(NamedTuple):
     initial_phase: Tensor  # [1, harmonics + 1] cycles, U(0, 1), column 0 zero
     noise: Tensor  # [1, L, harmonics + 1], U(0, 1): the official causal source's additive noise is uniform
@@ -184,7 +228,6 @@ class CausalHiFTGenerator(HiFTGenerator):
         spectrum_channels = config.n_fft + 2
 
         self.m_source = SourceModuleHnNSF(config)
-        self.m_source.l_sin_gen.phase_upsampling = "nearest"
         self.conv_pre = weight_norm(LookAheadConv1d(config.in_channels, base, config.conv_pre_look_right + 1))
         self.ups = nn.ModuleList(
             weight_norm(CausalUpsample(base // 2**i, channels, k, u))
@@ -208,15 +251,15 @@ class CausalHiFTGenerator(HiFTGenerator):
             for channels in stage_channels
             for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes, strict=True)
         )
-        self.conv_post = weight_norm(CausalConv1d(stage_channels[-1], spectrum_channels, 7))
+        self.conv_post = weight_norm(CausalConv1d(stage_channels[-1], spectrum_channels, CONV_POST_KERNEL))
         self.f0_predictor = CausalConvRNNF0Predictor(config.f0_predictor)
         window = torch.hann_window(config.n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("stft_window", window, persistent=False)
         self._initial_phase: Tensor | None = None
         self._noise_blocks: list[Tensor] = []  # fp32 CPU, plain attributes: not in state_dict, never cast
 
-    def fixed_source_draws(self, samples: int) -> FixedSourceDraws:
-        """The source's fixed draws for the first `samples` samples (the same prefix for every call)."""
+    def fixed_source_draws(self, samples: int, start: int = 0) -> FixedSourceDraws:
+        """The source's fixed draws, noise for samples start .. samples - 1 (the same values in every call)."""
         harmonics = self.config.nb_harmonics + 1
         if self._initial_phase is None:
             phase = torch.rand(1, harmonics, generator=torch.Generator().manual_seed(SOURCE_SEED))
@@ -224,26 +267,54 @@ class CausalHiFTGenerator(HiFTGenerator):
         while len(self._noise_blocks) * _NOISE_BLOCK < samples:
             generator = torch.Generator().manual_seed(SOURCE_SEED + 1 + len(self._noise_blocks))
             self._noise_blocks.append(torch.rand(1, _NOISE_BLOCK, harmonics, generator=generator))
-        noise = torch.cat(self._noise_blocks, dim=1)[:, :samples]
+        first_block = start // _NOISE_BLOCK
+        blocks = self._noise_blocks[first_block : -(-samples // _NOISE_BLOCK)]
+        offset = first_block * _NOISE_BLOCK
+        noise = torch.cat([torch.zeros(1, 0, harmonics), *blocks], dim=1)[:, start - offset : samples - offset]
         return FixedSourceDraws(self._initial_phase.to(self.device), noise.to(self.device))
 
-    def source_from_draws(self, f0: Tensor, draws: Sine2Draws | FixedSourceDraws) -> Tensor:
-        """f0: [B, T] Hz per frame -> source [B, 1, T*hop] fp32 from the given draws (see `fixed_source_draws`)."""
-        return super().source_from_draws(f0, Sine2Draws(*draws))
+    def fixed_source(self, f0: Tensor, first_frame: int = 0) -> Tensor:
+        """f0: [B, T] Hz per frame -> the source of frames first_frame .. T - 1 from the fixed draws."""
+        hop = self.config.hop
+        return self.source_from_draws(f0, self.fixed_source_draws(f0.shape[-1] * hop, first_frame * hop), first_frame)
 
-    def decode(self, mel: Tensor, source: Tensor, lengths: Tensor | None = None, finalize: bool = True) -> Tensor:
-        """mel: [B, in_channels, T], source: [B, 1, T*hop], lengths: [B] frames (default all T)
-        -> waveform [B, T*hop] fp32 clamped to +-audio_limit, 0 past each item's samples: lengths*hop, or with
-        finalize=False (the last conv_pre_look_right frames are look-ahead only) (lengths - look_right - 1)*hop.
+    def source_from_draws(self, f0: Tensor, draws: Sine2Draws | FixedSourceDraws, first_frame: int = 0) -> Tensor:
+        """f0: [B, T] Hz per frame -> source [B, 1, (T - first_frame) * hop] fp32 of frames first_frame .. T - 1,
+        from the given draws (`draws.noise` [B, (T - first_frame) * hop, harmonics + 1]: those samples' noise).
+
+        The official SineGen2 with nearest phase upsampling, computed per frame: its down-interpolation reads the
+        two middle samples of each frame, which hold the frame's own f0, so the frame phase is the cumulative sum
+        of each frame's cycles (the same float operations; the initial phase, added at sample 0 only, is never
+        read). Hence the frames from `first_frame` on equal the whole call's, for a sum over the earlier frames.
+        """
+        sine, hop = self.m_source.l_sin_gen, self.config.hop
+        f0 = f0.float()
+        multiples = torch.arange(1, sine.harmonics + 1, device=f0.device, dtype=f0.dtype)[None, :, None]
+        cycles = (f0[:, None, :] * multiples / sine.sampling_rate) % 1
+        frame_phase = (torch.cumsum(cycles, dim=-1) * 2 * math.pi)[:, :, first_frame:]
+        f0_samples = f0[:, first_frame:].repeat_interleave(hop, dim=-1)
+        phase = (frame_phase * hop).repeat_interleave(hop, dim=-1)
+        return self.m_source.merge(sine.excitation(phase, f0_samples, draws.noise.transpose(1, 2)))
+
+    def decode(
+        self, mel: Tensor, source: Tensor, lengths: Tensor | None = None, finalize: bool | Tensor = True
+    ) -> Tensor:
+        """mel: [B, in_channels, T], source: [B, 1, T*hop], lengths: [B] frames (default all T), finalize: for all
+        items or per item ([B] bool) -> waveform [B, T*hop] fp32 clamped to +-audio_limit, 0 past each item's
+        samples: lengths*hop, or with finalize False (the last conv_pre_look_right frames are look-ahead only)
+        (lengths - look_right - 1)*hop.
         """
         lengths = self._checked_lengths(mel, lengths)
         config = self.config
         batch, _, frames = mel.shape
         if source.shape != (batch, 1, frames * config.hop):
             raise InvalidInputError(f"source must be [{batch}, 1, {frames * config.hop}], got {tuple(source.shape)}")
-        look_right = 0 if finalize else config.conv_pre_look_right
-        if bool((lengths <= look_right + (0 if finalize else 1)).any()):
-            raise InvalidInputError(f"with finalize=False each mel needs more than {look_right + 1} frames")
+        final = torch.as_tensor(finalize, dtype=torch.bool, device=lengths.device).expand(batch)
+        look_right = torch.where(final, 0, config.conv_pre_look_right)
+        held = self.held_frames(final)
+        if bool((lengths <= held).any()):
+            needed = config.conv_pre_look_right + 1
+            raise InvalidInputError(f"with finalize=False each mel needs more than {needed} frames")
         spectrum_frames = frames * config.hop // config.istft_hop + 1
         source_spectrum = self._source_spectrum(source[:, 0], lengths * config.hop, spectrum_frames)
 
@@ -266,10 +337,17 @@ class CausalHiFTGenerator(HiFTGenerator):
             x = total / kernels
         x = self.conv_post(F.leaky_relu(x, _FINAL_LRELU_SLOPE))
         speech = self._waveform(x, stage_lengths)
-        if finalize:
-            return speech
-        kept = (lengths - look_right - 1) * config.hop  # the last hop of samples lacks its iSTFT overlap
-        return speech * _length_mask(kept, speech.shape[-1], speech.dtype)[:, 0]
+        return speech * _length_mask((lengths - held) * config.hop, speech.shape[-1], speech.dtype)[:, 0]
+
+    def held_frames(self, finalize: Tensor) -> Tensor:
+        """[B] bool -> [B] mel frames at the end whose samples decode() does not give: none when finalizing, else
+        the look-ahead frames and one more, the last hop of samples, which lacks its iSTFT overlap."""
+        return torch.where(finalize, 0, self.config.conv_pre_look_right + 1)
+
+    def start_stream(self) -> VocoderStream:
+        """The state of an utterance to be vocoded chunk by chunk (`continue_streams`), before its first chunk."""
+        mel = torch.zeros(self.config.in_channels, 0, device=self.device)
+        return VocoderStream(mel=mel, f0=mel.new_zeros(0))
 
     @torch.inference_mode()
     def inference(
@@ -282,8 +360,6 @@ class CausalHiFTGenerator(HiFTGenerator):
         A waveform that is not finite at reduced precision (from a finite mel) is computed again in fp32 (see
         engine.precision.recompute_non_finite).
         """
-        if not mels:
-            return []
         config = self.config
         needed = 1 if finalize else F0_LOOKAHEAD + config.conv_pre_look_right + 2
         for mel in mels:
@@ -291,21 +367,54 @@ class CausalHiFTGenerator(HiFTGenerator):
                 raise InvalidInputError(
                     f"each mel must be [{config.in_channels}, T >= {needed}], got {tuple(mel.shape)}"
                 )
-        device, hop = self.device, config.hop
-        f0 = [self.f0_predictor(mel[None].to(device), finalize)[0] for mel in mels]  # per item, see predict_f0
-        sources = [self.source_from_draws(f[None], self.fixed_source_draws(len(f) * hop)) for f in f0]
-        lengths = torch.tensor([len(f) for f in f0], device=device)
-        width = int(lengths.max())
-        batch = torch.stack(
-            [F.pad(mel[:, : len(f)].to(device), (0, width - len(f))) for mel, f in zip(mels, f0, strict=True)]
-        )
-        source = torch.cat([F.pad(s, (0, (width - s.shape[-1] // hop) * hop)) for s in sources])
-        speech = self.decode(batch, source, lengths, finalize)
-        samples = lengths * hop if finalize else (lengths - config.conv_pre_look_right - 1) * hop
+        waves = self.continue_streams([self.start_stream() for _ in mels], mels, [finalize] * len(mels))
         return recompute_non_finite(
             "vocoder",
-            [speech[i, :n] for i, n in enumerate(samples.tolist())],
+            waves,
             self.conv_pre.bias.dtype,
             lambda index: self.inference([mels[index]], finalize=finalize)[0],
             inputs=mels,
         )
+
+    @torch.inference_mode()
+    def continue_streams(self, streams: list[VocoderStream], mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
+        """Append each stream's new mel frames ([in_channels, n_i], n_i >= 0) and return its new samples [N_i] fp32:
+        what the official streaming call, inference() over every frame so far with `finalize`, yields past the
+        samples already returned. The streams advance; all of them go through decode() as one batch.
+
+        Only a window is decoded: the frames from `decode_history_frames` before the first new sample on (each
+        stream keeps them), with the source of those frames from the f0 of all (the source phase sums over them).
+        A stream whose frames are all sent (or that has none) gets no samples.
+        """
+        if not streams:
+            return []
+        device, hop = self.device, self.config.hop
+        history = decode_history_frames(self.config)
+        windows, tracks = [], []
+        for stream, mel, final in zip(streams, mels, finalize, strict=True):
+            window = torch.cat([stream.mel, mel.to(device, stream.mel.dtype)], dim=1)
+            new_f0 = self.f0_predictor(window[None], final)[0] if window.shape[1] else window.new_zeros(0)
+            # f0 of a frame depends on the F0_HISTORY frames before it: the window starts early enough for the new
+            # frames' (earlier frames keep the values they had; the whole call computes them alike)
+            tracks.append(torch.cat([stream.f0, new_f0[len(stream.f0) - stream.first_frame :].float()]))
+            windows.append(window)
+        lengths = [len(track) - stream.first_frame for track, stream in zip(tracks, streams, strict=True)]
+        live = [i for i, n in enumerate(lengths) if n > 0]
+        outputs = [torch.zeros(0, device=device) for _ in streams]
+        if live:
+            width = max(lengths[i] for i in live)
+            batch = torch.stack([F.pad(windows[i][:, : lengths[i]], (0, width - lengths[i])) for i in live])
+            sources = [self.fixed_source(tracks[i][None], streams[i].first_frame) for i in live]
+            source = torch.cat([F.pad(s, (0, width * hop - s.shape[-1])) for s in sources])
+            final = torch.tensor([finalize[i] for i in live], device=device)
+            frame_counts = torch.tensor([lengths[i] for i in live], device=device)
+            speech = self.decode(batch, source, frame_counts, final)
+            ends = ((frame_counts - self.held_frames(final)) * hop).tolist()
+            for row, i in enumerate(live):
+                outputs[i] = speech[row, streams[i].samples_sent - streams[i].first_frame * hop : ends[row]]
+        for stream, window, track, output in zip(streams, windows, tracks, outputs, strict=True):
+            stream.samples_sent += len(output)
+            first = max(stream.first_frame, min(stream.samples_sent // hop - history, len(track) - F0_HISTORY))
+            stream.mel = window[:, first - stream.first_frame :]
+            stream.first_frame, stream.f0 = first, track
+        return outputs

@@ -108,6 +108,27 @@ class TokenEvent:
     logprobs: Tensor  # [llm_decoder outputs] fp32: the scores sampled from (log-softmax, EOS -inf before min_len)
 
 
+MAX_SILENT_RUN = 5  # the official llm_job's max_silent_token_num
+
+
+@dataclass
+class SilentRunFilter:
+    """What the official `llm_job` passes from the LLM to the flow: a silent token (one of `silent_tokens`, the
+    family's silent/breath codes) is dropped once more than MAX_SILENT_RUN of them come in a row. The LLM itself
+    still sees every token it sampled."""
+
+    silent_tokens: frozenset[int]
+    run: int = 0  # silent tokens in a row so far
+
+    def keep(self, token: int) -> bool:
+        """Whether the flow gets `token`, the next one the LLM yielded."""
+        self.run = self.run + 1 if token in self.silent_tokens else 0
+        return self.run <= MAX_SILENT_RUN
+
+    def filter(self, tokens: list[int]) -> list[int]:
+        return [token for token in tokens if self.keep(token)]
+
+
 class DecodingConfig(Protocol):
     llm_input_size: int
     sampling: SamplingOptions  # the default of requests that bring no options

@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pad_sequence
 from engine.errors import InvalidInputError, NonFiniteOutputError
 from engine.flow import FlowRequest
 from engine.frontend import ENDOFPROMPT
-from engine.llm import GenerationRequest
+from engine.llm import GenerationRequest, SilentRunFilter
 from engine.loader import LoadedModel, load_model
 from engine.sampling import SamplingOptions
 from engine.streaming import DecodeStream
@@ -281,9 +281,18 @@ class SpeechDecoderStage:
         return self.model.llm.generate(self.generation_requests(segments))
 
     def tokens_to_mel(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-        requests = [self.flow_request(s, t) for s, t in zip(segments, tokens, strict=True)]
+        """The mel of each segment's LLM tokens (the family's long silent runs dropped first, as officially)."""
+        requests = [self.flow_request(s, self.flow_tokens(t)) for s, t in zip(segments, tokens, strict=True)]
         mels = self.model.flow.inference(requests)
         return [self.apply_speed(mel, s.speed) for mel, s in zip(mels, segments, strict=True)]
+
+    def flow_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The LLM's tokens [N] as the flow gets them: the official `llm_job` drops the family's silent tokens
+        past a run of 5 (streaming drops the same ones, token by token)."""
+        silent = self.model.config.family.silent_tokens
+        if not silent:
+            return tokens
+        return torch.tensor(SilentRunFilter(silent).filter(tokens.tolist()), dtype=torch.long)
 
     @staticmethod
     def apply_speed(mel: torch.Tensor, speed: float) -> torch.Tensor:

@@ -12,13 +12,22 @@ family (`engine.families`) names its `ChunkStrategy`: when a stream has a chunk 
   training chunks counted from the prompt. Hops grow 25 -> 50 -> 100 tokens.
 - Both: the vocoder gets the last mel frames and source samples of the previous chunk in front of the new
   ones (HiFT cache), and the cached tail of the previous waveform is cross-faded into the new one.
-A family without a strategy (CosyVoice3, for now) refuses streaming with an `InvalidInputError`.
+- `CausalPrefixRerunChunks` (CosyVoice3, `CosyVoice2Model.tts` with `CosyVoice3Model.token2wav`): the v2 chunks
+  and flow calls (the DiT's 50-frame attention chunks are 25 tokens); no HiFT cache and no cross-fade: the
+  causal vocoder runs again over all the mel so far (`finalize=False` but for the last chunk, so the look-ahead
+  frames' samples wait for the next chunk) and the chunk is what it gives past the samples already sent. The
+  engine re-runs only the window that can change those samples (`CausalHiFTGenerator.continue_streams`), so a
+  chunk costs the same at any point of a long utterance. Speed other than 1 is refused, as officially.
+Tokens reach the flow as in the official `llm_job`: a family's silent tokens are dropped past a run of 5
+(`engine.llm.SilentRunFilter`; the whole-utterance path drops the same ones).
+A family without a strategy refuses streaming with an `InvalidInputError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,7 +37,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import InvalidInputError, NonFiniteOutputError
 from engine.flow import mel_frames
-from engine.llm import TokenEvent, TokenGenerator
+from engine.hift_v3 import VocoderStream
+from engine.llm import SilentRunFilter, TokenEvent, TokenGenerator
 from engine.sampling import make_generator
 
 
@@ -62,6 +72,7 @@ class _Stream:
     hop: int
     noise: torch.Generator
     source: torch.Generator
+    silent: SilentRunFilter  # drops the tokens the flow never gets
     new_tokens: list[int] = field(default_factory=list)  # overlapping: not yet sent to the flow; prefix: all so far
     token_offset: int = 0  # prefix: tokens whose audio has been sent
     tokens_done: bool = False
@@ -71,6 +82,7 @@ class _Stream:
     hift_mel: Tensor | None = None  # [80, mel_cache]
     hift_source: Tensor | None = None  # [1, source_cache]
     hift_speech: Tensor | None = None  # [source_cache]
+    vocoder: VocoderStream | None = None  # re-run: the causal vocoder's window of the mel so far
 
 
 @dataclass
@@ -84,6 +96,8 @@ class _Chunk:
 class ChunkStrategy:
     """How one model family streams: when a stream has a chunk (`next_chunk`), how a batch of chunks becomes mel
     (`chunk_mels`); the mel cross-fade and the cached vocoding (`stitch_mel`, `vocode`) are shared."""
+
+    streams_speed: ClassVar[bool] = True  # speed != 1 stretches each chunk's mel (CosyVoice3 refuses it, as officially)
 
     def __init__(self, decoder, schedule: StreamSchedule) -> None:
         # decoder: engine.pipeline.SpeechDecoderStage
@@ -215,11 +229,14 @@ class OverlappingChunks(ChunkStrategy):
 class CausalPrefixChunks(ChunkStrategy):
     """CosyVoice2: the causal flow over the whole token prefix, hops aligned with its training chunks."""
 
+    hift_cache_frames: ClassVar[int] = 8  # the official v2 HiFT cache: 160 ms
+
     def __init__(self, decoder) -> None:
-        flow, mel_cache = decoder.model.config.flow, 8  # the official v2 HiFT cache: 160 ms
+        flow, mel_cache = decoder.model.config.flow, self.hift_cache_frames
+        chunk_tokens = self.training_chunk_tokens(flow)
         schedule = StreamSchedule(
-            token_hop=flow.encoder_chunk_size,  # must equal the flow's training chunk size
-            token_max_hop=4 * flow.encoder_chunk_size,
+            token_hop=chunk_tokens,  # must equal the flow's training chunk size
+            token_max_hop=4 * chunk_tokens,
             hop_growth=2.0,
             token_overlap=0,
             mel_overlap=0,
@@ -229,6 +246,11 @@ class CausalPrefixChunks(ChunkStrategy):
             frames_per_token=flow.token_mel_ratio,
         )
         super().__init__(decoder, schedule)
+
+    @staticmethod
+    def training_chunk_tokens(flow) -> int:
+        """Tokens per static chunk of the causal flow's training (flow: its config), the first hop."""
+        return flow.encoder_chunk_size
 
     def next_chunk(self, stream: _Stream) -> _Chunk | None:
         """The whole token prefix up to the next hop plus the look-ahead, or everything once generation ends."""
@@ -264,6 +286,31 @@ class CausalPrefixChunks(ChunkStrategy):
         return mels
 
 
+class CausalPrefixRerunChunks(CausalPrefixChunks):
+    """CosyVoice3: the CosyVoice2 chunks and flow calls; the causal vocoder re-runs over the mel so far and each
+    chunk is its output past the samples already sent (no HiFT cache, no cross-fade, no speed change)."""
+
+    streams_speed = False  # official: "speed change only support non-stream inference mode"
+    hift_cache_frames = 0
+
+    @staticmethod
+    def training_chunk_tokens(flow) -> int:
+        """The DiT's static attention chunk (50 mel frames in the released model), in tokens."""
+        return flow.estimator.static_chunk_size // flow.token_mel_ratio
+
+    def stitch_mel(self, chunk: _Chunk, mel: Tensor) -> Tensor:
+        """Nothing to stitch: the vocoder keeps the mel so far itself."""
+        return mel
+
+    def vocode(self, chunks: list[_Chunk], mels: list[Tensor]) -> list[Tensor]:
+        """The vocoder over each stream's mel so far (one batch), the samples past those already sent."""
+        hift = self.decoder.model.hift
+        for chunk in chunks:
+            if chunk.stream.vocoder is None:
+                chunk.stream.vocoder = hift.start_stream()
+        return hift.continue_streams([c.stream.vocoder for c in chunks], mels, [c.final for c in chunks])
+
+
 class DecodeStream:
     """Iterate to advance every segment; each step yields one entry per segment, in order: a float32
     numpy chunk of new audio (often empty), a `NonFiniteOutputError` that ends that segment, or None once
@@ -286,11 +333,17 @@ class DecodeStream:
 
     def add(self, segment) -> _Stream:
         """Start streaming one more segment: its tokens are generated from the next step of `self.llm` on."""
+        family = self.decoder.model.config.family
         if self.strategy is None:
-            family = self.decoder.model.config.family.name
             raise InvalidInputError(
-                f"{family} models cannot stream yet: their chunk schedule and chunked flow and vocoder are not "
+                f"{family.name} models cannot stream yet: their chunk schedule and chunked flow and vocoder are not "
                 "built; send the request whole (not streamed)"
+            )
+        if segment.speed != 1.0 and not self.strategy.streams_speed:
+            raise InvalidInputError(
+                f"{family.name} streams at speed 1.0 only, as the official code (its vocoder re-runs over the mel so "
+                f"far, which a per-chunk stretch would change); got speed {segment.speed:g}: send speed 1.0, or the "
+                "request whole (not streamed)"
             )
         [request] = self.decoder.generation_requests([segment])
         device = self.decoder.model.decoder_device
@@ -300,6 +353,7 @@ class DecodeStream:
             hop=self.strategy.schedule.token_hop,
             noise=make_generator(segment.sampling.seed),
             source=torch.Generator(device=device).manual_seed(segment.sampling.seed),
+            silent=SilentRunFilter(family.silent_tokens),
         )
         self.streams.append(stream)
         self._by_llm_id[stream.llm_id] = stream
@@ -349,7 +403,7 @@ class DecodeStream:
             stream = self._by_llm_id.get(event.request_id)
             if stream is None:
                 continue
-            if event.token is not None:
+            if event.token is not None and stream.silent.keep(event.token):
                 stream.new_tokens.append(event.token)
             stream.tokens_done = stream.tokens_done or event.finish_reason is not None
 

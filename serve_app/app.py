@@ -237,18 +237,28 @@ def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
         )
 
 
-def openai_mode(stream_format: str, response_format: str, info: dict[str, Any]) -> Mode:
+def streams_at(info: dict[str, Any], speed: float) -> bool:
+    """Whether the model's family streams a request at `speed` (CosyVoice3, as the official code, at 1.0 only)."""
+    return info["streaming"] and (speed == 1.0 or info["streaming_speed"])
+
+
+def openai_mode(stream_format: str, response_format: str, info: dict[str, Any], speed: float) -> Mode:
     """How an OpenAI speech request is answered: "sse" events, else a streamed body ("stream", OpenAI's default),
-    or the whole file where the format or the model's family cannot stream."""
+    or the whole file where the format, or the model's family at this speed, cannot stream."""
     if stream_format == "sse":
         return "sse"
-    return "stream" if audio_format(response_format).streamable and info["streaming"] else "whole"
+    return "stream" if audio_format(response_format).streamable and streams_at(info, speed) else "whole"
 
 
-def check_streams(info: dict[str, Any]) -> None:
-    """InvalidInputError (400) for a streamed request to a model whose family cannot stream (yet)."""
+def check_streams(info: dict[str, Any], speed: float) -> None:
+    """InvalidInputError (400) for a streamed request that the model's family cannot stream (at this speed)."""
     if not info["streaming"]:
         raise InvalidInputError(f"{info['family']} models cannot stream yet: send the request with stream false")
+    if not streams_at(info, speed):
+        raise InvalidInputError(
+            f"{info['family']} streams at speed 1.0 only, as the official code: send speed 1.0, or the request "
+            "with stream false"
+        )
 
 
 @serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)
@@ -387,7 +397,7 @@ class TTSIngress:
             instruct_text=body.instructions,
             speed=body.speed,
         )
-        mode = openai_mode(body.stream_format, body.response_format, await self.model_info())
+        mode = openai_mode(body.stream_format, body.response_format, await self.model_info(), body.speed)
         return await self.respond(request, body.response_format, mode, http)
 
     async def resolve_voice(self, voice: str) -> str:
@@ -420,7 +430,7 @@ class TTSIngress:
         fmt = audio_format(format_name, streaming=mode == "stream")
         info = await self.model_info()
         if mode == "stream":
-            check_streams(info)
+            check_streams(info, request.speed)
         if request.instruct_text is not None:
             check_follows_instructions(info, request.voice)
         request = request.validated()
@@ -428,9 +438,10 @@ class TTSIngress:
         sample_rate = info["sample_rate"]
         timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
         logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
-        # whole, or sse of a format (or model) that cannot stream: one event, at the end
-        if mode == "whole" or not (fmt.streamable and info["streaming"]):
-            if len(request.text) > self.limits.long_text_chars and info["streaming"]:
+        # whole, or sse of a format (or model, at this speed) that cannot stream: one event, at the end
+        streams = streams_at(info, request.speed)
+        if mode == "whole" or not (fmt.streamable and streams):
+            if len(request.text) > self.limits.long_text_chars and streams:
                 audio = np.concatenate([chunk async for chunk in self.stream_audio(segments, request_id)])
             else:
                 decoder = self.router.handle()

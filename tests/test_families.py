@@ -1,8 +1,9 @@
 """The model-family registry (engine.families): each family is found from its yaml's LLM class, an unknown class
-or a misnamed config is refused by name, and what a family has not built (CosyVoice3 streaming) is refused clearly."""
+or a misnamed config is refused by name, and what a family has not built (a streaming strategy) is refused clearly."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from engine.loader import PRESETS, PRESETS_DIR, ModelConfig, load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.sampling import SamplingOptions
 from engine.scheduler import Scheduler
-from engine.streaming import DecodeStream
+from engine.streaming import CausalPrefixChunks, CausalPrefixRerunChunks, DecodeStream, OverlappingChunks
 
 PRESET_FAMILIES = {"tiny": COSYVOICE1, "cosyvoice2-tiny": COSYVOICE2, "cosyvoice3-tiny": COSYVOICE3}
 
@@ -123,13 +124,28 @@ def test_only_cosyvoice3_has_a_system_prompt_and_a_caller_may_replace_it() -> No
         COSYVOICE2.voice_rules.with_system_prompt("You read the news.", COSYVOICE2.name)
 
 
-@pytest.fixture(scope="module")
-def v3_decoder() -> SpeechDecoderStage:
-    return SpeechDecoderStage(load_model("cosyvoice3-tiny", components=("decoder",)))
+def test_streaming_strategy_and_silent_tokens_per_family() -> None:
+    assert (COSYVOICE1.streaming, COSYVOICE2.streaming) == (OverlappingChunks, CausalPrefixChunks)
+    assert COSYVOICE3.streaming is CausalPrefixRerunChunks
+    assert COSYVOICE1.silent_tokens == COSYVOICE2.silent_tokens == frozenset()  # official: [] before CosyVoice3
+    assert COSYVOICE3.silent_tokens == {1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323}
 
 
-def test_cosyvoice3_streaming_is_refused_with_a_clear_400(v3_decoder: SpeechDecoderStage) -> None:
-    config = v3_decoder.model.config
+@pytest.fixture
+def decoder_without_streaming(monkeypatch: pytest.MonkeyPatch) -> SpeechDecoderStage:
+    """The v3 preset's decoder as a family without a streaming strategy would have it."""
+    decoder = SpeechDecoderStage(load_model("cosyvoice3-tiny", components=("decoder",)))
+    config = decoder.model.config
+    family = dataclasses.replace(COSYVOICE3, streaming=None)
+    monkeypatch.setattr(decoder.model, "config", dataclasses.replace(config, family=family))
+    return decoder
+
+
+def test_a_family_without_a_streaming_strategy_refuses_streams_with_a_clear_400(
+    decoder_without_streaming: SpeechDecoderStage,
+) -> None:
+    decoder = decoder_without_streaming
+    config = decoder.model.config
     segment = EncodedSegment(
         text_encoded=np.zeros((4, config.llm.qwen.hidden_size), dtype=np.float32),
         text_len=2,
@@ -142,11 +158,11 @@ def test_cosyvoice3_streaming_is_refused_with_a_clear_400(v3_decoder: SpeechDeco
         speed=1.0,
     )
     with pytest.raises(InvalidInputError, match=r"^CosyVoice3 models cannot stream yet: .* the request whole") as e:
-        v3_decoder.open_stream([segment])
+        decoder.open_stream([segment])
     assert e.value.http_status == 400
     # a decoder loop still builds its (empty) stream for every family, and a refused segment takes no LLM row
-    stream = DecodeStream(v3_decoder, [])
+    stream = DecodeStream(decoder, [])
     with pytest.raises(InvalidInputError, match="cannot stream yet"):
         stream.add(segment)
     assert stream.llm.batch_size == 0 and stream.emit() == [] and stream.finished
-    assert Scheduler(v3_decoder, max_live=2).streams.strategy is None
+    assert Scheduler(decoder, max_live=2).streams.strategy is None

@@ -1,7 +1,8 @@
 """End-to-end parity of the streaming path (`engine.streaming.DecodeStream`) with the official streaming loop
 `CosyVoiceModel.tts(stream=True)` (v1: flow cache, mel and speech cross-fades, HiFT cache) and
 `CosyVoice2Model.tts(stream=True)` (v2: the chunk loop with its padded first hop and the final chunk), on every
-`stream` case of the kits. The official random draws (v1's CFM start noise, the HiFT source) are replayed.
+`stream` case of the v1 and v2 kits. The official random draws (v1's CFM start noise, the HiFT source) are
+replayed. CosyVoice3's loop (a vocoder re-run instead of the HiFT cache): test_parity_stream_v3.py.
 """
 
 from __future__ import annotations
@@ -28,30 +29,33 @@ SPEECH_ATOL = {1: 1e-4, 2: 5e-4}
 
 
 @pytest.fixture(scope="module")
-def decoder(each_kit: Path) -> SpeechDecoderStage:
-    return SpeechDecoderStage(load_model(each_kit / "model", components=("decoder",), cpu_packing=False))
+def decoder(v1_v2_kit: Path) -> SpeechDecoderStage:
+    return SpeechDecoderStage(load_model(v1_v2_kit / "model", components=("decoder",), cpu_packing=False))
 
 
 @pytest.fixture(scope="module")
-def stream_cases(each_kit: Path) -> list[dict[str, Any]]:
-    return kit_group(torch.load(each_kit / "cases.pt", weights_only=True), "stream")
+def stream_cases(v1_v2_kit: Path) -> list[dict[str, Any]]:
+    return kit_group(torch.load(v1_v2_kit / "cases.pt", weights_only=True), "stream")
 
 
 def segment_of(decoder: SpeechDecoderStage, case: dict[str, Any]) -> EncodedSegment:
-    """The case's official call as an encoded segment: zero-shot, greedy, the case's length ratios."""
+    """The case's official call as an encoded segment: greedy, the case's length ratios; zero-shot (the v1/v2 kits
+    give the LLM and the flow the same prompt and speaker, the v3 kit names each: `llm_...`, `flow_...`)."""
     text = torch.cat([case["prompt_text"], case["text"]], dim=1).long()
     with torch.inference_mode():
         encoded = decoder.model.llm.encode_text(text, torch.tensor([text.shape[1]]))[0]
-    embedding = case["embedding"][0].numpy()
-    prompt_tokens = case["prompt_speech_token"][0].long().numpy()
+
+    def recorded_as(name: str, v3_name: str) -> np.ndarray:
+        return case[v3_name if v3_name in case else name][0].numpy()
+
     return EncodedSegment(
         text_encoded=encoded.float().numpy(),
         text_len=case["text"].shape[1],
-        llm_embedding=embedding,
-        flow_embedding=embedding,
-        llm_prompt_speech_tokens=prompt_tokens,
-        flow_prompt_speech_tokens=prompt_tokens,
-        prompt_feat=case["prompt_feat"][0].numpy(),
+        llm_embedding=recorded_as("embedding", "llm_embedding"),
+        flow_embedding=recorded_as("embedding", "flow_embedding"),
+        llm_prompt_speech_tokens=recorded_as("prompt_speech_token", "llm_prompt_speech_token").astype(np.int64),
+        flow_prompt_speech_tokens=recorded_as("prompt_speech_token", "flow_prompt_speech_token").astype(np.int64),
+        prompt_feat=recorded_as("prompt_feat", "prompt_speech_feat"),
         sampling=SamplingOptions(
             greedy=True,
             seed=0,

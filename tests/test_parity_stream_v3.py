@@ -1,26 +1,36 @@
-"""The CosyVoice3 streaming loop (`CosyVoice3Model.tts(stream=True)`) recorded in the v3 kit's `stream` group,
-checked piece by piece against what the engine has: the LLM's tokens, the DiT flow over each chunk's token
-prefix with the chunk's streaming/finalize flags, and the causal HiFT re-run over the accumulated mel, cut at the
-chunk's speech offset. (The chunk loop itself, with its silent-token filter, is not in the engine yet.)
+"""The CosyVoice3 streaming loop (`CosyVoice3Model.tts(stream=True)`) recorded in the v3 kit's `stream` group:
+first piece by piece (the LLM's tokens, the DiT flow over each chunk's token prefix with the chunk's
+streaming/finalize flags, the causal HiFT re-run over the accumulated mel cut at the chunk's speech offset), then
+end to end through the engine's loop (`engine.streaming.DecodeStream`, the scheduler's continuous-batching loop)
+and its whole-utterance path, silent-token filter included.
 
 The official HiFT source comes from fixed buffers drawn at model build; the kit records the source of the last
-(longest) HiFT call of each stream, and every earlier call's source is its prefix.
+(longest) HiFT call of each stream, and every earlier call's source is its prefix: the end-to-end tests replay it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
 from test_parity_llm import kit_request
+from test_parity_stream import segment_of
+from test_scheduler import Collected
 
 from engine.flow import FlowRequest
 from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
 from engine.hift_v3 import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator
+from engine.llm import GenerationRequest, TokenEvent
 from engine.llm_v3 import CosyVoice3LM, CosyVoice3LMConfig
+from engine.loader import load_model
+from engine.pipeline import SpeechDecoderStage
+from engine.scheduler import Scheduler
+from engine.streaming import DecodeStream
 
 MEL_ATOL = 1e-4  # as the flow parity test (measured within a few 1e-6)
 SPEECH_ATOL = 1e-4  # as the HiFT parity test
@@ -159,3 +169,163 @@ def test_inference_sample_counts_follow_the_speech_offsets(
             mel = case["hift_mel"][0, :, : chunk["hift_frames"]]
             (speech,) = hift.inference([mel], finalize=bool(chunk["finalize"]))
             assert len(speech) == chunk["speech_offset"] + chunk["speech"].shape[1], f"{case['name']} chunk {k}"
+
+
+# --- the engine's loop end to end -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder(kit: Path) -> SpeechDecoderStage:
+    return SpeechDecoderStage(load_model(kit / "model", components=("decoder",), cpu_packing=False))
+
+
+class ScriptedTokens:
+    """Stands for the token generator where the official run replaced the LLM by a fixed list: one token per
+    step, then the stop."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.sent: int | None = None  # None: no request added
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.sent is not None and self.sent <= len(self.tokens))
+
+    def add(self, request: GenerationRequest) -> int:
+        self.sent = 0
+        return 0
+
+    def cancel(self, request_id: int) -> bool:
+        self.sent = len(self.tokens) + 1
+        return True
+
+    def step(self) -> list[TokenEvent]:
+        if self.sent is None or self.sent > len(self.tokens):
+            return []
+        self.sent += 1
+        if self.sent > len(self.tokens):
+            return [TokenEvent(0, None, "eos", torch.zeros(0))]
+        return [TokenEvent(0, self.tokens[self.sent - 1], None, torch.zeros(0))]
+
+
+def replay_official_source(hift: CausalHiFTGenerator, source: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A stand-in for `hift.fixed_source` that gives the recorded source's samples of the frames asked for."""
+    hop = hift.config.hop
+
+    def fixed_source(f0: torch.Tensor, first_frame: int = 0) -> torch.Tensor:
+        assert f0.shape[-1] * hop <= source.shape[-1], f"a source of {f0.shape[-1]} frames; recorded {source.shape}"
+        return source[:, :, first_frame * hop : f0.shape[-1] * hop].to(hift.device)
+
+    return fixed_source
+
+
+def pin_unvoiced_source(hift: CausalHiFTGenerator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the vocoder's source that of f0 0 everywhere (its fixed noise only), whatever the mel."""
+    fixed_source = hift.fixed_source
+    monkeypatch.setattr(hift, "fixed_source", lambda f0, first_frame=0: fixed_source(torch.zeros_like(f0), first_frame))
+
+
+def spy_flow(decoder: SpeechDecoderStage, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool, bool, Any]]:
+    """Record every flow call: (tokens, streaming, finalize, mel) of its one request."""
+    flow, calls = decoder.model.flow, []
+    inference = flow.inference
+
+    def recording(requests: list[FlowRequest], n_timesteps: int = 10, streaming: bool = False, finalize: bool = True):
+        mels = inference(requests, n_timesteps, streaming=streaming, finalize=finalize)
+        calls.extend((len(r.tokens), streaming, finalize, mel) for r, mel in zip(requests, mels, strict=True))
+        return mels
+
+    monkeypatch.setattr(flow, "inference", recording)
+    return calls
+
+
+def test_decode_stream_gives_the_official_chunks(
+    decoder: SpeechDecoderStage, stream_cases: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every case through DecodeStream: the chunks come at the official token counts with the official flow calls,
+    each chunk's audio is the official one, the silent run is dropped, and they join into the official stream."""
+    for case in stream_cases:
+        name, official = case["name"], chunks(case)
+        scripted = None if case["sampler"].startswith("greedy") else ScriptedTokens(case["llm_tokens"].tolist())
+        with monkeypatch.context() as patch:
+            flow_calls = spy_flow(decoder, patch)
+            patch.setattr(
+                decoder.model.hift, "fixed_source", replay_official_source(decoder.model.hift, case["hift_source"])
+            )
+            stream = DecodeStream(decoder, [segment_of(decoder, case)], llm=scripted)
+            audio = [out[0] for out in stream if out[0] is not None and len(out[0])]
+        assert stream.streams[0].new_tokens == case["out_tokens"].tolist(), name
+        assert len(audio) == len(flow_calls) == case["num_chunks"], name
+        for k, (chunk, (tokens, streaming, finalize, mel), expected) in enumerate(
+            zip(audio, flow_calls, official, strict=True)
+        ):
+            assert (tokens, streaming, finalize) == (
+                len(expected["tokens"]),
+                bool(expected["streaming"]),
+                bool(expected["finalize"]),
+            ), f"{name} {k}"
+            torch.testing.assert_close(mel, expected["flow_mel"][0], atol=MEL_ATOL, rtol=0, msg=f"{name} {k} mel")
+            assert chunk.shape == expected["speech"][0].shape, f"{name} chunk {k}: {chunk.shape} samples"
+            error = float(np.abs(chunk - expected["speech"][0].numpy()).max())
+            assert error <= SPEECH_ATOL, f"{name} chunk {k} speech: max abs error {error:.3g}"
+        np.testing.assert_allclose(np.concatenate(audio), case["speech"][0].numpy(), atol=SPEECH_ATOL, rtol=0)
+
+
+def test_whole_path_drops_the_same_silent_tokens_and_gives_the_official_audio(
+    decoder: SpeechDecoderStage, stream_cases: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The non-stream call (`tts(stream=False)`): the flow gets the filtered tokens of the LLM's, the audio is the
+    official whole audio."""
+    for case in stream_cases:
+        segment = segment_of(decoder, case)
+        (mel,) = decoder.tokens_to_mel([segment], [case["llm_tokens"]])
+        torch.testing.assert_close(mel, case["whole_mel"][0], atol=MEL_ATOL, rtol=0, msg=case["name"])
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                decoder.model.hift, "fixed_source", replay_official_source(decoder.model.hift, case["whole_source"])
+            )
+            (speech,) = decoder.vocode([segment], [mel])
+        np.testing.assert_allclose(
+            speech, case["whole_speech"][0].numpy(), atol=SPEECH_ATOL, rtol=0, err_msg=case["name"]
+        )
+    silent = next(case for case in stream_cases if len(case["llm_tokens"]) > len(case["out_tokens"]))
+    assert decoder.flow_tokens(silent["llm_tokens"]).tolist() == silent["out_tokens"].tolist()
+
+
+def test_streams_decoded_in_the_scheduler_loop_equal_them_decoded_alone(
+    decoder: SpeechDecoderStage, stream_cases: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two streams and a whole request in one continuous-batching loop, the second stream joining late so that
+    its chunks fall due with the first one's (one flow and one vocoder batch): each stream's chunks equal it
+    decoded alone.
+
+    The source is pinned to its unvoiced form (f0 0): the official causal source integrates f0 times the hop over
+    the utterance, so the float rounding of a batched flow (~2e-6 in the mel) reaches the phase and moves samples
+    by ~3e-4 (measured: a 1e-7 mel perturbation moves this kit's samples by 2.3e-4); with the source pinned, the
+    comparison sees what batching and scheduling do.
+    """
+    pin_unvoiced_source(decoder.model.hift, monkeypatch)
+    prompted, plain = (
+        next(case for case in stream_cases if case["sampler"].startswith("greedy") and bool(case[key].shape[1]) is has)
+        for key, has in (("flow_prompt_speech_token", True), ("flow_prompt_speech_token", False))
+    )
+    ends = [[len(chunk["tokens"]) for chunk in chunks(case)][:-1] for case in (prompted, plain)]
+    delay = ends[0][0] - ends[1][0]  # the plain stream's first chunk at the prompted one's first
+    assert delay > 0 and [end - delay for end in ends[0]] == ends[1], "the cases' chunks cannot coincide"
+    first, second = segment_of(decoder, prompted), segment_of(decoder, plain)
+    scheduler = Scheduler(decoder, max_live=4)
+    sinks = [Collected(), Collected(), Collected()]
+    scheduler.submit([first], streaming=True, sink=sinks[0])
+    scheduler.submit([second], streaming=False, sink=sinks[1])
+    for _ in range(delay):
+        scheduler.step()
+    scheduler.submit([second], streaming=True, sink=sinks[2])
+    while scheduler.has_work:
+        scheduler.step()
+    assert scheduler.stats.vocode_batch_size_counts[2] >= len(ends[1]), "the streams' chunks were not batched"
+    for segment, sink in ((first, sinks[0]), (second, sinks[2])):
+        alone = [out[0] for out in DecodeStream(decoder, [segment]) if out[0] is not None and len(out[0])]
+        assert [len(c) for c in sink.audio] == [len(c) for c in alone]
+        np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(alone), atol=SPEECH_ATOL, rtol=0)
+    (whole,) = decoder.decode_batch([second])
+    np.testing.assert_allclose(np.concatenate(sinks[1].audio), whole, atol=SPEECH_ATOL, rtol=0)

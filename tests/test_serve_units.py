@@ -120,15 +120,25 @@ def test_openai_voice_names_map_through_the_table() -> None:
         mapped_voice("echo", table, built_in)
 
 
-def test_a_streamed_request_to_a_family_that_cannot_stream_is_a_400() -> None:
-    check_streams({"family": "CosyVoice2", "streaming": True})
-    with pytest.raises(InvalidInputError, match=r"^CosyVoice3 models cannot stream yet: send the request with stream"):
-        check_streams({"family": "CosyVoice3", "streaming": False})
+V2_INFO = {"family": "CosyVoice2", "streaming": True, "streaming_speed": True}
+V3_INFO = {"family": "CosyVoice3", "streaming": True, "streaming_speed": False}  # speed only when whole
+NO_STREAMS = {"family": "Future", "streaming": False, "streaming_speed": False}
+
+
+def test_a_streamed_request_the_family_cannot_stream_is_a_400() -> None:
+    check_streams(V2_INFO, 1.5)
+    check_streams(V3_INFO, 1.0)
+    with pytest.raises(InvalidInputError, match=r"^Future models cannot stream yet: send the request with stream"):
+        check_streams(NO_STREAMS, 1.0)
+    with pytest.raises(InvalidInputError, match=r"^CosyVoice3 streams at speed 1.0 only, as the official code"):
+        check_streams(V3_INFO, 1.5)
 
 
 def test_openai_speech_is_sent_whole_where_the_format_or_the_family_cannot_stream() -> None:
-    streams, cannot = {"streaming": True}, {"streaming": False}
-    assert openai_mode("audio", "mp3", streams) == "stream"
-    assert openai_mode("audio", "flac", streams) == "whole"
-    assert openai_mode("audio", "mp3", cannot) == "whole"
-    assert openai_mode("sse", "mp3", cannot) == "sse"  # respond() then sends one event at the end
+    assert openai_mode("audio", "mp3", V2_INFO, 1.0) == "stream"
+    assert openai_mode("audio", "flac", V2_INFO, 1.0) == "whole"
+    assert openai_mode("audio", "mp3", NO_STREAMS, 1.0) == "whole"
+    assert openai_mode("sse", "mp3", NO_STREAMS, 1.0) == "sse"  # respond() then sends one event at the end
+    assert openai_mode("audio", "mp3", V2_INFO, 1.5) == "stream"  # v1/v2 stretch each chunk
+    assert openai_mode("audio", "mp3", V3_INFO, 1.0) == "stream"
+    assert openai_mode("audio", "mp3", V3_INFO, 1.5) == "whole"  # CosyVoice3 applies speed to whole requests only

@@ -93,6 +93,8 @@ class ModelFamily:
     # The LLM and flow overflow float16 (engine.precision.decoder_dtypes): `auto` gives them bfloat16 on a GPU that
     # has it natively.
     prefers_bfloat16: bool = False
+    # speech tokens the flow never gets past a run of 5 (the official llm_job: silent/breath codes)
+    silent_tokens: frozenset[int] = frozenset()
 
     def cloning_models(self) -> CloningModels:
         """The family's cloning models; CheckpointError when it has none."""

@@ -3,8 +3,8 @@
 The Qwen2 tokenizer with CosyVoice3's special tokens (`<|endofprompt|>` must be id 151646, which the LLM
 requires in every input), the official prompt convention (a system prompt ended by `<|endofprompt|>` before the
 transcript, the instruction or the text), instruct2, and cloning with `speech_tokenizer_v3.onnx` (25 Hz) and a
-24 kHz prompt mel without an upper band edge. Not built yet: streaming (refused with an InvalidInputError until a
-strategy is set).
+24 kHz prompt mel without an upper band edge. Streaming: the CosyVoice2
+chunks with the causal vocoder re-run (`CausalPrefixRerunChunks`); the official silent-token filter.
 """
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
 from engine.llm_v3 import ENDOFPROMPT_TOKEN, CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
 from engine.qwen2_llm import QWEN_DIR
 from engine.qwen_tokenizer import COSYVOICE3_SPECIAL_TOKENS, QWEN2_ENDOFTEXT_ID, QwenTokenizer
+from engine.streaming import CausalPrefixRerunChunks
 from engine.voice_cloning import CloningModels, PromptMelConfig
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # the official examples' system prompt
+
+# The official CosyVoice3Model.silent_tokens: FSQ codes of silence and breath in the 6561-token codebook
+SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 
 
 def _read_configs(tree: dict[str, Any], model_dir: Path) -> ModuleConfigs:
@@ -60,7 +64,7 @@ COSYVOICE3 = register(
         # instruct2 with the system prompt: "You are a helpful assistant. <instruction><|endofprompt|>"
         voice_rules=VoiceRules(instruct_keeps_voice_prompt=True, system_prompt=DEFAULT_SYSTEM_PROMPT),
         instruction_support=registered_voices_only,
-        streaming=None,  # the v3 streaming strategy (an engine.streaming.ChunkStrategy) goes here
+        streaming=CausalPrefixRerunChunks,
         cloning=CloningModels(
             version=3,
             speech_tokenizer_file="speech_tokenizer_v3.onnx",
@@ -71,5 +75,6 @@ COSYVOICE3 = register(
             frames_per_token=2,  # the flow repeats each token's lookahead output twice
         ),
         prefers_bfloat16=True,  # upstream reports NaN audio from its float16 DiT flow
+        silent_tokens=SILENT_TOKENS,
     )
 )
