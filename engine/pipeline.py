@@ -281,10 +281,18 @@ class SpeechDecoderStage:
         return self.model.llm.generate(self.generation_requests(segments))
 
     def tokens_to_mel(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The mel of each segment's LLM tokens (the family's long silent runs dropped first, as officially)."""
-        requests = [self.flow_request(s, self.flow_tokens(t)) for s, t in zip(segments, tokens, strict=True)]
-        mels = self.model.flow.inference(requests)
-        return [self.apply_speed(mel, s.speed) for mel, s in zip(mels, segments, strict=True)]
+        """The mel of each segment's LLM tokens (the family's long silent runs dropped first, as officially).
+
+        The LLM may stop before its first token: such a segment gets an empty mel [mel_bins, 0] (no flow call), and
+        so no audio, as its stream would.
+        """
+        flow_tokens = [self.flow_tokens(t) for t in tokens]
+        spoken = [i for i, t in enumerate(flow_tokens) if len(t)]
+        requests = [self.flow_request(segments[i], flow_tokens[i]) for i in spoken]
+        mels = [torch.zeros(self.model.config.mel_bins, 0, dtype=self.model.dtype) for _ in segments]
+        for i, mel in zip(spoken, self.model.flow.inference(requests) if requests else [], strict=True):
+            mels[i] = self.apply_speed(mel, segments[i].speed)
+        return mels
 
     def flow_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The LLM's tokens [N] as the flow gets them: the official `llm_job` drops the family's silent tokens
@@ -321,7 +329,15 @@ class SpeechDecoderStage:
     def vocode(
         self, segments: list[EncodedSegment], mels: list[torch.Tensor]
     ) -> list[np.ndarray | NonFiniteOutputError]:
-        waves = self.model.hift.inference(mels, seeds=[s.sampling.seed for s in segments])
+        """One waveform [N] float32 per mel, or its error; an empty mel gives empty audio (no vocoder call)."""
+        voiced = [i for i, mel in enumerate(mels) if mel.shape[-1]]
+        waves = [torch.zeros(0) for _ in mels]
+        if voiced:
+            made = self.model.hift.inference(
+                [mels[i] for i in voiced], seeds=[segments[i].sampling.seed for i in voiced]
+            )
+            for i, wave in zip(voiced, made, strict=True):
+                waves[i] = wave
         results: list[np.ndarray | NonFiniteOutputError] = []
         for wave in waves:
             audio = wave.float().cpu().numpy()

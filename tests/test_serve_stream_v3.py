@@ -1,8 +1,8 @@
 """CosyVoice3 streaming through the served app (Ray Serve, CPU): `POST /v1/tts` with `stream: true` and OpenAI's
 streamed `/v1/audio/speech`, and the speed rule (streamed at 1.0 only; OpenAI answers another speed whole).
 
-Served model: the v3 kit's model dir (its tokenizer has `<|endofprompt|>` = 151646, which the text must hold until
-the v3 prompt convention is built; the cosyvoice3-tiny preset's byte-level stand-in tokenizer has not)."""
+Served model: the v3 kit's model dir, whose greedy LLM gives a known token count; its text holds `<|endofprompt|>`,
+so it is taken as written (no system prompt added) and the engine's stream can be compared with the served one."""
 
 from __future__ import annotations
 
