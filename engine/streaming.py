@@ -133,7 +133,17 @@ class ChunkStrategy:
         return mel
 
     def vocode(self, chunks: list[_Chunk], mels: list[Tensor]) -> list[Tensor]:
-        """HiFT over the chunks with the cached source in front, then the waveform cross-fade."""
+        """HiFT over the chunks with the cached source in front, then the waveform cross-fade. A chunk without mel
+        frames (a stream whose LLM stopped before its first token, so nothing is cached either) gets no audio."""
+        voiced = [row for row, mel in enumerate(mels) if mel.shape[1]]
+        waves = [torch.zeros(0) for _ in chunks]
+        if voiced:
+            made = self._vocode_voiced([chunks[row] for row in voiced], [mels[row] for row in voiced])
+            for row, wave in zip(voiced, made, strict=True):
+                waves[row] = wave
+        return waves
+
+    def _vocode_voiced(self, chunks: list[_Chunk], mels: list[Tensor]) -> list[Tensor]:
         hift = self.decoder.model.hift
         device = self.decoder.model.decoder_device
         lengths = torch.tensor([m.shape[1] for m in mels])

@@ -55,8 +55,8 @@ class IngressMetrics:
         tags = {"endpoint": endpoint, "mode": mode}
         self.first_chunk.observe(first_chunk_s, tags)
         self.latency.observe(latency_s, tags)
-        self.audio_seconds.inc(audio_s, tags)
-        if audio_s > 0:
+        if audio_s > 0:  # a Ray Counter refuses 0 (an LLM that stops before its first token gives no audio)
+            self.audio_seconds.inc(audio_s, tags)
             self.real_time_factor.observe(latency_s / audio_s, tags)
 
 

@@ -211,6 +211,27 @@ def test_precision_fallbacks_are_counted_by_stage_and_outcome() -> None:
     ]
 
 
+class RecordingHistogram:
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.values.append(value)
+
+
+def test_a_synthesis_without_audio_is_counted_without_audio_seconds_or_rtf() -> None:
+    """A Ray Counter refuses an increment of 0: a request whose LLM stopped at once must not fail on its metrics."""
+    ingress = metrics.IngressMetrics.__new__(metrics.IngressMetrics)  # no Ray: the instruments are stand-ins
+    ingress.first_chunk, ingress.latency, ingress.real_time_factor = (RecordingHistogram() for _ in range(3))
+    ingress.audio_seconds = RecordingCounter()
+    ingress.record_synthesis("tts", "stream", first_chunk_s=0.1, latency_s=0.2, audio_s=0.0)
+    assert ingress.audio_seconds.calls == [] and ingress.real_time_factor.values == []
+    assert ingress.latency.values == [0.2]
+    ingress.record_synthesis("tts", "stream", first_chunk_s=0.1, latency_s=0.2, audio_s=0.4)
+    assert ingress.audio_seconds.calls == [{"endpoint": "tts", "mode": "stream"}]
+    assert ingress.real_time_factor.values == [0.5]
+
+
 # --- benchmarks -----------------------------------------------------------------------------------------
 
 

@@ -171,19 +171,3 @@ def test_decoder_health_check_runs_a_vocoder_pass_and_raises_its_fault(tts: Cosy
     finally:
         hook.remove()
     stage.check_health()  # healthy again once the fault is gone
-
-
-@pytest.mark.parametrize("preset", ["tiny", "cosyvoice2-tiny", "cosyvoice3-tiny"])
-def test_a_segment_whose_llm_stops_at_once_gets_empty_audio_beside_a_spoken_one(
-    preset: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An LLM may pick a stop id at its first step: that segment is silence (no flow or vocoder call for it, as its
-    stream gives no chunk), and the segment batched with it is decoded as alone."""
-    tts = CosyVoice.load(preset)
-    segments = tts.encoder.encode(SynthesisRequest("Hello there.", tts.voices[0], sampling=SamplingOptions(seed=3)))
-    alone = tts.decoder.decode_batch(segments)[0]
-    spoken = tts.decoder.generate_tokens(segments)[0]
-    monkeypatch.setattr(tts.decoder, "generate_tokens", lambda _: [torch.zeros(0, dtype=torch.long), spoken])
-    silent, batched = tts.decoder.decode_batch(segments * 2)
-    assert silent.dtype == np.float32 and silent.shape == (0,)
-    np.testing.assert_allclose(batched, alone, atol=1e-4, rtol=0)
