@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import ray
 from ray import serve
 
@@ -14,6 +16,17 @@ from benchmarks.http_bench import free_port
 from serve_app import build_app
 
 OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than the tiny model needs
+READY_TIMEOUT_S = 60.0
+
+
+def wait_until_healthy(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait for /healthz to answer 200, as a load balancer's readiness probe would: `serve.run` returns once the
+    replicas run, but the ingress's polled view of them may still be one poll interval old."""
+    deadline = time.monotonic() + timeout_s
+    while (status := httpx.get(f"{base_url}/healthz", timeout=10).status_code) != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"/healthz still answers {status} after {timeout_s} s")
+        time.sleep(0.1)
 
 
 @contextmanager
@@ -33,7 +46,9 @@ def running_app(app_args: dict[str, Any], app_name: str, **ray_options: Any) -> 
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(app_args), name=app_name, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(base_url)
+        yield base_url
     finally:
         serve.shutdown()
         ray.shutdown()

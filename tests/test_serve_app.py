@@ -22,6 +22,7 @@ from audio_files import decode_audio_file
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
+from serve_testing import wait_until_healthy  # noqa: E402
 
 from autoscaling.metrics import METRIC_NAMES  # noqa: E402
 from serve_app import build_app  # noqa: E402
@@ -76,6 +77,7 @@ def base_url() -> Iterator[str]:
     broken = BrokenStage.bind()
     serve.run(TTSIngress.bind(broken, broken, "broken", LimitsArgs()), name=BROKEN_APP, route_prefix="/broken")
     try:
+        wait_until_healthy(f"http://127.0.0.1:{port}")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
