@@ -25,7 +25,7 @@ from torch import nn
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from benchmarks.engine_bench import TEXT, fixed_length_request, timed
+from benchmarks.engine_bench import fixed_length_segments, timed
 from engine.layers import PackedLinear
 from engine.llm import TokenGenerator
 from engine.loader import load_model
@@ -110,9 +110,8 @@ def linear_read_seconds(layers: list[nn.Module]) -> float:
 def run(model_name: str, audio_seconds: float, threads: int, int8: bool) -> dict:
     torch.set_num_threads(threads)
     model = load_model(model_name, int8=int8)
-    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-    text_tokens = len(model.frontend.tokenize(model.frontend.normalize(TEXT)))
-    segments = encoder.encode(fixed_length_request(text_tokens, audio_seconds, model.voices.names[0]))
+    decoder = SpeechDecoderStage(model)
+    segments = fixed_length_segments(TextEncoderStage(model), audio_seconds)
 
     with torch.inference_mode():
         tokens, llm_s = timed(decoder.generate_tokens, segments)
