@@ -7,8 +7,7 @@ of a 20 s utterance against its full (non-streaming) synthesis time. All in one 
     python -m benchmarks.batching_bench --out out/batching.json [--model dummy] [--seconds 2] [--batches 1 2 4 8 16]
         [--stream-seconds 20] [--int8]
 
-`--model` as in `benchmarks.engine_bench` (`dummy`, `cosyvoice2-0.5b`, `cosyvoice3-0.5b`, ...). The streaming keys
-name the utterance's length (`first_chunk_fraction_20s` for `--stream-seconds 20`).
+The streaming keys name the utterance's length (`first_chunk_fraction_20s` for `--stream-seconds 20`).
 
 The headline keys are for float32 weights; `--int8` repeats the sweep with the decoder LLM INT8-quantized (the
 CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an `_int8` suffix.
@@ -16,14 +15,13 @@ CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.engine_bench import fixed_length_segments, timed
+from benchmarks.engine_bench import bench_parser, fixed_length_segments, timed, write_json
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
 
@@ -91,13 +89,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("batching_bench.json"))
-    parser.add_argument("--model", default="dummy")
-    parser.add_argument("--seconds", type=float, default=2.0, help="audio per request in the batch sweep")
+    parser = bench_parser(__doc__, "batching_bench.json", 2.0, "audio per request in the batch sweep")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--stream-seconds", type=float, default=20.0)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="also sweep with an INT8 decoder LLM")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -127,8 +121,7 @@ def main() -> None:
             fraction = streaming["first_chunk_s"] / streaming["full_synthesis_s"]
             result[f"first_chunk_fraction_{args.stream_seconds:g}s"] = fraction
         del model, encoder, decoder
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     plot(result, args.out.with_suffix(".png"))
     summary = {k: v for k, v in result.items() if not isinstance(v, dict)}
     print(json.dumps(summary, indent=2))

@@ -6,8 +6,6 @@ Writes JSON.
 
     python -m benchmarks.engine_bench --out engine_bench.json [--model dummy] [--seconds 5]
 
-`--model`: `dummy` (real-size CosyVoice-300M), `cosyvoice2-0.5b`, `cosyvoice3-0.5b`, any preset or a model dir.
-
 The speech length is forced (every stop id masked until max_len, min ratio == max ratio), in speech tokens of the
 model's own rate (flow mel frames per token x vocoder samples per frame), so every family speaks `--seconds`.
 """
@@ -178,16 +176,28 @@ def run(model_name: str, audio_seconds: float, threads: int) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("engine_bench.json"))
-    parser.add_argument("--model", default="dummy", help="preset or model dir (above)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="audio length to generate")
+def bench_parser(doc: str, out: str, seconds: float, seconds_help: str) -> argparse.ArgumentParser:
+    """A benchmark's command line with the options the engine benchmarks share: --out, --model, --seconds,
+    --threads."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument(
+        "--model", default="dummy", help="preset (dummy = real-size CosyVoice-300M, cosyvoice3-0.5b, ...) or model dir"
+    )
+    parser.add_argument("--seconds", type=float, default=seconds, help=seconds_help)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    return parser
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    args = bench_parser(__doc__, "engine_bench.json", 5.0, "audio length to generate").parse_args()
     result = run(args.model, args.seconds, args.threads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(json.dumps(result, indent=2))
 
 
