@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.conformer import EncoderConfig, RelPositionEncoder
-from engine.errors import CheckpointError, InvalidInputError
+from engine.errors import InvalidInputError
 from engine.flow_estimator import ConditionalDecoder, EstimatorConfig, MaskedGroupNorm
 from engine.layers import Conv1d, Linear, length_mask
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class, require
 
 # v1 hard-codes the mel frame rate of 22050 Hz / hop 256 when converting token counts to frames
 _MEL_SAMPLE_RATE = 22050
@@ -35,21 +35,16 @@ def mel_frames(num_tokens: int, token_rate: int) -> int:
     return int(num_tokens / token_rate * _MEL_SAMPLE_RATE / _MEL_HOP)
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckpointError(message)
-
-
 def cfm_inference_cfg_rate(spec: ObjectSpec, class_name: str) -> float:
     """The CFG rate of a yaml `decoder` node of class `class_name` (every version's CFM), after checking its
     solver settings."""
-    _require(spec.class_name == class_name, f"unsupported flow decoder {spec.target!r}; expected {class_name}")
+    expect_class(spec, class_name, "flow decoder")
     params = spec["cfm_params"]
     if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
         params = params.get("content", params.kwargs)
     solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
-    _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
-    _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
+    require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
+    require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
     return float(params.get("inference_cfg_rate", 0.7))
 
 
@@ -96,14 +91,8 @@ class FlowConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> FlowConfig:
         """From the yaml `flow` node (class `MaskedDiffWithXvec`)."""
-        _require(
-            spec.class_name == "MaskedDiffWithXvec", f"unsupported flow {spec.target!r}; expected MaskedDiffWithXvec"
-        )
-        regulator = spec["length_regulator"]
-        _require(
-            regulator.class_name == "InterpolateRegulator",
-            f"unsupported length regulator {regulator.target!r}; expected InterpolateRegulator",
-        )
+        expect_class(spec, "MaskedDiffWithXvec", "flow")
+        regulator = expect_class(spec["length_regulator"], "InterpolateRegulator", "length regulator")
         config = cls(
             input_size=int(spec["input_size"]),
             output_size=int(spec.get("output_size", 80)),
@@ -117,12 +106,12 @@ class FlowConfig:
         )
         mel = config.output_size
         regulator_out = regulator.get("out_channels") or regulator["channels"]
-        _require(
+        require(
             regulator["channels"] == mel and regulator_out == mel,
             f"length regulator channels must equal the flow output_size {mel}",
         )
         estimator = config.decoder.estimator
-        _require(
+        require(
             estimator.in_channels == 4 * mel and estimator.out_channels == mel,
             f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
         )

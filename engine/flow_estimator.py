@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from engine.errors import CheckpointError
 from engine.layers import Conv1d, ConvTranspose1d, GroupNorm, LayerNorm, Linear, apply_mask
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 _TIME_SCALE = 1000.0  # Matcha's SinusoidalPosEmb multiplies t in [0, 1] by this
 _RESNET_GROUPS = 8
@@ -39,8 +39,7 @@ class EstimatorConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> EstimatorConfig:
         """From the yaml `estimator` node (class `ConditionalDecoder`)."""
-        if spec.class_name != "ConditionalDecoder":
-            raise CheckpointError(f"unsupported flow estimator {spec.target!r}; expected ConditionalDecoder")
+        expect_class(spec, "ConditionalDecoder", "flow estimator")
         act_fn = spec.get("act_fn", "snake")
         if act_fn != "gelu":
             raise CheckpointError(f"unsupported estimator act_fn {act_fn!r}; only 'gelu' is implemented")

@@ -25,7 +25,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from engine.checkpoint import load_strict
 from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Conv1d, ConvTranspose1d, Linear, apply_mask, length_mask
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 # The official code picks the v1 `SineGen` at 22050 Hz and `SineGen2` (v2, 24 kHz) otherwise.
 _SINE_GEN_SAMPLE_RATE = 22050
@@ -58,9 +58,7 @@ class F0PredictorConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec, class_name: str = "ConvRNNF0Predictor") -> F0PredictorConfig:
         """The yaml `f0_predictor` node, of class `class_name` (v3: `CausalConvRNNF0Predictor`)."""
-        if not isinstance(spec, ObjectSpec) or spec.class_name != class_name:
-            name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"unsupported HiFT f0 predictor {name!r}; expected {class_name}")
+        expect_class(spec, class_name, "HiFT f0 predictor")
         _check_options(spec, {"num_class", "in_channels", "cond_channels"}, class_name)
         if int(spec.get("num_class", 1)) != 1:
             raise CheckpointError(f"{class_name} must predict one f0 value per frame (num_class: 1)")
@@ -105,9 +103,7 @@ class HiFTConfig:
 
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> HiFTConfig:
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "HiFTGenerator":
-            name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"unsupported vocoder {name!r}; only HiFTGenerator is implemented")
+        expect_class(spec, "HiFTGenerator", "vocoder")
         _check_options(spec, _HIFT_OPTIONS, "HiFTGenerator")
         if "f0_predictor" not in spec.kwargs:
             raise CheckpointError("the HiFTGenerator config has no f0_predictor")

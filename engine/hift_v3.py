@@ -55,7 +55,7 @@ from engine.hift import (
 )
 from engine.layers import Conv1d, Linear, compute_dtype
 from engine.precision import recompute_non_finite
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 F0_LOOKAHEAD = 3  # the official CausalConvRNNF0Predictor's first conv: kernel 4, right padding 3
 _F0_KERNEL = 3
@@ -74,9 +74,7 @@ class CausalHiFTConfig(HiFTConfig):
 
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CausalHiFTConfig:
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "CausalHiFTGenerator":
-            name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"unsupported vocoder {name!r}; expected the CosyVoice3 CausalHiFTGenerator")
+        expect_class(spec, "CausalHiFTGenerator", "vocoder")
         _check_options(spec, _HIFT_OPTIONS | {"conv_pre_look_right"}, "CausalHiFTGenerator")
         if "f0_predictor" not in spec.kwargs:
             raise CheckpointError("the CausalHiFTGenerator config has no f0_predictor")
