@@ -59,6 +59,12 @@ def unet_activation_bytes(estimator: Any, width: int, frames: int, dtype_bytes: 
     return hidden + attention
 
 
+def target_frames(feat: Tensor, prompt_frames: list[int], mel_lengths: list[int]) -> list[Tensor]:
+    """A batch's mel [B, mel, T] -> each request's frames past its prompt: [mel, mel_lengths[i] - prompt_frames[i]]."""
+    spans = zip(prompt_frames, mel_lengths, strict=True)
+    return [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+
+
 @dataclass(frozen=True)
 class CFMConfig:
     inference_cfg_rate: float
@@ -383,5 +389,4 @@ class MaskedDiffWithXvec(nn.Module):
         feat = self.decoder(
             padded_noise, conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond, n_timesteps
         )
-        spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-        return [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        return target_frames(feat, conditioning.prompt_frames, conditioning.mel_lengths)

@@ -32,9 +32,16 @@ from engine.flow import (
     embed_flow_tokens,
     prompt_condition,
     speaker_vectors,
+    target_frames,
     unet_activation_bytes,
 )
-from engine.flow_estimator import ResnetBlock1D, TimestepEmbedding, TransformerBlock, sinusoidal_time_embedding
+from engine.flow_estimator import (
+    ResnetBlock1D,
+    TimestepEmbedding,
+    TransformerBlock,
+    UNetLevel,
+    sinusoidal_time_embedding,
+)
 from engine.layers import Conv1d, LayerNorm, Linear, apply_mask, length_mask
 from engine.yaml_config import ObjectSpec, expect_class, require
 
@@ -238,8 +245,9 @@ class CausalResnetBlock1D(ResnetBlock1D):
     block_class = CausalBlock1D
 
 
-class CausalUNetLevel(nn.ModuleList):
-    """One stage in the official layout: [ResNet block, transformer blocks(, causal k3 resampling conv)]."""
+class CausalUNetLevel(UNetLevel):
+    """One stage in the official layout: [ResNet block, transformer blocks(, causal k3 resampling conv)]; the
+    attention argument of `forward` is a [B, 1, T, T] bool mask (streaming chunks) or None (attend everywhere)."""
 
     def __init__(self, config: CausalEstimatorConfig, dim: int, resample: bool) -> None:
         width = config.channels
@@ -247,20 +255,7 @@ class CausalUNetLevel(nn.ModuleList):
         stage: list[nn.Module] = [CausalResnetBlock1D(dim, width, config.time_embed_dim), nn.ModuleList(blocks)]
         if resample:
             stage.append(CausalConv1d(width, width, _CAUSAL_KERNEL))
-        super().__init__(stage)
-
-    def forward(self, x: Tensor, mask: Tensor | None, attention: Tensor | None, time_emb: Tensor) -> Tensor:
-        """x: [B, dim, T], mask: [B, 1, T] or None, attention: [B, 1, T, T] bool or None (attend everywhere)
-        -> [B, channels, T] (before resampling)."""
-        resnet, blocks = self[0], self[1]
-        x = resnet(x, mask, time_emb).transpose(1, 2).contiguous()
-        for block in blocks:
-            x = block(x, attention)
-        return x.transpose(1, 2)
-
-    def resample(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """x: [B, channels, T] -> [B, channels, T] (padded frames zeroed first, as the official code does)."""
-        return self[2](apply_mask(x, mask))
+        nn.ModuleList.__init__(self, stage)
 
 
 class CausalConditionalDecoder(nn.Module):
@@ -511,5 +506,4 @@ class CausalMaskedDiffWithXvec(nn.Module):
         feat = self.decoder(
             conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond, n_timesteps, streaming
         )
-        spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-        return [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        return target_frames(feat, conditioning.prompt_frames, conditioning.mel_lengths)

@@ -37,6 +37,7 @@ from engine.flow import (
     embed_flow_tokens,
     prompt_condition,
     speaker_vectors,
+    target_frames,
 )
 from engine.flow_estimator import sinusoidal_time_embedding
 from engine.flow_v2 import (
@@ -360,8 +361,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         feat = self.decoder(
             conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond, n_timesteps, streaming
         )
-        spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-        mels = [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        mels = target_frames(feat, conditioning.prompt_frames, conditioning.mel_lengths)
         return recompute_non_finite(
             "flow",
             mels,
