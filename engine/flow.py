@@ -51,6 +51,14 @@ def cfm_inference_cfg_rate(spec: ObjectSpec, class_name: str) -> float:
 CFG_ROWS = 2  # classifier-free guidance runs the estimator on each request twice (with and without conditions)
 
 
+def require_unet_io(estimator: Any, mel: int) -> None:
+    """A U-Net estimator (v1, v2) takes x, mu, spks and cond of `mel` bins each, stacked, and gives a mel."""
+    require(
+        estimator.in_channels == 4 * mel and estimator.out_channels == mel,
+        f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
+    )
+
+
 def unet_activation_bytes(estimator: Any, width: int, frames: int, dtype_bytes: int) -> int:
     """Peak activations of a U-Net estimator (v1, v2) over `frames` mel frames, for the CFG pair: its stacked input
     and about four tensors of its widest level (`width` channels), and the attention scores in fp32."""
@@ -116,11 +124,7 @@ class FlowConfig:
             regulator["channels"] == mel and regulator_out == mel,
             f"length regulator channels must equal the flow output_size {mel}",
         )
-        estimator = config.decoder.estimator
-        require(
-            estimator.in_channels == 4 * mel and estimator.out_channels == mel,
-            f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
-        )
+        require_unet_io(config.decoder.estimator, mel)
         return config
 
     def mel_frames_of(self, speech_tokens: int) -> int:

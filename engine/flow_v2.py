@@ -31,6 +31,7 @@ from engine.flow import (
     check_flow_request,
     embed_flow_tokens,
     prompt_condition,
+    require_unet_io,
     speaker_vectors,
     target_frames,
     unet_activation_bytes,
@@ -180,12 +181,7 @@ class CausalFlowConfig:
             f"flow pre_lookahead_len must be {LOOKAHEAD_TOKENS}, as the encoder's hard-coded pre-lookahead layer",
         )
         require(config.encoder_chunk_size > 0, "the flow encoder needs a positive static_chunk_size")
-        mel = config.output_size
-        estimator = config.decoder.estimator
-        require(
-            estimator.in_channels == 4 * mel and estimator.out_channels == mel,
-            f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
-        )
+        require_unet_io(config.decoder.estimator, config.output_size)
         return config
 
     def mel_frames_of(self, speech_tokens: int) -> int:
