@@ -1,10 +1,13 @@
-"""Batching and streaming benchmark on the real-size dummy model, fixed speech lengths (EOS masked).
+"""Batching and streaming benchmark on a real-size dummy model of any family, fixed speech lengths (stop ids masked).
 
 For batch sizes 1, 2, 4, 8, 16: throughput (audio seconds per wall second) and per-request latency, for
 the LLM alone and for the whole decoder (LLM + flow + HiFT); then the time to the first streamed chunk
 of a 20 s utterance against its full (non-streaming) synthesis time. All in one process, side by side.
 
-    python -m benchmarks.batching_bench --out out/batching.json [--seconds 2] [--batches 1 2 4 8 16] [--int8]
+    python -m benchmarks.batching_bench --out out/batching.json [--model dummy] [--seconds 2] [--batches 1 2 4 8 16]
+        [--stream-seconds 20] [--int8]
+
+The streaming keys name the utterance's length (`first_chunk_fraction_20s` for `--stream-seconds 20`).
 
 The headline keys are for float32 weights; `--int8` repeats the sweep with the decoder LLM INT8-quantized (the
 CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an `_int8` suffix.
@@ -12,40 +15,25 @@ CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.engine_bench import TOKENS_PER_SECOND, fixed_length_request
+from benchmarks.engine_bench import bench_parser, fixed_length_segments, timed, write_json
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
 
 
-def _segments(encoder: TextEncoderStage, voice: str, count: int, audio_seconds: float) -> list[EncodedSegment]:
-    text_tokens = len(encoder.model.frontend.tokenize(encoder.model.frontend.normalize(_TEXT)))
-    request = fixed_length_request(text_tokens, audio_seconds, voice)
-    [segment] = encoder.encode(request)
-    return [segment] * count
-
-
-_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
-
-
-def _time(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
-
-
 def measure_batches(decoder: SpeechDecoderStage, segments_for, batches: list[int], audio_seconds: float) -> dict:
+    """For each batch size, `segments_for(batch)` (fixed-length segments of `audio_seconds` each) through the LLM
+    alone, then through the whole decoder."""
     rows = []
     for batch in batches:
         segments = segments_for(batch)
-        llm_s = _time(decoder.generate_tokens, segments)
-        decoder_s = _time(decoder.decode_batch, segments)
+        tokens, llm_s = timed(decoder.generate_tokens, segments)
+        _, decoder_s = timed(decoder.decode_batch, segments)
         audio = batch * audio_seconds
         rows.append(
             {
@@ -54,7 +42,7 @@ def measure_batches(decoder: SpeechDecoderStage, segments_for, batches: list[int
                 "decoder_seconds": decoder_s,
                 "llm_throughput": audio / llm_s,
                 "decoder_throughput": audio / decoder_s,
-                "llm_ms_per_token_step": 1000 * llm_s / (audio_seconds * TOKENS_PER_SECOND),
+                "llm_ms_per_token_step": 1000 * llm_s / max(len(t) for t in tokens),
                 "latency_s": decoder_s,  # every request of a fixed-length batch finishes with the batch
             }
         )
@@ -70,7 +58,7 @@ def measure_first_chunk(decoder: SpeechDecoderStage, segment: EncodedSegment) ->
         if first is None and outputs[0] is not None and len(outputs[0]):
             first = time.perf_counter() - start
     stream_total = time.perf_counter() - start
-    full = _time(decoder.decode_batch, [segment])
+    _, full = timed(decoder.decode_batch, [segment])
     return {"first_chunk_s": first, "stream_total_s": stream_total, "full_synthesis_s": full}
 
 
@@ -101,13 +89,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("batching_bench.json"))
-    parser.add_argument("--model", default="dummy")
-    parser.add_argument("--seconds", type=float, default=2.0, help="audio per request in the batch sweep")
+    parser = bench_parser(__doc__, "batching_bench.json", 2.0, "audio per request in the batch sweep")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--stream-seconds", type=float, default=20.0)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="also sweep with an INT8 decoder LLM")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,10 +102,9 @@ def main() -> None:
         print(f"-- decoder LLM in {'INT8' if int8 else 'float32'}")
         model = load_model(args.model, int8=int8)
         encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-        voice = model.voices.names[0]
-        decoder.decode_batch(_segments(encoder, voice, 1, 0.5))  # warm-up
+        decoder.decode_batch(fixed_length_segments(encoder, 0.5))  # warm-up
         batching = measure_batches(
-            decoder, lambda n, e=encoder, v=voice: _segments(e, v, n, args.seconds), args.batches, args.seconds
+            decoder, lambda n, e=encoder: fixed_length_segments(e, args.seconds, n), args.batches, args.seconds
         )
         by_batch = {r["batch"]: r for r in batching["rows"]}
         result[f"batching{suffix}"] = batching
@@ -132,12 +115,13 @@ def main() -> None:
                 ratio = by_batch[8][f"{part}_throughput"] / by_batch[1][f"{part}_throughput"]
                 result[f"{part}_throughput_ratio_b8_vs_b1{suffix}"] = ratio
         if not int8:
-            streaming = measure_first_chunk(decoder, _segments(encoder, voice, 1, args.stream_seconds)[0])
-            result["streaming_20s"] = streaming
-            result["first_chunk_fraction_20s"] = streaming["first_chunk_s"] / streaming["full_synthesis_s"]
+            [segment] = fixed_length_segments(encoder, args.stream_seconds)
+            streaming = measure_first_chunk(decoder, segment)
+            result[f"streaming_{args.stream_seconds:g}s"] = streaming
+            fraction = streaming["first_chunk_s"] / streaming["full_synthesis_s"]
+            result[f"first_chunk_fraction_{args.stream_seconds:g}s"] = fraction
         del model, encoder, decoder
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     plot(result, args.out.with_suffix(".png"))
     summary = {k: v for k, v in result.items() if not isinstance(v, dict)}
     print(json.dumps(summary, indent=2))

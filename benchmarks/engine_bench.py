@@ -1,15 +1,20 @@
-"""Engine benchmark: real-size CosyVoice-300M architecture, dummy weights, fixed output length.
+"""Engine benchmark: a real-size architecture with dummy weights (any family), fixed output length.
 
-Times each stage of one synthesis (text encoding, LLM, flow, HiFT), gives the real-time factor,
-the parameter bytes of the model in fp32 / fp16 / int8, and the peak RSS. Writes JSON.
+Times each stage of one synthesis (text encoding, LLM, flow, HiFT), gives the real-time factor, the peak RSS, the
+parameter bytes of the model in fp32 / fp16 / int8, and how far INT8 moves the text encoder and the greedy tokens.
+Writes JSON.
 
     python -m benchmarks.engine_bench --out engine_bench.json [--model dummy] [--seconds 5]
+
+The speech length is forced (every stop id masked until max_len, min ratio == max ratio), in speech tokens of the
+model's own rate (flow mel frames per token x vocoder samples per frame), so every family speaks `--seconds`.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import resource
 import time
@@ -18,13 +23,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
-from engine.loader import load_model
-from engine.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.loader import LoadedModel, ModelConfig, load_model
+from engine.pipeline import EncodedSegment, SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 from engine.precision import parameter_bytes, quantize_linear_int8
 from engine.sampling import SamplingOptions
 
-TOKENS_PER_SECOND = 50  # v1 speech tokens per second of audio
+# CosyVoice v1's speech tokens per second, for `fixed_length_request`'s callers that size requests without a model
+TOKENS_PER_SECOND = 50
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
 
 
@@ -35,14 +42,59 @@ def timed(fn, *args) -> tuple:
     return result, time.perf_counter() - start
 
 
-def fixed_length_request(text_tokens: int, audio_seconds: float, voice: str) -> SynthesisRequest:
-    """A request whose speech length is forced (EOS masked until max_len): min ratio == max ratio."""
-    ratio = audio_seconds * TOKENS_PER_SECOND / text_tokens
-    sampling = SamplingOptions(min_token_text_ratio=ratio, max_token_text_ratio=ratio, seed=0)
+def fixed_length_sampling(text_tokens: int, speech_tokens: int) -> SamplingOptions:
+    """Sampling that speaks exactly `speech_tokens` tokens for `text_tokens` target text tokens: min ratio == max
+    ratio (half a token over, so that the float product cannot round below), every stop id masked until then."""
+    ratio = (speech_tokens + 0.5) / text_tokens
+    return SamplingOptions(
+        min_token_text_ratio=ratio, max_token_text_ratio=ratio, mask_all_stop_ids_before_min_len=True, seed=0
+    )
+
+
+def fixed_length_request(
+    text_tokens: int, audio_seconds: float, voice: str, tokens_per_second: float = TOKENS_PER_SECOND
+) -> SynthesisRequest:
+    """A request for TEXT (of `text_tokens` target text tokens) whose speech length is forced to `audio_seconds`
+    at `tokens_per_second`."""
+    speech_tokens = round(audio_seconds * tokens_per_second)
+    return SynthesisRequest(text=TEXT, voice=voice, sampling=fixed_length_sampling(text_tokens, speech_tokens))
+
+
+def speech_tokens_for(config: ModelConfig, audio_seconds: float) -> int:
+    """The fewest speech tokens whose audio (the flow's mel frames x the vocoder's samples per frame) lasts at least
+    `audio_seconds`: 50 per second for CosyVoice v1, 25 for CosyVoice2 and 3."""
+    samples, tokens = audio_seconds * config.sample_rate, 1
+    while config.flow.mel_frames_of(tokens) * config.hift.hop < samples:
+        tokens += 1
+    return tokens
+
+
+def benchmark_voice(model: LoadedModel) -> str:
+    """The built-in speaker the benchmarks speak in (every preset has two); SystemExit for a model without one."""
+    if not model.voices.names:
+        raise SystemExit(f"model {model.name} has no built-in speaker (spk2info.pt); the benchmarks need one")
+    return model.voices.names[0]
+
+
+def fixed_length_text_request(encoder: TextEncoderStage, audio_seconds: float) -> SynthesisRequest:
+    """TEXT in the model's first built-in voice, its speech forced to `audio_seconds`.
+
+    The engine writes the LLM prompt (CosyVoice3: its system prompt and `<|endofprompt|>`); the target text length
+    that sets the speech length is the one the engine gives the LLM.
+    """
+    voice = benchmark_voice(encoder.model)
+    [text] = encoder.segment_texts(SynthesisRequest(text=TEXT, voice=voice))  # TEXT is one sentence
+    sampling = fixed_length_sampling(len(text.text), speech_tokens_for(encoder.model.config, audio_seconds))
     return SynthesisRequest(text=TEXT, voice=voice, sampling=sampling)
 
 
-def model_bytes(model) -> dict[str, dict[str, int]]:
+def fixed_length_segments(encoder: TextEncoderStage, audio_seconds: float, count: int = 1) -> list[EncodedSegment]:
+    """`count` copies of the one segment of `fixed_length_text_request`."""
+    [segment] = encoder.encode(fixed_length_text_request(encoder, audio_seconds))
+    return [segment] * count
+
+
+def model_bytes(model: LoadedModel) -> dict[str, dict[str, int]]:
     """Measured bytes of each module's weights after a real cast / quantization (not computed)."""
     modules = {"llm": model.llm, "flow": model.flow, "hift": model.hift}
     result = {}
@@ -56,42 +108,50 @@ def model_bytes(model) -> dict[str, dict[str, int]]:
     return result
 
 
-def int8_quality(model, segments) -> dict[str, float]:
-    """INT8 (dynamic, Linear layers) against fp32: text-encoder cosine and greedy token agreement."""
-    fp32_encoder = TextEncoderStage(model)
-    int8_model = load_model(model.name, int8=True)
-    int8_encoder, int8_decoder = TextEncoderStage(int8_model), SpeechDecoderStage(int8_model)
-    request = fixed_length_request(
-        len(model.frontend.tokenize(model.frontend.normalize(TEXT))), 1.0, model.voices.names[0]
-    )
-    a = fp32_encoder.encode(request)[0].text_encoded.ravel()
-    b = int8_encoder.encode(request)[0].text_encoded.ravel()
-    greedy = [replace(s, sampling=replace(s.sampling, greedy=True)) for s in segments]
-    reference = SpeechDecoderStage(model).generate_tokens(greedy)[0]
-    quantized = int8_decoder.generate_tokens(greedy)[0]
+def _greedy(segments: list[EncodedSegment]) -> list[EncodedSegment]:
+    return [replace(s, sampling=replace(s.sampling, greedy=True)) for s in segments]
+
+
+def int8_quality(model_name: str, request: SynthesisRequest, reference: EncodedSegment, reference_tokens) -> dict:
+    """INT8 (dynamic, Linear layers: `load_model(int8=True)`) against float32: the cosine of the text encoder's output
+    for `request` to the float32 one in `reference` (None where the text module has no Linear layer to quantize, as
+    the v2/v3 embedding lookup), and the fraction of the float32 greedy LLM tokens `reference_tokens` of
+    `reference` that the INT8 LLM reproduces."""
+    model = load_model(model_name, int8=True)
+    quantized_layers = sum(isinstance(m, quantized_dynamic.Linear) for m in model.text_llm.modules())
+    cosine = None
+    if quantized_layers:
+        [encoded] = TextEncoderStage(model).encode(request)
+        a, b = reference.text_encoded.ravel(), encoded.text_encoded.ravel()
+        cosine = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    quantized = SpeechDecoderStage(model).generate_tokens(_greedy([reference]))[0]
     return {
-        "text_encoder_cosine": float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))),
-        "greedy_token_agreement": float((reference == quantized).float().mean()),
-        "greedy_tokens_compared": len(reference),
+        "text_encoder_int8_linear_layers": quantized_layers,
+        "text_encoder_cosine": cosine,
+        "greedy_token_agreement": float((reference_tokens == quantized).float().mean()),
+        "greedy_tokens_compared": len(reference_tokens),
     }
 
 
 def run(model_name: str, audio_seconds: float, threads: int) -> dict:
+    """Time one fixed-length synthesis stage by stage; then, one model in memory at a time (a real-size CosyVoice3
+    takes 5 GB), the INT8 quality and the parameter bytes."""
     torch.set_num_threads(threads)
     model = load_model(model_name)
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-    text_tokens = len(model.frontend.tokenize(model.frontend.normalize(TEXT)))
-    request = fixed_length_request(text_tokens, audio_seconds, model.voices.names[0])
+    request = fixed_length_text_request(encoder, audio_seconds)
 
     segments, t_text = timed(encoder.encode, request)
     tokens, t_llm = timed(decoder.generate_tokens, segments)
     mels, t_flow = timed(decoder.tokens_to_mel, segments, tokens)
     waves, t_hift = timed(decoder.vocode, segments, mels)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     audio = sum(len(w) for w in waves) / model.config.sample_rate
     n_tokens = sum(len(t) for t in tokens)
     decode_time = t_llm + t_flow + t_hift
-    return {
+    result = {
         "model": model_name,
+        "family": model.config.family.name,
         "threads": threads,
         "audio_seconds": audio,
         "speech_tokens": n_tokens,
@@ -104,22 +164,40 @@ def run(model_name: str, audio_seconds: float, threads: int) -> dict:
             "hift": t_hift / audio,
         },
         "llm_ms_per_token": 1000 * t_llm / n_tokens,
-        "peak_rss_mb_during_synthesis": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        # weight surgery (casts, quantization) needs plain Linear weights, not the oneDNN-packed ones
-        "parameter_bytes": model_bytes(load_model(model_name, cpu_packing=False)),
-        "int8_vs_fp32": int8_quality(model, segments),
+        "peak_rss_mb_during_synthesis": peak_rss_mb,  # the process's peak so far: load and one synthesis
     }
+    reference_tokens = decoder.generate_tokens(_greedy(segments))[0]
+    del model, encoder, decoder, tokens, mels, waves
+    gc.collect()
+    result["int8_vs_fp32"] = int8_quality(model_name, request, segments[0], reference_tokens)
+    gc.collect()
+    # weight surgery (casts, quantization) needs plain Linear weights, not the oneDNN-packed ones
+    result["parameter_bytes"] = model_bytes(load_model(model_name, cpu_packing=False))
+    return result
+
+
+def bench_parser(doc: str, out: str, seconds: float, seconds_help: str) -> argparse.ArgumentParser:
+    """A benchmark's command line with the options the engine benchmarks share: --out, --model, --seconds,
+    --threads."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument(
+        "--model", default="dummy", help="preset (dummy = real-size CosyVoice-300M, cosyvoice3-0.5b, ...) or model dir"
+    )
+    parser.add_argument("--seconds", type=float, default=seconds, help=seconds_help)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("engine_bench.json"))
-    parser.add_argument("--model", default="dummy", help="preset (dummy = real-size CosyVoice-300M) or model dir")
-    parser.add_argument("--seconds", type=float, default=5.0, help="audio length to generate")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, "engine_bench.json", 5.0, "audio length to generate").parse_args()
     result = run(args.model, args.seconds, args.threads)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(json.dumps(result, indent=2))
 
 

@@ -14,10 +14,8 @@ decoder must reach for RTF 3.0 (above 1: out of reach on this machine whatever t
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +23,7 @@ from torch import nn
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from benchmarks.engine_bench import TEXT, fixed_length_request, timed
+from benchmarks.engine_bench import bench_parser, fixed_length_segments, timed, write_json
 from engine.layers import PackedLinear
 from engine.llm import TokenGenerator
 from engine.loader import load_model
@@ -110,9 +108,8 @@ def linear_read_seconds(layers: list[nn.Module]) -> float:
 def run(model_name: str, audio_seconds: float, threads: int, int8: bool) -> dict:
     torch.set_num_threads(threads)
     model = load_model(model_name, int8=int8)
-    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-    text_tokens = len(model.frontend.tokenize(model.frontend.normalize(TEXT)))
-    segments = encoder.encode(fixed_length_request(text_tokens, audio_seconds, model.voices.names[0]))
+    decoder = SpeechDecoderStage(model)
+    segments = fixed_length_segments(TextEncoderStage(model), audio_seconds)
 
     with torch.inference_mode():
         tokens, llm_s = timed(decoder.generate_tokens, segments)
@@ -164,16 +161,11 @@ def run(model_name: str, audio_seconds: float, threads: int, int8: bool) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("roofline.json"))
-    parser.add_argument("--model", default="dummy", help="preset (dummy = real-size CosyVoice-300M) or model dir")
-    parser.add_argument("--seconds", type=float, default=5.0, help="audio length to generate")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = bench_parser(__doc__, "roofline.json", 5.0, "audio length to generate")
     parser.add_argument("--int8", action="store_true", help="INT8 decoder LLM (the CPU configuration)")
     args = parser.parse_args()
     result = run(args.model, args.seconds, args.threads, args.int8)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(result, args.out)
     print(json.dumps(result, indent=2))
 
 

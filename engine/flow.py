@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.conformer import EncoderConfig, RelPositionEncoder
-from engine.errors import CheckpointError, InvalidInputError
+from engine.errors import InvalidInputError
 from engine.flow_estimator import ConditionalDecoder, EstimatorConfig, MaskedGroupNorm
 from engine.layers import Conv1d, Linear, length_mask
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class, require
 
 # v1 hard-codes the mel frame rate of 22050 Hz / hop 256 when converting token counts to frames
 _MEL_SAMPLE_RATE = 22050
@@ -35,25 +35,28 @@ def mel_frames(num_tokens: int, token_rate: int) -> int:
     return int(num_tokens / token_rate * _MEL_SAMPLE_RATE / _MEL_HOP)
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckpointError(message)
-
-
 def cfm_inference_cfg_rate(spec: ObjectSpec, class_name: str) -> float:
     """The CFG rate of a yaml `decoder` node of class `class_name` (every version's CFM), after checking its
     solver settings."""
-    _require(spec.class_name == class_name, f"unsupported flow decoder {spec.target!r}; expected {class_name}")
+    expect_class(spec, class_name, "flow decoder")
     params = spec["cfm_params"]
     if isinstance(params, ObjectSpec):  # `!new:omegaconf.DictConfig` wraps the values in `content`
         params = params.get("content", params.kwargs)
     solver, scheduler = params.get("solver", "euler"), params.get("t_scheduler", "cosine")
-    _require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
-    _require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
+    require(solver == "euler", f"unsupported CFM solver {solver!r}; only 'euler' is implemented")
+    require(scheduler == "cosine", f"unsupported CFM t_scheduler {scheduler!r}; only 'cosine' is implemented")
     return float(params.get("inference_cfg_rate", 0.7))
 
 
 CFG_ROWS = 2  # classifier-free guidance runs the estimator on each request twice (with and without conditions)
+
+
+def require_unet_io(estimator: Any, mel: int) -> None:
+    """A U-Net estimator (v1, v2) takes x, mu, spks and cond of `mel` bins each, stacked, and gives a mel."""
+    require(
+        estimator.in_channels == 4 * mel and estimator.out_channels == mel,
+        f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
+    )
 
 
 def unet_activation_bytes(estimator: Any, width: int, frames: int, dtype_bytes: int) -> int:
@@ -62,6 +65,12 @@ def unet_activation_bytes(estimator: Any, width: int, frames: int, dtype_bytes: 
     hidden = CFG_ROWS * frames * (estimator.in_channels + 4 * width) * dtype_bytes
     attention = CFG_ROWS * estimator.num_heads * frames * frames * 4
     return hidden + attention
+
+
+def target_frames(feat: Tensor, prompt_frames: list[int], mel_lengths: list[int]) -> list[Tensor]:
+    """A batch's mel [B, mel, T] -> each request's frames past its prompt: [mel, mel_lengths[i] - prompt_frames[i]]."""
+    spans = zip(prompt_frames, mel_lengths, strict=True)
+    return [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
 
 
 @dataclass(frozen=True)
@@ -96,14 +105,8 @@ class FlowConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> FlowConfig:
         """From the yaml `flow` node (class `MaskedDiffWithXvec`)."""
-        _require(
-            spec.class_name == "MaskedDiffWithXvec", f"unsupported flow {spec.target!r}; expected MaskedDiffWithXvec"
-        )
-        regulator = spec["length_regulator"]
-        _require(
-            regulator.class_name == "InterpolateRegulator",
-            f"unsupported length regulator {regulator.target!r}; expected InterpolateRegulator",
-        )
+        expect_class(spec, "MaskedDiffWithXvec", "flow")
+        regulator = expect_class(spec["length_regulator"], "InterpolateRegulator", "length regulator")
         config = cls(
             input_size=int(spec["input_size"]),
             output_size=int(spec.get("output_size", 80)),
@@ -117,15 +120,11 @@ class FlowConfig:
         )
         mel = config.output_size
         regulator_out = regulator.get("out_channels") or regulator["channels"]
-        _require(
+        require(
             regulator["channels"] == mel and regulator_out == mel,
             f"length regulator channels must equal the flow output_size {mel}",
         )
-        estimator = config.decoder.estimator
-        _require(
-            estimator.in_channels == 4 * mel and estimator.out_channels == mel,
-            f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
-        )
+        require_unet_io(config.decoder.estimator, mel)
         return config
 
     def mel_frames_of(self, speech_tokens: int) -> int:
@@ -394,5 +393,4 @@ class MaskedDiffWithXvec(nn.Module):
         feat = self.decoder(
             padded_noise, conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond, n_timesteps
         )
-        spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-        return [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        return target_frames(feat, conditioning.prompt_frames, conditioning.mel_lengths)

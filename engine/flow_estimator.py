@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from engine.errors import CheckpointError
 from engine.layers import Conv1d, ConvTranspose1d, GroupNorm, LayerNorm, Linear, apply_mask
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 _TIME_SCALE = 1000.0  # Matcha's SinusoidalPosEmb multiplies t in [0, 1] by this
 _RESNET_GROUPS = 8
@@ -39,8 +39,7 @@ class EstimatorConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> EstimatorConfig:
         """From the yaml `estimator` node (class `ConditionalDecoder`)."""
-        if spec.class_name != "ConditionalDecoder":
-            raise CheckpointError(f"unsupported flow estimator {spec.target!r}; expected ConditionalDecoder")
+        expect_class(spec, "ConditionalDecoder", "flow estimator")
         act_fn = spec.get("act_fn", "snake")
         if act_fn != "gelu":
             raise CheckpointError(f"unsupported estimator act_fn {act_fn!r}; only 'gelu' is implemented")
@@ -214,18 +213,19 @@ class UNetLevel(nn.ModuleList):
         stage = [ResnetBlock1D(dim, dim_out, _time_embed_dim(config)), nn.ModuleList(blocks)]
         super().__init__(stage if resample is None else [*stage, resample])
 
-    def forward(self, x: Tensor, mask: Tensor | None, key_bias: Tensor | None, time_emb: Tensor) -> Tensor:
-        """x: [B, dim, T], mask: [B, 1, T], key_bias: [B, 1, 1, T] (both None without padding)
-        -> [B, dim_out, T] (before resampling)."""
+    def forward(self, x: Tensor, mask: Tensor | None, attention: Tensor | None, time_emb: Tensor) -> Tensor:
+        """x: [B, dim, T], mask: [B, 1, T] or None (no padding), attention: what the transformer blocks take, here a
+        key bias [B, 1, 1, T] or None (no padding) -> [B, dim_out, T] (before resampling)."""
         resnet, blocks = self[0], self[1]
         # one copy into the [B, T, C] layout here, rather than one inside every norm and projection below
         x = resnet(x, mask, time_emb).transpose(1, 2).contiguous()
         for block in blocks:
-            x = block(x, key_bias)
+            x = block(x, attention)
         return x.transpose(1, 2)
 
     def resample(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """x: [B, dim_out, T] -> the next resolution (padded frames zeroed first, as zero padding)."""
+        """x: [B, dim_out, T] -> the next resolution (padded frames zeroed first, as zero padding and as the official
+        code does)."""
         return self[2](apply_mask(x, mask))
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.conformer import OUTER_EPS, EncoderBlock, EncoderConfig, InputLayer
-from engine.errors import CheckpointError, InvalidInputError
+from engine.errors import InvalidInputError
 from engine.flow import (
     CFMConfig,
     ConditionalCFM,
@@ -31,12 +31,20 @@ from engine.flow import (
     check_flow_request,
     embed_flow_tokens,
     prompt_condition,
+    require_unet_io,
     speaker_vectors,
+    target_frames,
     unet_activation_bytes,
 )
-from engine.flow_estimator import ResnetBlock1D, TimestepEmbedding, TransformerBlock, sinusoidal_time_embedding
+from engine.flow_estimator import (
+    ResnetBlock1D,
+    TimestepEmbedding,
+    TransformerBlock,
+    UNetLevel,
+    sinusoidal_time_embedding,
+)
 from engine.layers import Conv1d, LayerNorm, Linear, apply_mask, length_mask
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class, require
 
 # The official UpsampleConformerEncoder hard-codes these instead of reading them from the config.
 ENCODER_WIDTH = 512
@@ -49,15 +57,6 @@ NOISE_FRAMES = 15000
 _CAUSAL_KERNEL = 3  # the estimator's causal convolutions
 _LOOKAHEAD_OUT_KERNEL = 3  # the left-padded second convolution of the pre-lookahead layer
 _LEAKY_SLOPE = 0.01
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckpointError(message)
-
-
-def _check_class(spec: ObjectSpec, expected: str, what: str) -> None:
-    _require(spec.class_name == expected, f"unsupported {what} {spec.target!r}; expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -78,16 +77,16 @@ class CausalEstimatorConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CausalEstimatorConfig:
         """From the yaml `estimator` node (class `CausalConditionalDecoder`)."""
-        _check_class(spec, "CausalConditionalDecoder", "flow estimator")
+        expect_class(spec, "CausalConditionalDecoder", "flow estimator")
         act_fn = spec.get("act_fn", "snake")
-        _require(act_fn == "gelu", f"unsupported estimator act_fn {act_fn!r}; only 'gelu' is implemented")
+        require(act_fn == "gelu", f"unsupported estimator act_fn {act_fn!r}; only 'gelu' is implemented")
         channels = tuple(spec.get("channels", (256, 256)))
         # CosyVoice2 uses one resolution, where both resampling layers are causal k3 convolutions
-        _require(len(channels) == 1, f"estimator channels {list(channels)} are not supported; only one level is")
+        require(len(channels) == 1, f"estimator channels {list(channels)} are not supported; only one level is")
         left_chunks = spec.get("num_decoding_left_chunks", -1)
-        _require(left_chunks == -1, f"estimator num_decoding_left_chunks={left_chunks} is not supported (only -1)")
+        require(left_chunks == -1, f"estimator num_decoding_left_chunks={left_chunks} is not supported (only -1)")
         chunk = int(spec.get("static_chunk_size", 0))
-        _require(chunk > 0, f"estimator static_chunk_size must be positive, got {chunk}")
+        require(chunk > 0, f"estimator static_chunk_size must be positive, got {chunk}")
         return cls(
             in_channels=int(spec["in_channels"]),
             out_channels=int(spec["out_channels"]),
@@ -102,7 +101,7 @@ class CausalEstimatorConfig:
 
 def _upsample_encoder_config(spec: ObjectSpec) -> EncoderConfig:
     """The Conformer block settings of an `UpsampleConformerEncoder` node; other variants are rejected."""
-    _check_class(spec, "UpsampleConformerEncoder", "flow encoder")
+    expect_class(spec, "UpsampleConformerEncoder", "flow encoder")
     # Defaults as in the official constructor; anything but the CosyVoice2 variant is rejected.
     required = {
         "input_layer": ("conv2d", "linear"),
@@ -116,11 +115,11 @@ def _upsample_encoder_config(spec: ObjectSpec) -> EncoderConfig:
     }
     for key, (default, supported) in required.items():
         value = spec.get(key, default)
-        _require(
+        require(
             value == supported, f"UpsampleConformerEncoder with {key}={value!r} is not supported (only {supported!r})"
         )
     sizes = (spec.get("input_size"), spec.get("output_size", 256))
-    _require(
+    require(
         sizes == (ENCODER_WIDTH, ENCODER_WIDTH),
         f"UpsampleConformerEncoder input/output_size must be {ENCODER_WIDTH} (its conv layers hard-code it)",
     )
@@ -157,10 +156,10 @@ class CausalFlowConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CausalFlowConfig:
         """From the yaml `flow` node (class `CausalMaskedDiffWithXvec`)."""
-        _check_class(spec, "CausalMaskedDiffWithXvec", "flow")
+        expect_class(spec, "CausalMaskedDiffWithXvec", "flow")
         encoder = spec["encoder"]
         output_type = spec.get("output_type", "mel")
-        _require(output_type == "mel", f"unsupported flow output_type {output_type!r}; only 'mel' is implemented")
+        require(output_type == "mel", f"unsupported flow output_type {output_type!r}; only 'mel' is implemented")
         config = cls(
             input_size=int(spec["input_size"]),
             output_size=int(spec.get("output_size", 80)),
@@ -172,22 +171,17 @@ class CausalFlowConfig:
             encoder_chunk_size=int(encoder.get("static_chunk_size", 0)),
             decoder=CFMConfig.from_yaml(spec["decoder"], "CausalConditionalCFM", CausalEstimatorConfig),
         )
-        _require(config.input_size == ENCODER_WIDTH, f"flow input_size must be {ENCODER_WIDTH}, as its encoder's")
-        _require(
+        require(config.input_size == ENCODER_WIDTH, f"flow input_size must be {ENCODER_WIDTH}, as its encoder's")
+        require(
             config.token_mel_ratio == UPSAMPLE_STRIDE,
             f"flow token_mel_ratio must be {UPSAMPLE_STRIDE}, the encoder's hard-coded upsampling stride",
         )
-        _require(
+        require(
             config.pre_lookahead_len == LOOKAHEAD_TOKENS,
             f"flow pre_lookahead_len must be {LOOKAHEAD_TOKENS}, as the encoder's hard-coded pre-lookahead layer",
         )
-        _require(config.encoder_chunk_size > 0, "the flow encoder needs a positive static_chunk_size")
-        mel = config.output_size
-        estimator = config.decoder.estimator
-        _require(
-            estimator.in_channels == 4 * mel and estimator.out_channels == mel,
-            f"estimator in/out channels must be {4 * mel}/{mel} (x, mu, spks, cond of {mel} bins each)",
-        )
+        require(config.encoder_chunk_size > 0, "the flow encoder needs a positive static_chunk_size")
+        require_unet_io(config.decoder.estimator, config.output_size)
         return config
 
     def mel_frames_of(self, speech_tokens: int) -> int:
@@ -247,8 +241,9 @@ class CausalResnetBlock1D(ResnetBlock1D):
     block_class = CausalBlock1D
 
 
-class CausalUNetLevel(nn.ModuleList):
-    """One stage in the official layout: [ResNet block, transformer blocks(, causal k3 resampling conv)]."""
+class CausalUNetLevel(UNetLevel):
+    """One stage in the official layout: [ResNet block, transformer blocks(, causal k3 resampling conv)]; the
+    attention argument of `forward` is a [B, 1, T, T] bool mask (streaming chunks) or None (attend everywhere)."""
 
     def __init__(self, config: CausalEstimatorConfig, dim: int, resample: bool) -> None:
         width = config.channels
@@ -256,20 +251,7 @@ class CausalUNetLevel(nn.ModuleList):
         stage: list[nn.Module] = [CausalResnetBlock1D(dim, width, config.time_embed_dim), nn.ModuleList(blocks)]
         if resample:
             stage.append(CausalConv1d(width, width, _CAUSAL_KERNEL))
-        super().__init__(stage)
-
-    def forward(self, x: Tensor, mask: Tensor | None, attention: Tensor | None, time_emb: Tensor) -> Tensor:
-        """x: [B, dim, T], mask: [B, 1, T] or None, attention: [B, 1, T, T] bool or None (attend everywhere)
-        -> [B, channels, T] (before resampling)."""
-        resnet, blocks = self[0], self[1]
-        x = resnet(x, mask, time_emb).transpose(1, 2).contiguous()
-        for block in blocks:
-            x = block(x, attention)
-        return x.transpose(1, 2)
-
-    def resample(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """x: [B, channels, T] -> [B, channels, T] (padded frames zeroed first, as the official code does)."""
-        return self[2](apply_mask(x, mask))
+        nn.ModuleList.__init__(self, stage)
 
 
 class CausalConditionalDecoder(nn.Module):
@@ -520,5 +502,4 @@ class CausalMaskedDiffWithXvec(nn.Module):
         feat = self.decoder(
             conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond, n_timesteps, streaming
         )
-        spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-        return [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        return target_frames(feat, conditioning.prompt_frames, conditioning.mel_lengths)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.errors import CheckpointError, InvalidInputError
+from engine.errors import InvalidInputError
 from engine.flow import (
     CFG_ROWS,
     FlowRequest,
@@ -37,6 +37,7 @@ from engine.flow import (
     embed_flow_tokens,
     prompt_condition,
     speaker_vectors,
+    target_frames,
 )
 from engine.flow_estimator import sinusoidal_time_embedding
 from engine.flow_v2 import (
@@ -48,23 +49,12 @@ from engine.flow_v2 import (
 )
 from engine.layers import LayerNorm, Linear, compute_dtype, length_mask
 from engine.precision import recompute_non_finite
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import expect_class, require
 
 TIME_FREQUENCY_DIM = 256  # the official TimestepEmbedding's sinusoid width (not in the yaml)
 POSITION_KERNEL, POSITION_GROUPS = 31, 16  # the official CausalConvPositionEmbedding's constants
 NORM_EPS = 1e-6
 ROTARY_BASE = 10000.0
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise CheckpointError(message)
-
-
-def _check_class(spec: object, expected: str, what: str) -> ObjectSpec:
-    name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-    _require(isinstance(spec, ObjectSpec) and name == expected, f"unsupported {what} {name!r}; expected {expected}")
-    return spec
 
 
 @dataclass(frozen=True)
@@ -82,10 +72,10 @@ class DiTConfig:
     @classmethod
     def from_yaml(cls, spec: object) -> DiTConfig:
         """From the yaml `estimator` node (class `DiT`)."""
-        spec = _check_class(spec, "DiT", "flow estimator")
-        _require(not spec.get("long_skip_connection", False), "DiT long_skip_connection is not supported")
+        spec = expect_class(spec, "DiT", "flow estimator")
+        require(not spec.get("long_skip_connection", False), "DiT long_skip_connection is not supported")
         left_chunks = spec.get("num_decoding_left_chunks", 2)
-        _require(left_chunks < 0, f"DiT num_decoding_left_chunks={left_chunks} is not supported (only all, -1)")
+        require(left_chunks < 0, f"DiT num_decoding_left_chunks={left_chunks} is not supported (only all, -1)")
         mel_dim = int(spec.get("mel_dim", 80))
         config = cls(
             dim=int(spec["dim"]),
@@ -99,11 +89,11 @@ class DiTConfig:
             static_chunk_size=int(spec.get("static_chunk_size", 50)),
         )
         out_channels = spec.get("out_channels")
-        _require(out_channels in (None, mel_dim), f"DiT out_channels {out_channels} must equal mel_dim {mel_dim}")
-        _require(config.spk_dim > 0, "a DiT without a speaker input (spk_dim) is not supported")
-        _require(config.dim % POSITION_GROUPS == 0, f"DiT dim must be a multiple of {POSITION_GROUPS}")
-        _require(config.dim_head % 2 == 0, "DiT dim_head must be even for the rotary embedding")
-        _require(config.static_chunk_size > 0, "DiT static_chunk_size must be positive")
+        require(out_channels in (None, mel_dim), f"DiT out_channels {out_channels} must equal mel_dim {mel_dim}")
+        require(config.spk_dim > 0, "a DiT without a speaker input (spk_dim) is not supported")
+        require(config.dim % POSITION_GROUPS == 0, f"DiT dim must be a multiple of {POSITION_GROUPS}")
+        require(config.dim_head % 2 == 0, "DiT dim_head must be even for the rotary embedding")
+        require(config.static_chunk_size > 0, "DiT static_chunk_size must be positive")
         return config
 
 
@@ -122,10 +112,10 @@ class DiTFlowConfig:
     @classmethod
     def from_yaml(cls, spec: object) -> DiTFlowConfig:
         """From the yaml `flow` node (class `CausalMaskedDiffWithDiT`)."""
-        spec = _check_class(spec, "CausalMaskedDiffWithDiT", "flow")
+        spec = expect_class(spec, "CausalMaskedDiffWithDiT", "flow")
         output_type = spec.get("output_type", "mel")
-        _require(output_type == "mel", f"unsupported flow output_type {output_type!r}; only 'mel' is implemented")
-        lookahead = _check_class(spec.get("pre_lookahead_layer"), "PreLookaheadLayer", "flow pre_lookahead_layer")
+        require(output_type == "mel", f"unsupported flow output_type {output_type!r}; only 'mel' is implemented")
+        lookahead = expect_class(spec.get("pre_lookahead_layer"), "PreLookaheadLayer", "flow pre_lookahead_layer")
         decoder = spec["decoder"]
         config = cls(
             input_size=int(spec.get("input_size", 512)),
@@ -138,15 +128,15 @@ class DiTFlowConfig:
             inference_cfg_rate=cfm_inference_cfg_rate(decoder, "CausalConditionalCFM"),
             estimator=DiTConfig.from_yaml(decoder["estimator"]),
         )
-        _require(
+        require(
             int(lookahead.get("in_channels", config.input_size)) == config.input_size
             and int(lookahead.get("pre_lookahead_len", 1)) == config.pre_lookahead_len,
             "the pre_lookahead_layer must take input_size channels and read pre_lookahead_len tokens ahead",
         )
         estimator, mel = config.estimator, config.output_size
-        _require(estimator.mel_dim == mel, f"DiT mel_dim {estimator.mel_dim} must equal the flow output_size {mel}")
-        _require(estimator.mu_dim == config.input_size, "DiT mu_dim must equal the flow input_size")
-        _require(estimator.spk_dim == mel, "DiT spk_dim must equal output_size (the projected speaker vector)")
+        require(estimator.mel_dim == mel, f"DiT mel_dim {estimator.mel_dim} must equal the flow output_size {mel}")
+        require(estimator.mu_dim == config.input_size, "DiT mu_dim must equal the flow input_size")
+        require(estimator.spk_dim == mel, "DiT spk_dim must equal output_size (the projected speaker vector)")
         return config
 
     def mel_frames_of(self, speech_tokens: int) -> int:
@@ -371,8 +361,7 @@ class CausalMaskedDiffWithDiT(nn.Module):
         feat = self.decoder(
             conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond, n_timesteps, streaming
         )
-        spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-        mels = [feat[index, :, start:end] for index, (start, end) in enumerate(spans)]
+        mels = target_frames(feat, conditioning.prompt_frames, conditioning.mel_lengths)
         return recompute_non_finite(
             "flow",
             mels,

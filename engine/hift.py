@@ -25,7 +25,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from engine.checkpoint import load_strict
 from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Conv1d, ConvTranspose1d, Linear, apply_mask, length_mask
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 # The official code picks the v1 `SineGen` at 22050 Hz and `SineGen2` (v2, 24 kHz) otherwise.
 _SINE_GEN_SAMPLE_RATE = 22050
@@ -58,9 +58,7 @@ class F0PredictorConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec, class_name: str = "ConvRNNF0Predictor") -> F0PredictorConfig:
         """The yaml `f0_predictor` node, of class `class_name` (v3: `CausalConvRNNF0Predictor`)."""
-        if not isinstance(spec, ObjectSpec) or spec.class_name != class_name:
-            name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"unsupported HiFT f0 predictor {name!r}; expected {class_name}")
+        expect_class(spec, class_name, "HiFT f0 predictor")
         _check_options(spec, {"num_class", "in_channels", "cond_channels"}, class_name)
         if int(spec.get("num_class", 1)) != 1:
             raise CheckpointError(f"{class_name} must predict one f0 value per frame (num_class: 1)")
@@ -105,9 +103,7 @@ class HiFTConfig:
 
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> HiFTConfig:
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "HiFTGenerator":
-            name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"unsupported vocoder {name!r}; only HiFTGenerator is implemented")
+        expect_class(spec, "HiFTGenerator", "vocoder")
         _check_options(spec, _HIFT_OPTIONS, "HiFTGenerator")
         if "f0_predictor" not in spec.kwargs:
             raise CheckpointError("the HiFTGenerator config has no f0_predictor")
@@ -245,8 +241,8 @@ class SineDraws(NamedTuple):
     noise: Tensor  # [B, harmonics + 1, L], N(0, 1)
 
 
-class SineGen(nn.Module):
-    """v1 NSF sine source: harmonics of the sample-rate f0 with random initial phases, zeroed where unvoiced."""
+class SineExcitation(nn.Module):
+    """What the NSF sine sources share: the harmonics of f0, their amplitude, and the excitation of a phase."""
 
     def __init__(self, config: HiFTConfig) -> None:
         super().__init__()
@@ -255,6 +251,19 @@ class SineGen(nn.Module):
         self.sine_amp = config.nsf_alpha
         self.noise_std = config.nsf_sigma
         self.voiced_threshold = config.nsf_voiced_threshold
+
+    def excitation(self, phase: Tensor, f0: Tensor, noise: Tensor) -> Tensor:
+        """phase [B, harmonics + 1, L] radians, f0 [B, L] Hz at the sample rate, noise [B, harmonics + 1, L]
+        -> the sines where voiced, plus noise [B, harmonics + 1, L]."""
+        sines = torch.sin(phase) * self.sine_amp
+        voiced = (f0 > self.voiced_threshold).to(f0.dtype)[:, None, :]
+        # unvoiced noise std sine_amp / 3 keeps its peaks near sine_amp
+        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
+        return sines * voiced + noise_amp * noise
+
+
+class SineGen(SineExcitation):
+    """v1 NSF sine source: harmonics of the sample-rate f0 with random initial phases, zeroed where unvoiced."""
 
     def draw(self, batch: int, length: int, device: torch.device, generator: torch.Generator | None) -> SineDraws:
         phases = torch.rand((batch, self.harmonics, 1), generator=generator, device=device) * (2 * math.pi) - math.pi
@@ -267,11 +276,7 @@ class SineGen(nn.Module):
         cycles = f0[:, None, :] * multiples / self.sampling_rate
         theta = 2 * math.pi * (torch.cumsum(cycles, dim=-1) % 1)
         phases = torch.cat([torch.zeros_like(draws.phases[:, :1]), draws.phases[:, 1:]], dim=1)
-        sines = self.sine_amp * torch.sin(theta + phases)
-        voiced = (f0 > self.voiced_threshold).to(f0.dtype)[:, None, :]
-        # unvoiced noise std sine_amp / 3 keeps its peaks near sine_amp
-        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        return sines * voiced + noise_amp * draws.noise
+        return self.excitation(theta + phases, f0, draws.noise)
 
 
 class Sine2Draws(NamedTuple):
@@ -281,7 +286,7 @@ class Sine2Draws(NamedTuple):
     noise: Tensor  # [B, L, harmonics + 1], N(0, 1)
 
 
-class SineGen2(nn.Module):
+class SineGen2(SineExcitation):
     """v2 NSF sine source: like `SineGen`, but the phase is integrated at the frame rate and linearly
     interpolated back to the sample rate, and the random initial phase enters only at the first sample.
 
@@ -291,13 +296,8 @@ class SineGen2(nn.Module):
     """
 
     def __init__(self, config: HiFTConfig) -> None:
-        super().__init__()
-        self.harmonics = config.nb_harmonics + 1
-        self.sampling_rate = config.sampling_rate
+        super().__init__(config)
         self.hop = config.hop
-        self.sine_amp = config.nsf_alpha
-        self.noise_std = config.nsf_sigma
-        self.voiced_threshold = config.nsf_voiced_threshold
 
     def draw(self, batch: int, length: int, device: torch.device, generator: torch.Generator | None) -> Sine2Draws:
         initial_phase = torch.rand((batch, self.harmonics), generator=generator, device=device)
@@ -318,14 +318,6 @@ class SineGen2(nn.Module):
         # a frame's phase advance spans hop samples, hence the scaling before the interpolation back
         phase = F.interpolate(frame_phase * self.hop, scale_factor=self.hop, mode="linear")
         return self.excitation(phase, f0, draws.noise.transpose(1, 2))
-
-    def excitation(self, phase: Tensor, f0: Tensor, noise: Tensor) -> Tensor:
-        """phase [B, harmonics + 1, L] radians, f0 [B, L] Hz at the sample rate, noise [B, harmonics + 1, L]
-        -> the sines where voiced, plus noise [B, harmonics + 1, L]."""
-        sines = torch.sin(phase) * self.sine_amp
-        voiced = (f0 > self.voiced_threshold).to(f0.dtype)[:, None, :]
-        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        return sines * voiced + noise_amp * noise
 
 
 SourceDraws = SineDraws | Sine2Draws
@@ -351,48 +343,69 @@ class SourceModuleHnNSF(nn.Module):
 
 
 class HiFTGenerator(nn.Module):
-    """HiFTNet generator (NSF + iSTFTNet), batch-first with per-item mel lengths."""
+    """HiFTNet generator (NSF + iSTFTNet), batch-first with per-item mel lengths.
+
+    The layer classes and the convolutions that differ between generators come from the class attributes and the
+    `_*_conv` methods, which the causal CosyVoice3 generator (engine.hift_v3) overrides.
+    """
+
+    resblock_class: type[nn.Module] = ResBlock
+    f0_predictor_class: type[nn.Module] = ConvRNNF0Predictor
 
     def __init__(self, config: HiFTConfig) -> None:
         super().__init__()
         config.validate()
         self.config = config
-        base = config.base_channels
-        stage_channels = [base // 2 ** (i + 1) for i in range(len(config.upsample_rates))]
+        base, rates = config.base_channels, config.upsample_rates
+        stage_channels = [base // 2 ** (i + 1) for i in range(len(rates))]
         spectrum_channels = config.n_fft + 2
 
         self.m_source = SourceModuleHnNSF(config)
-        self.conv_pre = weight_norm(Conv1d(config.in_channels, base, 7, padding=3))
+        self.conv_pre = weight_norm(self._pre_conv(config.in_channels, base))
         self.ups = nn.ModuleList(
-            weight_norm(ConvTranspose1d(base // 2**i, channels, k, u, padding=(k - u) // 2))
-            for i, (u, k, channels) in enumerate(
-                zip(config.upsample_rates, config.upsample_kernel_sizes, stage_channels, strict=True)
-            )
+            weight_norm(self._upsample_conv(base // 2**i, channels, k, u))
+            for i, (u, k, channels) in enumerate(zip(rates, config.upsample_kernel_sizes, stage_channels, strict=True))
         )
         # stage i mixes in the source spectrum downsampled by the product of the later upsample rates
-        later_rates = [math.prod(config.upsample_rates[i + 1 :]) for i in range(len(config.upsample_rates))]
+        later_rates = [math.prod(rates[i + 1 :]) for i in range(len(rates))]
         self.source_downs = nn.ModuleList(
-            Conv1d(spectrum_channels, channels, 1)
-            if rate == 1
-            else Conv1d(spectrum_channels, channels, rate * 2, rate, padding=rate // 2)
+            self._source_down_conv(spectrum_channels, channels, rate)
             for rate, channels in zip(later_rates, stage_channels, strict=True)
         )
         self.source_resblocks = nn.ModuleList(
-            ResBlock(channels, k, d)
+            self.resblock_class(channels, k, d)
             for channels, k, d in zip(
                 stage_channels, config.source_resblock_kernel_sizes, config.source_resblock_dilation_sizes, strict=True
             )
         )
         self.resblocks = nn.ModuleList(
-            ResBlock(channels, k, d)
+            self.resblock_class(channels, k, d)
             for channels in stage_channels
             for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes, strict=True)
         )
-        self.conv_post = weight_norm(Conv1d(stage_channels[-1], spectrum_channels, 7, padding=3))
-        self.f0_predictor = ConvRNNF0Predictor(config.f0_predictor)
+        self.conv_post = weight_norm(self._post_conv(stage_channels[-1], spectrum_channels))
+        self.f0_predictor = self.f0_predictor_class(config.f0_predictor)
         # periodic Hann (scipy get_window('hann', n_fft, fftbins=True)); not in the checkpoint
         window = torch.hann_window(config.n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("stft_window", window, persistent=False)
+
+    def _pre_conv(self, in_channels: int, out_channels: int) -> nn.Conv1d:
+        """The mel input conv: k7, centred."""
+        return Conv1d(in_channels, out_channels, 7, padding=3)
+
+    def _upsample_conv(self, in_channels: int, out_channels: int, kernel_size: int, rate: int) -> nn.Module:
+        """One upsampling stage: a transposed conv of stride `rate`."""
+        return ConvTranspose1d(in_channels, out_channels, kernel_size, rate, padding=(kernel_size - rate) // 2)
+
+    def _source_down_conv(self, in_channels: int, out_channels: int, rate: int) -> nn.Conv1d:
+        """The source spectrum down to a stage's rate: k1, or k 2 rate with stride `rate`, centred."""
+        if rate == 1:
+            return Conv1d(in_channels, out_channels, 1)
+        return Conv1d(in_channels, out_channels, rate * 2, rate, padding=rate // 2)
+
+    def _post_conv(self, in_channels: int, out_channels: int) -> nn.Conv1d:
+        """The conv to the magnitude and phase spectrum: k7, centred."""
+        return Conv1d(in_channels, out_channels, 7, padding=3)
 
     @property
     def device(self) -> torch.device:

@@ -49,14 +49,13 @@ from engine.hift import (
     HiFTGenerator,
     Sine2Draws,
     Snake,
-    SourceModuleHnNSF,
     _check_options,
     _length_mask,
     hift_fields_from_yaml,
 )
 from engine.layers import Conv1d, Linear, compute_dtype
 from engine.precision import recompute_non_finite
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 F0_LOOKAHEAD = 3  # the official CausalConvRNNF0Predictor's first conv: kernel 4, right padding 3
 _F0_KERNEL = 3
@@ -75,9 +74,7 @@ class CausalHiFTConfig(HiFTConfig):
 
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CausalHiFTConfig:
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "CausalHiFTGenerator":
-            name = spec.class_name if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"unsupported vocoder {name!r}; expected the CosyVoice3 CausalHiFTGenerator")
+        expect_class(spec, "CausalHiFTGenerator", "vocoder")
         _check_options(spec, _HIFT_OPTIONS | {"conv_pre_look_right"}, "CausalHiFTGenerator")
         if "f0_predictor" not in spec.kwargs:
             raise CheckpointError("the CausalHiFTGenerator config has no f0_predictor")
@@ -216,47 +213,31 @@ class FixedSourceDraws(NamedTuple):
 
 
 class CausalHiFTGenerator(HiFTGenerator):
-    """Module and parameter names follow the official class, so `hift.pt` loads strictly."""
+    """Module and parameter names follow the official class, so `hift.pt` loads strictly. The layers are
+    `HiFTGenerator`'s made causal (the overrides below); its STFT/iSTFT helpers are reused."""
+
+    resblock_class = CausalResBlock
+    f0_predictor_class = CausalConvRNNF0Predictor
 
     def __init__(self, config: CausalHiFTConfig) -> None:
-        nn.Module.__init__(self)  # the layers differ from HiFTGenerator's; its STFT/iSTFT helpers are reused
-        config.validate()
-        self.config = config
-        base = config.base_channels
-        rates = config.upsample_rates
-        stage_channels = [base // 2 ** (i + 1) for i in range(len(rates))]
-        spectrum_channels = config.n_fft + 2
-
-        self.m_source = SourceModuleHnNSF(config)
-        self.conv_pre = weight_norm(LookAheadConv1d(config.in_channels, base, config.conv_pre_look_right + 1))
-        self.ups = nn.ModuleList(
-            weight_norm(CausalUpsample(base // 2**i, channels, k, u))
-            for i, (u, k, channels) in enumerate(zip(rates, config.upsample_kernel_sizes, stage_channels, strict=True))
-        )
-        later_rates = [math.prod(rates[i + 1 :]) for i in range(len(rates))]  # source rate of stage i
-        self.source_downs = nn.ModuleList(
-            CausalConv1d(spectrum_channels, channels, 1)
-            if rate == 1
-            else CausalDownsample(spectrum_channels, channels, rate * 2, rate)
-            for rate, channels in zip(later_rates, stage_channels, strict=True)
-        )
-        self.source_resblocks = nn.ModuleList(
-            CausalResBlock(channels, k, d)
-            for channels, k, d in zip(
-                stage_channels, config.source_resblock_kernel_sizes, config.source_resblock_dilation_sizes, strict=True
-            )
-        )
-        self.resblocks = nn.ModuleList(
-            CausalResBlock(channels, k, d)
-            for channels in stage_channels
-            for k, d in zip(config.resblock_kernel_sizes, config.resblock_dilation_sizes, strict=True)
-        )
-        self.conv_post = weight_norm(CausalConv1d(stage_channels[-1], spectrum_channels, CONV_POST_KERNEL))
-        self.f0_predictor = CausalConvRNNF0Predictor(config.f0_predictor)
-        window = torch.hann_window(config.n_fft, periodic=True, dtype=torch.float64).float()
-        self.register_buffer("stft_window", window, persistent=False)
+        super().__init__(config)
         self._initial_phase: Tensor | None = None
         self._noise_blocks: list[Tensor] = []  # fp32 CPU, plain attributes: not in state_dict, never cast
+
+    def _pre_conv(self, in_channels: int, out_channels: int) -> nn.Conv1d:
+        """Reads the next conv_pre_look_right mel frames."""
+        return LookAheadConv1d(in_channels, out_channels, self.config.conv_pre_look_right + 1)
+
+    def _upsample_conv(self, in_channels: int, out_channels: int, kernel_size: int, rate: int) -> nn.Module:
+        return CausalUpsample(in_channels, out_channels, kernel_size, rate)
+
+    def _source_down_conv(self, in_channels: int, out_channels: int, rate: int) -> nn.Conv1d:
+        if rate == 1:
+            return CausalConv1d(in_channels, out_channels, 1)
+        return CausalDownsample(in_channels, out_channels, rate * 2, rate)
+
+    def _post_conv(self, in_channels: int, out_channels: int) -> nn.Conv1d:
+        return CausalConv1d(in_channels, out_channels, CONV_POST_KERNEL)
 
     def fixed_source_draws(self, samples: int, start: int = 0) -> FixedSourceDraws:
         """The source's fixed draws, noise for samples start .. samples - 1 (the same values in every call)."""

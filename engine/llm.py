@@ -22,7 +22,7 @@ from engine.conformer import EncoderConfig, KVCache, RelPositionEncoder
 from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Linear, log_softmax_fp32
 from engine.sampling import SamplingOptions, make_generator, sample_token
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 SOS, TASK_ID = 0, 1  # rows of llm_embedding
 
@@ -42,9 +42,7 @@ class LLMConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> LLMConfig:
         """The yaml `llm` node (class `TransformerLM`)."""
-        if not isinstance(spec, ObjectSpec) or spec.class_name != "TransformerLM":
-            target = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"llm class {target!r} is not supported; only the CosyVoice v1 TransformerLM")
+        expect_class(spec, "TransformerLM", "llm")
         for key in ("text_encoder_input_size", "llm_input_size", "llm_output_size", "text_token_size"):
             if key not in spec.kwargs:
                 raise CheckpointError(f"the TransformerLM config has no {key}")

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.layers import Linear
+from engine.layers import Linear, length_mask
 from engine.qwen2_llm import Qwen2Encoder, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding, embed_text
 from engine.yaml_config import ObjectSpec
 
@@ -49,7 +49,7 @@ class CosyVoice3LMConfig(Qwen2LMConfig):
 def embed_prompted_text(embed_tokens: nn.Embedding, tokens: Tensor, lengths: Tensor) -> Tensor:
     """`embed_text` of ids whose every row holds `<|endofprompt|>` within its length; InvalidInputError otherwise."""
     embedded = embed_text(embed_tokens, tokens, lengths)
-    valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths.to(tokens.device)[:, None]
+    valid = length_mask(lengths.to(tokens.device), tokens.shape[1])
     lacking = (~((tokens == ENDOFPROMPT_TOKEN) & valid).any(dim=1)).nonzero().flatten().tolist()
     if lacking:
         raise InvalidInputError(

@@ -139,18 +139,32 @@ def _as_plain_linear(layer: layers.Linear) -> nn.Linear:
     return plain
 
 
+def _untied_linear_layers(module: nn.Module) -> list[tuple[nn.Module, str, layers.Linear]]:
+    """(parent, name, layer) of every `layers.Linear` in `module` whose weight no other parameter shares.
+
+    A layer tied to another parameter (CosyVoice2/3's unused text `lm_head`, tied to the token embedding) is left
+    out: a packed or quantized copy would hold its weight twice.
+    """
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    return [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, layers.Linear) and uses[id(child.weight)] == 1
+    ]
+
+
 def quantize_linear_int8(module: nn.Module) -> nn.Module:
-    """Dynamic INT8 quantization of every Linear layer, in place; for CPU execution in float32.
+    """Dynamic INT8 quantization of every untied Linear layer, in place; for CPU execution in float32.
 
     torch's dynamic quantization only converts exact `nn.Linear`, so the dtype-casting
-    `layers.Linear` (a no-op in fp32) is swapped for a plain one first.
+    `layers.Linear` (a no-op in fp32) is swapped for a plain one first; tied layers keep their class and so their
+    shared float32 weight.
     """
     if any(p.dtype != torch.float32 for p in module.parameters()):
         raise InvalidInputError("INT8 quantization needs a float32 module (it runs on CPU)")
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, layers.Linear):
-                setattr(parent, name, _as_plain_linear(child))
+    for parent, name, child in _untied_linear_layers(module):
+        setattr(parent, name, _as_plain_linear(child))
     with warnings.catch_warnings():  # torch marks eager quantization deprecated; it still works in 2.14
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -162,24 +176,15 @@ def cpu_packing_available() -> bool:
 
 
 def pack_linear_for_cpu(module: nn.Module) -> nn.Module:
-    """Swap every float32 CPU `layers.Linear` for a oneDNN-packed `layers.PackedLinear`, in place.
+    """Swap every untied float32 CPU `layers.Linear` for a oneDNN-packed `layers.PackedLinear`, in place.
 
     The same products (within float rounding) at a fraction of the cost for the few rows of batched decode
-    steps. Inference only: afterwards casts and `.to()` leave those weights as they are. Layers whose weight is
-    tied to another parameter (CosyVoice2's unused text `lm_head`) are left alone, since packing would copy it.
-    A no-op where torch has no oneDNN.
+    steps. Inference only: afterwards casts and `.to()` leave those weights as they are. A no-op where torch has
+    no oneDNN.
     """
     if not cpu_packing_available():
         return module
-    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            weight = child.weight if isinstance(child, layers.Linear) else None
-            if (
-                weight is not None
-                and weight.dtype == torch.float32
-                and weight.device.type == "cpu"
-                and uses[id(weight)] == 1
-            ):
-                setattr(parent, name, layers.PackedLinear(weight, child.bias))
+    for parent, name, child in _untied_linear_layers(module):
+        if child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            setattr(parent, name, layers.PackedLinear(child.weight, child.bias))
     return module

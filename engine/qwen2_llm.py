@@ -28,7 +28,7 @@ from engine.errors import CheckpointError, InvalidInputError
 from engine.layers import Linear, length_mask, softmax_fp32
 from engine.llm import SOS, TASK_ID, GenerationRequest, generate_tokens, sampling_from_yaml
 from engine.sampling import SamplingOptions
-from engine.yaml_config import ObjectSpec
+from engine.yaml_config import ObjectSpec, expect_class
 
 QWEN_DIR = "CosyVoice-BlankEN"  # the official CosyVoice2 class points qwen_pretrain_path here
 NUM_SPECIAL_SPEECH_TOKENS = 3  # EOS (= speech_token_size), +1, +2 (fill token): all stop plain decoding
@@ -116,12 +116,8 @@ class Qwen2LMConfig:
     def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path, class_name: str = "Qwen2LM") -> Qwen2LMConfig:
         """The yaml `llm` node (class `class_name`: the CosyVoice2 `Qwen2LM`, or v3's `CosyVoice3LM`); the Qwen2
         config is `<model_dir>/CosyVoice-BlankEN/config.json`."""
-        if not isinstance(spec, ObjectSpec) or spec.class_name != class_name:
-            target = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
-            raise CheckpointError(f"llm class {target!r} is not supported here; expected {class_name}")
-        backbone = spec.get("llm")
-        if not isinstance(backbone, ObjectSpec) or backbone.class_name != "Qwen2Encoder":
-            raise CheckpointError(f"the {class_name} backbone must be a Qwen2Encoder")
+        expect_class(spec, class_name, "llm")
+        expect_class(spec.get("llm"), "Qwen2Encoder", f"{class_name} backbone")
         for key in ("llm_input_size", "llm_output_size", "speech_token_size"):
             if key not in spec.kwargs:
                 raise CheckpointError(f"the {class_name} config has no {key}")

@@ -90,7 +90,7 @@ def special_token(content: str) -> AddedToken:
     return AddedToken(content, normalized=False, special=True)
 
 
-def _qwen2_pipeline(model: models.BPE) -> Tokenizer:
+def qwen2_pipeline(model: models.BPE) -> Tokenizer:
     """The tokenizer transformers builds for Qwen2 from a vocab and merges."""
     tokenizer = Tokenizer(model)
     tokenizer.normalizer = normalizers.NFC()
@@ -179,7 +179,7 @@ class QwenTokenizer:
                 vocab, merges = models.BPE.read_file(str(path / VOCAB_JSON), str(path / MERGES_TXT))
             except Exception as error:  # tokenizers reports malformed files as a bare Exception
                 raise CheckpointError(f"cannot read the Qwen tokenizer files in {path}: {error}") from error
-            tokenizer = _qwen2_pipeline(_bpe(vocab, merges))
+            tokenizer = qwen2_pipeline(_bpe(vocab, merges))
         config: dict[str, Any] = {}
         if (path / TOKENIZER_CONFIG).is_file():
             config = json.loads((path / TOKENIZER_CONFIG).read_text(encoding="utf-8"))
@@ -197,7 +197,7 @@ class QwenTokenizer:
         token its id in the released vocabulary, as a CosyVoice3 LLM needs (`<|endofprompt|>` = 151646)."""
         vocab = {char: byte for byte, char in enumerate(byte_level_alphabet())}
         vocab[ENDOFTEXT] = endoftext_id
-        tokenizer = _qwen2_pipeline(_bpe(vocab, []))
+        tokenizer = qwen2_pipeline(_bpe(vocab, []))
         # added on its own first: the tokenizers library numbers new added tokens after the largest added id
         tokenizer.add_special_tokens([special_token(ENDOFTEXT)])
         return cls(tokenizer, special_tokens)

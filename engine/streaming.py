@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import InvalidInputError, NonFiniteOutputError
-from engine.flow import mel_frames
+from engine.flow import mel_frames, target_frames
 from engine.hift_v3 import VocoderStream
 from engine.llm import SilentRunFilter, TokenEvent, TokenGenerator
 from engine.sampling import make_generator
@@ -224,10 +224,10 @@ class OverlappingChunks(ChunkStrategy):
             caches = conditioning.flow_cache(noise)
             padded = pad_sequence([z.t() for z in noise], batch_first=True).transpose(1, 2).to(device)
             feat = flow.decoder(padded, conditioning.mu, conditioning.mask, conditioning.spks, conditioning.cond)
-            spans = zip(conditioning.prompt_frames, conditioning.mel_lengths, strict=True)
-            for row, (i, (start, end)) in enumerate(zip(live, spans, strict=True)):
+            targets = target_frames(feat, conditioning.prompt_frames, conditioning.mel_lengths)
+            for row, i in enumerate(live):
                 chunks[i].stream.flow_cache = caches[row]
-                mels[i] = feat[row, :, start:end].float().cpu()
+                mels[i] = targets[row].float().cpu()
         return mels
 
     @staticmethod

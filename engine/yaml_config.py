@@ -40,6 +40,23 @@ class ObjectSpec:
         return self.target.rsplit(".", 1)[-1]
 
 
+def require(condition: bool, message: str) -> None:
+    """CheckpointError(message) unless `condition`: a model config this implementation cannot reproduce."""
+    if not condition:
+        raise CheckpointError(message)
+
+
+def expect_class(spec: object, expected: str, what: str) -> ObjectSpec:
+    """`spec` as a `!new:` node of class `expected`; CheckpointError "unsupported <what> '<target>'; expected
+    <expected>" for another class or a plain value."""
+    found = spec.target if isinstance(spec, ObjectSpec) else type(spec).__name__
+    require(
+        isinstance(spec, ObjectSpec) and spec.class_name == expected,
+        f"unsupported {what} {found!r}; expected {expected}",
+    )
+    return spec
+
+
 @dataclass
 class _Ref:
     expression: str

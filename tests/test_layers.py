@@ -1,4 +1,5 @@
-"""oneDNN-packed Linear layers (`pack_linear_for_cpu`): the same products as the plain layers, in place."""
+"""oneDNN-packed Linear layers (`pack_linear_for_cpu`): the same products as the plain layers, in place; packing and
+INT8 quantization leave a Linear tied to another parameter alone."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
 from engine.layers import Linear, PackedLinear
 from engine.loader import load_model
-from engine.precision import cpu_packing_available, pack_linear_for_cpu, parameter_bytes
+from engine.precision import cpu_packing_available, pack_linear_for_cpu, parameter_bytes, quantize_linear_int8
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch has no oneDNN")
 
@@ -31,17 +33,23 @@ def test_a_packed_linear_computes_the_plain_product(rows: int, bias: bool) -> No
     torch.testing.assert_close(out, rows_alone, atol=1e-5, rtol=1e-5)
 
 
-def test_packing_swaps_layers_in_place_but_not_tied_ones() -> None:
+@pytest.mark.parametrize(
+    ("transform", "swapped_class", "tolerance"),
+    [(pack_linear_for_cpu, PackedLinear, 1e-6), (quantize_linear_int8, quantized_dynamic.Linear, 0.1)],
+)
+def test_packing_and_quantization_swap_layers_in_place_but_not_tied_ones(transform, swapped_class, tolerance) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Linear(8, 8), nn.ReLU(), Linear(8, 8, bias=False))
     tied = nn.Embedding(8, 8)
-    model[2].weight = tied.weight  # like CosyVoice2's text lm_head
+    model[2].weight = tied.weight  # like CosyVoice2's and 3's text lm_head
     model.append(tied)
+    bytes_before = parameter_bytes(model)
     x = torch.randn(3, 8)
     expected = model[2](model[1](model[0](x)))
-    pack_linear_for_cpu(model)
-    assert isinstance(model[0], PackedLinear) and type(model[2]) is Linear
-    torch.testing.assert_close(model[2](model[1](model[0](x))), expected, atol=1e-6, rtol=1e-6)
+    transform(model)
+    assert isinstance(model[0], swapped_class) and type(model[2]) is Linear and model[2].weight is tied.weight
+    assert parameter_bytes(model) <= bytes_before  # no second copy of the tied weight
+    torch.testing.assert_close(model[2](model[1](model[0](x))), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_packed_layers_survive_copies_and_pickles() -> None:

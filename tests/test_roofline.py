@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.engine_bench import TEXT, fixed_length_request
+from benchmarks.engine_bench import fixed_length_segments
 from benchmarks.roofline import counted_flops, per_token_linears
 from engine.loader import load_model
 from engine.pipeline import SpeechDecoderStage, TextEncoderStage
@@ -24,8 +24,7 @@ def test_counted_flops_include_the_cpu_attention_kernel() -> None:
 @pytest.mark.parametrize("int8", [False, True])
 def test_a_decode_step_reads_the_backbone_and_output_layer_only(int8: bool) -> None:
     model = load_model("tiny", int8=int8)
-    text_tokens = len(model.frontend.tokenize(model.frontend.normalize(TEXT)))
-    segments = TextEncoderStage(model).encode(fixed_length_request(text_tokens, 0.2, model.voices.names[0]))
+    segments = fixed_length_segments(TextEncoderStage(model), 0.2)
     request = SpeechDecoderStage(model).generation_requests(segments)[0]
 
     layers = per_token_linears(model.llm, request)
@@ -38,4 +37,21 @@ def test_a_decode_step_reads_the_backbone_and_output_layer_only(int8: bool) -> N
         expected += [block.feed_forward.w_1, block.feed_forward.w_2]
     expected.append(model.llm.llm_decoder)
     # the cached position projection, the speaker and text-encoder layers run once per request, not per token
+    assert layers == expected
+
+
+def test_a_cosyvoice3_decode_step_reads_the_qwen2_layers_and_speech_decoder_only() -> None:
+    model = load_model("cosyvoice3-tiny")
+    segments = fixed_length_segments(TextEncoderStage(model), 0.2)
+    request = SpeechDecoderStage(model).generation_requests(segments)[0]
+
+    layers = per_token_linears(model.llm, request)
+
+    expected = []
+    for layer in model.llm.llm.model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        expected += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+        expected += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    expected.append(model.llm.llm_decoder)
+    # not the text lm_head (tied to the embedding, never run)
     assert layers == expected

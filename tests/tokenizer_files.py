@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import models, pre_tokenizers, trainers
 
-from engine.qwen_tokenizer import QWEN2_PRETOKENIZE_PATTERN, special_token
+from engine.qwen_tokenizer import QWEN2_ENDOFTEXT_ID, qwen2_pipeline, special_token
 
 # 380 trained ids + the 3 config tokens + CosyVoice2's 17 new special tokens = 400, the kit's Qwen2 vocab_size.
 TINY_VOCAB_SIZE = 380
 CONFIG_ADDED_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-QWEN2_ENDOFTEXT_ID = 151643  # the real Qwen2 vocabulary's first added token
 CORPUS = (
     "The quick brown fox jumps over the lazy dog while seven bright stars watch from far above.",
     "Hello world, this is a tiny tokenizer for the CosyVoice test suite; it isn't meant to be good.",
@@ -36,25 +35,12 @@ CORPUS = (
 )
 
 
-def _training_tokenizer() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
 def write_tiny_qwen_tokenizer(directory: Path, *, with_tokenizer_json: bool = False, qwen2_ids: bool = False) -> Path:
     """Write the tiny tokenizer files into `directory` (created if needed) and return it."""
     if with_tokenizer_json and qwen2_ids:
         raise ValueError("qwen2_ids is written as vocab.json entries; a tokenizer.json would number them anew")
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _training_tokenizer()
+    tokenizer = qwen2_pipeline(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     trainer = trainers.BpeTrainer(
         vocab_size=TINY_VOCAB_SIZE,
         min_frequency=1,

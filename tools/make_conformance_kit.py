@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -58,11 +59,21 @@ FRONTEND_TEXTS = (
 
 
 def official_commit(checkout: Path) -> str:
+    """The checkout's short commit; for a tree without its git history, $OFFICIAL_COMMIT, else 'unknown'."""
     try:
         out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=7", "HEAD"], capture_output=True)
-        return out.stdout.decode().strip() or "unknown"
+        commit = out.stdout.decode().strip()
     except OSError:
-        return "unknown"
+        commit = ""
+    return commit or os.environ.get("OFFICIAL_COMMIT", "unknown")
+
+
+def copy_qwen_tokenizer(files: Path, model_dir: Path) -> None:
+    """Copy the Qwen2 tokenizer files in `files` (not its config.json: the kit's model has its own) into
+    `model_dir/CosyVoice-BlankEN`."""
+    for path in sorted(files.iterdir()):
+        if path.is_file() and path.name != "config.json":
+            shutil.copy2(path, model_dir / QWEN_DIR / path.name)
 
 
 def import_official(checkout: Path) -> None:
@@ -450,9 +461,7 @@ def main() -> None:
     if args.model.resolve() != model_dir:
         shutil.copytree(args.model, model_dir, dirs_exist_ok=True)
     if args.qwen_tokenizer:
-        for path in args.qwen_tokenizer.iterdir():
-            if path.is_file() and path.name != "config.json":
-                shutil.copy2(path, model_dir / QWEN_DIR / path.name)
+        copy_qwen_tokenizer(args.qwen_tokenizer, model_dir)
     maker = Maker(model_dir, args.seed)
     cases_path = out / "cases.pt"
     cases = torch.load(cases_path, weights_only=True) if cases_path.is_file() else {}

@@ -21,13 +21,9 @@ from what this prints.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
-import os
 import re
-import shutil
-import subprocess
 import sys
 import types
 from collections.abc import Callable
@@ -35,6 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from make_conformance_kit import (  # the sibling tool, on sys.path when this runs as a script
+    copy_qwen_tokenizer,
+    official_commit,
+    official_text_frontend,
+    sha256,
+    text_path_case,
+)
 from torch import Tensor, nn
 
 SEED = 2003
@@ -187,10 +190,6 @@ def _owner(root: nn.Module, name: str) -> nn.Module:
     parts = name.split(".")[:-1]
     parts = [p for p in parts if p not in ("parametrizations", "weight")]
     return root.get_submodule(".".join(parts)) if parts else root
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _copied(value: Any) -> Any:
@@ -526,9 +525,7 @@ def reference_cases(model: Any, official: Path) -> dict[str, list[dict[str, Any]
     hift_cases[2]["e2e_source"] = "mel = feat of flow case e2e_zero_shot_from_llm"
     import transformers
 
-    commit = subprocess.run(
-        ["git", "-C", str(official), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip() or os.environ.get("OFFICIAL_COMMIT", "")
+    commit = official_commit(official)
     meta = {
         "kit": "cosyvoice3-tiny",
         "model_version": "CosyVoice3 (Fun-CosyVoice3-0.5B style)",
@@ -726,9 +723,6 @@ def stream_cases(model: Any, llm_cases: list[dict[str, Any]]) -> list[dict[str, 
 def frontend_cases(configs: dict[str, Any]) -> list[dict[str, Any]]:
     """The official text path of CosyVoice3 for FRONTEND_TEXTS, recorded as the v1/v2 tool records it (the
     tokenizer's `encode` is what `_extract_text_token` calls), plus whether markup skipped the normalisation."""
-    # the sibling tool, on sys.path when this runs as a script
-    from make_conformance_kit import official_text_frontend, text_path_case
-
     frontend = official_text_frontend(configs)
     return [
         {
@@ -764,9 +758,7 @@ def main() -> None:
     if not extending:
         write_model_files(args.official, model_dir)
     if args.qwen_tokenizer:
-        for path in sorted(args.qwen_tokenizer.iterdir()):
-            if path.is_file() and path.name != "config.json":
-                shutil.copyfile(path, model_dir / QWEN_DIR / path.name)
+        copy_qwen_tokenizer(args.qwen_tokenizer, model_dir)
     model, configs = load_official_model(model_dir)
     cases = torch.load(cases_path, weights_only=True) if extending else reference_cases(model, args.official)
     check_fixed_draws(model, cases["hift"])
