@@ -1,7 +1,12 @@
 """The continuous-batching scheduler (engine.scheduler) on the tiny model: joining, equality with a request
-decoded alone, cancellation, memory admission, refusal, and pipelined sentences."""
+decoded alone, cancellation, memory admission, refusal, pipelined sentences, and the vocoding thread (LLM steps
+go on while it works, first chunks go first)."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -9,7 +14,7 @@ import pytest
 from engine.errors import CosyVoiceError, RequestTooLargeError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
-from engine.scheduler import Output, Scheduler
+from engine.scheduler import Output, Scheduler, Sink
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=6, max_token_text_ratio=6)
 LONG = SamplingOptions(seed=4, min_token_text_ratio=30, max_token_text_ratio=30)  # several stream chunks
@@ -171,3 +176,137 @@ def test_the_sentences_of_a_request_are_pipelined_and_arrive_in_order(tts: CosyV
     expected = [chunk for segment in segments for chunk in _stream_alone(tts, segment)]
     assert [len(c) for c in sink.audio] == [len(c) for c in expected]
     np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(expected), atol=1e-4)
+
+
+class Gate:
+    """Holds each call (made on the vocoding thread) until the test lets it through, so that the test decides how
+    many LLM steps run while a flow + vocoder job runs."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.arrived = 0  # calls made so far
+        self.finished = 0
+        self.opened = False
+        self._permits = 0
+        self._changed = threading.Condition()
+
+    def __call__(self, *args: Any) -> Any:
+        with self._changed:
+            self.arrived += 1
+            assert self._changed.wait_for(lambda: self.opened or self._permits, timeout=60), "never let through"
+            self._permits -= 0 if self.opened else 1
+        try:
+            return self.function(*args)
+        finally:
+            with self._changed:
+                self.finished += 1
+                self._changed.notify_all()
+
+    def pass_one(self) -> None:
+        """Let the held call through and wait until it has returned (no LLM step runs meanwhile)."""
+        with self._changed:
+            finished = self.finished
+            self._permits += 1
+            self._changed.notify_all()
+            assert self._changed.wait_for(lambda: self.finished > finished, timeout=60)
+
+    def open(self) -> None:
+        with self._changed:
+            self.opened = True
+            self._changed.notify_all()
+
+
+def _step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int = 1000) -> None:
+    for _ in range(limit):
+        if condition():
+            return
+        scheduler.step()
+    raise AssertionError(f"not reached in {limit} steps")
+
+
+def test_llm_steps_go_on_while_a_whole_sentence_is_vocoded(tts: CosyVoice, monkeypatch: pytest.MonkeyPatch) -> None:
+    [short] = _segments(tts, "A whole request in the loop.", SHORT)
+    [long] = _segments(tts, "A longer whole request that keeps generating.", LONG)
+    [alone_short, alone_long] = [tts.decoder.decode_batch([segment])[0] for segment in (short, long)]
+    gate = Gate(tts.decoder.vocode)
+    monkeypatch.setattr(tts.decoder, "vocode", gate)
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    short_sink, long_sink = Collected(), Collected()
+    scheduler.submit([short], streaming=False, sink=short_sink)
+    scheduler.submit([long], streaming=False, sink=long_sink)
+    try:
+        _step_until(scheduler, lambda: gate.arrived == 1)  # the short one's tokens are all there: its job waits
+        steps_before = scheduler.stats.llm_steps_while_vocoding
+        _run(scheduler, steps=20)
+        assert not short_sink.outputs
+        assert scheduler.llm.active == 1  # the long one generated on meanwhile, one token a step
+        assert scheduler.stats.llm_steps_while_vocoding == steps_before + 20
+    finally:
+        gate.open()
+    _run(scheduler)
+    np.testing.assert_allclose(short_sink.audio[0], alone_short, atol=1e-4)
+    np.testing.assert_allclose(long_sink.audio[0], alone_long, atol=1e-4)
+
+
+def test_a_first_chunk_is_vocoded_ahead_of_the_running_streams_chunks(tts: CosyVoice) -> None:
+    text = "A streaming request with enough words in it for several chunks of audio, one after the other."
+    [running] = _segments(tts, text, LONG)
+    [late] = _segments(tts, text, SamplingOptions(seed=8, min_token_text_ratio=30, max_token_text_ratio=30))
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    gate = Gate(scheduler._emit)  # the streams job's function: one call per job
+    scheduler._emit = gate
+    heard: list[tuple[str, int]] = []  # which request each chunk went to, and at which LLM step
+
+    def sink(name: str, collected: Collected) -> Sink:
+        def push(item: Output) -> None:
+            if isinstance(item, np.ndarray):
+                heard.append((name, scheduler.stats.llm_steps))
+            collected(item)
+
+        return push
+
+    running_sink, late_sink = Collected(), Collected()
+    try:
+        scheduler.submit([running], streaming=True, sink=sink("running", running_sink))
+        _step_until(scheduler, lambda: gate.arrived == 1)  # job 1 took the first token
+        _run(scheduler, steps=125)  # the tokens of the first chunk (v1 tiny: 100 + 20) wait in the loop
+        gate.pass_one()
+        _step_until(scheduler, lambda: gate.arrived == 2)  # job 2 took them
+        gate.pass_one()
+        _step_until(scheduler, lambda: gate.arrived == 3)  # job 2's chunk is out; job 3 took a token or two
+        assert [name for name, _ in heard] == ["running"]
+        scheduler.submit([late], streaming=True, sink=sink("late", late_sink))
+        _run(scheduler, steps=130)  # the late one's first chunk and the running one's next are due
+        gate.pass_one()
+        _step_until(scheduler, lambda: gate.arrived == 4)  # job 4 took both requests' waiting tokens
+        assert [name for name, _ in heard] == ["running"]
+    finally:
+        gate.open()
+    _run(scheduler)
+    late_first = next(step for name, step in heard if name == "late")
+    running_next = [step for name, step in heard if name == "running"][1]
+    assert late_first < running_next  # in a batch of its own, one job before the running one's next chunk
+    assert scheduler.stats.first_chunks_ahead == 1
+    for segment, collected in ((running, running_sink), (late, late_sink)):
+        np.testing.assert_allclose(
+            np.concatenate(collected.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4
+        )
+
+
+def test_a_stream_cancelled_while_its_chunk_is_vocoded_frees_its_slot_at_once(tts: CosyVoice) -> None:
+    [segment] = _segments(tts, "A streaming request whose caller leaves mid-chunk.", LONG)
+    scheduler = Scheduler(tts.decoder, max_live=1)
+    gate = Gate(scheduler._emit)
+    scheduler._emit = gate
+    sink = Collected()
+    ticket = scheduler.submit([segment], streaming=True, sink=sink)
+    try:
+        _step_until(scheduler, lambda: gate.arrived == 1)
+        scheduler.cancel(ticket)
+        scheduler.step()
+        assert sink.ended and scheduler.live == 0 and scheduler.llm.active == 0  # freed while the job still runs
+        assert len(scheduler.streams.streams) == 1  # released once the job that may read it is over
+    finally:
+        gate.open()
+    _run(scheduler)
+    assert scheduler.streams.streams == [] and scheduler.stats.cancelled == 1
