@@ -76,6 +76,7 @@ class Decoder:
         memory_budget_gb: float | None = None,
         max_concurrent_batches: int = 2,
         gpu_fraction: float | None = None,
+        max_vocode_batch: int | None = None,
     ) -> None:
         device, dtype = resolve_device_and_dtype(use_gpu, dtype)
         self.device = torch.device(device)
@@ -84,7 +85,12 @@ class Decoder:
             # starve each other (the allocator raises OOM in this replica instead).
             torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
-        self.scheduler = Scheduler(self.stage, max_live=max_batch_size, memory_budget_bytes=_gib(memory_budget_gb))
+        self.scheduler = Scheduler(
+            self.stage,
+            max_live=max_batch_size,
+            memory_budget_bytes=_gib(memory_budget_gb),
+            max_vocode_batch=max_vocode_batch,
+        )
         gpu = GpuProbe(torch.cuda.current_device()) if self.device.type == "cuda" else None
         # NVML read about once a second in the background; None (busy time instead) without a GPU or NVML.
         sampler = gpu_utilization_sampler(gpu) if gpu is not None else None
@@ -245,6 +251,7 @@ class Decoder:
         return {
             "batch_size_counts": dict(self.load.batch_size_counts),
             "max_batch_size": self.max_batch_size,
+            "max_vocode_batch": self.scheduler.max_vocode_batch,
             "llm_batch_size_counts": dict(stats.llm_batch_size_counts),
             "admission_wait_s": self.admission_wait_s,
             "joined_running_batch": stats.joined_running_batch,

@@ -14,9 +14,11 @@ thread, at the same time as the LLM steps. One `step`:
    one's last audio is made (so the next sentence's tokens are generated while the current one is vocoded,
    with no round trip through the caller);
 4. when the vocoding thread is free, hands it one job: one flow + vocoder batch over the streaming sentences
-   whose new tokens complete a hop, or over at most `max_vocode_batch` whole sentences whose tokens are all
-   there. The two kinds take turns; a request that has made no audio yet goes first (its first chunk is
-   vocoded in a batch of its own before the running streams' next chunks).
+   whose new tokens complete a hop (the new tokens of at most `max_vocode_batch` streams are taken in per job),
+   or over at most `max_vocode_batch` whole sentences whose tokens are all there. The two kinds take turns; a
+   request that has made no audio yet goes first (its first chunk is vocoded before the running streams' next
+   chunks). A job runs to its end, so `max_vocode_batch` also bounds how long a first chunk can wait behind
+   one: on CPU, where batching the flow and vocoder gains little, it is 1 by default.
 
 So neither side waits for the other: the LLM steps on while a flow + vocoder batch runs, and a batch that is
 ready starts as soon as the one before it ends. The only waits are the two threads sharing the device (on
@@ -48,6 +50,7 @@ from engine.memory import estimate_request_memory
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.streaming import DecodeStream
 
+DEFAULT_VOCODE_BATCH_CUDA, DEFAULT_VOCODE_BATCH_CPU = 8, 1
 Output = np.ndarray | CosyVoiceError | None
 Sink = Callable[[Output], None]
 
@@ -91,6 +94,7 @@ class _Sentence:
     stream: Any = None  # streaming sentences: their engine.streaming stream
     tokens: list[int] = field(default_factory=list)  # whole sentences: the tokens so far
     events: list[TokenEvent] = field(default_factory=list)  # streaming sentences: not yet recorded in the stream
+    recorded_at: int = 0  # streaming sentences: the LLM step count when a job last took in their tokens
     tokens_done: bool = False
     done: bool = False
     outputs: list[np.ndarray] = field(default_factory=list)  # made, not yet handed on (an earlier one still runs)
@@ -116,7 +120,8 @@ class _Job:
 
     kind: Literal["streams", "whole"]
     future: Future[Any]
-    sentences: list[_Sentence]  # whole: the sentences it vocodes
+    sentences: list[_Sentence] = field(default_factory=list)  # whole: the sentences it vocodes
+    held_back: bool = False  # streams: running streams had tokens waiting when it took first chunks' tokens first
 
 
 @dataclass
@@ -128,7 +133,7 @@ class SchedulerStats:
     pipelined_sentences: int = 0  # sentences admitted while the one before them in their request was vocoded
     vocode_batch_size_counts: Counter[int] = field(default_factory=Counter)
     llm_steps_while_vocoding: int = 0  # LLM steps that ran while a flow + vocoder job was running
-    first_chunks_ahead: int = 0  # first chunks vocoded in a batch of their own, ahead of running streams' chunks
+    first_chunks_ahead: int = 0  # first chunks vocoded before the waiting tokens of running streams
     admitted: int = 0
     cancelled: int = 0
 
@@ -142,12 +147,15 @@ class Scheduler:
         stage: SpeechDecoderStage,
         max_live: int,
         memory_budget_bytes: int | None = None,
-        max_vocode_batch: int = 8,
+        max_vocode_batch: int | None = None,
     ) -> None:
         self.stage = stage
         self.max_live = max_live
         self.memory_budget_bytes = memory_budget_bytes
-        self.max_vocode_batch = max_vocode_batch
+        # On CPU the flow and vocoder gain ~9% from a batch of 8 (docs/performance.md): small jobs cost little there
+        # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
+        cuda = stage.model.decoder_device.type == "cuda"
+        self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
         self.llm = _SharedGenerator(TokenGenerator(stage.model.llm))
         self.streams = DecodeStream(stage, [], llm=self.llm)
         self.stats = SchedulerStats()
@@ -159,7 +167,7 @@ class Scheduler:
         self._by_llm_id: dict[int, _Sentence] = {}
         self._job: _Job | None = None
         self._last_job_kind = "whole"
-        self._streams_backlog = False  # the last emit made audio: a stream may hold more than one chunk
+        self._backlog: list[_Sentence] = []  # streams that made a chunk in the last job: they may hold another
         self._to_release: list[Any] = []  # streams stopped while a job ran; released once it is over
         # On CPU the two threads split the torch threads (at least one each); on CUDA the vocoding thread
         # works on its own CUDA stream, so its kernels overlap the LLM's.
@@ -280,7 +288,7 @@ class Scheduler:
         for ticket in {s.request for s in self._live} | set(self._queue):
             self._end(ticket, error)
         self._live, self._queue, self._by_llm_id = [], deque(), {}
-        self._job, self._to_release, self._streams_backlog = None, [], False  # a running job's results are dropped
+        self._job, self._to_release, self._backlog = None, [], []  # a running job's results are dropped
         self.llm = _SharedGenerator(TokenGenerator(self.stage.model.llm))
         self.streams = DecodeStream(self.stage, [], llm=self.llm)
 
@@ -389,20 +397,29 @@ class Scheduler:
     # --- the flow + vocoder jobs ---------------------------------------------------------------------------
 
     def _start_job(self) -> None:
-        """Hand the vocoding thread its next job if it is free: streams and whole sentences take turns; in a
-        streams job, the requests without audio yet go first."""
+        """Hand the vocoding thread its next job if it is free: streams and whole sentences take turns.
+
+        A streams job emits a chunk of every stream whose taken-in tokens complete one: the streams that made one
+        in the last job (they may hold another), and the streams whose waiting tokens it takes in. It takes in
+        those of every request without audio yet, then of the running streams that have waited longest while the
+        batch stays within `max_vocode_batch`."""
         if self._job is not None:
             return
+        self._backlog = [s for s in self._backlog if s.stream is not None]  # not finished, released nor cancelled
         waiting = [s for s in self._live if s.stream is not None and s.events]
         first = [s for s in waiting if not s.request.audio_started]
+        running = sorted((s for s in waiting if s.request.audio_started), key=lambda s: s.recorded_at)
+        room = max(0, self.max_vocode_batch - len(self._backlog) - len(first))
+        taken = first + [s for s in running if s not in self._backlog][:room]
         whole = [s for s in self._live if s.stream is None and s.tokens_done and not s.done][: self.max_vocode_batch]
-        if (waiting or self._streams_backlog) and (not whole or self._last_job_kind == "whole"):
-            first_events = [event for s in first for event in s.events]
-            other_events = [event for s in waiting if s.request.audio_started for event in s.events]
-            for sentence in waiting:
-                sentence.events = []
+        if (taken or self._backlog) and (not whole or self._last_job_kind == "whole"):
+            first_events = [event for s in taken if not s.request.audio_started for event in s.events]
+            other_events = [event for s in taken if s.request.audio_started for event in s.events]
+            for sentence in taken:
+                sentence.events, sentence.recorded_at = [], self.stats.llm_steps
             future = self._vocoder.submit(self._emit, self.streams, first_events, other_events)
-            self._job = _Job("streams", future, [])
+            held_back = bool(first) and bool(running)
+            self._job = _Job("streams", future, held_back=held_back)
         elif whole:
             tokens = [torch.tensor(s.tokens, dtype=torch.long) for s in whole]
             future = self._vocoder.submit(self._vocode, [s.segment for s in whole], tokens)
@@ -417,11 +434,11 @@ class Scheduler:
     def _emit(streams: DecodeStream, first: list[TokenEvent], other: list[TokenEvent]) -> tuple[list[Any], bool]:
         """The vocoding thread: record the waiting tokens and emit the chunks they complete; when requests
         without audio have a chunk ready, it is emitted before the others' tokens are recorded.
-        -> ([(stream, audio or error)], whether those were first chunks emitted ahead of other streams' tokens)."""
+        -> ([(stream, audio or error)], whether they came from the first tokens alone)."""
         streams.record(first)
         produced = streams.emit() if first else []
         streams.record(other)
-        return (produced, bool(other)) if produced else (streams.emit(), False)
+        return (produced, True) if produced else (streams.emit(), False)
 
     @torch.inference_mode()
     def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | CosyVoiceError]:
@@ -435,8 +452,8 @@ class Scheduler:
             return
         self._job = None
         if job.kind == "streams":
-            produced, ahead = job.future.result()
-            self._take_chunks(produced, ahead)
+            produced, from_first = job.future.result()
+            self._take_chunks(produced, ahead=from_first and job.held_back)
         else:
             self._take_waves(job.sentences, job.future.result())
         for stream in self._to_release:
@@ -444,11 +461,11 @@ class Scheduler:
         self._to_release = []
 
     def _take_chunks(self, produced: list[Any], ahead: bool) -> None:
-        self._streams_backlog = bool(produced)
         if produced:
             self.stats.vocode_batch_size_counts[len(produced)] += 1
             self.stats.first_chunks_ahead += len(produced) if ahead else 0
         by_stream = {id(s.stream): s for s in self._live if s.stream is not None}
+        self._backlog = [by_stream[id(stream)] for stream, _ in produced if id(stream) in by_stream]
         for stream, audio in produced:
             sentence = by_stream.get(id(stream))
             if sentence is None or sentence.request.ended:  # cancelled, or ended by an earlier error in this batch

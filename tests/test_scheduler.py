@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -248,11 +249,12 @@ def test_llm_steps_go_on_while_a_whole_sentence_is_vocoded(tts: CosyVoice, monke
     np.testing.assert_allclose(long_sink.audio[0], alone_long, atol=1e-4)
 
 
-def test_a_first_chunk_is_vocoded_ahead_of_the_running_streams_chunks(tts: CosyVoice) -> None:
+@pytest.mark.parametrize("max_vocode_batch", [1, 8])
+def test_a_first_chunk_is_vocoded_ahead_of_the_running_streams_chunks(tts: CosyVoice, max_vocode_batch: int) -> None:
     text = "A streaming request with enough words in it for several chunks of audio, one after the other."
     [running] = _segments(tts, text, LONG)
     [late] = _segments(tts, text, SamplingOptions(seed=8, min_token_text_ratio=30, max_token_text_ratio=30))
-    scheduler = Scheduler(tts.decoder, max_live=8)
+    scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=max_vocode_batch)
     gate = Gate(scheduler._emit)  # the streams job's function: one call per job
     scheduler._emit = gate
     heard: list[tuple[str, int]] = []  # which request each chunk went to, and at which LLM step
@@ -278,14 +280,14 @@ def test_a_first_chunk_is_vocoded_ahead_of_the_running_streams_chunks(tts: CosyV
         scheduler.submit([late], streaming=True, sink=sink("late", late_sink))
         _run(scheduler, steps=130)  # the late one's first chunk and the running one's next are due
         gate.pass_one()
-        _step_until(scheduler, lambda: gate.arrived == 4)  # job 4 took both requests' waiting tokens
+        _step_until(scheduler, lambda: gate.arrived == 4)  # job 4 took the late one's tokens (and the other's, if 8)
         assert [name for name, _ in heard] == ["running"]
     finally:
         gate.open()
     _run(scheduler)
     late_first = next(step for name, step in heard if name == "late")
     running_next = [step for name, step in heard if name == "running"][1]
-    assert late_first < running_next  # in a batch of its own, one job before the running one's next chunk
+    assert late_first < running_next  # in a batch of its own, at least one job before the running one's next chunk
     assert scheduler.stats.first_chunks_ahead == 1
     for segment, collected in ((running, running_sink), (late, late_sink)):
         np.testing.assert_allclose(
@@ -310,3 +312,27 @@ def test_a_stream_cancelled_while_its_chunk_is_vocoded_frees_its_slot_at_once(tt
         gate.open()
     _run(scheduler)
     assert scheduler.streams.streams == [] and scheduler.stats.cancelled == 1
+
+
+def test_running_streams_chunks_go_in_batches_of_at_most_max_vocode_batch(tts: CosyVoice) -> None:
+    sampling = [replace(LONG, seed=seed) for seed in (1, 2, 3)]
+    segments = [_segments(tts, "Three streams take turns on the vocoding thread.", options)[0] for options in sampling]
+    scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=1)
+    running_batches: list[int] = []  # chunks made by each streams job that took in no first chunk's tokens
+    emit = scheduler._emit
+
+    def recording_emit(streams: Any, first: list[Any], other: list[Any]) -> Any:
+        produced, from_first = emit(streams, first, other)
+        if not first:
+            running_batches.append(len(produced))
+        return produced, from_first
+
+    scheduler._emit = recording_emit
+    sinks = [Collected() for _ in segments]
+    for segment, sink in zip(segments, sinks, strict=True):
+        scheduler.submit([segment], streaming=True, sink=sink)
+    _run(scheduler)
+    assert max(running_batches) == 1 and sum(running_batches) >= 2 * len(segments)  # one chunk at a time
+    assert scheduler.stats.vocode_batch_size_counts[3] == 1  # the three first chunks went together
+    for segment, sink in zip(segments, sinks, strict=True):
+        np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4)
