@@ -253,6 +253,7 @@ class Decoder:
             "max_batch_size": self.max_batch_size,
             "max_vocode_batch": self.scheduler.max_vocode_batch,
             "llm_batch_size_counts": dict(stats.llm_batch_size_counts),
+            "loop_busy": self._loop_is_busy,
             "admission_wait_s": self.admission_wait_s,
             "joined_running_batch": stats.joined_running_batch,
             "mixed_steps": stats.mixed_steps,

@@ -76,14 +76,16 @@ def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model
 
 
 def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder: Any) -> None:
-    _wait_for(lambda: _stats(decoder)["live"] == 0, 30, "an idle loop")
+    _wait_for(lambda: not _stats(decoder)["loop_busy"], 30, "an idle loop")
     assert _stats(decoder)["admission_wait_s"] == 0.0  # an admission batch of an idle loop waits for no other
     long_stream = _encode("A long streaming request keeps the loop busy.", ratio=150, seed=3)
     chunks = decoder.stream.options(stream=True).remote(long_stream, "busy")
     assert len(next(chunks)) > 0
-    assert _stats(decoder)["admission_wait_s"] == DecoderArgs().batch_wait_timeout_s
+    busy = _stats(decoder)
+    assert busy["loop_busy"] and busy["admission_wait_s"] == DecoderArgs().batch_wait_timeout_s
     chunks.cancel()
-    _wait_for(lambda: _stats(decoder)["admission_wait_s"] == 0.0, 30, "the loop to be idle again")
+    _wait_for(lambda: not _stats(decoder)["loop_busy"], 30, "the loop to be idle again")
+    assert _stats(decoder)["admission_wait_s"] == 0.0
 
 
 def test_a_request_that_can_never_fit_is_refused_with_413(base_url: str) -> None:
