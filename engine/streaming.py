@@ -200,9 +200,11 @@ class DecodeStream:
             stream.tokens_done = stream.tokens_done or event.finish_reason is not None
 
     @torch.inference_mode()
-    def emit(self) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError]]:
-        """Every stream that has a chunk's worth of tokens gets its audio, all of them in one flow + vocoder batch."""
-        chunks = [c for c in map(self._next_chunk, self.streams) if c is not None]
+    def emit(self, streams: list[_Stream] | None = None) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError]]:
+        """Every stream (of `streams`; default all) that has a chunk's worth of tokens gets its audio, all of them in
+        one flow + vocoder batch. Emits over disjoint `streams` change only their own streams' state (and the
+        generator, to stop a stream whose audio is not finite)."""
+        chunks = [c for c in map(self._next_chunk, self.streams if streams is None else streams) if c is not None]
         if not chunks:
             return []
         return list(zip((c.stream for c in chunks), self._synthesize(chunks), strict=True))
