@@ -3,7 +3,7 @@
 One continuous-batching loop per replica (`engine.scheduler.Scheduler`) owns the model: whole-utterance
 requests (`synthesize`) and streaming ones (`stream`) enter one `@serve.batch` admission queue, which hands
 each gathered batch to the loop at once and returns, so admission never waits for decoding. The loop runs
-in a thread of its own (and its flow + vocoder work in a second one); it admits requests between LLM steps
+in a thread of its own (and its flow + vocoder work in two more); it admits requests between LLM steps
 within `max_batch_size` live sentences and the memory budget. An idle loop takes a request at once: the
 admission queue gathers arrivals for `batch_wait_timeout_s` only while the loop is busy.
 """
@@ -260,7 +260,7 @@ class Decoder:
             "pipelined_sentences": stats.pipelined_sentences,
             "vocode_batch_size_counts": dict(stats.vocode_batch_size_counts),
             "llm_steps_while_vocoding": stats.llm_steps_while_vocoding,
-            "first_chunks_ahead": stats.first_chunks_ahead,
+            "first_lane_chunks": stats.first_lane_chunks,
             "admitted": stats.admitted,
             "cancelled": stats.cancelled,
             "live": self.scheduler.live,

@@ -1,11 +1,12 @@
-"""Continuous batching over every request of a decoder: one loop, one model copy, one queue, two threads.
+"""Continuous batching over every request of a decoder: one loop, one model copy, one queue, three threads.
 
 Callers `submit` a request (its sentences, whole or streaming) from any thread. The loop thread calls `step`
-again and again (`run` does it for ever); the flow + vocoder work runs on a second thread, the vocoding
-thread, at the same time as the LLM steps. One `step`:
+again and again (`run` does it for ever); the flow + vocoder work runs at the same time on two vocoding
+threads, the lanes. One `step`:
 
-1. takes in the flow + vocoder job that finished (its audio goes to its sentences), the new submissions,
-   and drops the cancelled requests (their LLM rows and memory leave the live set here, before any compute);
+1. takes in the flow + vocoder jobs that finished (their audio goes to their sentences), the new
+   submissions, and drops the cancelled requests (their LLM rows and memory leave the live set here, before
+   any compute);
 2. runs one LLM step for every sentence that is generating tokens; the ones admitted at the previous step
    are prefilled in it and join the running batch;
 3. admits queued sentences, oldest first, while the live set stays within `max_live` sentences and the
@@ -13,21 +14,20 @@ thread, at the same time as the LLM steps. One `step`:
    request already running goes first, as soon as the sentence before it has all its tokens, before that
    one's last audio is made (so the next sentence's tokens are generated while the current one is vocoded,
    with no round trip through the caller);
-4. when the vocoding thread is free, hands it one job: one flow + vocoder batch over the streaming sentences
-   whose new tokens complete a hop (the new tokens of at most `max_vocode_batch` streams are taken in per job),
-   or over at most `max_vocode_batch` whole sentences whose tokens are all there. The two kinds take turns; a
-   request that has made no audio yet goes first (its first chunk is vocoded before the running streams' next
-   chunks). A job runs to its end, so `max_vocode_batch` also bounds how long a first chunk can wait behind
-   one: on CPU, where batching the flow and vocoder gains little, it is 1 by default.
+4. hands each free lane one job, a flow + vocoder batch of at most `max_vocode_batch` sentences:
+   - the first-audio lane takes the streams of requests that have no audio yet;
+   - the main lane takes such streams too if the first-audio lane is busy, else streams whose audio has
+     started (those waiting longest first) and whole sentences whose tokens are all there, the two kinds in
+     turns.
+   A job takes in the stream tokens that waited in the loop thread and emits the chunks they complete.
 
-So neither side waits for the other: the LLM steps on while a flow + vocoder batch runs, and a batch that is
-ready starts as soon as the one before it ends. The only waits are the two threads sharing the device (on
-CPU, the cores: each thread gets half the torch threads), and a step with nothing to generate waits for the
-running job or a new request instead of spinning.
-The streams (`engine.streaming.DecodeStream`) are shared by the two threads: the vocoding thread records
-their tokens and emits their audio; the loop thread only adds and stops streams (a new stream has no tokens
-for a running emit to take) and releases them when no job runs. Token events of streams wait in the loop
-thread until the next job records them.
+So neither side waits for the other: the LLM steps on while flow + vocoder batches run, and a batch that is
+ready starts as soon as its lane is free. A new request's first chunk does not wait behind a running batch
+(its lane is free unless another first chunk is being made). The lanes never work on the same stream; the
+loop thread only adds streams (a new stream has no tokens for a running emit), stops them, and releases one
+once no job works on it. The threads share the device: on CPU, its cores (the loop thread keeps half the
+torch threads, each lane the other half, at least one each); on CUDA, each lane has a CUDA stream of its own.
+A step with nothing to generate waits for a job or a new request instead of spinning.
 Outputs go to each request's `sink`, in sentence order: audio arrays (a streaming request's chunks, a
 whole request's sentences), then None at the end, or a `CosyVoiceError` that ends the request.
 """
@@ -51,6 +51,7 @@ from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.streaming import DecodeStream
 
 DEFAULT_VOCODE_BATCH_CUDA, DEFAULT_VOCODE_BATCH_CPU = 8, 1
+FIRST, MAIN = "first", "main"  # the lanes
 Output = np.ndarray | CosyVoiceError | None
 Sink = Callable[[Output], None]
 
@@ -95,6 +96,8 @@ class _Sentence:
     tokens: list[int] = field(default_factory=list)  # whole sentences: the tokens so far
     events: list[TokenEvent] = field(default_factory=list)  # streaming sentences: not yet recorded in the stream
     recorded_at: int = 0  # streaming sentences: the LLM step count when a job last took in their tokens
+    chunk_ready: bool = False  # streaming sentences: the tokens taken in may hold a chunk not yet emitted
+    in_job: bool = False  # a flow + vocoder job works on it
     tokens_done: bool = False
     done: bool = False
     outputs: list[np.ndarray] = field(default_factory=list)  # made, not yet handed on (an earlier one still runs)
@@ -116,12 +119,12 @@ class Ticket:
 
 @dataclass
 class _Job:
-    """The flow + vocoder work running on the vocoding thread."""
+    """The flow + vocoder work running on a lane."""
 
     kind: Literal["streams", "whole"]
     future: Future[Any]
-    sentences: list[_Sentence] = field(default_factory=list)  # whole: the sentences it vocodes
-    held_back: bool = False  # streams: running streams had tokens waiting when it took first chunks' tokens first
+    sentences: list[_Sentence]  # the sentences it works on
+    to_release: list[Any] = field(default_factory=list)  # streams of cancelled sentences, released once it is over
 
 
 @dataclass
@@ -133,7 +136,7 @@ class SchedulerStats:
     pipelined_sentences: int = 0  # sentences admitted while the one before them in their request was vocoded
     vocode_batch_size_counts: Counter[int] = field(default_factory=Counter)
     llm_steps_while_vocoding: int = 0  # LLM steps that ran while a flow + vocoder job was running
-    first_chunks_ahead: int = 0  # first chunks vocoded before the waiting tokens of running streams
+    first_lane_chunks: int = 0  # first chunks made on the first-audio lane
     admitted: int = 0
     cancelled: int = 0
 
@@ -152,7 +155,7 @@ class Scheduler:
         self.stage = stage
         self.max_live = max_live
         self.memory_budget_bytes = memory_budget_bytes
-        # On CPU the flow and vocoder gain ~9% from a batch of 8 (docs/performance.md): small jobs cost little there
+        # On CPU the flow and vocoder run ~1.2x faster at batch 8 than 1 (docs/performance.md): small jobs cost little
         # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
         cuda = stage.model.decoder_device.type == "cuda"
         self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
@@ -165,19 +168,20 @@ class Scheduler:
         self._queue: deque[Ticket] = deque()  # requests with sentences still to admit, in arrival order
         self._live: list[_Sentence] = []
         self._by_llm_id: dict[int, _Sentence] = {}
-        self._job: _Job | None = None
-        self._last_job_kind = "whole"
-        self._backlog: list[_Sentence] = []  # streams that made a chunk in the last job: they may hold another
-        self._to_release: list[Any] = []  # streams stopped while a job ran; released once it is over
-        # On CPU the two threads split the torch threads (at least one each); on CUDA the vocoding thread
-        # works on its own CUDA stream, so its kernels overlap the LLM's.
+        self._jobs: dict[str, _Job] = {}  # by lane, while running
+        self._main_turn: Literal["streams", "whole"] = "streams"
+        # On CPU the loop thread and the lanes split the torch threads (at least one each); on CUDA each lane
+        # works on its own CUDA stream, so its kernels overlap the LLM's and the other lane's.
         threads = torch.get_num_threads()
         self._loop_threads = max(1, threads - threads // 2)
-        self._vocoder = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="vocoder", initializer=self._init_vocoder_thread, initargs=(threads,)
-        )
+        self._lanes = {
+            lane: ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"vocoder-{lane}", initializer=self._init_lane, initargs=(threads,)
+            )
+            for lane in (FIRST, MAIN)
+        }
 
-    def _init_vocoder_thread(self, threads: int) -> None:
+    def _init_lane(self, threads: int) -> None:
         torch.set_num_threads(max(1, threads // 2))  # per thread: the loop thread keeps its own count
         device = self.stage.model.decoder_device
         if device.type == "cuda":
@@ -241,7 +245,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._live or self._queue or self._inbox or self._job)
+        return bool(self._live or self._queue or self._inbox or self._jobs)
 
     # --- the loop thread ---------------------------------------------------------------------------------
 
@@ -269,15 +273,15 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One round of the loop: take in, one LLM step, admit, then start the flow + vocoder job that is due."""
+        """One round of the loop: take in, one LLM step, admit, then start the flow + vocoder jobs that are due."""
         self._wait_if_only_vocoding()
-        self._finish_job()
+        self._finish_jobs()
         self._take_inbox()
         self._drop_cancelled()
         if self.llm.active:
             self._llm_step()
         self._admit()  # after the step: a sentence whose last token just came hands its slot on before vocoding
-        self._start_job()
+        self._start_jobs()
         for ticket in {sentence.request for sentence in self._live}:
             self._flush(ticket)
         self._live = [s for s in self._live if not s.done]
@@ -288,15 +292,17 @@ class Scheduler:
         for ticket in {s.request for s in self._live} | set(self._queue):
             self._end(ticket, error)
         self._live, self._queue, self._by_llm_id = [], deque(), {}
-        self._job, self._to_release, self._backlog = None, [], []  # a running job's results are dropped
+        self._jobs = {}  # a running job's results are dropped
         self.llm = _SharedGenerator(TokenGenerator(self.stage.model.llm))
         self.streams = DecodeStream(self.stage, [], llm=self.llm)
 
     def _wait_if_only_vocoding(self) -> None:
-        """With nothing to generate or admit, wait for the running job (or a new request, or a cancel)."""
+        """With nothing to generate or admit, wait for a running job (or a new request, or a cancel): the last step
+        started every job that could start."""
         self._wakeup.clear()  # what sets it after this line is seen by the wait; what set it before, by the checks
-        job = self._job
-        if job is None or job.future.done() or self.llm.active or self._inbox or self._next_admission():
+        if not self._jobs or any(job.future.done() for job in self._jobs.values()):
+            return
+        if self.llm.active or self._inbox or self._next_admission():
             return
         if any(s.request.cancelled for s in self._live):
             return
@@ -319,7 +325,7 @@ class Scheduler:
         for sentence in ticket.sentences[ticket.emitted : ticket.admitted]:
             if sentence.stream is not None:
                 self.streams.stop(sentence.stream)  # its generator row goes now
-                self._release(sentence.stream)
+                self._release(sentence)
                 sentence.stream = None
             elif sentence.llm_id is not None:
                 self.llm.cancel(sentence.llm_id)
@@ -332,11 +338,13 @@ class Scheduler:
             self._queue.remove(ticket)
         self._end(ticket, last)
 
-    def _release(self, stream: Any) -> None:
-        if self._job is None:
-            self.streams.release(stream)
-        else:  # the running emit may still be reading it
-            self._to_release.append(stream)
+    def _release(self, sentence: _Sentence) -> None:
+        """Forget its stream now, or when the job that works on it is over."""
+        job = next((job for job in self._jobs.values() if sentence in job.sentences), None)
+        if job is None:
+            self.streams.release(sentence.stream)
+        else:
+            job.to_release.append(sentence.stream)
 
     def _next_admission(self) -> _Sentence | None:
         """The next sentence to admit if it fits now: a running request whose admitted sentences all have their
@@ -381,7 +389,7 @@ class Scheduler:
         self.stats.llm_batch_size_counts[self.llm.active] += 1
         if len({s.request.streaming for s in generating}) == 2:
             self.stats.mixed_steps += 1
-        if self._job is not None and not self._job.future.done():
+        if any(not job.future.done() for job in self._jobs.values()):
             self.stats.llm_steps_while_vocoding += 1
         for event in self.llm.step():
             sentence = self._by_llm_id[event.request_id]
@@ -396,76 +404,84 @@ class Scheduler:
 
     # --- the flow + vocoder jobs ---------------------------------------------------------------------------
 
-    def _start_job(self) -> None:
-        """Hand the vocoding thread its next job if it is free: streams and whole sentences take turns.
-
-        A streams job emits a chunk of every stream whose taken-in tokens complete one: the streams that made one
-        in the last job (they may hold another), and the streams whose waiting tokens it takes in. It takes in
-        those of every request without audio yet, then of the running streams that have waited longest while the
-        batch stays within `max_vocode_batch`."""
-        if self._job is not None:
+    def _start_jobs(self) -> None:
+        """Hand each free lane its next job (see the module docstring)."""
+        ready = [s for s in self._live if s.stream is not None and not s.in_job and (s.events or s.chunk_ready)]
+        first = [s for s in ready if not s.request.audio_started]
+        if FIRST not in self._jobs and first:
+            self._start_streams_job(FIRST, first[: self.max_vocode_batch])
+            first = first[self.max_vocode_batch :]
+        if MAIN in self._jobs:
             return
-        self._backlog = [s for s in self._backlog if s.stream is not None]  # not finished, released nor cancelled
-        waiting = [s for s in self._live if s.stream is not None and s.events]
-        first = [s for s in waiting if not s.request.audio_started]
-        running = sorted((s for s in waiting if s.request.audio_started), key=lambda s: s.recorded_at)
-        room = max(0, self.max_vocode_batch - len(self._backlog) - len(first))
-        taken = first + [s for s in running if s not in self._backlog][:room]
-        whole = [s for s in self._live if s.stream is None and s.tokens_done and not s.done][: self.max_vocode_batch]
-        if (taken or self._backlog) and (not whole or self._last_job_kind == "whole"):
-            first_events = [event for s in taken if not s.request.audio_started for event in s.events]
-            other_events = [event for s in taken if s.request.audio_started for event in s.events]
-            for sentence in taken:
-                sentence.events, sentence.recorded_at = [], self.stats.llm_steps
-            future = self._vocoder.submit(self._emit, self.streams, first_events, other_events)
-            held_back = bool(first) and bool(running)
-            self._job = _Job("streams", future, held_back=held_back)
+        running = sorted((s for s in ready if s.request.audio_started), key=lambda s: s.recorded_at)
+        whole = [s for s in self._live if s.stream is None and s.tokens_done and not s.done and not s.in_job]
+        if first:
+            self._start_streams_job(MAIN, first[: self.max_vocode_batch])
+        elif running and (not whole or self._main_turn == "streams"):
+            self._start_streams_job(MAIN, running[: self.max_vocode_batch])
+            self._main_turn = "whole"
         elif whole:
+            whole = whole[: self.max_vocode_batch]
             tokens = [torch.tensor(s.tokens, dtype=torch.long) for s in whole]
-            future = self._vocoder.submit(self._vocode, [s.segment for s in whole], tokens)
-            self._job = _Job("whole", future, whole)
-        else:
-            return
-        self._last_job_kind = self._job.kind
+            self._start(MAIN, "whole", whole, self._vocode, [s.segment for s in whole], tokens)
+            self._main_turn = "streams"
+
+    def _start_streams_job(self, lane: str, sentences: list[_Sentence]) -> None:
+        """Take in the sentences' waiting tokens and emit the chunks they complete."""
+        events = [event for s in sentences for event in s.events]
+        for sentence in sentences:
+            sentence.events, sentence.recorded_at = [], self.stats.llm_steps
+        streams = [s.stream for s in sentences]
+        self._start(lane, "streams", sentences, self._emit, self.streams, events, streams)
+
+    def _start(
+        self,
+        lane: str,
+        kind: Literal["streams", "whole"],
+        sentences: list[_Sentence],
+        work: Callable[..., Any],
+        *args: Any,
+    ) -> None:
+        for sentence in sentences:
+            sentence.in_job = True
+        future = self._lanes[lane].submit(work, *args)
+        self._jobs[lane] = _Job(kind, future, sentences)
         future.add_done_callback(lambda _: self._wakeup.set())
 
     @staticmethod
     @torch.inference_mode()
-    def _emit(streams: DecodeStream, first: list[TokenEvent], other: list[TokenEvent]) -> tuple[list[Any], bool]:
-        """The vocoding thread: record the waiting tokens and emit the chunks they complete; when requests
-        without audio have a chunk ready, it is emitted before the others' tokens are recorded.
-        -> ([(stream, audio or error)], whether they came from the first tokens alone)."""
-        streams.record(first)
-        produced = streams.emit() if first else []
-        streams.record(other)
-        return (produced, True) if produced else (streams.emit(), False)
+    def _emit(streams: DecodeStream, events: list[TokenEvent], chosen: list[Any]) -> list[Any]:
+        """A lane: record the streams' waiting tokens, emit the chunks they complete -> [(stream, audio or error)]."""
+        streams.record(events)
+        return streams.emit(chosen)
 
     @torch.inference_mode()
     def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | CosyVoiceError]:
-        """The vocoding thread: flow + vocoder of whole sentences (as `SpeechDecoderStage.decode_batch`)."""
+        """A lane: flow + vocoder of whole sentences (as `SpeechDecoderStage.decode_batch`)."""
         return self.stage.vocode(segments, self.stage.tokens_to_mel(segments, tokens))
 
-    def _finish_job(self) -> None:
-        """Take in a finished job's audio (a job that raised, a bug, raises here as a failed step does)."""
-        job = self._job
-        if job is None or not job.future.done():
-            return
-        self._job = None
-        if job.kind == "streams":
-            produced, from_first = job.future.result()
-            self._take_chunks(produced, ahead=from_first and job.held_back)
-        else:
-            self._take_waves(job.sentences, job.future.result())
-        for stream in self._to_release:
-            self.streams.release(stream)
-        self._to_release = []
+    def _finish_jobs(self) -> None:
+        """Take in the finished jobs' audio (a job that raised, a bug, raises here as a failed step does)."""
+        for lane, job in list(self._jobs.items()):
+            if not job.future.done():
+                continue
+            del self._jobs[lane]
+            for sentence in job.sentences:
+                sentence.in_job = False
+            if job.kind == "streams":
+                self._take_chunks(lane, job.sentences, job.future.result())
+            else:
+                self._take_waves(job.sentences, job.future.result())
+            for stream in job.to_release:
+                self.streams.release(stream)
 
-    def _take_chunks(self, produced: list[Any], ahead: bool) -> None:
+    def _take_chunks(self, lane: str, sentences: list[_Sentence], produced: list[Any]) -> None:
         if produced:
             self.stats.vocode_batch_size_counts[len(produced)] += 1
-            self.stats.first_chunks_ahead += len(produced) if ahead else 0
-        by_stream = {id(s.stream): s for s in self._live if s.stream is not None}
-        self._backlog = [by_stream[id(stream)] for stream, _ in produced if id(stream) in by_stream]
+            self.stats.first_lane_chunks += len(produced) if lane == FIRST else 0
+        by_stream = {id(s.stream): s for s in sentences if s.stream is not None}  # not cancelled meanwhile
+        for sentence in by_stream.values():
+            sentence.chunk_ready = False
         for stream, audio in produced:
             sentence = by_stream.get(id(stream))
             if sentence is None or sentence.request.ended:  # cancelled, or ended by an earlier error in this batch
@@ -480,6 +496,8 @@ class Scheduler:
                 self.streams.release(stream)
                 sentence.stream = None
                 sentence.done = True
+            else:
+                sentence.chunk_ready = True  # its tokens may hold another chunk
 
     def _take_waves(self, sentences: list[_Sentence], waves: list[np.ndarray | CosyVoiceError]) -> None:
         self.stats.vocode_batch_size_counts[len(sentences)] += 1

@@ -15,7 +15,7 @@ import pytest
 from engine.errors import CosyVoiceError, RequestTooLargeError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
-from engine.scheduler import Output, Scheduler, Sink
+from engine.scheduler import Output, Scheduler
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=6, max_token_text_ratio=6)
 LONG = SamplingOptions(seed=4, min_token_text_ratio=30, max_token_text_ratio=30)  # several stream chunks
@@ -180,44 +180,26 @@ def test_the_sentences_of_a_request_are_pipelined_and_arrive_in_order(tts: CosyV
 
 
 class Gate:
-    """Holds each call (made on the vocoding thread) until the test lets it through, so that the test decides how
-    many LLM steps run while a flow + vocoder job runs."""
+    """Holds the calls that `holds` picks (made on a vocoding lane) until the test opens it, so that the test
+    decides what the loop does while a flow + vocoder job runs; other calls go through."""
 
-    def __init__(self, function: Callable[..., Any]) -> None:
+    def __init__(self, function: Callable[..., Any], holds: Callable[..., bool] = lambda *args: True) -> None:
         self.function = function
-        self.arrived = 0  # calls made so far
-        self.finished = 0
-        self.opened = False
-        self._permits = 0
-        self._changed = threading.Condition()
+        self.holds = holds
+        self.arrived = 0  # calls held so far
+        self._opened = threading.Event()
 
     def __call__(self, *args: Any) -> Any:
-        with self._changed:
+        if self.holds(*args):
             self.arrived += 1
-            assert self._changed.wait_for(lambda: self.opened or self._permits, timeout=60), "never let through"
-            self._permits -= 0 if self.opened else 1
-        try:
-            return self.function(*args)
-        finally:
-            with self._changed:
-                self.finished += 1
-                self._changed.notify_all()
-
-    def pass_one(self) -> None:
-        """Let the held call through and wait until it has returned (no LLM step runs meanwhile)."""
-        with self._changed:
-            finished = self.finished
-            self._permits += 1
-            self._changed.notify_all()
-            assert self._changed.wait_for(lambda: self.finished > finished, timeout=60)
+            assert self._opened.wait(timeout=60), "the test never opened the gate"
+        return self.function(*args)
 
     def open(self) -> None:
-        with self._changed:
-            self.opened = True
-            self._changed.notify_all()
+        self._opened.set()
 
 
-def _step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int = 1000) -> None:
+def _step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int = 2000) -> None:
     for _ in range(limit):
         if condition():
             return
@@ -250,45 +232,25 @@ def test_llm_steps_go_on_while_a_whole_sentence_is_vocoded(tts: CosyVoice, monke
 
 
 @pytest.mark.parametrize("max_vocode_batch", [1, 8])
-def test_a_first_chunk_is_vocoded_ahead_of_the_running_streams_chunks(tts: CosyVoice, max_vocode_batch: int) -> None:
+def test_a_first_chunk_is_made_while_a_running_streams_chunk_is_vocoded(tts: CosyVoice, max_vocode_batch: int) -> None:
     text = "A streaming request with enough words in it for several chunks of audio, one after the other."
     [running] = _segments(tts, text, LONG)
-    [late] = _segments(tts, text, SamplingOptions(seed=8, min_token_text_ratio=30, max_token_text_ratio=30))
+    [late] = _segments(tts, "A late one.", SHORT)
     scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=max_vocode_batch)
-    gate = Gate(scheduler._emit)  # the streams job's function: one call per job
-    scheduler._emit = gate
-    heard: list[tuple[str, int]] = []  # which request each chunk went to, and at which LLM step
-
-    def sink(name: str, collected: Collected) -> Sink:
-        def push(item: Output) -> None:
-            if isinstance(item, np.ndarray):
-                heard.append((name, scheduler.stats.llm_steps))
-            collected(item)
-
-        return push
-
     running_sink, late_sink = Collected(), Collected()
+    scheduler.submit([running], streaming=True, sink=running_sink)
+    _step_until(scheduler, lambda: bool(running_sink.outputs))
+    # the running stream's next chunks wait on their lane (the emit's third argument: the streams it emits)
+    gate = Gate(scheduler._emit, holds=lambda streams, events, chosen: any(s.segment is running for s in chosen))
+    scheduler._emit = gate
     try:
-        scheduler.submit([running], streaming=True, sink=sink("running", running_sink))
-        _step_until(scheduler, lambda: gate.arrived == 1)  # job 1 took the first token
-        _run(scheduler, steps=125)  # the tokens of the first chunk (v1 tiny: 100 + 20) wait in the loop
-        gate.pass_one()
-        _step_until(scheduler, lambda: gate.arrived == 2)  # job 2 took them
-        gate.pass_one()
-        _step_until(scheduler, lambda: gate.arrived == 3)  # job 2's chunk is out; job 3 took a token or two
-        assert [name for name, _ in heard] == ["running"]
-        scheduler.submit([late], streaming=True, sink=sink("late", late_sink))
-        _run(scheduler, steps=130)  # the late one's first chunk and the running one's next are due
-        gate.pass_one()
-        _step_until(scheduler, lambda: gate.arrived == 4)  # job 4 took the late one's tokens (and the other's, if 8)
-        assert [name for name, _ in heard] == ["running"]
+        _step_until(scheduler, lambda: gate.arrived == 1)
+        scheduler.submit([late], streaming=True, sink=late_sink)
+        _step_until(scheduler, lambda: late_sink.ended)  # made meanwhile, on the first-audio lane
+        assert len(running_sink.outputs) == 1 and scheduler.stats.first_lane_chunks == 2
     finally:
         gate.open()
     _run(scheduler)
-    late_first = next(step for name, step in heard if name == "late")
-    running_next = [step for name, step in heard if name == "running"][1]
-    assert late_first < running_next  # in a batch of its own, at least one job before the running one's next chunk
-    assert scheduler.stats.first_chunks_ahead == 1
     for segment, collected in ((running, running_sink), (late, late_sink)):
         np.testing.assert_allclose(
             np.concatenate(collected.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4
@@ -307,32 +269,25 @@ def test_a_stream_cancelled_while_its_chunk_is_vocoded_frees_its_slot_at_once(tt
         scheduler.cancel(ticket)
         scheduler.step()
         assert sink.ended and scheduler.live == 0 and scheduler.llm.active == 0  # freed while the job still runs
-        assert len(scheduler.streams.streams) == 1  # released once the job that may read it is over
+        assert len(scheduler.streams.streams) == 1  # released once the job that works on it is over
     finally:
         gate.open()
     _run(scheduler)
     assert scheduler.streams.streams == [] and scheduler.stats.cancelled == 1
 
 
-def test_running_streams_chunks_go_in_batches_of_at_most_max_vocode_batch(tts: CosyVoice) -> None:
+def test_flow_and_vocoder_batches_hold_at_most_max_vocode_batch_sentences(tts: CosyVoice) -> None:
     sampling = [replace(LONG, seed=seed) for seed in (1, 2, 3)]
-    segments = [_segments(tts, "Three streams take turns on the vocoding thread.", options)[0] for options in sampling]
+    streamed = [_segments(tts, "Three streams take turns on the lanes.", options)[0] for options in sampling]
+    [whole] = _segments(tts, "And one whole request.", SHORT)
     scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=1)
-    running_batches: list[int] = []  # chunks made by each streams job that took in no first chunk's tokens
-    emit = scheduler._emit
-
-    def recording_emit(streams: Any, first: list[Any], other: list[Any]) -> Any:
-        produced, from_first = emit(streams, first, other)
-        if not first:
-            running_batches.append(len(produced))
-        return produced, from_first
-
-    scheduler._emit = recording_emit
-    sinks = [Collected() for _ in segments]
-    for segment, sink in zip(segments, sinks, strict=True):
+    sinks = [Collected() for _ in streamed]
+    for segment, sink in zip(streamed, sinks, strict=True):
         scheduler.submit([segment], streaming=True, sink=sink)
+    whole_sink = Collected()
+    scheduler.submit([whole], streaming=False, sink=whole_sink)
     _run(scheduler)
-    assert max(running_batches) == 1 and sum(running_batches) >= 2 * len(segments)  # one chunk at a time
-    assert scheduler.stats.vocode_batch_size_counts[3] == 1  # the three first chunks went together
-    for segment, sink in zip(segments, sinks, strict=True):
+    assert set(scheduler.stats.vocode_batch_size_counts) == {1}
+    for segment, sink in zip(streamed, sinks, strict=True):
         np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4)
+    np.testing.assert_allclose(whole_sink.audio[0], tts.decoder.decode_batch([whole])[0], atol=1e-4)
