@@ -57,7 +57,7 @@ Sink = Callable[[Output], None]
 
 
 class _SharedGenerator:
-    """The loop's token generator, locked: the vocoding thread may stop a stream (a non-finite chunk) while
+    """The loop's token generator, locked: a lane may stop a stream (a non-finite chunk) while
     the loop thread steps the generator."""
 
     def __init__(self, generator: TokenGenerator) -> None:
