@@ -6,21 +6,28 @@ In one run, on 127.0.0.1, the same engine and weights:
    arrivals of streaming requests at fixed rates, a short streaming request arriving while 7 long ones
    stream (and the same on the idle server), `POST /v1/audio/speech` of a ~20 s text (first byte and
    last byte), then whole requests one at a time, alternating in-process `CosyVoice.synthesize` and HTTP;
-3. `benchmarks.baseline_server` (one model copy, one request at a time): the closed loops of whole requests.
+3. `benchmarks.baseline_server` (one model copy, one request at a time): closed loops of whole requests at 1
+   client and at the compared level.
+
+How much load each part sends is the model's profile (`PROFILES`: the real-size dummy is ~50x slower than tiny
+and its profile is sized for an estimated half hour on a quiet 2-core machine); `--requests` and `--rates`
+override it. The JSON records the profile used (`setup.profile`).
 
 Headline keys:
 - `throughput_ratio_c8`: audio seconds per second of whole requests at 8 clients, ours / baseline;
 - `batching_efficiency_c8`: (ours at 8 clients / ours at 1) / the engine's decoder batch-8 / batch-1 ratio;
 - `p50_ttfa_s`, `p95_ttfa_s`: time to first audio per level (`stream_c1`.., `poisson_<rate>`);
-- `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones (~10 s of audio each) stream /
+- `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones (~8 s of audio each) stream /
   on an idle server;
-- `overhead_ms_c1`: p50 latency of whole requests through Ray Serve minus in-process p50, one at a time,
-  alternating (so that a shared machine's drifting load hits both alike);
+- `overhead_ms_c1`: p50 of (latency through Ray Serve - latency in-process) of whole requests, one at a time,
+  each request in-process then through Ray Serve (so that a shared machine's drifting load hits both alike, and
+  each difference compares the same text);
 - `openai_first_byte_fraction_20s`: first byte of `/v1/audio/speech` (~20 s of audio) / its full time.
 
-    python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests 16] [--rates 0.5 1]
+    python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests N] [--rates R ...]
+    python -m benchmarks.compare --out out/overhead.json --overhead-only   # only `overhead_ms_c1`
 
-Writes the JSON and a PNG beside it (same name, .png).
+Writes the JSON and a PNG beside it (same name, .png; none with --overhead-only).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +55,7 @@ from benchmarks.batching_bench import measure_batches
 from benchmarks.engine_bench import TOKENS_PER_SECOND, fixed_length_request
 from benchmarks.http_bench import (
     BENCH_APP,
+    PCM_BYTES_PER_SAMPLE,
     TEXTS,
     LevelResult,
     Workload,
@@ -59,14 +67,33 @@ from benchmarks.http_bench import (
     run_sweep,
     summarize,
 )
+from engine.sampling import SamplingOptions
 
 CLOSED_LOOP_CLIENTS = (1, 4, 8)
 LATE_ARRIVAL_RUNNING = 7  # long streams already running when the short one arrives
-LATE_ARRIVAL_LONG_RATIO = 10.0  # their speech tokens per text token, forced: ~10 s of audio each
+LATE_ARRIVAL_LONG_RATIO = 10.0  # their speech tokens per text token, forced: ~8 s of audio each
 BASELINE_THREADS = 1  # torch threads of the baseline and in-process runs: Ray gives a replica's torch 1
 ENGINE_AUDIO_S = 2.0  # audio per request of the engine's own batch-1 / batch-8 measurement
 OPENAI_AUDIO_S = 20.0
 SHORT_TEXT, LONG_TEXT = TEXTS[0], TEXTS[-1]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much load the comparison sends (the texts are the workload's 1-, 2- and 4-sentence ones, at 3
+    speech tokens per text token: 0.2 / 0.9 / 2.3 s of audio)."""
+
+    requests: int  # per closed-loop level, per Poisson rate, and request pairs of the overhead measure
+    rates: tuple[float, ...]  # Poisson arrivals per second, one level each
+
+    def workload(self, clients: tuple[int, ...]) -> Workload:
+        return replace(Workload(), concurrencies=clients, requests_per_level=self.requests)
+
+
+# dummy: sized from the engine's RTF of ~5.5 at batch 1 on this 2-core CPU (~6 s per request of the mixed texts):
+# an estimated 25-35 minutes on a quiet machine, the OpenAI ~20 s text and the late-arrival probe (its long streams
+# are cancelled once it has measured) included.
+PROFILES = {"tiny": Profile(requests=16, rates=(0.5, 1.0)), "dummy": Profile(requests=16, rates=(0.25, 0.5))}
 
 
 @contextmanager
@@ -117,11 +144,12 @@ def in_process(tts: Any, compared: int) -> dict[str, Any]:
 
 
 def interleaved_overhead(url: str, tts: Any, workload: Workload) -> dict[str, Any]:
-    """Whole requests one at a time, each in-process and then through Ray Serve, alternating, so that the
-    load of a shared machine drifts over both alike -> p50 of each and their difference in ms."""
+    """Whole requests one at a time, each in-process and then through Ray Serve, so that the load of a shared
+    machine drifts over both alike -> the p50 of the per-request differences in ms, and each side's latencies."""
     voice = tts.voices[0]
     local, served = [], []
     with httpx.Client(base_url=url, timeout=workload.timeout_s) as http:
+        http.post("/v1/tts", json={**workload.body(0, stream=False), "voice": voice}).raise_for_status()  # warm-up
         for index in range(workload.requests_per_level):
             body = {**workload.body(index, stream=False), "voice": voice}
             started = time.perf_counter()
@@ -130,8 +158,13 @@ def interleaved_overhead(url: str, tts: Any, workload: Workload) -> dict[str, An
             started = time.perf_counter()
             http.post("/v1/tts", json=body).raise_for_status()
             served.append(time.perf_counter() - started)
-    in_process_s, ray_s = percentiles(local), percentiles(served)
-    return {"in_process_s": in_process_s, "ray_serve_s": ray_s, "ms": 1000 * (ray_s["p50"] - in_process_s["p50"])}
+    differences_ms = [1000 * (ray - alone) for ray, alone in zip(served, local, strict=True)]
+    return {
+        "ms": percentiles(differences_ms)["p50"],
+        "difference_ms": percentiles(differences_ms),
+        "in_process_s": percentiles(local),
+        "ray_serve_s": percentiles(served),
+    }
 
 
 def dtype_for(device: str) -> str:
@@ -181,9 +214,13 @@ async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rat
                     first_bytes[index].set()
 
     running = [asyncio.create_task(long_stream(i)) for i in range(LATE_ARRIVAL_RUNNING)]
-    await asyncio.gather(*(event.wait() for event in first_bytes))  # all 7 are streaming
-    late = await one_request(client, body(SHORT_TEXT, 300), sample_rate)
-    await asyncio.gather(*running)
+    try:
+        await asyncio.gather(*(event.wait() for event in first_bytes))  # all 7 are streaming
+        late = await one_request(client, body(SHORT_TEXT, 300), sample_rate)
+    finally:  # what the long ones still had to decode is not needed: their clients leave
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
     idle_ttfa = percentiles([s.first_chunk_s for s in idle if s.ok])["p50"]
     return {
         "idle_ttfa_s": idle_ttfa,
@@ -192,7 +229,9 @@ async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rat
     }
 
 
-async def openai_first_byte(client: httpx.AsyncClient, model_name: str, voice: str, text: str) -> dict[str, Any]:
+async def openai_first_byte(
+    client: httpx.AsyncClient, model_name: str, voice: str, text: str, sample_rate: int
+) -> dict[str, Any]:
     """`POST /v1/audio/speech` (pcm, default stream_format): seconds to the first and the last byte."""
     body = {"model": model_name, "input": text, "voice": voice, "response_format": "pcm"}
     started = time.perf_counter()
@@ -204,7 +243,8 @@ async def openai_first_byte(client: httpx.AsyncClient, model_name: str, voice: s
                 first = time.perf_counter() - started
             size += len(piece)
     total = time.perf_counter() - started
-    return {"first_byte_s": first, "total_s": total, "bytes": size, "fraction": (first or total) / total}
+    audio_s = size / PCM_BYTES_PER_SAMPLE / sample_rate
+    return {"first_byte_s": first, "total_s": total, "audio_s": audio_s, "fraction": (first or total) / total}
 
 
 async def ours_run(url: str, workload: Workload, rates: tuple[float, ...], openai_text: str) -> dict[str, Any]:
@@ -216,7 +256,7 @@ async def ours_run(url: str, workload: Workload, rates: tuple[float, ...], opena
         sample_rate = int(info["sample_rate"])
         poisson = [await poisson_level(client, workload, rate, sample_rate) for rate in rates]
         late = await late_arrival(client, workload, sample_rate)
-        openai = await openai_first_byte(client, model_name, info["voices"][0], openai_text)
+        openai = await openai_first_byte(client, model_name, info["voices"][0], openai_text, sample_rate)
     return {"closed": closed, "poisson": poisson, "late_arrival": late, "openai": openai}
 
 
@@ -228,27 +268,37 @@ def ratio(ours: float, theirs: float) -> float | None:
     return ours / theirs if theirs else None
 
 
+def app_args_for(compared: int, num_gpus: float) -> dict[str, Any]:
+    # The loop may hold every request of the compared level; on a GPU the replica gets `num_gpus` of it.
+    return {"decoder": {"max_batch_size": compared, "batch_wait_timeout_s": 0.02, "num_gpus": num_gpus}}
+
+
+def load_in_process(model: str, device: str) -> Any:
+    from engine.pipeline import CosyVoice
+
+    torch.set_num_threads(BASELINE_THREADS)
+    return CosyVoice.load(model, device=device, dtype=dtype_for(device))
+
+
 def compare(
     model: str, workload: Workload, rates: tuple[float, ...], device: str = "cpu", num_gpus: float = 0.0
 ) -> dict[str, Any]:
     """The whole comparison; the compared level is the largest client count (8 by default: the `_c8` keys)."""
     compared = max(workload.concurrencies)
-    # The loop may hold every request of the compared level; on a GPU the replica gets `num_gpus` of it.
-    app_args = {"decoder": {"max_batch_size": compared, "batch_wait_timeout_s": 0.02, "num_gpus": num_gpus}}
-    from engine.pipeline import CosyVoice
-
-    torch.set_num_threads(BASELINE_THREADS)
-    tts = CosyVoice.load(model, device=device, dtype=dtype_for(device))
+    app_args = app_args_for(compared, num_gpus)
+    tts = load_in_process(model, device)
     # In-process first, with nothing else running; then each server alone on the machine.
     engine = in_process(tts, compared)
-    openai_text = text_for_audio_seconds(tts, OPENAI_AUDIO_S, workload.max_token_text_ratio or 20.0)
+    # The OpenAI endpoint takes no sampling options: the text is sized for the model's default longest speech
+    # (random weights rarely stop earlier); the audio it gave is recorded.
+    openai_text = text_for_audio_seconds(tts, OPENAI_AUDIO_S, SamplingOptions().max_token_text_ratio)
     with local_server(model, app_args) as url:
         ours = asyncio.run(ours_run(url, workload, rates, openai_text))
         overhead = interleaved_overhead(url, tts, workload)
         replica_stats = serve.get_deployment_handle("Decoder", BENCH_APP).batch_stats.remote().result()
     del tts
-    with baseline_server(model, device) as url:
-        baseline = asyncio.run(run_sweep(url, replace(workload, modes=("whole",))))
+    with baseline_server(model, device) as url:  # one request at a time: only 1 client and the compared level
+        baseline = asyncio.run(run_sweep(url, replace(workload, modes=("whole",), concurrencies=(1, compared))))
     closed = ours["closed"]
     for name, results in (("ray serve", closed + ours["poisson"]), ("baseline", baseline)):
         print(name)
@@ -282,8 +332,8 @@ def compare(
         "setup": {
             "model": model,
             "device": device,
+            "profile": {"requests": workload.requests_per_level, "poisson_rates_per_s": list(rates)},
             "workload": asdict(workload),
-            "poisson_rates_per_s": list(rates),
             "ray_app_args": app_args,
             "baseline_and_in_process_torch_threads": BASELINE_THREADS,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -323,12 +373,23 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
     return {key: report[key] for key in keys}
 
 
+def overhead_only(model: str, workload: Workload, device: str, num_gpus: float) -> dict[str, Any]:
+    """Only `overhead_ms_c1`: the interleaved measure on a local Serve configured as in the full comparison."""
+    app_args = app_args_for(max(workload.concurrencies), num_gpus)
+    tts = load_in_process(model, device)
+    with local_server(model, app_args) as url:
+        overhead = interleaved_overhead(url, tts, workload)
+    setup = {"model": model, "device": device, "requests": workload.requests_per_level, "ray_app_args": app_args}
+    return {"overhead_ms_c1": overhead["ms"], "overhead_c1": overhead, "setup": setup}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="tiny", help="tiny (default, minutes on a CPU) or dummy (real size)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per closed-loop level and Poisson rate")
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0], help="Poisson arrivals per second")
+    parser.add_argument("--requests", type=int, help="requests per level and Poisson rate (default: the profile's)")
+    parser.add_argument("--rates", type=float, nargs="+", help="Poisson arrivals per second (default: the profile's)")
+    parser.add_argument("--overhead-only", action="store_true", help="only the interleaved overhead measure")
     levels_help = "closed-loop client counts; the largest is the compared level"
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLOSED_LOOP_CLIENTS), help=levels_help)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="in-process and baseline device")
@@ -339,9 +400,18 @@ def main() -> None:
     if (options.device == "cuda") != (options.num_gpus > 0):
         parser.error("--device cuda goes with --num-gpus > 0 (and cpu with 0)")
     clients = tuple(sorted(set(options.clients)))
-    workload = replace(Workload(), concurrencies=clients, requests_per_level=options.requests)
-    report = compare(options.model, workload, tuple(options.rates), options.device, options.num_gpus)
+    profile = PROFILES.get(options.model, PROFILES["dummy"])  # a model directory is real size
+    profile = replace(
+        profile, requests=options.requests or profile.requests, rates=tuple(options.rates or profile.rates)
+    )
+    workload = profile.workload(clients)
     options.out.parent.mkdir(parents=True, exist_ok=True)
+    if options.overhead_only:
+        report = overhead_only(options.model, workload, options.device, options.num_gpus)
+        options.out.write_text(json.dumps(report, indent=2))
+        print(json.dumps({"overhead_ms_c1": report["overhead_ms_c1"], **report["overhead_c1"]}, indent=2))
+        return
+    report = compare(options.model, workload, profile.rates, options.device, options.num_gpus)
     options.out.write_text(json.dumps(report, indent=2))
     plot(report, options.out.with_suffix(".png"))
     print(json.dumps(headline(report), indent=2))

@@ -185,14 +185,20 @@ def free_port() -> int:
 
 @contextmanager
 def local_server(model: str = "tiny", app_args: dict[str, Any] | None = None) -> Iterator[str]:
-    """Start a local Ray and the app on a free 127.0.0.1 port; yield its URL; shut both down after."""
+    """Start a local Ray and the app on a free 127.0.0.1 port; yield its URL; shut both down after.
+
+    Its workers run at the benchmark's own priority: Ray nices them to 15 by default, which on a machine shared
+    with other work slows the replicas against any in-process or baseline run they are compared with."""
     import ray
     from ray import serve
 
     from serve_app.app import build_app
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
-    ray.init(include_dashboard=False, log_to_driver=False)
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    # address="local": a Ray of our own. A bare ray.init() joins a cluster another process started on this machine,
+    # and the shutdown below would then stop that cluster's Serve applications.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -2,14 +2,17 @@
 
 One continuous-batching loop per replica (`engine.scheduler.Scheduler`) owns the model: whole-utterance
 requests (`synthesize`) and streaming ones (`stream`) enter one `@serve.batch` admission queue, which hands
-each gathered batch to the loop at once and returns, so admission never waits for decoding. The loop
-admits them between LLM steps within `max_batch_size` live sentences and the memory budget.
+each gathered batch to the loop at once and returns, so admission never waits for decoding. The loop runs
+in a thread of its own (and its flow + vocoder work in two more); it admits requests between LLM steps
+within `max_batch_size` live sentences and the memory budget. An idle loop takes a request at once: the
+admission queue gathers arrivals for `batch_wait_timeout_s` only while the loop is busy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,6 +78,7 @@ class Decoder:
         memory_budget_gb: float | None = None,
         max_concurrent_batches: int = 2,
         gpu_fraction: float | None = None,
+        max_vocode_batch: int | None = None,
     ) -> None:
         device, dtype = resolve_device_and_dtype(use_gpu, dtype)
         self.device = torch.device(device)
@@ -83,7 +87,12 @@ class Decoder:
             # starve each other (the allocator raises OOM in this replica instead).
             torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
-        self.scheduler = Scheduler(self.stage, max_live=max_batch_size, memory_budget_bytes=_gib(memory_budget_gb))
+        self.scheduler = Scheduler(
+            self.stage,
+            max_live=max_batch_size,
+            memory_budget_bytes=_gib(memory_budget_gb),
+            max_vocode_batch=max_vocode_batch,
+        )
         gpu = GpuProbe(torch.cuda.current_device()) if self.device.type == "cuda" else None
         # NVML read about once a second in the background; None (busy time instead) without a GPU or NVML.
         sampler = gpu_utilization_sampler(gpu) if gpu is not None else None
@@ -92,14 +101,14 @@ class Decoder:
         self.metrics = DecoderMetrics()
         FALLBACKS.add_listener(self.metrics.record_precision_fallback)
         self.metrics.utilization_from_busy_time.set(0 if sampler is not None else 1)
-        # Built per replica so that max_concurrent_batches comes from the app's arguments.
+        # Built per replica so that max_concurrent_batches comes from the app's arguments. The loop starts idle:
+        # the queue waits for no batch to fill until the loop is busy (`_loop_busy`).
         self._admit = serve.batch(
-            max_batch_size=max_batch_size,
-            batch_wait_timeout_s=batch_wait_timeout_s,
-            max_concurrent_batches=max_concurrent_batches,
+            max_batch_size=max_batch_size, batch_wait_timeout_s=0.0, max_concurrent_batches=max_concurrent_batches
         )(self._admit_batch)
-        self._work = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
+        self.batch_wait_timeout_s = batch_wait_timeout_s
+        self._loop_is_busy = False
+        self._loop_thread: threading.Thread | None = None
         self.set_max_batch_size(max_batch_size)
         logger.info("Decoder on %s in %s, max batch %d", device, self.stage.model.dtype, max_batch_size)
 
@@ -114,7 +123,13 @@ class Decoder:
         return size
 
     def set_batch_wait_timeout_s(self, timeout_s: float) -> None:
-        self._admit.set_batch_wait_timeout_s(timeout_s)
+        """How long an admission batch waits to fill while the loop is busy (an idle loop takes requests at once)."""
+        self.batch_wait_timeout_s = timeout_s
+        self._admit.set_batch_wait_timeout_s(self.admission_wait_s)
+
+    @property
+    def admission_wait_s(self) -> float:
+        return self.batch_wait_timeout_s if self._loop_is_busy else 0.0
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """`user_config` keys (all optional): max_batch_size, batch_wait_timeout_s, memory_budget_gb."""
@@ -138,7 +153,6 @@ class Decoder:
         finally:
             if slot.ticket is not None and not slot.ticket.ended:
                 self.scheduler.cancel(slot.ticket)  # the caller left: its slot frees at the next step
-                self._work.set()
             self.load.request_finished(waiting=not slot.started)
             self._publish_load()
             logger.info("segment done", extra={"request_id": request_id, "cancelled_while_queued": not slot.started})
@@ -186,27 +200,37 @@ class Decoder:
                 # Batches run outside any one request's context: name their requests so logs can be joined.
                 logger.info("batch started", extra={"path": path, "request_ids": ids})
         self._publish_load()
-        self._work.set()
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.create_task(self._run_loop())
+        if self._loop_thread is None:
+            self._start_loop(asyncio.get_running_loop())
         return errors
 
-    async def _run_loop(self) -> None:
-        """The replica's decoding loop: one scheduler step at a time in a worker thread, asleep when idle."""
-        while True:
-            if not self.scheduler.has_work:
-                self._work.clear()
-                await self._work.wait()
-                continue
-            with self.load.busy():
-                try:
-                    await asyncio.to_thread(self.scheduler.step)
-                except Exception as exc:
-                    # A bug, not a request's error (those end their request alone): the loop's state is suspect,
-                    # so every request in it ends with a 500 and the loop starts again empty.
-                    logger.exception("decoder loop step failed")
-                    self.scheduler.abort_all(CosyVoiceError(f"the decoder loop failed ({exc!r}); try again"))
-            self._publish_load()
+    def _start_loop(self, event_loop: asyncio.AbstractEventLoop) -> None:
+        """The replica's decoding loop, in a thread of its own: steps back to back while there is work, asleep
+        when there is none (no thread hop per step)."""
+
+        def on_busy(busy: bool) -> None:
+            event_loop.call_soon_threadsafe(self._loop_busy, busy)
+
+        def on_error(exc: Exception) -> CosyVoiceError:
+            # A bug, not a request's error (those end their request alone): the loop's state is suspect, so every
+            # request in it ends with a 500 and the loop starts again empty.
+            logger.error("decoder loop step failed", exc_info=exc)
+            return CosyVoiceError(f"the decoder loop failed ({exc!r}); try again")
+
+        self._loop_thread = threading.Thread(
+            target=self.scheduler.run, args=(on_busy, on_error), name="decoder-loop", daemon=True
+        )
+        self._loop_thread.start()
+
+    def _loop_busy(self, busy: bool) -> None:
+        """The loop started or ran out of work: busy time for the autoscaler, and the admission queue's wait."""
+        self._loop_is_busy = busy
+        if busy:
+            self.load.busy_started()
+        else:
+            self.load.busy_finished()
+        self._admit.set_batch_wait_timeout_s(self.admission_wait_s)
+        self._publish_load()
 
     def _publish_load(self) -> None:
         self.metrics.queue_depth.set(self.load.waiting)
@@ -230,10 +254,16 @@ class Decoder:
         return {
             "batch_size_counts": dict(self.load.batch_size_counts),
             "max_batch_size": self.max_batch_size,
+            "max_vocode_batch": self.scheduler.max_vocode_batch,
             "llm_batch_size_counts": dict(stats.llm_batch_size_counts),
+            "loop_busy": self._loop_is_busy,
+            "admission_wait_s": self.admission_wait_s,
             "joined_running_batch": stats.joined_running_batch,
             "mixed_steps": stats.mixed_steps,
             "pipelined_sentences": stats.pipelined_sentences,
+            "vocode_batch_size_counts": dict(stats.vocode_batch_size_counts),
+            "llm_steps_while_vocoding": stats.llm_steps_while_vocoding,
+            "first_lane_chunks": stats.first_lane_chunks,
             "admitted": stats.admitted,
             "cancelled": stats.cancelled,
             "live": self.scheduler.live,

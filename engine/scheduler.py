@@ -1,10 +1,12 @@
-"""Continuous batching over every request of a decoder: one loop, one model copy, one queue.
+"""Continuous batching over every request of a decoder: one loop, one model copy, one queue, three threads.
 
-Callers `submit` a request (its sentences, whole or streaming) from any thread; the thread that owns the
-model calls `step` in a loop. One `step`:
+Callers `submit` a request (its sentences, whole or streaming) from any thread. The loop thread calls `step`
+again and again (`run` does it for ever); the flow + vocoder work runs at the same time on two vocoding
+threads, the lanes. One `step`:
 
-1. takes the new submissions into the queue and drops the cancelled requests (their LLM rows and memory
-   leave the live set here, before any compute);
+1. takes in the flow + vocoder jobs that finished (their audio goes to their sentences), the new
+   submissions, and drops the cancelled requests (their LLM rows and memory leave the live set here, before
+   any compute);
 2. runs one LLM step for every sentence that is generating tokens; the ones admitted at the previous step
    are prefilled in it and join the running batch;
 3. admits queued sentences, oldest first, while the live set stays within `max_live` sentences and the
@@ -12,11 +14,20 @@ model calls `step` in a loop. One `step`:
    request already running goes first, as soon as the sentence before it has all its tokens, before that
    one's last audio is made (so the next sentence's tokens are generated while the current one is vocoded,
    with no round trip through the caller);
-4. runs one flow + vocoder batch over the streaming sentences that completed a token hop, and one over at
-   most `max_vocode_batch` whole sentences whose tokens are all there.
+4. hands each free lane one job, a flow + vocoder batch of at most `max_vocode_batch` sentences:
+   - the first-audio lane takes the streams of requests that have no audio yet;
+   - the main lane takes such streams too if the first-audio lane is busy, else streams whose audio has
+     started (those waiting longest first) and whole sentences whose tokens are all there, the two kinds in
+     turns.
+   A job takes in the stream tokens that waited in the loop thread and emits the chunks they complete.
 
-Between two LLM steps there is at most one flow + vocoder batch of each kind, and every step runs an LLM
-step when any sentence generates: neither side waits for the other to run dry.
+So neither side waits for the other: the LLM steps on while flow + vocoder batches run, and a batch that is
+ready starts as soon as its lane is free. A new request's first chunk does not wait behind a running batch
+(its lane is free unless another first chunk is being made). The lanes never work on the same stream; the
+loop thread only adds streams (a new stream has no tokens for a running emit), stops them, and releases one
+once no job works on it. The threads share the device: on CPU, its cores (the loop thread keeps half the
+torch threads, each lane the other half, at least one each); on CUDA, each lane has a CUDA stream of its own.
+A step with nothing to generate waits for a job or a new request instead of spinning.
 Outputs go to each request's `sink`, in sentence order: audio arrays (a streaming request's chunks, a
 whole request's sentences), then None at the end, or a `CosyVoiceError` that ends the request.
 """
@@ -26,20 +37,53 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from engine.errors import CosyVoiceError, RequestTooLargeError
-from engine.llm import TokenGenerator
+from engine.llm import GenerationRequest, TokenEvent, TokenGenerator
 from engine.memory import estimate_request_memory
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.streaming import DecodeStream
 
+DEFAULT_VOCODE_BATCH_CUDA, DEFAULT_VOCODE_BATCH_CPU = 8, 1
+FIRST, MAIN = "first", "main"  # the lanes
 Output = np.ndarray | CosyVoiceError | None
 Sink = Callable[[Output], None]
+
+
+class _SharedGenerator:
+    """The loop's token generator, locked: a lane may stop a stream (a non-finite chunk) while
+    the loop thread steps the generator."""
+
+    def __init__(self, generator: TokenGenerator) -> None:
+        self.generator = generator
+        self.model = generator.model
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> int:
+        return self.generator.active
+
+    @property
+    def batch_size(self) -> int:
+        return self.generator.batch_size
+
+    def add(self, request: GenerationRequest) -> int:
+        with self._lock:
+            return self.generator.add(request)
+
+    def cancel(self, request_id: int) -> bool:
+        with self._lock:
+            return self.generator.cancel(request_id)
+
+    def step(self) -> list[TokenEvent]:
+        with self._lock:
+            return self.generator.step()
 
 
 @dataclass(eq=False)
@@ -47,9 +91,13 @@ class _Sentence:
     segment: EncodedSegment
     request: Ticket
     memory_bytes: int
-    llm_id: int | None = None  # whole sentences: their row in the generator
+    llm_id: int | None = None  # its row in the generator while it generates tokens
     stream: Any = None  # streaming sentences: their engine.streaming stream
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # whole sentences: the tokens so far
+    events: list[TokenEvent] = field(default_factory=list)  # streaming sentences: not yet recorded in the stream
+    recorded_at: int = 0  # streaming sentences: the LLM step count when a job last took in their tokens
+    chunk_ready: bool = False  # streaming sentences: the tokens taken in may hold a chunk not yet emitted
+    in_job: bool = False  # a flow + vocoder job works on it
     tokens_done: bool = False
     done: bool = False
     outputs: list[np.ndarray] = field(default_factory=list)  # made, not yet handed on (an earlier one still runs)
@@ -66,6 +114,17 @@ class Ticket:
     ended: bool = False
     emitted: int = 0  # sentences fully handed to the sink
     admitted: int = 0  # sentences admitted so far
+    audio_started: bool = False  # some audio of it was made: its first-chunk priority is over
+
+
+@dataclass
+class _Job:
+    """The flow + vocoder work running on a lane."""
+
+    kind: Literal["streams", "whole"]
+    future: Future[Any]
+    sentences: list[_Sentence]  # the sentences it works on
+    to_release: list[Any] = field(default_factory=list)  # streams of cancelled sentences, released once it is over
 
 
 @dataclass
@@ -76,33 +135,58 @@ class SchedulerStats:
     mixed_steps: int = 0  # LLM steps shared by whole and streaming sentences
     pipelined_sentences: int = 0  # sentences admitted while the one before them in their request was vocoded
     vocode_batch_size_counts: Counter[int] = field(default_factory=Counter)
+    llm_steps_while_vocoding: int = 0  # LLM steps that ran while a flow + vocoder job was running
+    first_lane_chunks: int = 0  # first chunks made on the first-audio lane
     admitted: int = 0
     cancelled: int = 0
 
 
 class Scheduler:
-    """The continuous-batching loop of one decoder (see the module docstring). One thread runs `step`;
-    `submit` and `cancel` may come from any other."""
+    """The continuous-batching loop of one decoder (see the module docstring). One thread runs `step` (or
+    `run`); `submit` and `cancel` may come from any other."""
 
     def __init__(
         self,
         stage: SpeechDecoderStage,
         max_live: int,
         memory_budget_bytes: int | None = None,
-        max_vocode_batch: int = 8,
+        max_vocode_batch: int | None = None,
     ) -> None:
         self.stage = stage
         self.max_live = max_live
         self.memory_budget_bytes = memory_budget_bytes
-        self.max_vocode_batch = max_vocode_batch
-        self.llm = TokenGenerator(stage.model.llm)
+        # On CPU the flow and vocoder run ~1.2x faster at batch 8 than 1 (docs/performance.md): small jobs cost little
+        # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
+        cuda = stage.model.decoder_device.type == "cuda"
+        self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
+        self.llm = _SharedGenerator(TokenGenerator(stage.model.llm))
         self.streams = DecodeStream(stage, [], llm=self.llm)
         self.stats = SchedulerStats()
         self._inbox: list[Ticket] = []
         self._lock = threading.Lock()
+        self._wakeup = threading.Event()  # set by submit, cancel and a finished job
         self._queue: deque[Ticket] = deque()  # requests with sentences still to admit, in arrival order
         self._live: list[_Sentence] = []
         self._by_llm_id: dict[int, _Sentence] = {}
+        self._jobs: dict[str, _Job] = {}  # by lane, while running
+        self._main_turn: Literal["streams", "whole"] = "streams"
+        # On CPU the loop thread and the lanes split the torch threads (at least one each); on CUDA each lane
+        # works on its own CUDA stream, so its kernels overlap the LLM's and the other lane's.
+        threads = torch.get_num_threads()
+        self._loop_threads = max(1, threads - threads // 2)
+        self._lanes = {
+            lane: ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"vocoder-{lane}", initializer=self._init_lane, initargs=(threads,)
+            )
+            for lane in (FIRST, MAIN)
+        }
+
+    def _init_lane(self, threads: int) -> None:
+        torch.set_num_threads(max(1, threads // 2))  # per thread: the loop thread keeps its own count
+        device = self.stage.model.decoder_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the weights' copies are done before another stream reads them
+            torch.cuda.set_stream(torch.cuda.Stream(device))  # current for this thread only
 
     # --- any thread ------------------------------------------------------------------------------------
 
@@ -139,13 +223,13 @@ class Scheduler:
         ticket.sentences = [_Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]
         with self._lock:
             self._inbox.append(ticket)
+        self._wakeup.set()
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
         """The caller left: the request's sentences leave the live set at the next `step`."""
         ticket.cancelled = True
-
-    # --- the model's thread ------------------------------------------------------------------------------
+        self._wakeup.set()
 
     @property
     def live(self) -> int:
@@ -153,26 +237,51 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return sum(len(t.sentences) - t.admitted for t in self._queue)
+        return sum(len(t.sentences) - t.admitted for t in tuple(self._queue))
 
     @property
     def live_bytes(self) -> int:
-        return sum(s.memory_bytes for s in self._live)
+        return sum(s.memory_bytes for s in tuple(self._live))
 
     @property
     def has_work(self) -> bool:
-        return bool(self._live or self._queue or self._inbox)
+        return bool(self._live or self._queue or self._inbox or self._jobs)
+
+    # --- the loop thread ---------------------------------------------------------------------------------
+
+    def run(self, on_busy: Callable[[bool], None], on_error: Callable[[Exception], CosyVoiceError]) -> None:
+        """Run the loop in the calling thread, for ever: steps while there is work, asleep otherwise.
+
+        `on_busy(True)` when work arrives at an idle loop, `on_busy(False)` when the loop runs out of it. A step
+        that raises (a bug: a request's own errors end that request alone) ends every request with
+        `on_error(exc)`, and the loop goes on from empty."""
+        torch.set_num_threads(self._loop_threads)
+        busy = False
+        while True:
+            self._wakeup.clear()
+            if not self.has_work:
+                if busy:
+                    on_busy(busy := False)
+                self._wakeup.wait()
+                continue
+            if not busy:
+                on_busy(busy := True)
+            try:
+                self.step()
+            except Exception as exc:
+                self.abort_all(on_error(exc))
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One round of the loop: take in, admit, one LLM step, then the flow + vocoder work that is ready."""
+        """One round of the loop: take in, one LLM step, admit, then start the flow + vocoder jobs that are due."""
+        self._wait_if_only_vocoding()
+        self._finish_jobs()
         self._take_inbox()
         self._drop_cancelled()
         if self.llm.active:
             self._llm_step()
         self._admit()  # after the step: a sentence whose last token just came hands its slot on before vocoding
-        self._vocode_streams()
-        self._vocode_whole()
+        self._start_jobs()
         for ticket in {sentence.request for sentence in self._live}:
             self._flush(ticket)
         self._live = [s for s in self._live if not s.done]
@@ -183,8 +292,21 @@ class Scheduler:
         for ticket in {s.request for s in self._live} | set(self._queue):
             self._end(ticket, error)
         self._live, self._queue, self._by_llm_id = [], deque(), {}
-        self.llm = TokenGenerator(self.stage.model.llm)
+        self._jobs = {}  # a running job's results are dropped
+        self.llm = _SharedGenerator(TokenGenerator(self.stage.model.llm))
         self.streams = DecodeStream(self.stage, [], llm=self.llm)
+
+    def _wait_if_only_vocoding(self) -> None:
+        """With nothing to generate or admit, wait for a running job (or a new request, or a cancel): the last step
+        started every job that could start."""
+        self._wakeup.clear()  # what sets it after this line is seen by the wait; what set it before, by the checks
+        if not self._jobs or any(job.future.done() for job in self._jobs.values()):
+            return
+        if self.llm.active or self._inbox or self._next_admission():
+            return
+        if any(s.request.cancelled for s in self._live):
+            return
+        self._wakeup.wait()
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -196,16 +318,18 @@ class Scheduler:
         for ticket in cancelled:
             self._stop(ticket, None)
             self.stats.cancelled += 1
-        self._live = [s for s in self._live if not s.done]
+        self._live = [s for s in self._live if s.request not in cancelled]
 
     def _stop(self, ticket: Ticket, last: CosyVoiceError | None) -> None:
         """End a request early (cancelled, or `last` is its error): free its generator rows and stream state."""
         for sentence in ticket.sentences[ticket.emitted : ticket.admitted]:
             if sentence.stream is not None:
-                self.streams.release(sentence.stream)
+                self.streams.stop(sentence.stream)  # its generator row goes now
+                self._release(sentence)
                 sentence.stream = None
-            if sentence.llm_id is not None:
+            elif sentence.llm_id is not None:
                 self.llm.cancel(sentence.llm_id)
+            if sentence.llm_id is not None:
                 del self._by_llm_id[sentence.llm_id]
                 sentence.llm_id = None
         for sentence in ticket.sentences:
@@ -214,32 +338,45 @@ class Scheduler:
             self._queue.remove(ticket)
         self._end(ticket, last)
 
-    def _next_to_admit(self) -> Ticket | None:
-        """A running request whose admitted sentences all have their tokens goes first (pipelining); then the
-        oldest request not started yet."""
-        for ticket in self._queue:
-            if ticket.admitted and all(s.tokens_done for s in ticket.sentences[: ticket.admitted]):
-                return ticket
-        return next((ticket for ticket in self._queue if not ticket.admitted), None)
+    def _release(self, sentence: _Sentence) -> None:
+        """Forget its stream now, or when the job that works on it is over."""
+        job = next((job for job in self._jobs.values() if sentence in job.sentences), None)
+        if job is None:
+            self.streams.release(sentence.stream)
+        else:
+            job.to_release.append(sentence.stream)
+
+    def _next_admission(self) -> _Sentence | None:
+        """The next sentence to admit if it fits now: a running request whose admitted sentences all have their
+        tokens goes first (pipelining), then the oldest request not started yet."""
+        ticket = next(
+            (t for t in self._queue if t.admitted and all(s.tokens_done for s in t.sentences[: t.admitted])),
+            None,
+        ) or next((t for t in self._queue if not t.admitted), None)
+        if ticket is None:
+            return None
+        sentence = ticket.sentences[ticket.admitted]
+        budget = self.memory_budget_bytes
+        if len(self._live) >= self.max_live or (
+            budget is not None and self._live and self.live_bytes + sentence.memory_bytes > budget
+        ):
+            return None
+        return sentence
 
     def _admit(self) -> None:
-        while (ticket := self._next_to_admit()) is not None:
-            sentence = ticket.sentences[ticket.admitted]
-            budget = self.memory_budget_bytes
-            if len(self._live) >= self.max_live or (
-                budget is not None and self._live and self.live_bytes + sentence.memory_bytes > budget
-            ):
-                return
+        while (sentence := self._next_admission()) is not None:
+            ticket = sentence.request
             if self.llm.batch_size:
                 self.stats.joined_running_batch += 1
             if ticket.admitted and not ticket.sentences[ticket.admitted - 1].done:
                 self.stats.pipelined_sentences += 1
             if ticket.streaming:
                 sentence.stream = self.streams.add(sentence.segment)
+                sentence.llm_id = sentence.stream.llm_id
             else:
                 [request] = self.stage.generation_requests([sentence.segment])
                 sentence.llm_id = self.llm.add(request)
-                self._by_llm_id[sentence.llm_id] = sentence
+            self._by_llm_id[sentence.llm_id] = sentence
             ticket.admitted += 1
             self.stats.admitted += 1
             self._live.append(sentence)
@@ -252,53 +389,129 @@ class Scheduler:
         self.stats.llm_batch_size_counts[self.llm.active] += 1
         if len({s.request.streaming for s in generating}) == 2:
             self.stats.mixed_steps += 1
-        events = self.llm.step()
-        self.streams.record(events)
-        whole = [(self._by_llm_id[e.request_id], e) for e in events if e.request_id in self._by_llm_id]
-        for sentence, event in whole:
-            sentence.tokens += [] if event.token is None else [event.token]
+        if any(not job.future.done() for job in self._jobs.values()):
+            self.stats.llm_steps_while_vocoding += 1
+        for event in self.llm.step():
+            sentence = self._by_llm_id[event.request_id]
+            if sentence.stream is not None:
+                sentence.events.append(event)  # recorded by the next streams job
+            elif event.token is not None:
+                sentence.tokens.append(event.token)
             if event.finish_reason is not None:  # its generator row is gone: vocoding comes next
                 sentence.tokens_done = True
                 del self._by_llm_id[event.request_id]
                 sentence.llm_id = None
-        for sentence in self._live:
-            if sentence.stream is not None and sentence.stream.tokens_done:
-                sentence.tokens_done = True
 
-    def _vocode_streams(self) -> None:
-        produced = self.streams.emit()
+    # --- the flow + vocoder jobs ---------------------------------------------------------------------------
+
+    def _start_jobs(self) -> None:
+        """Hand each free lane its next job (see the module docstring)."""
+        ready = [s for s in self._live if s.stream is not None and not s.in_job and (s.events or s.chunk_ready)]
+        first = [s for s in ready if not s.request.audio_started]
+        if FIRST not in self._jobs and first:
+            self._start_streams_job(FIRST, first[: self.max_vocode_batch])
+            first = first[self.max_vocode_batch :]
+        if MAIN in self._jobs:
+            return
+        running = sorted((s for s in ready if s.request.audio_started), key=lambda s: s.recorded_at)
+        whole = [s for s in self._live if s.stream is None and s.tokens_done and not s.done and not s.in_job]
+        if first:
+            self._start_streams_job(MAIN, first[: self.max_vocode_batch])
+        elif running and (not whole or self._main_turn == "streams"):
+            self._start_streams_job(MAIN, running[: self.max_vocode_batch])
+            self._main_turn = "whole"
+        elif whole:
+            whole = whole[: self.max_vocode_batch]
+            tokens = [torch.tensor(s.tokens, dtype=torch.long) for s in whole]
+            self._start(MAIN, "whole", whole, self._vocode, [s.segment for s in whole], tokens)
+            self._main_turn = "streams"
+
+    def _start_streams_job(self, lane: str, sentences: list[_Sentence]) -> None:
+        """Take in the sentences' waiting tokens and emit the chunks they complete."""
+        events = [event for s in sentences for event in s.events]
+        for sentence in sentences:
+            sentence.events, sentence.recorded_at = [], self.stats.llm_steps
+        streams = [s.stream for s in sentences]
+        self._start(lane, "streams", sentences, self._emit, self.streams, events, streams)
+
+    def _start(
+        self,
+        lane: str,
+        kind: Literal["streams", "whole"],
+        sentences: list[_Sentence],
+        work: Callable[..., Any],
+        *args: Any,
+    ) -> None:
+        for sentence in sentences:
+            sentence.in_job = True
+        future = self._lanes[lane].submit(work, *args)
+        self._jobs[lane] = _Job(kind, future, sentences)
+        future.add_done_callback(lambda _: self._wakeup.set())
+
+    @staticmethod
+    @torch.inference_mode()
+    def _emit(streams: DecodeStream, events: list[TokenEvent], chosen: list[Any]) -> list[Any]:
+        """A lane: record the streams' waiting tokens, emit the chunks they complete -> [(stream, audio or error)]."""
+        streams.record(events)
+        return streams.emit(chosen)
+
+    @torch.inference_mode()
+    def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | CosyVoiceError]:
+        """A lane: flow + vocoder of whole sentences (as `SpeechDecoderStage.decode_batch`)."""
+        return self.stage.vocode(segments, self.stage.tokens_to_mel(segments, tokens))
+
+    def _finish_jobs(self) -> None:
+        """Take in the finished jobs' audio (a job that raised, a bug, raises here as a failed step does)."""
+        for lane, job in list(self._jobs.items()):
+            if not job.future.done():
+                continue
+            del self._jobs[lane]
+            for sentence in job.sentences:
+                sentence.in_job = False
+            if job.kind == "streams":
+                self._take_chunks(lane, job.sentences, job.future.result())
+            else:
+                self._take_waves(job.sentences, job.future.result())
+            for stream in job.to_release:
+                self.streams.release(stream)
+
+    def _take_chunks(self, lane: str, sentences: list[_Sentence], produced: list[Any]) -> None:
         if produced:
             self.stats.vocode_batch_size_counts[len(produced)] += 1
-        by_stream = {id(s.stream): s for s in self._live if s.stream is not None}
+            self.stats.first_lane_chunks += len(produced) if lane == FIRST else 0
+        by_stream = {id(s.stream): s for s in sentences if s.stream is not None}  # not cancelled meanwhile
+        for sentence in by_stream.values():
+            sentence.chunk_ready = False
         for stream, audio in produced:
-            sentence = by_stream[id(stream)]
-            if sentence.request.ended:  # an earlier error in this batch ended its request
+            sentence = by_stream.get(id(stream))
+            if sentence is None or sentence.request.ended:  # cancelled, or ended by an earlier error in this batch
                 continue
             if isinstance(audio, CosyVoiceError):
                 self._fail(sentence, audio)
                 continue
             if audio.size:
                 sentence.outputs.append(audio)
+                sentence.request.audio_started = True
             if stream.finished:
                 self.streams.release(stream)
                 sentence.stream = None
                 sentence.done = True
+            else:
+                sentence.chunk_ready = True  # its tokens may hold another chunk
 
-    def _vocode_whole(self) -> None:
-        ready = [s for s in self._live if s.stream is None and s.tokens_done and not s.done]
-        ready = ready[: self.max_vocode_batch]
-        if not ready:
-            return
-        self.stats.vocode_batch_size_counts[len(ready)] += 1
-        segments = [s.segment for s in ready]
-        tokens = [torch.tensor(s.tokens, dtype=torch.long) for s in ready]
-        waves = self.stage.vocode(segments, self.stage.tokens_to_mel(segments, tokens))
-        for sentence, wave in zip(ready, waves, strict=True):
+    def _take_waves(self, sentences: list[_Sentence], waves: list[np.ndarray | CosyVoiceError]) -> None:
+        self.stats.vocode_batch_size_counts[len(sentences)] += 1
+        for sentence, wave in zip(sentences, waves, strict=True):
+            if sentence.done:  # cancelled while it was vocoded
+                continue
             if isinstance(wave, CosyVoiceError):
                 self._fail(sentence, wave)
                 continue
             sentence.outputs.append(wave)
+            sentence.request.audio_started = True
             sentence.done = True
+
+    # --- handing on ------------------------------------------------------------------------------------------
 
     def _fail(self, sentence: _Sentence, error: CosyVoiceError) -> None:
         """An error ends the whole request: its other sentences stop too."""

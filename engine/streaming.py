@@ -418,9 +418,11 @@ class DecodeStream:
             stream.tokens_done = stream.tokens_done or event.finish_reason is not None
 
     @torch.inference_mode()
-    def emit(self) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError]]:
-        """Every stream that has a chunk's worth of tokens gets its audio, all of them in one flow + vocoder batch."""
-        live = [stream for stream in self.streams if not stream.finished]
+    def emit(self, streams: list[_Stream] | None = None) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError]]:
+        """Every stream (of `streams`; default all) that has a chunk's worth of tokens gets its audio, all of them in
+        one flow + vocoder batch. Emits over disjoint `streams` change only their own streams' state (and the
+        generator, to stop a stream whose audio is not finite)."""
+        live = [stream for stream in (self.streams if streams is None else streams) if not stream.finished]
         if not live:  # also when the family cannot stream: no stream was ever added
             return []
         chunks = [chunk for chunk in map(self.strategy.next_chunk, live) if chunk is not None]

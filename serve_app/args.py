@@ -96,6 +96,13 @@ class DecoderArgs(_Strict):
     max_concurrent_batches: int = Field(
         2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
     )
+    max_vocode_batch: int | None = Field(
+        None,
+        ge=1,
+        description="flow + vocoder batch: whole sentences, or streams whose new tokens it takes in, per job (a job "
+        "runs to its end, so this also bounds how long a new request's first chunk waits); None: 8 on a GPU, 1 on "
+        "CPU",
+    )
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="default: 2 x max_batch_size x max_concurrent_batches (batches must be able to fill)"
     )

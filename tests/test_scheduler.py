@@ -1,7 +1,13 @@
 """The continuous-batching scheduler (engine.scheduler) on the tiny model: joining, equality with a request
-decoded alone, cancellation, memory admission, refusal, and pipelined sentences."""
+decoded alone, cancellation, memory admission, refusal, pipelined sentences, and the vocoding thread (LLM steps
+go on while it works, first chunks go first)."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -171,3 +177,117 @@ def test_the_sentences_of_a_request_are_pipelined_and_arrive_in_order(tts: CosyV
     expected = [chunk for segment in segments for chunk in _stream_alone(tts, segment)]
     assert [len(c) for c in sink.audio] == [len(c) for c in expected]
     np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(expected), atol=1e-4)
+
+
+class Gate:
+    """Holds the calls that `holds` picks (made on a vocoding lane) until the test opens it, so that the test
+    decides what the loop does while a flow + vocoder job runs; other calls go through."""
+
+    def __init__(self, function: Callable[..., Any], holds: Callable[..., bool] = lambda *args: True) -> None:
+        self.function = function
+        self.holds = holds
+        self.arrived = 0  # calls held so far
+        self._opened = threading.Event()
+
+    def __call__(self, *args: Any) -> Any:
+        if self.holds(*args):
+            self.arrived += 1
+            assert self._opened.wait(timeout=60), "the test never opened the gate"
+        return self.function(*args)
+
+    def open(self) -> None:
+        self._opened.set()
+
+
+def _step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int = 2000) -> None:
+    for _ in range(limit):
+        if condition():
+            return
+        scheduler.step()
+    raise AssertionError(f"not reached in {limit} steps")
+
+
+def test_llm_steps_go_on_while_a_whole_sentence_is_vocoded(tts: CosyVoice, monkeypatch: pytest.MonkeyPatch) -> None:
+    [short] = _segments(tts, "A whole request in the loop.", SHORT)
+    [long] = _segments(tts, "A longer whole request that keeps generating.", LONG)
+    [alone_short, alone_long] = [tts.decoder.decode_batch([segment])[0] for segment in (short, long)]
+    gate = Gate(tts.decoder.vocode)
+    monkeypatch.setattr(tts.decoder, "vocode", gate)
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    short_sink, long_sink = Collected(), Collected()
+    scheduler.submit([short], streaming=False, sink=short_sink)
+    scheduler.submit([long], streaming=False, sink=long_sink)
+    try:
+        _step_until(scheduler, lambda: gate.arrived == 1)  # the short one's tokens are all there: its job waits
+        steps_before = scheduler.stats.llm_steps_while_vocoding
+        _run(scheduler, steps=20)
+        assert not short_sink.outputs
+        assert scheduler.llm.active == 1  # the long one generated on meanwhile, one token a step
+        assert scheduler.stats.llm_steps_while_vocoding == steps_before + 20
+    finally:
+        gate.open()
+    _run(scheduler)
+    np.testing.assert_allclose(short_sink.audio[0], alone_short, atol=1e-4)
+    np.testing.assert_allclose(long_sink.audio[0], alone_long, atol=1e-4)
+
+
+@pytest.mark.parametrize("max_vocode_batch", [1, 8])
+def test_a_first_chunk_is_made_while_a_running_streams_chunk_is_vocoded(tts: CosyVoice, max_vocode_batch: int) -> None:
+    text = "A streaming request with enough words in it for several chunks of audio, one after the other."
+    [running] = _segments(tts, text, LONG)
+    [late] = _segments(tts, "A late one.", SHORT)
+    scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=max_vocode_batch)
+    running_sink, late_sink = Collected(), Collected()
+    scheduler.submit([running], streaming=True, sink=running_sink)
+    _step_until(scheduler, lambda: bool(running_sink.outputs))
+    # the running stream's next chunks wait on their lane (the emit's third argument: the streams it emits)
+    gate = Gate(scheduler._emit, holds=lambda streams, events, chosen: any(s.segment is running for s in chosen))
+    scheduler._emit = gate
+    try:
+        _step_until(scheduler, lambda: gate.arrived == 1)
+        scheduler.submit([late], streaming=True, sink=late_sink)
+        _step_until(scheduler, lambda: late_sink.ended)  # made meanwhile, on the first-audio lane
+        assert len(running_sink.outputs) == 1 and scheduler.stats.first_lane_chunks == 2
+    finally:
+        gate.open()
+    _run(scheduler)
+    for segment, collected in ((running, running_sink), (late, late_sink)):
+        np.testing.assert_allclose(
+            np.concatenate(collected.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4
+        )
+
+
+def test_a_stream_cancelled_while_its_chunk_is_vocoded_frees_its_slot_at_once(tts: CosyVoice) -> None:
+    [segment] = _segments(tts, "A streaming request whose caller leaves mid-chunk.", LONG)
+    scheduler = Scheduler(tts.decoder, max_live=1)
+    gate = Gate(scheduler._emit)
+    scheduler._emit = gate
+    sink = Collected()
+    ticket = scheduler.submit([segment], streaming=True, sink=sink)
+    try:
+        _step_until(scheduler, lambda: gate.arrived == 1)
+        scheduler.cancel(ticket)
+        scheduler.step()
+        assert sink.ended and scheduler.live == 0 and scheduler.llm.active == 0  # freed while the job still runs
+        assert len(scheduler.streams.streams) == 1  # released once the job that works on it is over
+    finally:
+        gate.open()
+    _run(scheduler)
+    assert scheduler.streams.streams == [] and scheduler.stats.cancelled == 1
+
+
+def test_flow_and_vocoder_batches_hold_at_most_max_vocode_batch_sentences(tts: CosyVoice) -> None:
+    sampling = [replace(LONG, seed=seed) for seed in (1, 2, 3)]
+    streamed = [_segments(tts, "Three streams take turns on the lanes.", options)[0] for options in sampling]
+    [whole] = _segments(tts, "And one whole request.", SHORT)
+    scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=1)
+    sinks = [Collected() for _ in streamed]
+    for segment, sink in zip(streamed, sinks, strict=True):
+        scheduler.submit([segment], streaming=True, sink=sink)
+    whole_sink = Collected()
+    scheduler.submit([whole], streaming=False, sink=whole_sink)
+    _run(scheduler)
+    assert set(scheduler.stats.vocode_batch_size_counts) == {1}
+    for segment, sink in zip(streamed, sinks, strict=True):
+        np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4)
+    np.testing.assert_allclose(whole_sink.audio[0], tts.decoder.decode_batch([whole])[0], atol=1e-4)

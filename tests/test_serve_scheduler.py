@@ -1,6 +1,7 @@
 """The Decoder deployment's continuous-batching loop on a real Serve app (tiny model): a request that arrives
 while another decodes joins its LLM batch, whole and streaming requests share one model copy and one loop,
-a cancelled stream frees its slot, and a request that can never fit the memory budget is refused with 413."""
+a cancelled stream frees its slot, an idle replica admits without waiting for an admission batch to fill, and
+a request that can never fit the memory budget is refused with 413."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from serve_testing import running_app
 
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
+from serve_app.args import DecoderArgs
 
 APP = "scheduler"
 BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; "Hi." at 1000 tokens per text token ~800
@@ -71,6 +73,19 @@ def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model
     chunks.cancel()
     _wait_for(lambda: _stats(decoder)["live"] == 0, 30, "the cancelled stream to leave the loop")
     assert _stats(decoder)["cancelled"] == before["cancelled"] + 1
+
+
+def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder: Any) -> None:
+    _wait_for(lambda: not _stats(decoder)["loop_busy"], 30, "an idle loop")
+    assert _stats(decoder)["admission_wait_s"] == 0.0  # an admission batch of an idle loop waits for no other
+    long_stream = _encode("A long streaming request keeps the loop busy.", ratio=150, seed=3)
+    chunks = decoder.stream.options(stream=True).remote(long_stream, "busy")
+    assert len(next(chunks)) > 0
+    busy = _stats(decoder)
+    assert busy["loop_busy"] and busy["admission_wait_s"] == DecoderArgs().batch_wait_timeout_s
+    chunks.cancel()
+    _wait_for(lambda: not _stats(decoder)["loop_busy"], 30, "the loop to be idle again")
+    assert _stats(decoder)["admission_wait_s"] == 0.0
 
 
 def test_a_request_that_can_never_fit_is_refused_with_413(base_url: str) -> None:
