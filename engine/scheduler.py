@@ -215,9 +215,13 @@ class Scheduler:
         return estimates
 
     def submit(self, segments: list[EncodedSegment], streaming: bool, sink: Sink) -> Ticket:
-        """Queue a request (refused at once if it can never fit); it is admitted at a coming `step`."""
+        """Queue a request (refused at once if it can never fit, or cannot stream); it is admitted at a coming
+        `step`."""
         if not segments:
             raise ValueError("a request needs at least one segment")
+        if streaming:  # here, not at admission: a refusal inside `step` would end every request in the loop
+            for segment in segments:
+                self.streams.check_streamable(segment)
         estimates = self.check_fits(segments)
         ticket = Ticket(sentences=[], streaming=streaming, sink=sink)
         ticket.sentences = [_Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from engine.flow import mel_frames, target_frames
 from engine.hift_v3 import VocoderStream
 from engine.llm import SilentRunFilter, TokenEvent, TokenGenerator
 from engine.sampling import make_generator
+
+if TYPE_CHECKING:  # engine.pipeline imports this module
+    from engine.pipeline import EncodedSegment
 
 
 @dataclass(frozen=True)
@@ -341,8 +344,8 @@ class DecodeStream:
         for segment in segments:
             self.add(segment)
 
-    def add(self, segment) -> _Stream:
-        """Start streaming one more segment: its tokens are generated from the next step of `self.llm` on."""
+    def check_streamable(self, segment: EncodedSegment) -> None:
+        """Raise InvalidInputError unless this model can stream `segment` (its family streams, at its speed)."""
         family = self.decoder.model.config.family
         if self.strategy is None:
             raise InvalidInputError(
@@ -355,6 +358,11 @@ class DecodeStream:
                 f"far, which a per-chunk stretch would change); got speed {segment.speed:g}: send speed 1.0, or the "
                 "request whole (not streamed)"
             )
+
+    def add(self, segment: EncodedSegment) -> _Stream:
+        """Start streaming one more segment: its tokens are generated from the next step of `self.llm` on."""
+        self.check_streamable(segment)
+        family = self.decoder.model.config.family
         [request] = self.decoder.generation_requests([segment])
         device = self.decoder.model.decoder_device
         stream = _Stream(

@@ -15,6 +15,7 @@ from engine.llm_v3 import ENDOFPROMPT_TOKEN
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.sampling import SamplingOptions
+from engine.scheduler import Output, Scheduler
 from engine.streaming import CausalPrefixRerunChunks, DecodeStream
 
 TEXT_TOKENS = 5
@@ -110,6 +111,19 @@ def test_speed_is_refused_when_streaming_as_officially(decoder: SpeechDecoderSta
     # whole, the speed applies (the official non-stream rule)
     [whole] = decoder.decode_batch([segment(decoder, seed=1, speed=1.5)])
     assert len(whole) == int(2 * TOKENS / 1.5) * decoder.model.config.hift.hop
+
+
+def test_the_decoder_loop_refuses_such_a_stream_at_submit_and_goes_on(decoder: SpeechDecoderStage) -> None:
+    """Refused in `submit`, before it is queued: a refusal inside a step would end every request of the loop."""
+    scheduler = Scheduler(decoder, max_live=4)
+    outputs: list[Output] = []
+    scheduler.submit([segment(decoder, seed=2)], streaming=True, sink=outputs.append)
+    with pytest.raises(InvalidInputError, match=r"streams at speed 1\.0 only"):
+        scheduler.submit([segment(decoder, seed=1, speed=1.5)], streaming=True, sink=outputs.append)
+    while scheduler.has_work:
+        scheduler.step()
+    assert outputs[-1] is None and all(isinstance(chunk, np.ndarray) for chunk in outputs[:-1])  # one request
+    assert sum(map(len, outputs[:-1])) == 2 * TOKENS * decoder.model.config.hift.hop
 
 
 def test_the_bounded_vocoder_window_gives_the_full_re_run_samples(
