@@ -313,7 +313,7 @@ def test_streams_decoded_in_the_scheduler_loop_equal_them_decoded_alone(
     delay = ends[0][0] - ends[1][0]  # the plain stream's first chunk at the prompted one's first
     assert delay > 0 and [end - delay for end in ends[0]] == ends[1], "the cases' chunks cannot coincide"
     first, second = segment_of(decoder, prompted), segment_of(decoder, plain)
-    scheduler = Scheduler(decoder, max_live=4)
+    scheduler = Scheduler(decoder, max_live=4, max_vocode_batch=4)  # the CPU default, 1, would not batch them
     sinks = [Collected(), Collected(), Collected()]
     scheduler.submit([first], streaming=True, sink=sinks[0])
     scheduler.submit([second], streaming=False, sink=sinks[1])
