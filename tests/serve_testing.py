@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,14 +19,19 @@ OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than th
 READY_TIMEOUT_S = 60.0
 
 
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.25) -> None:
+    """Poll `condition()` until it is true; fail (never hang) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)
+
+
 def wait_until_healthy(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
     """Wait for /healthz to answer 200, as a load balancer's readiness probe would: `serve.run` returns once the
     replicas run, but the ingress's polled view of them may still be one poll interval old."""
-    deadline = time.monotonic() + timeout_s
-    while (status := httpx.get(f"{base_url}/healthz", timeout=10).status_code) != 200:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"/healthz still answers {status} after {timeout_s} s")
-        time.sleep(0.1)
+    healthy = lambda: httpx.get(f"{base_url}/healthz", timeout=10).status_code == 200  # noqa: E731
+    wait_until(healthy, timeout_s, "/healthz to answer 200", interval_s=0.1)
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import asyncio
 import datetime as dt
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import ray
 import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
-from serve_testing import OBJECT_STORE_BYTES
+from serve_testing import OBJECT_STORE_BYTES, wait_until
 
 from benchmarks.http_bench import free_port
 from serve_app import build_app
@@ -82,13 +82,6 @@ def base_url() -> Iterator[str]:
 def running(name: str) -> int:
     deployments = serve.status().applications[APP].deployments
     return deployments[name].replica_states.get("RUNNING", 0) if name in deployments else 0
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 async def send(base: str, count: int, concurrency: int) -> list[int]:

@@ -5,14 +5,13 @@ a request that can never fit the memory budget is refused with 413."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from ray import serve
-from serve_testing import running_app
+from serve_testing import running_app, wait_until
 
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
@@ -48,13 +47,6 @@ def _stats(decoder: Any) -> dict[str, Any]:
     return decoder.batch_stats.remote().result()
 
 
-def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model(decoder: Any) -> None:
     long_stream = _encode("A long streaming request keeps the loop busy.", ratio=150, seed=1)
     [short] = _encode("Short.", ratio=4, seed=2)
@@ -71,12 +63,12 @@ def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model
 
     # The client leaves: the stream's slot is freed at the loop's next step, not when its tokens run out.
     chunks.cancel()
-    _wait_for(lambda: _stats(decoder)["live"] == 0, 30, "the cancelled stream to leave the loop")
+    wait_until(lambda: _stats(decoder)["live"] == 0, 30, "the cancelled stream to leave the loop")
     assert _stats(decoder)["cancelled"] == before["cancelled"] + 1
 
 
 def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder: Any) -> None:
-    _wait_for(lambda: not _stats(decoder)["loop_busy"], 30, "an idle loop")
+    wait_until(lambda: not _stats(decoder)["loop_busy"], 30, "an idle loop")
     assert _stats(decoder)["admission_wait_s"] == 0.0  # an admission batch of an idle loop waits for no other
     long_stream = _encode("A long streaming request keeps the loop busy.", ratio=150, seed=3)
     chunks = decoder.stream.options(stream=True).remote(long_stream, "busy")
@@ -84,7 +76,7 @@ def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder:
     busy = _stats(decoder)
     assert busy["loop_busy"] and busy["admission_wait_s"] == DecoderArgs().batch_wait_timeout_s
     chunks.cancel()
-    _wait_for(lambda: not _stats(decoder)["loop_busy"], 30, "the loop to be idle again")
+    wait_until(lambda: not _stats(decoder)["loop_busy"], 30, "the loop to be idle again")
     assert _stats(decoder)["admission_wait_s"] == 0.0
 
 
