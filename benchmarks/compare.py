@@ -52,7 +52,7 @@ import torch
 from ray import serve
 
 from benchmarks.batching_bench import measure_batches
-from benchmarks.engine_bench import TOKENS_PER_SECOND, fixed_length_request
+from benchmarks.engine_bench import fixed_length_segments, speech_tokens_for
 from benchmarks.http_bench import (
     BENCH_APP,
     PCM_BYTES_PER_SAMPLE,
@@ -128,11 +128,9 @@ def baseline_server(model: str, device: str, ready_timeout_s: float = 300.0) -> 
 
 def in_process(tts: Any, compared: int) -> dict[str, Any]:
     """The engine alone: decoder throughput at batch 1 and `compared` (fixed-length requests)."""
-    voice = tts.voices[0]
 
     def segments(count: int) -> list[Any]:
-        text_tokens = len(tts.encoder.model.frontend.tokenize(tts.encoder.model.frontend.normalize(SHORT_TEXT)))
-        return tts.encoder.encode(fixed_length_request(text_tokens, ENGINE_AUDIO_S, voice))[:1] * count
+        return fixed_length_segments(tts.encoder, ENGINE_AUDIO_S, count)
 
     tts.decoder.decode_batch(segments(1))  # warm-up
     rows = {row["batch"]: row for row in measure_batches(tts.decoder, segments, [1, compared], ENGINE_AUDIO_S)["rows"]}
@@ -176,7 +174,7 @@ def text_for_audio_seconds(tts: Any, seconds: float, max_token_text_ratio: float
     (random weights rarely stop early: the ratio sets the length)."""
     frontend = tts.encoder.model.frontend
     words = (LONG_TEXT + " ") * 20
-    wanted_tokens = seconds * TOKENS_PER_SECOND / max_token_text_ratio
+    wanted_tokens = speech_tokens_for(tts.encoder.model.config, seconds) / max_token_text_ratio
     text = ""
     for word in words.split():
         text = f"{text} {word}".strip()

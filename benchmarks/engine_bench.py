@@ -30,8 +30,6 @@ from engine.pipeline import EncodedSegment, SpeechDecoderStage, SynthesisRequest
 from engine.precision import parameter_bytes, quantize_linear_int8
 from engine.sampling import SamplingOptions
 
-# CosyVoice v1's speech tokens per second, for `fixed_length_request`'s callers that size requests without a model
-TOKENS_PER_SECOND = 50
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
 
 
@@ -49,15 +47,6 @@ def fixed_length_sampling(text_tokens: int, speech_tokens: int) -> SamplingOptio
     return SamplingOptions(
         min_token_text_ratio=ratio, max_token_text_ratio=ratio, mask_all_stop_ids_before_min_len=True, seed=0
     )
-
-
-def fixed_length_request(
-    text_tokens: int, audio_seconds: float, voice: str, tokens_per_second: float = TOKENS_PER_SECOND
-) -> SynthesisRequest:
-    """A request for TEXT (of `text_tokens` target text tokens) whose speech length is forced to `audio_seconds`
-    at `tokens_per_second`."""
-    speech_tokens = round(audio_seconds * tokens_per_second)
-    return SynthesisRequest(text=TEXT, voice=voice, sampling=fixed_length_sampling(text_tokens, speech_tokens))
 
 
 def speech_tokens_for(config: ModelConfig, audio_seconds: float) -> int:

@@ -19,11 +19,9 @@ import numpy as np
 import torch
 
 from benchmarks.batching_bench import measure_first_chunk
-from benchmarks.engine_bench import fixed_length_request
+from benchmarks.engine_bench import fixed_length_segments
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
-
-TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
 
 
 def _synchronize(device: str) -> None:
@@ -33,13 +31,6 @@ def _synchronize(device: str) -> None:
 
 def peak_memory_bytes(device: str) -> int | None:
     return torch.cuda.max_memory_allocated() if device == "cuda" else None
-
-
-def fixed_segment(encoder: TextEncoderStage, voice: str, audio_seconds: float) -> EncodedSegment:
-    frontend = encoder.model.frontend
-    text_tokens = len(frontend.tokenize(frontend.normalize(TEXT)))
-    [segment] = encoder.encode(fixed_length_request(text_tokens, audio_seconds, voice))
-    return segment
 
 
 def measure_batch(decoder: SpeechDecoderStage, segment: EncodedSegment, batch: int, seconds: float) -> dict[str, Any]:
@@ -76,14 +67,13 @@ def main() -> None:
     dtype = "float16" if options.device == "cuda" else "float32"
     model = load_model(options.model, dtype=dtype, device=options.device)
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-    voice = model.voices.names[0]
     weights_bytes = peak_memory_bytes(options.device)
-    decoder.decode_batch([fixed_segment(encoder, voice, 0.5)])  # warm-up: kernels, allocator
-    segment = fixed_segment(encoder, voice, options.seconds)
+    decoder.decode_batch([fixed_length_segments(encoder, 0.5)[0]])  # warm-up: kernels, allocator
+    [segment] = fixed_length_segments(encoder, options.seconds)
     rows = [measure_batch(decoder, segment, batch, options.seconds) for batch in options.batches]
     for row in rows:
         print(f"batch {row['batch']:2d}: RTF {row['rtf']:.3f}, finite {row['finite']}, peak {row['peak_memory_bytes']}")
-    streaming = measure_first_chunk(decoder, fixed_segment(encoder, voice, options.stream_seconds))
+    streaming = measure_first_chunk(decoder, fixed_length_segments(encoder, options.stream_seconds)[0])
     report = {
         "device": options.device,
         "device_name": torch.cuda.get_device_name() if options.device == "cuda" else "cpu",

@@ -64,3 +64,17 @@ def test_batching_bench_measures_cosyvoice3_batches_and_its_first_streamed_chunk
     assert all(row["llm_ms_per_token_step"] > 0 and row["decoder_throughput"] > 0 for row in rows)
     # 2 s of v3 speech is 50 tokens: its first chunk comes after the first 25 (+ the flow's look-ahead)
     assert streaming["first_chunk_s"] is not None and streaming["first_chunk_s"] < streaming["stream_total_s"]
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_compare_sizes_the_openai_text_at_the_models_own_token_rate(preset: str) -> None:
+    from benchmarks.compare import text_for_audio_seconds
+    from engine.pipeline import CosyVoice
+
+    tts = CosyVoice.load(preset)
+    frontend, ratio = tts.encoder.model.frontend, 4.0
+    text = text_for_audio_seconds(tts, 20.0, ratio)
+
+    wanted = speech_tokens_for(tts.encoder.model.config, 20.0)
+    spoken = ratio * len(frontend.tokenize(frontend.normalize(text)))
+    assert wanted <= spoken < wanted + ratio * 8  # reached with the last word (a few text tokens at most)
