@@ -1,14 +1,16 @@
 """The engine benchmarks on every family (tiny presets): fixed speech lengths at the model's own token rate, the
-per-stage run of `engine_bench`, and the batch and streaming measures of `batching_bench`."""
+per-stage run of `engine_bench`, the batch and streaming measures of `batching_bench`, and
+the ~20 s text `compare` sends to the OpenAI endpoint."""
 
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.batching_bench import measure_batches, measure_first_chunk
+from benchmarks.compare import text_for_audio_seconds
 from benchmarks.engine_bench import fixed_length_segments, run, speech_tokens_for
 from engine.loader import load_model
-from engine.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
 
 TINY_PRESETS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
 
@@ -68,9 +70,6 @@ def test_batching_bench_measures_cosyvoice3_batches_and_its_first_streamed_chunk
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_compare_sizes_the_openai_text_at_the_models_own_token_rate(preset: str) -> None:
-    from benchmarks.compare import text_for_audio_seconds
-    from engine.pipeline import CosyVoice
-
     tts = CosyVoice.load(preset)
     frontend, ratio = tts.encoder.model.frontend, 4.0
     text = text_for_audio_seconds(tts, 20.0, ratio)
