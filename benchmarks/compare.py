@@ -52,7 +52,7 @@ import torch
 from ray import serve
 
 from benchmarks.batching_bench import measure_batches
-from benchmarks.engine_bench import fixed_length_segments, speech_tokens_for
+from benchmarks.engine_bench import fixed_length_segments
 from benchmarks.http_bench import (
     BENCH_APP,
     PCM_BYTES_PER_SAMPLE,
@@ -174,7 +174,7 @@ def text_for_audio_seconds(tts: Any, seconds: float, max_token_text_ratio: float
     (random weights rarely stop early: the ratio sets the length)."""
     frontend = tts.encoder.model.frontend
     words = (LONG_TEXT + " ") * 20
-    wanted_tokens = speech_tokens_for(tts.encoder.model.config, seconds) / max_token_text_ratio
+    wanted_tokens = tts.encoder.model.config.speech_tokens_for(seconds) / max_token_text_ratio
     text = ""
     for word in words.split():
         text = f"{text} {word}".strip()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
-from engine.loader import LoadedModel, ModelConfig, load_model
+from engine.loader import LoadedModel, load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 from engine.precision import parameter_bytes, quantize_linear_int8
 from engine.sampling import SamplingOptions
@@ -49,15 +49,6 @@ def fixed_length_sampling(text_tokens: int, speech_tokens: int) -> SamplingOptio
     )
 
 
-def speech_tokens_for(config: ModelConfig, audio_seconds: float) -> int:
-    """The fewest speech tokens whose audio (the flow's mel frames x the vocoder's samples per frame) lasts at least
-    `audio_seconds`: 50 per second for CosyVoice v1, 25 for CosyVoice2 and 3."""
-    samples, tokens = audio_seconds * config.sample_rate, 1
-    while config.flow.mel_frames_of(tokens) * config.hift.hop < samples:
-        tokens += 1
-    return tokens
-
-
 def benchmark_voice(model: LoadedModel) -> str:
     """The built-in speaker the benchmarks speak in (every preset has two); SystemExit for a model without one."""
     if not model.voices.names:
@@ -73,7 +64,7 @@ def fixed_length_text_request(encoder: TextEncoderStage, audio_seconds: float) -
     """
     voice = benchmark_voice(encoder.model)
     [text] = encoder.segment_texts(SynthesisRequest(text=TEXT, voice=voice))  # TEXT is one sentence
-    sampling = fixed_length_sampling(len(text.text), speech_tokens_for(encoder.model.config, audio_seconds))
+    sampling = fixed_length_sampling(len(text.text), encoder.model.config.speech_tokens_for(audio_seconds))
     return SynthesisRequest(text=TEXT, voice=voice, sampling=sampling)
 
 

@@ -23,7 +23,7 @@ import torch
 from ray import serve
 
 from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
-from engine.errors import CosyVoiceError
+from engine.errors import CosyVoiceError, RequestFailedError, UnavailableError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.precision import FALLBACKS
@@ -79,6 +79,8 @@ class Decoder:
         max_concurrent_batches: int = 2,
         gpu_fraction: float | None = None,
         max_vocode_batch: int | None = None,
+        max_audio_s: float | None = None,
+        max_request_s: float | None = None,
     ) -> None:
         device, dtype = resolve_device_and_dtype(use_gpu, dtype)
         self.device = torch.device(device)
@@ -92,6 +94,8 @@ class Decoder:
             max_live=max_batch_size,
             memory_budget_bytes=_gib(memory_budget_gb),
             max_vocode_batch=max_vocode_batch,
+            max_audio_s=max_audio_s,
+            max_request_s=max_request_s,
         )
         gpu = GpuProbe(torch.cuda.current_device()) if self.device.type == "cuda" else None
         # NVML read about once a second in the background; None (busy time instead) without a GPU or NVML.
@@ -163,6 +167,9 @@ class Decoder:
         if error is not None:
             raise error
         while (item := await slot.outputs.get()) is not None:
+            if isinstance(item, RequestFailedError):  # its cause stays here: the client gets a 500 with the id
+                cause, request_id = item.__cause__, slot.request_id
+                logger.error("request failed in the decoder loop", exc_info=cause, extra={"request_id": request_id})
             if isinstance(item, CosyVoiceError):
                 raise item
             yield item
@@ -212,10 +219,11 @@ class Decoder:
             event_loop.call_soon_threadsafe(self._loop_busy, busy)
 
         def on_error(exc: Exception) -> CosyVoiceError:
-            # A bug, not a request's error (those end their request alone): the loop's state is suspect, so every
-            # request in it ends with a 500 and the loop starts again empty.
-            logger.error("decoder loop step failed", exc_info=exc)
-            return CosyVoiceError(f"the decoder loop failed ({exc!r}); try again")
+            # A fault no single request explains (a request's own end it alone): the loop's state is suspect, so
+            # every request in it ends with a 503 and the loop stops; the health check then has Serve replace us.
+            logger.error("decoder loop step failed; the replica will be replaced", exc_info=exc)
+            self.metrics.loop_failures.inc()
+            return UnavailableError("the decoder replica failed while serving this request; retry")
 
         self._loop_thread = threading.Thread(
             target=self.scheduler.run, args=(on_busy, on_error), name="decoder-loop", daemon=True
@@ -245,7 +253,10 @@ class Decoder:
         return True
 
     async def check_health(self) -> None:
-        """Serve's periodic probe: a tiny forward pass on the model's device; raising marks the replica unhealthy."""
+        """Serve's periodic probe: the loop has not failed, and a tiny forward pass on the model's device; raising
+        marks the replica unhealthy (Serve replaces it)."""
+        if self.scheduler.failure is not None:
+            raise RuntimeError(f"the decoder loop failed: {self.scheduler.failure!r}")
         await asyncio.to_thread(self.stage.check_health)
 
     def batch_stats(self) -> dict[str, Any]:
@@ -266,6 +277,9 @@ class Decoder:
             "first_lane_chunks": stats.first_lane_chunks,
             "admitted": stats.admitted,
             "cancelled": stats.cancelled,
+            "request_faults": stats.request_faults,
+            "over_limit": stats.over_limit,
+            "loop_failed": self.scheduler.failure is not None,
             "live": self.scheduler.live,
             "queued": self.scheduler.queued,
             "live_bytes": self.scheduler.live_bytes,

@@ -101,9 +101,11 @@ class TokenEvent:
     """What one `TokenGenerator.step` produced for one request."""
 
     request_id: int
-    token: int | None  # None when the request stopped on a stop token (EOS or above; never yielded)
-    finish_reason: str | None  # "eos" or "max_len" when this was the request's last step, else None
-    logprobs: Tensor  # [llm_decoder outputs] fp32: the scores sampled from (log-softmax, EOS -inf before min_len)
+    token: int | None  # None when the request stopped on a stop token (EOS or above; never yielded), or failed
+    finish_reason: str | None  # "eos", "max_len" or "error" when this was the request's last step, else None
+    logprobs: Tensor | None  # [llm_decoder outputs] fp32: the scores sampled from (log-softmax, EOS -inf before
+    # min_len); None for an error
+    error: Exception | None = None  # finish_reason "error": what failed for this request alone; it left the batch
 
 
 MAX_SILENT_RUN = 5  # the official llm_job's max_silent_token_num
@@ -212,6 +214,8 @@ def generate_tokens(model: SpeechTokenLM, requests: list[GenerationRequest]) -> 
     tokens: dict[int, list[int]] = {i: [] for i in ids}
     while generator.active:
         for event in generator.step():
+            if event.error is not None:
+                raise event.error
             if event.token is not None:
                 tokens[event.request_id].append(event.token)
     return [torch.tensor(tokens[i], dtype=torch.long) for i in ids]
@@ -297,8 +301,14 @@ class TokenGenerator:
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
-        """One token (or the stop) for every active request, running requests first, then the newly joined."""
+        """One token (or the stop) for every active request, running requests first, then the newly joined.
+
+        A fault that one request's own input causes (its prefill or its sampling raises) ends that request alone,
+        with an "error" event; a fault of the running batch's decoding step, which no single request explains,
+        raises."""
         model = self.model
+        events: list[TokenEvent] = []
+        joined, joined_hidden, joined_cache = self._prefill_pending(events)  # before the running rows move on
         hidden = []
         if self._running:
             weight = model.speech_embedding.weight
@@ -306,21 +316,21 @@ class TokenGenerator:
             x = model.speech_embedding(last)[:, None]
             valid = torch.ones(len(last), 1, dtype=torch.bool, device=weight.device)
             hidden.append(model.llm.forward_incremental(x, valid, self._cache)[:, -1])
-        if self._pending:
-            hidden.append(self._prefill(self._pending))
-            self._running += self._pending
-            self._pending = []
+        if joined:
+            hidden.append(joined_hidden)
+            self._cache = joined_cache if self._cache is None else KVCache.concat(self._cache, joined_cache)
+            self._running += joined
         if not hidden:
-            return []
+            return events
         logprobs = log_softmax_fp32(model.llm_decoder(torch.cat(hidden))).cpu()
-        events, keep = [], []
+        keep = []
         for row, sequence in enumerate(self._running):
             scores = logprobs[row]
-            if len(sequence.tokens) < sequence.min_len:
-                # official: EOS only; v2 has two more stop ids after it, masked too on request
-                last_masked = None if sequence.options.mask_all_stop_ids_before_min_len else model.eos + 1
-                scores[model.eos : last_masked] = float("-inf")
-            token = sample_token(scores, sequence.tokens, sequence.options, sequence.generator)
+            try:
+                token = self._sample(sequence, scores)
+            except Exception as exc:
+                events.append(TokenEvent(sequence.request_id, None, "error", None, exc))
+                continue
             if token >= model.eos:
                 events.append(TokenEvent(sequence.request_id, None, "eos", scores))
                 continue
@@ -332,8 +342,40 @@ class TokenGenerator:
         self._retain(keep)
         return events
 
-    def _prefill(self, sequences: list[_Sequence]) -> Tensor:
-        """Prefill the new requests (left-padded) into a cache joined to the running one -> last hidden [N, D]."""
+    def _sample(self, sequence: _Sequence, scores: Tensor) -> int:
+        """The sequence's next token from its log-softmax scores [V] (stop ids masked in place before min_len)."""
+        eos = self.model.eos
+        if len(sequence.tokens) < sequence.min_len:
+            # official: EOS only; v2 has two more stop ids after it, masked too on request
+            last_masked = None if sequence.options.mask_all_stop_ids_before_min_len else eos + 1
+            scores[eos:last_masked] = float("-inf")
+        return sample_token(scores, sequence.tokens, sequence.options, sequence.generator)
+
+    def _prefill_pending(self, events: list[TokenEvent]) -> tuple[list[_Sequence], Tensor | None, KVCache | None]:
+        """Prefill the requests added since the last step -> (those that join, their last hidden [N, D], their cache).
+
+        Nothing of the running batch is touched, so when the batch's prefill raises, each request is tried alone:
+        the ones that fail alone leave with an "error" event, the others are prefilled together again."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return [], None, None
+        try:
+            return pending, *self._prefill(pending)
+        except Exception as exc:
+            failed = {pending[0].request_id: exc} if len(pending) == 1 else {}
+        for sequence in pending if not failed else ():
+            try:
+                self._prefill([sequence])
+            except Exception as exc:
+                failed[sequence.request_id] = exc
+        events += [TokenEvent(i, None, "error", None, exc) for i, exc in failed.items()]
+        joined = [s for s in pending if s.request_id not in failed]
+        if not joined:  # (when every one prefills alone but not together, the retry below raises: not theirs)
+            return [], None, None
+        return joined, *self._prefill(joined)
+
+    def _prefill(self, sequences: list[_Sequence]) -> tuple[Tensor, KVCache]:
+        """Prefill requests (left-padded) into a cache of their own -> (last hidden [N, D], cache)."""
         inputs = [self.model.lm_input(s.request) for s in sequences]
         width = max(len(x) for x in inputs)
         padded = torch.stack([F.pad(x, (0, 0, width - len(x), 0)) for x in inputs])
@@ -341,8 +383,7 @@ class TokenGenerator:
         valid = columns >= torch.tensor([width - len(x) for x in inputs], device=padded.device)[:, None]
         cache = self.model.llm.new_cache(len(inputs), padded.device)
         hidden = self.model.llm.forward_incremental(padded, valid, cache)[:, -1]
-        self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
-        return hidden
+        return hidden, cache
 
     def _retain(self, rows: list[int]) -> None:
         """Keep these running rows (finished or cancelled ones leave the batch and the cache)."""

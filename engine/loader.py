@@ -72,6 +72,14 @@ class ModelConfig:
         """1: CosyVoice(-300M), 2: CosyVoice2, 3: CosyVoice3 (data for reports; behaviour asks the family)."""
         return self.family.version
 
+    def speech_tokens_for(self, audio_seconds: float) -> int:
+        """The fewest speech tokens whose audio (the flow's mel frames x the vocoder's samples per frame) lasts at
+        least `audio_seconds`: 50 per second for CosyVoice v1, 25 for CosyVoice2 and 3."""
+        samples, tokens = audio_seconds * self.sample_rate, 1
+        while self.flow.mel_frames_of(tokens) * self.hift.hop < samples:
+            tokens += 1
+        return tokens
+
     @classmethod
     def from_yaml_file(cls, path: Path) -> ModelConfig:
         tree = load_model_yaml(path)

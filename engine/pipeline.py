@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from engine.voice_cloning import VoicePrompt
 
 MIN_SPEED, MAX_SPEED = 0.5, 2.0
+# Sizes a decoder takes in one segment, checked before any of it is computed. The encoder's own inputs stay far below:
+# a sentence of `limits.max_input_chars` text, a voice prompt of at most `limits.max_prompt_audio_s` (30 s: 1500
+# speech tokens at 50 per second, 2600 mel frames).
+MAX_SEGMENT_TEXT_TOKENS = 8192
+MAX_PROMPT_SPEECH_TOKENS = 4096
+MAX_PROMPT_MEL_FRAMES = 8192
 
 
 @dataclass(frozen=True)
@@ -234,6 +240,19 @@ class TextEncoderStage:
         return [encoded[i, :length] for i, length in enumerate(lengths.tolist())]
 
 
+def _checked_array(name: str, value: object, shape: tuple[int | None, ...], integer: bool = False) -> np.ndarray:
+    """`value` as an array of `shape` (None: any size), of integers or of finite floats; else InvalidInputError."""
+    if not isinstance(value, np.ndarray) or value.ndim != len(shape):
+        raise InvalidInputError(f"{name} must be a {len(shape)}-d array")
+    if any(want is not None and have != want for have, want in zip(value.shape, shape, strict=True)):
+        raise InvalidInputError(f"{name} must have shape {shape}, got {value.shape}")
+    if integer and not np.issubdtype(value.dtype, np.integer):
+        raise InvalidInputError(f"{name} must hold integers, got {value.dtype}")
+    if not integer and not (np.issubdtype(value.dtype, np.floating) and np.isfinite(value).all()):
+        raise InvalidInputError(f"{name} must hold finite floats")
+    return value
+
+
 HEALTH_CHECK_MEL_FRAMES = 4  # enough for every conv of the vocoder, negligible time
 
 
@@ -246,6 +265,40 @@ class SpeechDecoderStage:
     @property
     def sample_rate(self) -> int:
         return self.model.config.sample_rate
+
+    def check_segment(self, segment: EncodedSegment) -> None:
+        """InvalidInputError unless `segment` is what this decoder can take: the encoder's output for this model,
+        every number finite and in bounds, every size within the decoder's. A decoder checks every segment it is
+        given (callers may skip the HTTP layer; an unpickled object skipped its constructors' checks)."""
+        config = self.model.config
+        if not isinstance(segment, EncodedSegment):
+            raise InvalidInputError(f"a segment must be an EncodedSegment, got {type(segment).__name__}")
+        if not isinstance(segment.sampling, SamplingOptions):
+            raise InvalidInputError("segment.sampling must be SamplingOptions")
+        segment.sampling.check()
+        if segment.sampling.seed is None:
+            raise InvalidInputError("segment.sampling.seed must be set (the encoder draws one)")
+        speed = segment.speed
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
+            raise InvalidInputError(f"speed must be a number between {MIN_SPEED} and {MAX_SPEED}, got {speed!r}")
+        text_rows = _checked_array("text_encoded", segment.text_encoded, (None, self.model.llm.cfg.llm_input_size))
+        if not 1 <= len(text_rows) <= MAX_SEGMENT_TEXT_TOKENS:
+            raise InvalidInputError(f"text_encoded must have 1 to {MAX_SEGMENT_TEXT_TOKENS} rows, got {len(text_rows)}")
+        text_len = segment.text_len
+        if isinstance(text_len, bool) or not isinstance(text_len, int) or not 1 <= text_len <= len(text_rows):
+            raise InvalidInputError(f"text_len must be an integer in [1, {len(text_rows)}], got {text_len!r}")
+        if segment.llm_embedding is not None and segment.llm_embedding.size:
+            _checked_array("llm_embedding", segment.llm_embedding, (config.spk_embed_dim,))
+        _checked_array("flow_embedding", segment.flow_embedding, (config.spk_embed_dim,))
+        for name in ("llm_prompt_speech_tokens", "flow_prompt_speech_tokens"):
+            tokens = _checked_array(name, getattr(segment, name), (None,), integer=True)
+            if len(tokens) > MAX_PROMPT_SPEECH_TOKENS:
+                raise InvalidInputError(f"{name} has {len(tokens)} tokens; at most {MAX_PROMPT_SPEECH_TOKENS}")
+            if tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.model.llm.eos:
+                raise InvalidInputError(f"{name} must be in [0, {self.model.llm.eos})")
+        frames = _checked_array("prompt_feat", segment.prompt_feat, (None, config.mel_bins))
+        if len(frames) > MAX_PROMPT_MEL_FRAMES:
+            raise InvalidInputError(f"prompt_feat must have at most {MAX_PROMPT_MEL_FRAMES} frames, got {len(frames)}")
 
     @torch.inference_mode()
     def decode_batch(self, segments: list[EncodedSegment]) -> list[np.ndarray | NonFiniteOutputError]:

@@ -6,6 +6,7 @@ Everything runs on one sequence's log-softmax scores [V] on the CPU, with that r
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,11 @@ from torch import Tensor
 from engine.errors import InvalidInputError
 
 MAX_SEED = 2**63 - 1
+# Bounds of the options a caller may set. The official defaults are 25, 10 and 2-20; past these bounds an option
+# changes nothing audible but costs time (top_k and win_size are per-token work; the ratio bounds a sentence's length).
+MAX_TOP_K = 10_000
+MAX_WIN_SIZE = 1_000
+MAX_TOKEN_TEXT_RATIO = 100.0
 
 
 @dataclass(frozen=True)
@@ -36,11 +42,21 @@ class SamplingOptions:
     mask_all_stop_ids_before_min_len: bool = False
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """InvalidInputError unless every option is of its type, finite and within its bounds. Run at construction
+        and again by the decoder (an unpickled object skips `__post_init__`)."""
+
         def number(name: str, integer: bool = False) -> float:
             value = getattr(self, name)
             kinds = (int,) if integer else (int, float)
             if isinstance(value, bool) or not isinstance(value, kinds):
                 raise InvalidInputError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidInputError(f"{name} must be a finite number, got {value!r}")
+            if isinstance(value, int) and abs(value) > MAX_SEED:  # far out of every bound; too long to print
+                raise InvalidInputError(f"{name} is out of range")
             return value
 
         for flag in ("greedy", "mask_all_stop_ids_before_min_len"):
@@ -48,17 +64,24 @@ class SamplingOptions:
                 raise InvalidInputError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not 0.0 < number("top_p") <= 1.0:
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if number("top_k", integer=True) < 1:
-            raise InvalidInputError(f"top_k must be at least 1, got {self.top_k}")
-        if number("win_size", integer=True) < 1:
-            raise InvalidInputError(f"win_size must be at least 1, got {self.win_size}")
+        if not 1 <= number("top_k", integer=True) <= MAX_TOP_K:
+            raise InvalidInputError(f"top_k must be in [1, {MAX_TOP_K}], got {self.top_k}")
+        if not 1 <= number("win_size", integer=True) <= MAX_WIN_SIZE:
+            raise InvalidInputError(f"win_size must be in [1, {MAX_WIN_SIZE}], got {self.win_size}")
         if not 0.0 <= number("tau_r") <= 1.0:
             raise InvalidInputError(f"tau_r must be in [0, 1], got {self.tau_r}")
-        if number("min_token_text_ratio") < 0:
-            raise InvalidInputError(f"min_token_text_ratio must be >= 0, got {self.min_token_text_ratio}")
-        if number("max_token_text_ratio") <= 0 or self.max_token_text_ratio < self.min_token_text_ratio:
+        if not 0 <= number("min_token_text_ratio") <= MAX_TOKEN_TEXT_RATIO:
             raise InvalidInputError(
-                f"max_token_text_ratio must be > 0 and >= min_token_text_ratio, got {self.max_token_text_ratio}"
+                f"min_token_text_ratio must be in [0, {MAX_TOKEN_TEXT_RATIO}], got {self.min_token_text_ratio}"
+            )
+        if not 0 < number("max_token_text_ratio") <= MAX_TOKEN_TEXT_RATIO:
+            raise InvalidInputError(
+                f"max_token_text_ratio must be in (0, {MAX_TOKEN_TEXT_RATIO}], got {self.max_token_text_ratio}"
+            )
+        if self.max_token_text_ratio < self.min_token_text_ratio:
+            raise InvalidInputError(
+                f"max_token_text_ratio ({self.max_token_text_ratio}) must be >= min_token_text_ratio "
+                f"({self.min_token_text_ratio})"
             )
         if self.seed is not None and not 0 <= number("seed", integer=True) <= MAX_SEED:
             raise InvalidInputError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")

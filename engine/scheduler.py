@@ -30,11 +30,21 @@ torch threads, each lane the other half, at least one each); on CUDA, each lane 
 A step with nothing to generate waits for a job or a new request instead of spinning.
 Outputs go to each request's `sink`, in sentence order: audio arrays (a streaming request's chunks, a
 whole request's sentences), then None at the end, or a `CosyVoiceError` that ends the request.
+
+The loop serves many requests at once, so a fault is the failing request's alone wherever one request explains it:
+a segment is checked when it is submitted (`SpeechDecoderStage.check_segment`); a sentence whose admission raises,
+whose prefill or sampling raises (`TokenGenerator.step`), or whose flow + vocoder work raises alone (a job that
+raises is run again sentence by sentence, `engine.errors.isolate_failures`) ends its request with that error, and
+the others go on with the audio they would have had without it. Every request also ends at its ceilings: at most
+`max_audio_s` of speech and `max_request_s` of wall time from its submission (`DecodeLimitError`). A step that
+raises beyond that (a fault no single request explains) ends the loop: every request gets the error, later
+submissions are refused with `UnavailableError`, and `failure` tells the replica to have itself replaced.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +54,16 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from engine.errors import CosyVoiceError, RequestTooLargeError
+from engine.errors import (
+    CosyVoiceError,
+    DecodeLimitError,
+    InvalidInputError,
+    RequestFailedError,
+    RequestTooLargeError,
+    UnavailableError,
+    as_request_error,
+    isolate_failures,
+)
 from engine.llm import GenerationRequest, TokenEvent, TokenGenerator
 from engine.memory import estimate_request_memory
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
@@ -110,11 +129,13 @@ class Ticket:
     sentences: list[_Sentence]
     streaming: bool
     sink: Sink
+    deadline: float  # time.monotonic() past which it ends with DecodeLimitError
     cancelled: bool = False
     ended: bool = False
     emitted: int = 0  # sentences fully handed to the sink
     admitted: int = 0  # sentences admitted so far
     audio_started: bool = False  # some audio of it was made: its first-chunk priority is over
+    speech_tokens: int = 0  # generated so far, over all its sentences
 
 
 @dataclass
@@ -139,6 +160,8 @@ class SchedulerStats:
     first_lane_chunks: int = 0  # first chunks made on the first-audio lane
     admitted: int = 0
     cancelled: int = 0
+    request_faults: int = 0  # requests ended by a fault of their own (RequestFailedError) while the loop went on
+    over_limit: int = 0  # requests ended at their audio or time ceiling
 
 
 class Scheduler:
@@ -151,10 +174,16 @@ class Scheduler:
         max_live: int,
         memory_budget_bytes: int | None = None,
         max_vocode_batch: int | None = None,
+        max_audio_s: float | None = None,
+        max_request_s: float | None = None,
     ) -> None:
         self.stage = stage
         self.max_live = max_live
         self.memory_budget_bytes = memory_budget_bytes
+        self.max_audio_s = max_audio_s
+        self.max_speech_tokens = None if max_audio_s is None else stage.model.config.speech_tokens_for(max_audio_s)
+        self.max_request_s = max_request_s
+        self.failure: Exception | None = None  # what ended the loop: the replica should be replaced
         # On CPU the flow and vocoder run ~1.2x faster at batch 8 than 1 (docs/performance.md): small jobs cost little
         # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
         cuda = stage.model.decoder_device.type == "cuda"
@@ -215,17 +244,21 @@ class Scheduler:
         return estimates
 
     def submit(self, segments: list[EncodedSegment], streaming: bool, sink: Sink) -> Ticket:
-        """Queue a request (refused at once if it can never fit, or cannot stream); it is admitted at a coming
-        `step`."""
-        if not segments:
-            raise ValueError("a request needs at least one segment")
-        if streaming:  # here, not at admission: a refusal inside `step` would end every request in the loop
-            for segment in segments:
+        """Queue a request (refused at once if its segments are not what this decoder takes, if it can never fit,
+        or cannot stream, or the loop has failed); it is admitted at a coming `step`."""
+        if not isinstance(segments, list) or not segments:
+            raise InvalidInputError("a request needs a list of at least one segment")
+        for segment in segments:  # here, not at admission: work refused inside `step` costs the loop a step
+            self.stage.check_segment(segment)
+            if streaming:
                 self.streams.check_streamable(segment)
         estimates = self.check_fits(segments)
-        ticket = Ticket(sentences=[], streaming=streaming, sink=sink)
+        deadline = time.monotonic() + (self.max_request_s if self.max_request_s is not None else float("inf"))
+        ticket = Ticket(sentences=[], streaming=streaming, sink=sink, deadline=deadline)
         ticket.sentences = [_Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]
         with self._lock:
+            if self.failure is not None:
+                raise UnavailableError("this decoder replica's loop failed and the replica is being replaced; retry")
             self._inbox.append(ticket)
         self._wakeup.set()
         return ticket
@@ -254,14 +287,14 @@ class Scheduler:
     # --- the loop thread ---------------------------------------------------------------------------------
 
     def run(self, on_busy: Callable[[bool], None], on_error: Callable[[Exception], CosyVoiceError]) -> None:
-        """Run the loop in the calling thread, for ever: steps while there is work, asleep otherwise.
+        """Run the loop in the calling thread until it fails: steps while there is work, asleep otherwise.
 
         `on_busy(True)` when work arrives at an idle loop, `on_busy(False)` when the loop runs out of it. A step
-        that raises (a bug: a request's own errors end that request alone) ends every request with
-        `on_error(exc)`, and the loop goes on from empty."""
+        that raises (a fault no single request explains: a request's own end that request alone) ends every request
+        with `on_error(exc)` and the loop (`fail`)."""
         torch.set_num_threads(self._loop_threads)
         busy = False
-        while True:
+        while self.failure is None:
             self._wakeup.clear()
             if not self.has_work:
                 if busy:
@@ -273,7 +306,7 @@ class Scheduler:
             try:
                 self.step()
             except Exception as exc:
-                self.abort_all(on_error(exc))
+                self.fail(exc, on_error(exc))
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -282,6 +315,7 @@ class Scheduler:
         self._finish_jobs()
         self._take_inbox()
         self._drop_cancelled()
+        self._end_overdue()
         if self.llm.active:
             self._llm_step()
         self._admit()  # after the step: a sentence whose last token just came hands its slot on before vocoding
@@ -290,15 +324,16 @@ class Scheduler:
             self._flush(ticket)
         self._live = [s for s in self._live if not s.done]
 
-    def abort_all(self, error: CosyVoiceError) -> None:
-        """After a step failed half-way (a bug): end every request with `error`, go on from an empty loop."""
+    def fail(self, cause: Exception, error: CosyVoiceError) -> None:
+        """A step failed half-way, with a fault no single request explains: the loop's state is suspect, so every
+        request ends with `error`, later submissions are refused, and `failure` is `cause`."""
+        with self._lock:
+            self.failure = cause
         self._take_inbox()
         for ticket in {s.request for s in self._live} | set(self._queue):
             self._end(ticket, error)
         self._live, self._queue, self._by_llm_id = [], deque(), {}
         self._jobs = {}  # a running job's results are dropped
-        self.llm = _SharedGenerator(TokenGenerator(self.stage.model.llm))
-        self.streams = DecodeStream(self.stage, [], llm=self.llm)
 
     def _wait_if_only_vocoding(self) -> None:
         """With nothing to generate or admit, wait for a running job (or a new request, or a cancel): the last step
@@ -370,16 +405,20 @@ class Scheduler:
     def _admit(self) -> None:
         while (sentence := self._next_admission()) is not None:
             ticket = sentence.request
+            try:
+                if ticket.streaming:
+                    sentence.stream = self.streams.add(sentence.segment)
+                    sentence.llm_id = sentence.stream.llm_id
+                else:
+                    [request] = self.stage.generation_requests([sentence.segment])
+                    sentence.llm_id = self.llm.add(request)
+            except Exception as exc:  # this request's input: it ends, the admission goes on
+                self._fail_request(ticket, as_request_error(exc))
+                continue
             if self.llm.batch_size:
                 self.stats.joined_running_batch += 1
             if ticket.admitted and not ticket.sentences[ticket.admitted - 1].done:
                 self.stats.pipelined_sentences += 1
-            if ticket.streaming:
-                sentence.stream = self.streams.add(sentence.segment)
-                sentence.llm_id = sentence.stream.llm_id
-            else:
-                [request] = self.stage.generation_requests([sentence.segment])
-                sentence.llm_id = self.llm.add(request)
             self._by_llm_id[sentence.llm_id] = sentence
             ticket.admitted += 1
             self.stats.admitted += 1
@@ -396,15 +435,31 @@ class Scheduler:
         if any(not job.future.done() for job in self._jobs.values()):
             self.stats.llm_steps_while_vocoding += 1
         for event in self.llm.step():
-            sentence = self._by_llm_id[event.request_id]
-            if sentence.stream is not None:
-                sentence.events.append(event)  # recorded by the next streams job
-            elif event.token is not None:
-                sentence.tokens.append(event.token)
+            sentence = self._by_llm_id.get(event.request_id)
+            if sentence is None:  # its request ended earlier in this loop (an error of another of its sentences)
+                continue
             if event.finish_reason is not None:  # its generator row is gone: vocoding comes next
                 sentence.tokens_done = True
                 del self._by_llm_id[event.request_id]
                 sentence.llm_id = None
+            ticket = sentence.request
+            if event.error is not None:
+                self._fail_request(ticket, as_request_error(event.error))
+                continue
+            if sentence.stream is not None:
+                sentence.events.append(event)  # recorded by the next streams job
+            elif event.token is not None:
+                sentence.tokens.append(event.token)
+            ticket.speech_tokens += event.token is not None
+            if self.max_speech_tokens is not None and ticket.speech_tokens > self.max_speech_tokens:
+                self.stats.over_limit += 1
+                self._fail_request(
+                    ticket,
+                    DecodeLimitError(
+                        f"the request's speech passed the limit of {self.max_audio_s:g} s of audio; send a shorter "
+                        "text or a lower max_token_text_ratio"
+                    ),
+                )
 
     # --- the flow + vocoder jobs ---------------------------------------------------------------------------
 
@@ -461,8 +516,14 @@ class Scheduler:
 
     @torch.inference_mode()
     def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | CosyVoiceError]:
-        """A lane: flow + vocoder of whole sentences (as `SpeechDecoderStage.decode_batch`)."""
-        return self.stage.vocode(segments, self.stage.tokens_to_mel(segments, tokens))
+        """A lane: flow + vocoder of whole sentences (as `SpeechDecoderStage.decode_batch`); a sentence whose work
+        fails alone gets its error."""
+
+        def vocode(rows: list[int]) -> list[np.ndarray | CosyVoiceError]:
+            chosen = [segments[row] for row in rows]
+            return self.stage.vocode(chosen, self.stage.tokens_to_mel(chosen, [tokens[row] for row in rows]))
+
+        return isolate_failures(list(range(len(segments))), vocode, lambda _, error: [error])
 
     def _finish_jobs(self) -> None:
         """Take in the finished jobs' audio (a job that raised, a bug, raises here as a failed step does)."""
@@ -519,14 +580,36 @@ class Scheduler:
 
     def _fail(self, sentence: _Sentence, error: CosyVoiceError) -> None:
         """An error ends the whole request: its other sentences stop too."""
-        self._stop(sentence.request, error)
+        self._fail_request(sentence.request, error)
+
+    def _fail_request(self, ticket: Ticket, error: CosyVoiceError) -> None:
+        if isinstance(error, RequestFailedError):
+            self.stats.request_faults += 1
+        self._stop(ticket, error)
+
+    def _end_overdue(self) -> None:
+        """End the requests past their deadline (`max_request_s` after submission), queued or live."""
+        now = time.monotonic()
+        overdue = {s.request for s in self._live if now > s.request.deadline} | {
+            t for t in self._queue if now > t.deadline
+        }
+        for ticket in overdue:
+            self.stats.over_limit += 1
+            self._stop(
+                ticket,
+                DecodeLimitError(
+                    f"the request decoded for longer than the limit of {self.max_request_s:g} s; send a shorter text"
+                ),
+            )
+        if overdue:
+            self._live = [s for s in self._live if s.request not in overdue]
 
     def _flush(self, ticket: Ticket) -> None:
         """Hand on the outputs of the request's earliest unfinished sentence (later ones wait their turn)."""
         while not ticket.ended and ticket.emitted < len(ticket.sentences):
             sentence = ticket.sentences[ticket.emitted]
             for audio in sentence.outputs:
-                ticket.sink(audio)
+                self._hand_on(ticket, audio)
             sentence.outputs = []
             if not sentence.done:
                 return
@@ -538,6 +621,14 @@ class Scheduler:
         if ticket.ended:
             return
         if last is not None:
-            ticket.sink(last)
-        ticket.sink(None)
+            self._hand_on(ticket, last)
+        self._hand_on(ticket, None)
         ticket.ended = True
+
+    @staticmethod
+    def _hand_on(ticket: Ticket, item: Output) -> None:
+        """Give the request's sink an output; a sink that raises (its caller is gone) cancels its request alone."""
+        try:
+            ticket.sink(item)
+        except Exception:
+            ticket.cancelled = True

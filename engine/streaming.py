@@ -25,9 +25,10 @@ A family without a strategy refuses streaming with an `InvalidInputError`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from engine.errors import InvalidInputError, NonFiniteOutputError
+from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, isolate_failures
 from engine.flow import mel_frames, target_frames
 from engine.hift_v3 import VocoderStream
 from engine.llm import SilentRunFilter, TokenEvent, TokenGenerator
@@ -86,6 +87,21 @@ class _Stream:
     hift_source: Tensor | None = None  # [1, source_cache]
     hift_speech: Tensor | None = None  # [source_cache]
     vocoder: VocoderStream | None = None  # re-run: the causal vocoder's window of the mel so far
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What a chunk changes (its fields are replaced, never changed in place, but for the random generators'
+        states): put back by `restore` when the chunk's batch fails half-way and is run again."""
+        state = dict(vars(self))
+        state["vocoder"] = copy.copy(self.vocoder)
+        state["random_states"] = (self.noise.get_state(), self.source.get_state())
+        return state
+
+    def restore(self, state: dict[str, Any]) -> None:
+        fields = dict(state)
+        noise_state, source_state = fields.pop("random_states")
+        vars(self).update(fields, vocoder=copy.copy(fields["vocoder"]))
+        self.noise.set_state(noise_state)
+        self.source.set_state(source_state)
 
 
 @dataclass
@@ -367,11 +383,11 @@ class DecodeStream:
         device = self.decoder.model.decoder_device
         stream = _Stream(
             segment=segment,
-            llm_id=self.llm.add(request),
             hop=self.strategy.schedule.token_hop,
             noise=make_generator(segment.sampling.seed),
             source=torch.Generator(device=device).manual_seed(segment.sampling.seed),
             silent=SilentRunFilter(family.silent_tokens),
+            llm_id=self.llm.add(request),  # last: nothing after it can fail and leave its generator row behind
         )
         self.streams.append(stream)
         self._by_llm_id[stream.llm_id] = stream
@@ -421,18 +437,32 @@ class DecodeStream:
             stream = self._by_llm_id.get(event.request_id)
             if stream is None:
                 continue
+            if event.error is not None:  # this stream's own generation failed (a loop filters these out first)
+                raise event.error
             if event.token is not None and stream.silent.keep(event.token):
                 stream.new_tokens.append(event.token)
             stream.tokens_done = stream.tokens_done or event.finish_reason is not None
 
     @torch.inference_mode()
-    def emit(self, streams: list[_Stream] | None = None) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError]]:
+    def emit(
+        self, streams: list[_Stream] | None = None
+    ) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError | CosyVoiceError]]:
         """Every stream (of `streams`; default all) that has a chunk's worth of tokens gets its audio, all of them in
         one flow + vocoder batch. Emits over disjoint `streams` change only their own streams' state (and the
-        generator, to stop a stream whose audio is not finite)."""
+        generator, to stop a stream whose audio is not finite). A batch that raises is put back and run again stream
+        by stream: a stream that fails alone is stopped with its error, the others' audio is as if it was not there."""
         live = [stream for stream in (self.streams if streams is None else streams) if not stream.finished]
         if not live:  # also when the family cannot stream: no stream was ever added
             return []
+        saved = {id(stream): stream.checkpoint() for stream in live}
+
+        def failed(stream: _Stream, error: CosyVoiceError) -> list[tuple[_Stream, CosyVoiceError]]:
+            self.stop(stream)
+            return [(stream, error)]
+
+        return isolate_failures(live, self._emit, failed, undo=lambda stream: stream.restore(saved[id(stream)]))
+
+    def _emit(self, live: list[_Stream]) -> list[tuple[_Stream, np.ndarray | NonFiniteOutputError]]:
         chunks = [chunk for chunk in map(self.strategy.next_chunk, live) if chunk is not None]
         if not chunks:
             return []

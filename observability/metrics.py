@@ -26,6 +26,7 @@ GPU_MEMORY_RESERVED = "cosyvoice_decoder_gpu_memory_reserved_bytes"
 AUTOSCALING_DECISIONS = "cosyvoice_autoscaling_decisions_total"
 UTILIZATION_FROM_BUSY_TIME = "cosyvoice_decoder_utilization_from_busy_time"
 PRECISION_FALLBACKS = "cosyvoice_decoder_precision_fallbacks_total"
+DECODER_LOOP_FAILURES = "cosyvoice_decoder_loop_failures_total"
 
 
 class IngressMetrics:
@@ -74,6 +75,11 @@ class DecoderMetrics:
             UTILIZATION_FROM_BUSY_TIME,
             "1: the replica reports its busy-time fraction as autoscaling utilization (no GPU, or NVML unavailable); "
             "0: NVML GPU utilization",
+        )
+        self.loop_failures = Counter(
+            DECODER_LOOP_FAILURES,
+            "Decoder loops ended by a fault no single request explains (their requests got 503; the replica is "
+            "replaced); a request's own fault ends that request alone and is not counted here",
         )
         self.precision_fallbacks = Counter(
             PRECISION_FALLBACKS,

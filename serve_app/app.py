@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from autoscaling.policy import ScalingRules, cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, VoiceCloningConfig, VoiceCloningNotConfiguredError
-from engine.errors import CosyVoiceError, InvalidInputError, UnknownVoiceError
+from engine.errors import CosyVoiceError, InvalidInputError, UnavailableError, UnknownVoiceError
 from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
@@ -58,20 +58,12 @@ class UnknownModelError(CosyVoiceError):
 DEFAULT_RETRY_AFTER_S = 1.0  # where Serve gives none (a lost replica, no backpressure_config)
 
 
-class ServiceUnavailableError(CosyVoiceError):
+class ServiceUnavailableError(UnavailableError):
     """A full queue (backpressure) or a lost replica: answered 503 with Retry-After."""
-
-    http_status = 503
 
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = DEFAULT_RETRY_AFTER_S if retry_after_s is None else retry_after_s
-
-
-class DecodeTimeLimitError(CosyVoiceError):
-    """The request decoded for longer than `limits.max_stream_s`."""
-
-    http_status = 413
 
 
 class UploadTooLargeError(CosyVoiceError):
@@ -132,8 +124,9 @@ def error_response(exc: BaseException, request_id: str) -> JSONResponse:
     status, body = error_payload(exc, request_id)
     error = engine_error(exc)
     headers = None
-    if isinstance(error, ServiceUnavailableError):
-        headers = {"Retry-After": str(max(0, math.ceil(error.retry_after_s)))}
+    if isinstance(error, UnavailableError):  # the engine's (a failed decoder loop) has no retry_after_s of its own
+        retry_after_s = getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S)
+        headers = {"Retry-After": str(max(0, math.ceil(retry_after_s)))}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -462,19 +455,13 @@ class TTSIngress:
         return StreamingResponse(encoded, media_type=fmt.media_type)
 
     async def stream_audio(self, segments: list[EncodedSegment], request_id: str) -> AsyncIterator[np.ndarray]:
-        """Audio chunks of the segments in order, through the decoder's streaming path, within `max_stream_s`."""
+        """Audio chunks of the segments in order, through the decoder's streaming path (which ends the request at
+        its ceilings: `limits.max_stream_s`, `limits.max_audio_s`)."""
         decoder = self.router.handle()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.limits.max_stream_s
         # All sentences in one call: the decoder pipelines them (the next one generates while this one vocodes).
         response = decoder.stream.options(stream=True).remote(segments, request_id)
         try:
             async for chunk in response:
-                if loop.time() > deadline:
-                    raise DecodeTimeLimitError(
-                        f"the request decoded for longer than the limit of {self.limits.max_stream_s:g} s; "
-                        "send a shorter text"
-                    )
                 yield chunk
         except SERVE_UNAVAILABLE as exc:
             raise unavailable_error(exc) from exc
@@ -543,6 +530,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         backpressure_config=backpressure,
         ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.encoder.resources),
     ).bind(args.model, args.encoder.int8, args.limits.max_input_chars, voice_cloning_config(args))
+    decoder_ceilings = {"max_audio_s": args.limits.max_audio_s, "max_request_s": args.limits.max_stream_s}
     decoder_scaling = args.decoder.autoscaling
     gpu_rules = decoder_scaling.scaling_rules() if decoder_scaling else None
     decoder = Decoder.options(
@@ -562,6 +550,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_concurrent_batches=args.decoder.max_concurrent_batches,
         gpu_fraction=args.decoder.num_gpus,
         max_vocode_batch=args.decoder.max_vocode_batch,
+        **decoder_ceilings,
     )
     fallback = args.decoder_cpu
     decoder_cpu = None
@@ -581,6 +570,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             dtype="float32",
             max_batch_size=fallback.max_batch_size,
             batch_wait_timeout_s=fallback.batch_wait_timeout_s,
+            **decoder_ceilings,
         )
     return TTSIngress.options(
         num_replicas=args.ingress.num_replicas,

@@ -135,7 +135,16 @@ class LimitsArgs(_Strict):
     health_timeout_s: float = Field(2.0, gt=0, description="how long /healthz waits for each stage")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
     max_stream_s: float = Field(
-        300.0, gt=0, description="wall-clock seconds one request may spend decoding; past it, it ends in an error"
+        300.0,
+        gt=0,
+        description="wall-clock seconds one decoder call (a stream, or a sentence of a whole request) may take from "
+        "its arrival at the decoder; past it, it ends with 413 and frees its slot",
+    )
+    max_audio_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds of speech one decoder call (a stream, or a sentence of a whole request) may make; past "
+        "it, it ends with 413 and frees its slot (sampling.max_token_text_ratio also bounds it per text length)",
     )
     retry_after_s: float = Field(1.0, ge=0, description="the Retry-After of 503 answers (overload, replica lost)")
     # Voice registration (POST /v1/voices): the uploaded prompt recording and the registry.

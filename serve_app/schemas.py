@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.pipeline import MAX_SPEED, MIN_SPEED
+from engine.sampling import MAX_SEED, MAX_TOKEN_TEXT_RATIO, MAX_TOP_K, MAX_WIN_SIZE
 from serve_app.audio import FORMATS
 
 OPENAI_DEFAULT_FORMAT = "mp3" if "mp3" in FORMATS else "wav"
 
 
 class _Body(BaseModel):
-    # Unknown fields are an error, so a misspelt option never silently does nothing.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are an error, so a misspelt option never silently does nothing; JSON's NaN and Infinity (which
+    # Python's parser takes) are refused by name, as every number out of its bounds is.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+Speed = Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED, description="speaking rate (1.0: as recorded)")]
 
 
 class VoiceRef(_Body):
@@ -28,7 +34,7 @@ class SpeechRequest(_Body):
     voice: str | VoiceRef
     instructions: str | None = None
     response_format: str = OPENAI_DEFAULT_FORMAT
-    speed: float = 1.0
+    speed: Speed = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
 
     @property
@@ -37,15 +43,18 @@ class SpeechRequest(_Body):
 
 
 class SamplingBody(_Body):
-    """Speech-token sampling; unset fields keep the engine defaults (the engine validates the values)."""
+    """Speech-token sampling; unset fields keep the engine defaults. The bounds are the engine's (which checks them
+    again, with the fields' relations such as min <= max ratio)."""
 
     greedy: bool | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    win_size: int | None = None
-    tau_r: float | None = None
-    min_token_text_ratio: float | None = None
-    max_token_text_ratio: float | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
+    win_size: int | None = Field(None, ge=1, le=MAX_WIN_SIZE)
+    tau_r: float | None = Field(None, ge=0, le=1)
+    min_token_text_ratio: float | None = Field(None, ge=0, le=MAX_TOKEN_TEXT_RATIO)
+    max_token_text_ratio: float | None = Field(
+        None, gt=0, le=MAX_TOKEN_TEXT_RATIO, description="speech tokens per text token at most: bounds the length"
+    )
 
 
 class TTSRequest(_Body):
@@ -61,6 +70,6 @@ class TTSRequest(_Body):
     cross_lingual: bool = Field(
         False, description="with a registered voice: keep its timbre but not its transcript (text in another language)"
     )
-    seed: int | None = Field(None, ge=0, description="makes the request reproducible")
-    speed: float = 1.0
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="makes the request reproducible")
+    speed: Speed = 1.0
     sampling: SamplingBody = SamplingBody()

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.batching_bench import measure_batches, measure_first_chunk
 from benchmarks.compare import text_for_audio_seconds
-from benchmarks.engine_bench import fixed_length_segments, run, speech_tokens_for
+from benchmarks.engine_bench import fixed_length_segments, run
 from engine.loader import load_model
 from engine.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
 
@@ -25,7 +25,7 @@ def test_fixed_length_segments_speak_the_asked_seconds(preset: str) -> None:
     tokens = decoder.generate_tokens(segments)
     waves = decoder.decode_batch(segments)
 
-    expected_tokens = speech_tokens_for(model.config, seconds)
+    expected_tokens = model.config.speech_tokens_for(seconds)
     assert [len(t) for t in tokens] == [expected_tokens] * 2  # no stop id ends either before max_len
     sample_rate, token_rate = model.config.sample_rate, model.config.family.cloning.token_rate
     for wave in waves:
@@ -38,7 +38,7 @@ def test_engine_bench_times_each_stage_and_measures_int8_and_weights(preset: str
     result = run(preset, 0.4, threads=1)
 
     model = load_model(preset, components=("decoder",))
-    assert result["speech_tokens"] == speech_tokens_for(model.config, 0.4)
+    assert result["speech_tokens"] == model.config.speech_tokens_for(0.4)
     assert result["audio_seconds"] >= 0.4
     assert all(seconds > 0 for seconds in result["seconds"].values())
     int8 = result["int8_vs_fp32"]
@@ -74,6 +74,6 @@ def test_compare_sizes_the_openai_text_at_the_models_own_token_rate(preset: str)
     frontend, ratio = tts.encoder.model.frontend, 4.0
     text = text_for_audio_seconds(tts, 20.0, ratio)
 
-    wanted = speech_tokens_for(tts.encoder.model.config, 20.0)
+    wanted = tts.encoder.model.config.speech_tokens_for(20.0)
     spoken = ratio * len(frontend.tokenize(frontend.normalize(text)))
     assert wanted <= spoken < wanted + ratio * 8  # reached with the last word (a few text tokens at most)

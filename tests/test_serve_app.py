@@ -350,6 +350,26 @@ def test_bad_input_gets_a_json_error(client: httpx.Client, body: dict[str, Any],
     assert needle in error["message"] and error["type"] == "invalid_request_error"
 
 
+HOSTILE_NUMBERS = [  # raw JSON: Python's parser takes NaN and Infinity, and integers of any length
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": NaN}}', "sampling.min_token_text_ratio"),
+    ("/v1/tts", '{"text": "Hi.", "speed": Infinity}', "speed"),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"win_size": 1' + "0" * 400 + "}}", "sampling.win_size"),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"top_k": 100000}}', "sampling.top_k"),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"max_token_text_ratio": 100000}}', "sampling.max_token_text_ratio"),
+    ("/v1/tts", '{"text": "Hi.", "seed": 1' + "0" * 30 + "}", "seed"),
+    ("/v1/audio/speech", '{"model": "tiny", "input": "Hi.", "voice": "alloy", "speed": -Infinity}', "speed"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "field"), HOSTILE_NUMBERS, ids=[h[2] for h in HOSTILE_NUMBERS])
+def test_non_finite_or_unbounded_numbers_get_a_400_naming_the_field(
+    client: httpx.Client, path: str, raw: str, field: str
+) -> None:
+    response = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert f"{field}:" in response.json()["error"]["message"]
+
+
 def test_malformed_json_gets_a_json_error(client: httpx.Client) -> None:
     for path in ("/v1/tts", "/v1/audio/speech"):
         response = client.post(path, content=b'{"text": "Hi.",', headers={"content-type": "application/json"})
