@@ -12,7 +12,7 @@ from ray import serve
 from engine.errors import CosyVoiceError, InvalidInputError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SynthesisRequest, TextEncoderStage
-from engine.voice_cloning import VoiceCloner, VoicePrompt
+from engine.voice_cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
 from observability import STRUCTURED_LOGGING
 
 if TYPE_CHECKING:
@@ -38,13 +38,12 @@ class VoiceCloningNotConfiguredError(CosyVoiceError):
 
 @dataclass(frozen=True)
 class VoiceCloningConfig:
-    """Where the cloning models and the registered voices are, and the bounds on a prompt recording."""
+    """Where the cloning models and the registered voices are, and what an uploaded prompt recording may be."""
 
     voices_dir: str
     models_dir: str
     max_voices: int
-    min_prompt_audio_s: float
-    max_prompt_audio_s: float
+    prompt_audio: PromptAudioLimits
 
 
 @serve.deployment(name="Encoder", ray_actor_options={"num_gpus": 0}, logging_config=STRUCTURED_LOGGING)
@@ -88,13 +87,8 @@ class Encoder:
         transcript = transcript.strip()
         if not transcript or len(transcript) > self.max_text_chars:
             raise InvalidInputError(f"the transcript must have 1 to {self.max_text_chars} characters")
-        waveform, sample_rate = VoiceCloner.decode_audio(audio)
+        waveform, sample_rate = decode_prompt_audio(audio, self.voice_cloning.prompt_audio)
         duration_s = len(waveform) / sample_rate
-        low, high = self.voice_cloning.min_prompt_audio_s, self.voice_cloning.max_prompt_audio_s
-        if not low <= duration_s <= high:
-            raise InvalidInputError(
-                f"the prompt recording lasts {duration_s:.2f} s; it must last between {low:g} and {high:g} s"
-            )
         prompt = self.cloner.clone(waveform, sample_rate, transcript)
         return self.registry.add(prompt, name, duration_s).as_dict()
 

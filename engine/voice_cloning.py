@@ -6,6 +6,8 @@ consumer's rate, as the official `load_wav` does:
 * 16 kHz -> Whisper log-mel (128 bins) -> the family's speech tokenizer (`speech_tokenizer_v1.onnx`: 50 tokens per
   second, `speech_tokenizer_v2.onnx` and `speech_tokenizer_v3.onnx`: 25) -> speech tokens;
 * model rate -> the Matcha-TTS mel spectrogram the flow was trained on (80 bins) -> prompt mel frames.
+An uploaded recording is checked on its header (sample rate, channels, length) before it is decoded, and only
+rates whose resampling kernels are small are taken (`decode_prompt_audio`, `bounded_resample`).
 A family whose flow upsamples tokens by a fixed ratio (CosyVoice2 and 3: 2) then trims tokens and frames to exactly
 that many frames per token. What differs per family is its `CloningModels` (engine.families); a prompt records the
 family it was made for, and only that family's models take it.
@@ -14,6 +16,7 @@ family it was made for, and only that family's models take it.
 from __future__ import annotations
 
 import io
+import math
 import os
 import tempfile
 import zipfile
@@ -38,6 +41,12 @@ if TYPE_CHECKING:
 MIN_PROMPT_SECONDS = 1.0
 MAX_PROMPT_SECONDS = 30.0  # the official speech tokenizer refuses longer audio
 MIN_SAMPLE_RATE = 16000  # the official loader refuses to upsample to the 16 kHz the tokenizer needs
+# The rates an uploaded recording may have: each resamples to 16 kHz and to every model rate with a small kernel.
+PROMPT_SAMPLE_RATES = (16000, 22050, 24000, 32000, 44100, 48000)
+MAX_PROMPT_CHANNELS = 2
+# torchaudio's sinc resampling kernel holds about (from / g) x (to / g) values for g = gcd(from, to): some 256
+# million (gigabytes with its temporaries) from 16001 to 16000 Hz, 282240 from 32000 to 22050 Hz.
+MAX_RESAMPLE_KERNEL = 1 << 20
 FEATURE_SAMPLE_RATE = 16000  # rate of the embedding and speech-token features
 EMBEDDING_DIM = 192
 MEL_BINS = 80
@@ -158,6 +167,81 @@ def align_prompt(
     [P]."""
     token_count = min(speech_feat.shape[0] // frames_per_token, speech_tokens.shape[0])
     return speech_tokens[:token_count], speech_feat[: frames_per_token * token_count]
+
+
+def bounded_resample(audio: Tensor, from_rate: int, to_rate: int) -> Tensor:
+    """torchaudio's sinc resampling; InvalidInputError where its kernel would exceed MAX_RESAMPLE_KERNEL values."""
+    divisor = math.gcd(from_rate, to_rate)
+    _invalid_unless(
+        (from_rate // divisor) * (to_rate // divisor) <= MAX_RESAMPLE_KERNEL,
+        f"cannot resample the prompt recording from {from_rate} Hz to {to_rate} Hz in bounded memory; "
+        f"send it at one of {_rates_list(PROMPT_SAMPLE_RATES)} Hz",
+    )
+    return AF.resample(audio, from_rate, to_rate)
+
+
+def _rates_list(rates: tuple[int, ...]) -> str:
+    return ", ".join(str(rate) for rate in rates)
+
+
+@dataclass(frozen=True)
+class PromptAudioLimits:
+    """What an uploaded prompt recording may be (`decode_prompt_audio` checks its header before decoding)."""
+
+    min_seconds: float = MIN_PROMPT_SECONDS
+    max_seconds: float = MAX_PROMPT_SECONDS
+    max_channels: int = MAX_PROMPT_CHANNELS
+    sample_rates: tuple[int, ...] = PROMPT_SAMPLE_RATES
+
+    def check_duration(self, seconds: float) -> None:
+        _invalid_unless(
+            self.min_seconds <= seconds <= self.max_seconds,
+            f"the prompt recording lasts {seconds:.2f} s; it must last {self.min_seconds:g} to {self.max_seconds:g} s",
+        )
+
+
+_UNREADABLE_AUDIO = "not a readable audio file; send WAV, FLAC, OGG or MP3"
+_SOUNDFILE_ERRORS = (soundfile.SoundFileError, RuntimeError, TypeError, ValueError)
+_UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's frame count of a file whose header does not give its length
+
+
+def decode_prompt_audio(data: bytes, limits: PromptAudioLimits | None = None) -> tuple[np.ndarray, int]:
+    """An uploaded recording (any format libsndfile reads) -> (its channel mean, float32 [N]; its sample rate).
+
+    The header's sample rate, channel count and length are checked before any audio is decoded, and at most
+    `limits.max_seconds` of it is decoded (a header may not give the length, or understate it): a small file of a
+    long, many-channel or oddly sampled signal is refused instead of being expanded into gigabytes.
+    """
+    limits = limits or PromptAudioLimits()
+    try:
+        sound = soundfile.SoundFile(io.BytesIO(data))
+    except _SOUNDFILE_ERRORS:
+        # libsndfile's message names the in-memory file object, which means nothing to the uploader
+        raise InvalidInputError(_UNREADABLE_AUDIO) from None
+    with sound:
+        rate, channels, frames = sound.samplerate, sound.channels, sound.frames
+        _invalid_unless(
+            rate in limits.sample_rates,
+            f"the prompt recording's sample rate is {rate} Hz; it must be one of {_rates_list(limits.sample_rates)} Hz",
+        )
+        _invalid_unless(
+            channels <= limits.max_channels,
+            f"the prompt recording has {channels} channels; it may have at most {limits.max_channels}",
+        )
+        if frames != _UNKNOWN_FRAMES:
+            limits.check_duration(frames / rate)
+        max_frames = math.floor(limits.max_seconds * rate)
+        try:
+            waveform = sound.read(frames=max_frames + 1, dtype="float32", always_2d=True)
+        except _SOUNDFILE_ERRORS:
+            raise InvalidInputError(_UNREADABLE_AUDIO) from None
+    _invalid_unless(
+        len(waveform) <= max_frames,
+        f"the prompt recording lasts more than {limits.max_seconds:g} s; it must last {limits.min_seconds:g} to "
+        f"{limits.max_seconds:g} s",
+    )
+    limits.check_duration(len(waveform) / rate)  # the decoded length, whatever the header said
+    return np.ascontiguousarray(waveform.mean(axis=1, dtype=np.float32)), rate
 
 
 def _invalid_unless(condition: bool, message: str) -> None:
@@ -363,10 +447,10 @@ class VoiceCloner:
         sample_rate = int(sample_rate)
         with torch.inference_mode():
             audio = torch.from_numpy(mono)
-            audio_16k = AF.resample(audio, sample_rate, FEATURE_SAMPLE_RATE)
+            audio_16k = bounded_resample(audio, sample_rate, FEATURE_SAMPLE_RATE)
             embedding = self._speaker_embedding(audio_16k)
             speech_tokens = self._speech_tokens(audio_16k)
-            model_rate_audio = AF.resample(audio, sample_rate, self.mel_config.sample_rate)
+            model_rate_audio = bounded_resample(audio, sample_rate, self.mel_config.sample_rate)
             speech_feat = self.prompt_mel(model_rate_audio).numpy()
         if self.models.frames_per_token is not None:
             speech_tokens, speech_feat = align_prompt(speech_tokens, speech_feat, self.models.frames_per_token)
@@ -404,16 +488,6 @@ class VoiceCloner:
             )
         return tokens
 
-    @staticmethod
-    def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
-        """An uploaded audio file (any format libsndfile reads) -> (float32 [N] or [N, C], sample rate)."""
-        try:
-            waveform, sample_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
-        except (soundfile.SoundFileError, RuntimeError, TypeError, ValueError):
-            # libsndfile's message names the in-memory file object, which means nothing to the uploader
-            raise InvalidInputError("not a readable audio file; send WAV, FLAC, OGG or MP3") from None
-        return waveform, int(sample_rate)
-
 
 def _mono_waveform(waveform: np.ndarray, sample_rate: int) -> np.ndarray:
     """Checks a recording against the prompt limits; its channel mean as float32 [N]."""
@@ -427,11 +501,7 @@ def _mono_waveform(waveform: np.ndarray, sample_rate: int) -> np.ndarray:
         f"the prompt waveform must be float [samples] or [samples, channels], not {waveform.dtype} {waveform.shape}",
     )
     mono = (waveform.mean(axis=1) if waveform.ndim == 2 else waveform).astype(np.float32)
-    duration = mono.shape[0] / sample_rate
-    _invalid_unless(
-        MIN_PROMPT_SECONDS <= duration <= MAX_PROMPT_SECONDS,
-        f"the prompt recording lasts {duration:.2f} s; it must last {MIN_PROMPT_SECONDS:g} to {MAX_PROMPT_SECONDS:g} s",
-    )
+    PromptAudioLimits().check_duration(mono.shape[0] / sample_rate)
     _invalid_unless(bool(np.isfinite(mono).all()), "the prompt recording contains NaN or infinite samples")
     _invalid_unless(bool(mono.any()), "the prompt recording is silent (all samples are zero)")
     return np.ascontiguousarray(mono)

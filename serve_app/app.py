@@ -35,6 +35,7 @@ from engine.errors import CosyVoiceError, InvalidInputError, UnavailableError, U
 from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
+from engine.voice_cloning import PromptAudioLimits
 from observability import STRUCTURED_LOGGING
 from observability.http import RequestObservability, SynthesisTimer, endpoint_of, request_id_of
 from serve_app.args import AppArgs, LimitsArgs, OpenAIArgs, SecurityArgs
@@ -356,7 +357,10 @@ class TTSIngress:
     @api.post(VOICES_PATH, status_code=201)
     async def register_voice(
         self,
-        file: Annotated[UploadFile, File(description="a 1-30 s recording of the voice (wav, flac, ogg, mp3)")],
+        file: Annotated[UploadFile, File(
+                description="a 1-30 s mono or stereo recording of the voice at 16, 22.05, 24, 32, 44.1 or 48 kHz "
+                "(wav, flac, ogg, mp3)"
+            ),],
         transcript: Annotated[str, Form(description="what the recording says")],
         name: Annotated[str | None, Form(description="a display name")] = None,
     ) -> dict[str, Any]:
@@ -497,8 +501,12 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
         voices_dir=str(Path(args.voices_dir).resolve()),
         models_dir=str(models_dir.resolve()),
         max_voices=args.limits.max_voices,
-        min_prompt_audio_s=args.limits.min_prompt_audio_s,
-        max_prompt_audio_s=args.limits.max_prompt_audio_s,
+        prompt_audio=PromptAudioLimits(
+            min_seconds=args.limits.min_prompt_audio_s,
+            max_seconds=args.limits.max_prompt_audio_s,
+            max_channels=args.limits.max_prompt_audio_channels,
+            sample_rates=args.limits.prompt_audio_sample_rates,
+        ),
     )
 
 

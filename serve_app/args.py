@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from autoscaling.policy import ScalingRules, decoder_autoscaling_config
 from engine.loader import PRESET_VOICE_MODELS, PRESETS
+from engine.voice_cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
 
 
 class _Strict(BaseModel):
@@ -151,9 +152,32 @@ class LimitsArgs(_Strict):
     max_prompt_audio_bytes: int = Field(
         10 << 20, ge=1, description="larger voice uploads are rejected with 413, before decoding"
     )
-    max_prompt_audio_s: float = Field(30.0, gt=0, description="longer prompt recordings are rejected with 400")
+    max_prompt_audio_s: float = Field(
+        MAX_PROMPT_SECONDS,
+        gt=0,
+        le=MAX_PROMPT_SECONDS,
+        description="longer prompt recordings are rejected with 400 (at most 30 s: the speech tokenizer's limit)",
+    )
     min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
+    max_prompt_audio_channels: int = Field(
+        MAX_PROMPT_CHANNELS, ge=1, description="prompt recordings with more channels are rejected with 400"
+    )
+    prompt_audio_sample_rates: tuple[int, ...] = Field(
+        PROMPT_SAMPLE_RATES,
+        min_length=1,
+        description="the sample rates (Hz) a prompt recording may have, others are rejected with 400; some of "
+        f"{', '.join(map(str, PROMPT_SAMPLE_RATES))} (each resamples to the models' rates in bounded memory)",
+    )
     max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")
+
+    @model_validator(mode="after")
+    def _prompt_rates_are_supported(self) -> LimitsArgs:
+        unsupported = sorted(set(self.prompt_audio_sample_rates) - set(PROMPT_SAMPLE_RATES))
+        if unsupported:
+            raise ValueError(
+                f"prompt_audio_sample_rates: {unsupported} Hz not supported; choose from {list(PROMPT_SAMPLE_RATES)}"
+            )
+        return self
 
 
 class IngressArgs(_Strict):

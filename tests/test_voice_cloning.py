@@ -22,6 +22,7 @@ from engine.voice_cloning import (
     VoicePrompt,
     WhisperLogMel,
     align_prompt,
+    decode_prompt_audio,
 )
 
 MODEL_RATES = {1: 22050, 2: 24000, 3: 24000}
@@ -321,19 +322,20 @@ def test_decode_audio_of_wav_and_flac() -> None:
     wave = voice(150.0, seconds=1.0, sample_rate=22050)
     buffer = io.BytesIO()
     soundfile.write(buffer, wave, 22050, format="WAV", subtype="PCM_16")
-    decoded, rate = VoiceCloner.decode_audio(buffer.getvalue())
+    decoded, rate = decode_prompt_audio(buffer.getvalue())
     assert rate == 22050 and decoded.dtype == np.float32 and decoded.shape == wave.shape
     np.testing.assert_allclose(decoded, wave, atol=1.0 / 32768)
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.stack([wave, -wave], axis=1), 22050, format="FLAC")
-    decoded, rate = VoiceCloner.decode_audio(buffer.getvalue())
-    assert rate == 22050 and decoded.shape == (len(wave), 2)
+    soundfile.write(buffer, np.stack([wave, 0.5 * wave], axis=1), 22050, format="FLAC")
+    decoded, rate = decode_prompt_audio(buffer.getvalue())  # the channels' mean
+    assert rate == 22050 and decoded.shape == wave.shape
+    np.testing.assert_allclose(decoded, 0.75 * wave, atol=1.0 / 32768)
 
 
 @pytest.mark.parametrize("data", [b"", b"RIFF\x00\x00garbage that is not audio at all"])
 def test_decode_audio_rejects_garbage(data: bytes) -> None:
     with pytest.raises(InvalidInputError, match=r"^not a readable audio file"):
-        VoiceCloner.decode_audio(data)
+        decode_prompt_audio(data)
 
 
 def test_model_file_errors(tmp_path: Path, model_dirs: dict[int, Path]) -> None:

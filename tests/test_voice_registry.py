@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+from audio_files import constant_flac
 from ray import serve
 from serve_testing import running_app
 
@@ -171,11 +173,11 @@ MAX_PROMPT_AUDIO_S = 6.0
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights rarely stop by themselves
 
 
-def wav_bytes(seconds: float, sample_rate: int = 16000) -> bytes:
+def wav_bytes(seconds: float, sample_rate: int = 16000, channels: int = 1) -> bytes:
     t = np.arange(int(seconds * sample_rate)) / sample_rate
     audio = 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
     buffer = io.BytesIO()
-    sf.write(buffer, audio.astype(np.float32), sample_rate, format="WAV", subtype="PCM_16")
+    sf.write(buffer, np.repeat(audio[:, None], channels, axis=1), sample_rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()
 
 
@@ -269,6 +271,10 @@ BAD_UPLOADS = [
     ("too short", wav_bytes(0.3), "Hello.", 400, "lasts 0.30 s"),
     ("too long", wav_bytes(MAX_PROMPT_AUDIO_S + 1), "Hello.", 400, "lasts 7.00 s"),
     ("too big, checked before decoding", b"\0" * (MAX_PROMPT_AUDIO_BYTES + 1), "Hello.", 413, "larger than"),
+    ("an odd sample rate", wav_bytes(2.0, 16001), "Hello.", 400, "sample rate is 16001 Hz; it must be one of"),
+    ("too many channels", wav_bytes(2.0, channels=3), "Hello.", 400, "has 3 channels; it may have at most 2"),
+    ("a FLAC bomb: long", constant_flac(600.0, channels=2), "Hello.", 400, "lasts 600.00 s; it must last 1 to 6 s"),
+    ("a FLAC bomb: 8 channels", constant_flac(600.0, channels=8), "Hello.", 400, "has 8 channels"),
     ("empty transcript", wav_bytes(2.0), "   ", 400, "transcript"),
     ("no transcript", wav_bytes(2.0), None, 400, "transcript"),
 ]
@@ -280,9 +286,17 @@ BAD_UPLOADS = [
 def test_bad_uploads_get_a_json_error(
     client: httpx.Client, audio: bytes, transcript: str | None, status: int, needle: str
 ) -> None:
-    before = registered_ids(client)
+    before, start = registered_ids(client), time.monotonic()
     assert_error(upload(client, audio, transcript), status, needle)
+    assert time.monotonic() - start < 5.0, "refused before decoding: in milliseconds, given 5 s on a busy machine"
     assert registered_ids(client) == before
+
+
+def test_a_stereo_44100_hz_upload_is_registered(client: httpx.Client) -> None:
+    response = upload(client, wav_bytes(1.5, 44100, channels=2))  # 265 KB, under this app's 300 KB limit
+    assert response.status_code == 201, response.text
+    assert response.json()["duration_s"] == pytest.approx(1.5, abs=0.01)
+    assert client.delete(f"/v1/voices/{response.json()['id']}").status_code == 200
 
 
 def test_bad_name_and_unknown_ids(client: httpx.Client) -> None:
