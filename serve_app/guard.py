@@ -176,10 +176,12 @@ def serving_warnings(security: SecurityArgs, bound_host: str | None, has_keys: b
     """What is unsafe in how the server runs: serving beyond loopback without API keys."""
     if has_keys or bound_host is None or is_loopback(bound_host):
         return ()
-    where = f"security.api_keys or the {security.api_keys_env} environment variable of the ingress replicas"
+    fix = "security.api_keys"
+    if security.api_keys_env:
+        fix += f" or the {security.api_keys_env} environment variable of the ingress replicas"
     return (
         f"serving HTTP on {bound_host}, beyond loopback, without API keys: anyone who can reach the port can "
-        f"synthesize and register or delete voices; set {where if security.api_keys_env else 'security.api_keys'}",
+        f"synthesize and register or delete voices; set {fix}",
     )
 
 
