@@ -40,7 +40,16 @@ from observability import STRUCTURED_LOGGING
 from observability.http import RequestObservability, SynthesisTimer, endpoint_of, request_id_of
 from serve_app.args import AppArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.audio import FORMATS, StreamEncoder, audio_format, encode_audio, stream_encoder
-from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
+from serve_app.guard import (
+    BodyTimeouts,
+    GuardSettings,
+    RequestGuard,
+    browser_rules,
+    check_voice_name,
+    configure_guard,
+    load_api_keys,
+    serving_warnings,
+)
 from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.schemas import SpeechRequest, TTSRequest
 from serve_app.voice_registry import is_voice_id
@@ -255,6 +264,18 @@ def check_streams(info: dict[str, Any], speed: float) -> None:
         )
 
 
+def serve_http_host() -> str | None:
+    """The host Serve's HTTP proxies bind (`http_options.host`), from the controller; None where it is unknown."""
+    try:
+        # Ray 2.60 has no public getter for it; serve.status() goes through the same client.
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception as exc:
+        logger.warning("could not read Serve's HTTP host (%s): Host checks accept the loopback names only", exc)
+        return None
+
+
 @serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)
 @serve.ingress(api)
 class TTSIngress:
@@ -277,8 +298,20 @@ class TTSIngress:
         self.limits = limits
         self._info: dict[str, Any] | None = None
         upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
+        security = security or SecurityArgs()
+        keys = load_api_keys(security)
+        bound_host = serve_http_host()
+        self.serving_warnings = serving_warnings(security, bound_host, bool(keys))
+        for warning in self.serving_warnings:
+            logger.warning(warning)
         configure_guard(
-            GuardSettings(load_api_keys(security or SecurityArgs()), limits.max_body_bytes, {VOICES_PATH: upload_limit})
+            GuardSettings(
+                keys,
+                limits.max_body_bytes,
+                {VOICES_PATH: upload_limit},
+                body_timeouts=BodyTimeouts(limits.body_read_timeout_s, limits.body_read_deadline_s),
+                browser=browser_rules(security, bound_host, bool(keys)),
+            )
         )
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
         self.router = DecoderRouter(decoders, routing_poll_s, gpu_rules)
@@ -311,7 +344,8 @@ class TTSIngress:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        """200 once the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503.
+        """200 once the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503;
+        `warnings` says what is unsafe in how the server runs (e.g. beyond loopback without API keys).
 
         Answered from the router's polled view (at most `poll_interval_s` old), not a controller call per probe;
         a view that says "not ready" is re-read first, at most every `HEALTH_REREAD_S` (it may predate the start).
@@ -328,6 +362,7 @@ class TTSIngress:
             "status": "ok" if ready else "unavailable",
             "running_replicas": self.router.running,
             "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
+            "warnings": list(self.serving_warnings),  # e.g. serving beyond loopback without API keys
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -135,6 +135,15 @@ class LimitsArgs(_Strict):
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
     health_timeout_s: float = Field(2.0, gt=0, description="how long /healthz waits for each stage")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
+    body_read_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the longest wait for the next piece of a request body; a client that stalls longer gets 408 "
+        "and its connection is closed, freeing its ingress slot",
+    )
+    body_read_deadline_s: float = Field(
+        120.0, gt=0, description="the whole body must arrive within this (a client that trickles it in gets 408 too)"
+    )
     max_stream_s: float = Field(
         300.0,
         gt=0,
@@ -213,6 +222,16 @@ class SecurityArgs(_Strict):
     )
     allowed_model_roots: tuple[str, ...] | None = Field(
         None, description="directories a model dir must lie in (symlinks resolved); None: any path without '..'"
+    )
+    allowed_hosts: tuple[str, ...] | None = Field(
+        None,
+        description="Host header names (without port) the server answers, '*' for any; others get 421 (DNS "
+        "rebinding). None: without API keys localhost, 127.0.0.1, [::1] and the HTTP host Serve binds; with keys any",
+    )
+    allowed_origins: tuple[str, ...] = Field(
+        (),
+        description="browser origins (scheme://host[:port]) besides the server's own that may POST or DELETE on a "
+        "server without API keys, '*' for any; other cross-origin writes get 403 (cross-site request forgery)",
     )
 
 

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,24 @@ def with_default_voices_dir(args: dict[str, Any]) -> dict[str, Any]:
     return {**args, "voices_dir": str(default_voices_dir(args.get("model", "tiny")))}
 
 
+def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """What is unsafe in how `run` is about to serve: Ray's token auth turned off, HTTP beyond loopback without
+    API keys (the replicas of this local cluster read the keys from this same environment)."""
+    from serve_app.args import AppArgs
+    from serve_app.guard import load_api_keys, serving_warnings
+
+    warnings = []
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        warnings.append(
+            "RAY_AUTH_MODE=disabled: Ray's own ports (GCS, raylet, workers) listen on every interface without "
+            "authentication, so anyone who can reach this machine can run code in it; unset it to keep Ray's token "
+            "auth on"
+        )
+    security = AppArgs.model_validate(args).security
+    warnings += serving_warnings(security, host, bool(load_api_keys(security, dict(environ))))
+    return warnings
+
+
 def run(options: argparse.Namespace) -> int:
     # Imported here so that `say` stays light.
     import ray
@@ -76,8 +95,11 @@ def run(options: argparse.Namespace) -> int:
     args = with_default_voices_dir(args)
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
-    ray.init(address="local", include_dashboard=False)  # our own Ray, not a cluster another process started
+    for warning in startup_warnings(args, host):
+        print(f"warning: {warning}", file=sys.stderr)
+    # Our own Ray, not a cluster another process started. Its ports listen on every interface whatever the node
+    # address (Ray 2.60), so its token auth stays on: a new local cluster gets a token (~/.ray/auth_token).
+    ray.init(address="local", include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(
         build_app(args), name=application.get("name", "cosyvoice"), route_prefix=application.get("route_prefix", "/")

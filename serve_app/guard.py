@@ -1,4 +1,5 @@
-"""Request checks in front of the HTTP API: bearer API keys, the request body size, safe voice names.
+"""Request checks in front of the HTTP API: bearer API keys, the request body size and read time, the Host and
+Origin of browser requests, safe voice names.
 
 `RequestGuard` is a plain ASGI middleware on the ingress's FastAPI app. The app object is frozen into the
 deployment when the module is imported, so its settings cannot be passed at construction: each ingress
@@ -7,7 +8,9 @@ replica (one per process) installs them with `configure_guard` from its `__init_
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -34,12 +37,162 @@ OPEN_PREFIXES = ("/static/",)
 MAX_VOICE_NAME_CHARS = 128
 
 
+class BodyReadTimeoutError(Exception):
+    """The client stopped sending its request body (answered 408, and the connection is closed)."""
+
+
+@dataclass(frozen=True)
+class BodyTimeouts:
+    """How long the guard waits for a request body: a client that stalls must not hold an ingress slot."""
+
+    idle_s: float = 10.0  # the longest wait for the next piece
+    total_s: float = 120.0  # the whole body
+
+    def bound(self, receive: Receive) -> Receive:
+        """`receive` that raises BodyReadTimeoutError past either limit (the clock starts now)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.total_s
+
+        async def timed() -> Message:
+            wait_s = min(self.idle_s, deadline - loop.time())
+            try:
+                return await asyncio.wait_for(receive(), max(wait_s, 0.0))
+            except asyncio.TimeoutError:  # on Python 3.10 not the built-in TimeoutError
+                raise BodyReadTimeoutError(
+                    f"the request body did not arrive in time (a pause over {self.idle_s:g} s, or over "
+                    f"{self.total_s:g} s in all)"
+                ) from None
+
+        return timed
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "[::]"})
+ANY = "*"
+# Methods a cross-site form or fetch can send that change something here (GET and HEAD only read).
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def normalized_host(host: str) -> str:
+    """A host as a Host header spells it: lowercase, no trailing dot, an IPv6 address in brackets."""
+    host = host.strip().lower().rstrip(".")
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def host_of(authority: str) -> str:
+    """The host of a Host header value: 'example.com:8000' -> 'example.com', '[::1]:8000' -> '[::1]'."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):
+        return authority.partition("]")[0] + "]"
+    return authority.partition(":")[0].rstrip(".")
+
+
+def is_loopback(host: str) -> bool:
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def without_default_port(authority: str, scheme: str | None = None) -> str:
+    """`authority` lowercase, without the default port of `scheme` (of either http or https when None)."""
+    authority = authority.strip().lower()
+    ports = {"http": (":80",), "https": (":443",)}.get(scheme or "", (":80", ":443"))
+    for port in ports:
+        if authority.endswith(port):
+            return authority.removesuffix(port)
+    return authority
+
+
+def origin_authority(origin: str) -> str | None:
+    """'https://Example.com:443' -> 'example.com'; None for an opaque ('null') or malformed origin."""
+    scheme, separator, authority = origin.strip().lower().partition("://")
+    if not separator or not authority or "/" in authority:
+        return None
+    return without_default_port(authority, scheme)
+
+
+def header(headers: list[tuple[bytes, bytes]], wanted: bytes) -> str | None:
+    for name, value in headers:
+        if name.lower() == wanted:
+            return value.decode("latin-1")
+    return None
+
+
+@dataclass(frozen=True)
+class BrowserRules:
+    """Defences of a server without API keys against web pages in the user's browser: an unknown Host (DNS
+    rebinding: another site's name resolved to this server) gets 421, a write from another origin (cross-site
+    request forgery) 403. Clients that are not browsers send no Origin and a Host that names the server."""
+
+    allowed_hosts: frozenset[str] | None = None  # None: any
+    allowed_origins: frozenset[str] | None = None  # cross-origin writes from these; None: any (no check)
+
+    def refusal(self, method: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, str, str] | None:
+        """(status, message, code) for a request these rules refuse, None for one they let through."""
+        host_header = header(headers, b"host")
+        if self.allowed_hosts is not None and host_header is not None:
+            host = host_of(host_header)
+            if host not in self.allowed_hosts:
+                allowed = ", ".join(sorted(self.allowed_hosts))
+                return 421, f"unknown host {host!r}: this server answers {allowed} (security.allowed_hosts)", "bad_host"
+        origin = header(headers, b"origin")
+        if self.allowed_origins is None or origin is None or method.upper() not in WRITE_METHODS:
+            return None
+        same_origin = host_header is not None and origin_authority(origin) == without_default_port(host_header)
+        if same_origin or origin.strip().lower().rstrip("/") in self.allowed_origins:
+            return None
+        return (
+            403,
+            f"cross-origin {method.upper()} from {origin!r} refused: a server without API keys takes writes from "
+            "its own pages and from clients that send no Origin (set security.api_keys, or list the origin in "
+            "security.allowed_origins)",
+            "cross_origin_refused",
+        )
+
+
+def browser_rules(security: SecurityArgs, bound_host: str | None, has_keys: bool) -> BrowserRules:
+    """The rules of `security` for a server whose HTTP proxy binds `bound_host` (None: unknown). With API keys no
+    page can act for the user (it cannot read the key), so the defaults check nothing; without keys they accept
+    the loopback names and the bound host, and writes from the server's own origin."""
+    if security.allowed_hosts is not None:
+        hosts = None if ANY in security.allowed_hosts else frozenset(map(normalized_host, security.allowed_hosts))
+    elif has_keys:
+        hosts = None
+    else:
+        bound = normalized_host(bound_host or "")
+        hosts = LOOPBACK_HOSTS | ({bound} if bound not in WILDCARD_HOSTS else set())
+    if has_keys or ANY in security.allowed_origins:
+        origins = None
+    else:
+        origins = frozenset(origin.strip().lower().rstrip("/") for origin in security.allowed_origins)
+    return BrowserRules(hosts, origins)
+
+
+def serving_warnings(security: SecurityArgs, bound_host: str | None, has_keys: bool) -> tuple[str, ...]:
+    """What is unsafe in how the server runs: serving beyond loopback without API keys."""
+    if has_keys or bound_host is None or is_loopback(bound_host):
+        return ()
+    fix = "security.api_keys"
+    if security.api_keys_env:
+        fix += f" or the {security.api_keys_env} environment variable of the ingress replicas"
+    return (
+        f"serving HTTP on {bound_host}, beyond loopback, without API keys: anyone who can reach the port can "
+        f"synthesize and register or delete voices; set {fix}",
+    )
+
+
 @dataclass(frozen=True)
 class GuardSettings:
     api_keys: tuple[bytes, ...]  # empty: no authentication
     max_body_bytes: int
     # Paths whose bodies may be larger than `max_body_bytes` (uploads), and their own limit.
     body_limits_by_path: Mapping[str, int] = field(default_factory=dict)
+    body_timeouts: BodyTimeouts = BodyTimeouts()
+    browser: BrowserRules = BrowserRules()
 
     def body_limit(self, path: str) -> int:
         return self.body_limits_by_path.get(path, self.max_body_bytes)
@@ -103,8 +256,9 @@ def check_voice_name(voice: str) -> None:
 
 
 class RequestGuard:
-    """401 without a valid bearer key (when keys are configured; /healthz and the page are open), 413 for a body
-    over the limit."""
+    """421 for an unknown Host and 403 for a cross-origin write (`BrowserRules`), 401 without a valid bearer key
+    (when keys are configured; /healthz and the page are open), 413 for a body over the limit, 408 for one that
+    does not arrive in time."""
 
     def __init__(self, app: ASGIApp, error_body: ErrorBody) -> None:
         self.app = app
@@ -118,6 +272,11 @@ class RequestGuard:
         headers = scope.get("headers", [])
         # The app's own path: under a Serve route prefix, `path` starts with it (it is also the `root_path`).
         path = scope["path"].removeprefix(scope.get("root_path", ""))
+        refusal = settings.browser.refusal(scope["method"], headers)
+        if refusal is not None:
+            logger.warning("rejected %s %s: %s", scope["method"], scope["path"], refusal[2])
+            await self.reply(send, *refusal)
+            return
         if settings.api_keys and not is_open(path) and not key_is_valid(bearer_token(headers), settings.api_keys):
             logger.warning("rejected %s %s: missing or invalid API key", scope["method"], scope["path"])
             await self.reply(
@@ -125,7 +284,12 @@ class RequestGuard:
             )
             return
         limit = settings.body_limit(path)
-        body = await read_body_within(receive, headers, limit)
+        try:
+            body = await read_body_within(settings.body_timeouts.bound(receive), headers, limit)
+        except BodyReadTimeoutError as exc:
+            logger.warning("rejected %s %s: the body stalled", scope["method"], scope["path"])
+            await self.reply(send, 408, str(exc), "body_read_timeout")
+            return
         if body is None:
             await self.reply(send, 413, f"the request body is larger than {limit} bytes", "body_too_large")
             return
@@ -136,6 +300,8 @@ class RequestGuard:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
+        if status == 408:  # the rest of the body may still come: the connection cannot carry another request
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 

@@ -35,8 +35,9 @@ def wait_until_healthy(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> Non
 
 
 @contextmanager
-def running_app(app_args: dict[str, Any], app_name: str, **ray_options: Any) -> Iterator[str]:
-    """`build_app(app_args)` served at route "/" on a 2-CPU Ray; yields the base URL, shuts both down after."""
+def running_app(app_args: dict[str, Any], app_name: str, host: str = "127.0.0.1", **ray_options: Any) -> Iterator[str]:
+    """`build_app(app_args)` served at route "/" on a 2-CPU Ray, HTTP on `host` (a loopback address); yields the
+    base URL, shuts both down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a new local Ray would otherwise want a token
     # address="local": a new Ray of our own, even while another process runs a cluster on this machine.
     ray.init(
@@ -49,9 +50,9 @@ def running_app(app_args: dict[str, Any], app_name: str, **ray_options: Any) -> 
     )
     try:
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(app_args), name=app_name, route_prefix="/")
-        base_url = f"http://127.0.0.1:{port}"
+        base_url = f"http://{host}:{port}"
         wait_until_healthy(base_url)
         yield base_url
     finally:

@@ -263,7 +263,7 @@ def test_healthz_answers_from_the_polled_view_and_rereads_only_when_not_ready(mo
     async def probes() -> list[int]:
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)  # no poll during the probes
         await router.refresh("app")
-        ingress = SimpleNamespace(router=router)
+        ingress = SimpleNamespace(router=router, serving_warnings=())
         router.polled_at -= 1.0  # older than HEALTH_REREAD_S
         return [(await healthz(ingress)).status_code for _ in range(5)]
 
