@@ -22,7 +22,7 @@ from engine.flow import FlowRequest
 from engine.frontend import ENDOFPROMPT
 from engine.llm import GenerationRequest, SilentRunFilter
 from engine.loader import LoadedModel, load_model
-from engine.sampling import SamplingOptions
+from engine.sampling import MAX_SEED, SamplingOptions
 from engine.streaming import DecodeStream
 
 if TYPE_CHECKING:
@@ -153,7 +153,8 @@ class TextEncoderStage:
                 llm_prompt_speech_tokens=voice.llm_prompt_speech_tokens,
                 flow_prompt_speech_tokens=voice.flow_prompt_speech_tokens,
                 prompt_feat=voice.prompt_feat,
-                sampling=replace(request.sampling, seed=request.sampling.seed + index),
+                # each sentence its own draws; wrapped, so the largest seed stays a valid one
+                sampling=replace(request.sampling, seed=(request.sampling.seed + index) % (MAX_SEED + 1)),
                 speed=request.speed,
                 segment_index=index,
                 num_segments=len(texts),

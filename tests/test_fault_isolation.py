@@ -18,7 +18,7 @@ import engine.llm
 import engine.scheduler
 from engine.errors import DecodeLimitError, InvalidInputError, RequestFailedError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
-from engine.sampling import SamplingOptions
+from engine.sampling import MAX_SEED, SamplingOptions
 from engine.scheduler import Output, Scheduler
 
 POISON_SEED = 666  # the request the fault is injected into
@@ -228,3 +228,12 @@ def test_a_request_past_its_deadline_ends_with_413_queued_or_live(
     while scheduler.has_work:
         scheduler.step()
     assert scheduler.stats.over_limit == 2 and scheduler.live == 0 and scheduler.llm.active == 0
+
+
+def test_the_largest_seed_is_valid_for_every_sentence_of_a_request(tts: CosyVoice) -> None:
+    sampling = SamplingOptions(seed=MAX_SEED, max_token_text_ratio=2.0)
+    text = "This is a much longer request that keeps the decoder busy for a while. " * 8
+    segments = tts.encoder.encode(SynthesisRequest(text, tts.voices[0], sampling=sampling))
+    assert [s.sampling.seed for s in segments[:2]] == [MAX_SEED, 0]
+    scheduler = Scheduler(tts.decoder, max_live=2)
+    scheduler.submit(segments, streaming=True, sink=Collected())  # the decoder's own check takes both
