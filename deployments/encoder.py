@@ -43,6 +43,7 @@ class VoiceCloningConfig:
     voices_dir: str
     models_dir: str
     max_voices: int
+    max_voices_per_key: int | None
     min_prompt_audio_s: float
     max_prompt_audio_s: float
 
@@ -67,7 +68,9 @@ class Encoder:
             self.cloner = VoiceCloner.from_model_dir(
                 Path(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size
             )
-            self.registry = VoiceRegistry(Path(voice_cloning.voices_dir), voice_cloning.max_voices)
+            self.registry = VoiceRegistry(
+                Path(voice_cloning.voices_dir), voice_cloning.max_voices, voice_cloning.max_voices_per_key
+            )
 
     def encode(self, request: SynthesisRequest, request_id: str, caller: Caller) -> list[EncodedSegment]:
         """One encoded segment per sentence, in order (engine errors propagate to the caller); a registered voice

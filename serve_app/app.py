@@ -531,6 +531,7 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
         voices_dir=str(Path(args.voices_dir).resolve()),
         models_dir=str(models_dir.resolve()),
         max_voices=args.limits.max_voices,
+        max_voices_per_key=args.limits.max_voices_per_key,
         min_prompt_audio_s=args.limits.min_prompt_audio_s,
         max_prompt_audio_s=args.limits.max_prompt_audio_s,
     )

@@ -145,6 +145,12 @@ class LimitsArgs(_Strict):
     max_prompt_audio_s: float = Field(30.0, gt=0, description="longer prompt recordings are rejected with 400")
     min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
     max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")
+    max_voices_per_key: int | None = Field(
+        20,
+        ge=1,
+        description="with API keys on, registered voices one key may own (shared ones count for none); past it, "
+        "registering answers 409; None: only max_voices",
+    )
     max_concurrent_requests_per_key: int | None = Field(
         8,
         ge=1,

@@ -35,6 +35,7 @@ logger = logging.getLogger("ray.serve")
 VOICE_ID_PATTERN = re.compile(r"voice_[0-9a-f]{12}")
 MAX_VOICE_DISPLAY_NAME_CHARS = 64
 DEFAULT_MAX_VOICES = 100
+DEFAULT_MAX_VOICES_PER_KEY = 20
 
 
 class VoiceRegistryFullError(CosyVoiceError):
@@ -118,12 +119,19 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
 
 
 class VoiceRegistry:
-    """Voice id -> `VoicePrompt`, persisted under `directory`, at most `max_voices` of them."""
+    """Voice id -> `VoicePrompt`, persisted under `directory`, at most `max_voices` of them and `max_voices_per_key`
+    of one key's (None: no bound per key; shared voices count only towards `max_voices`)."""
 
-    def __init__(self, directory: Path, max_voices: int = DEFAULT_MAX_VOICES) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        max_voices: int = DEFAULT_MAX_VOICES,
+        max_voices_per_key: int | None = DEFAULT_MAX_VOICES_PER_KEY,
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_voices = max_voices
+        self.max_voices_per_key = max_voices_per_key
         self._prompts: dict[str, VoicePrompt] = {}
         self._owners: dict[str, str | None] = {}  # an id's owner never changes (ids are never reused)
 
@@ -170,7 +178,7 @@ class VoiceRegistry:
         self, prompt: VoicePrompt, name: str | None, duration_s: float, caller: Caller, shared: bool = False
     ) -> VoiceRecord:
         """Store `prompt` under a new id, owned by `caller` (or by nobody: `shared`, an admin's choice);
-        VoiceRegistryFullError when `max_voices` are registered."""
+        VoiceRegistryFullError when `max_voices` are registered, or `max_voices_per_key` of the owner's."""
         if shared and not caller.admin:
             raise VoiceForbiddenError("only an admin key may register a shared voice")
         voice_id = f"voice_{secrets.token_hex(6)}"
@@ -183,10 +191,19 @@ class VoiceRegistry:
             owner=None if shared else caller.owner,
         )
         with self._exclusive():
-            if len(self._voice_ids()) >= self.max_voices:
+            voice_ids = self._voice_ids()
+            if len(voice_ids) >= self.max_voices:
                 raise VoiceRegistryFullError(
                     f"the voice registry is full ({self.max_voices} voices); delete one (DELETE /v1/voices/<id>) first"
                 )
+            if record.owner is not None and self.max_voices_per_key is not None:
+                records = (self._read_record(voice_id) for voice_id in voice_ids)
+                owned = sum(1 for existing in records if existing is not None and existing.owner == record.owner)
+                if owned >= self.max_voices_per_key:
+                    raise VoiceRegistryFullError(
+                        f"this API key has registered {owned} voices, the limit; delete one (DELETE /v1/voices/<id>) "
+                        "first"
+                    )
             write_atomically(self._prompt_path(voice_id), prompt.save)
             write_atomically(self._record_path(voice_id), lambda path: path.write_text(json.dumps(record.as_dict())))
         self._prompts[voice_id] = prompt

@@ -33,6 +33,7 @@ ALICE = "alice-key-5c1f0e27b9d34a68"
 BOB = "bob-key-9e3d41a7c2b85f06"
 ADMIN = "admin-key-1b7e93c05f2d48a6"
 LIMIT = 2
+VOICES_PER_KEY = 2
 RETRY_AFTER_S = 3
 
 
@@ -219,7 +220,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         "encoder": {"num_cpus": 0.1},
         "decoder": {"num_cpus": 0.3},
         "voices_dir": str(voices_dir),  # the cloning models: those the tiny preset ships
-        "limits": {"max_concurrent_requests_per_key": LIMIT, "retry_after_s": RETRY_AFTER_S},
+        "limits": {
+            "max_concurrent_requests_per_key": LIMIT,
+            "retry_after_s": RETRY_AFTER_S,
+            "max_voices_per_key": VOICES_PER_KEY,
+        },
         "security": {"api_keys": [ALICE, BOB], "admin_keys": [ADMIN]},
     }
     with running_app(args, "tenancy") as url:
@@ -311,6 +316,22 @@ def test_shared_voices_are_everyones_and_only_admins_delete_them(
         assert_error(client.delete(f"/v1/voices/{voice}"), 403, "only an admin key may delete it")
     assert admin.delete(f"/v1/voices/{voice}").status_code == 200
     assert voice not in registered_ids(alice)
+
+
+def test_one_key_cannot_fill_the_registry(clients: dict[str, httpx.Client]) -> None:
+    alice, bob = clients["alice"], clients["bob"]
+    added: dict[str, list[str]] = {"alice": [], "bob": []}
+    for _ in range(VOICES_PER_KEY):
+        response = upload(alice)
+        assert response.status_code == 201, response.text
+        added["alice"].append(response.json()["id"])
+    assert_error(upload(alice), 409, f"this API key has registered {VOICES_PER_KEY} voices")
+    response = upload(bob)
+    assert response.status_code == 201, response.text
+    added["bob"].append(response.json()["id"])
+    for name, voices in added.items():
+        for voice in voices:
+            assert clients[name].delete(f"/v1/voices/{voice}").status_code == 200
 
 
 def test_a_key_over_its_limit_gets_429_and_every_slot_comes_back(clients: dict[str, httpx.Client]) -> None:

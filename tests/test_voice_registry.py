@@ -230,6 +230,21 @@ def test_shared_voices_old_records_and_keys_off(tmp_path: Path) -> None:
     assert restarted.records(EVERYONE) == [owned] and restarted.delete(owned.id, EVERYONE)
 
 
+def test_cap_on_the_voices_of_one_key(tmp_path: Path) -> None:
+    registry = VoiceRegistry(tmp_path, max_voices=10, max_voices_per_key=2)
+    first, _ = (registry.add(make_prompt(seed), None, duration_s=1.0, caller=ALICE) for seed in range(2))
+    with pytest.raises(VoiceRegistryFullError, match="this API key has registered 2 voices") as full:
+        registry.add(make_prompt(2), None, duration_s=1.0, caller=ALICE)
+    assert full.value.http_status == 409
+    # Other keys, shared voices and voices made with keys off are not bounded by Alice's.
+    registry.add(make_prompt(3), None, duration_s=1.0, caller=BOB)
+    registry.add(make_prompt(4), None, duration_s=1.0, caller=ADMIN, shared=True)
+    registry.add(make_prompt(5), None, duration_s=1.0, caller=EVERYONE)
+    assert registry.delete(first.id, ALICE)
+    registry.add(make_prompt(6), None, duration_s=1.0, caller=ALICE)
+    assert len(registry.records(ADMIN)) == 5
+
+
 # --- over HTTP, on a real Serve app ---------------------------------------------------------------------
 
 MAX_PROMPT_AUDIO_BYTES = 300_000
