@@ -71,7 +71,8 @@ EVERYONE = Caller(owner=None, admin=True)
 
 @dataclass(frozen=True)
 class VoiceRecord:
-    """What the API shows of a registered voice (its prompt arrays stay on the encoder side)."""
+    """A registered voice's record: what the API shows of it (`shown`) and its owner (its prompt arrays stay on the
+    encoder side)."""
 
     id: str
     name: str
@@ -197,7 +198,7 @@ class VoiceRegistry:
                     f"the voice registry is full ({self.max_voices} voices); delete one (DELETE /v1/voices/<id>) first"
                 )
             if record.owner is not None and self.max_voices_per_key is not None:
-                records = (self._read_record(voice_id) for voice_id in voice_ids)
+                records = (self._read_record(existing_id) for existing_id in voice_ids)
                 owned = sum(1 for existing in records if existing is not None and existing.owner == record.owner)
                 if owned >= self.max_voices_per_key:
                     raise VoiceRegistryFullError(
