@@ -16,7 +16,7 @@ from engine.voice_cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, de
 from observability import STRUCTURED_LOGGING
 
 if TYPE_CHECKING:
-    from serve_app.voice_registry import VoiceRegistry
+    from serve_app.voice_registry import Caller, VoiceRegistry
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,6 +43,7 @@ class VoiceCloningConfig:
     voices_dir: str
     models_dir: str
     max_voices: int
+    max_voices_per_key: int | None
     prompt_audio: PromptAudioLimits
 
 
@@ -66,22 +67,28 @@ class Encoder:
             self.cloner = VoiceCloner.from_model_dir(
                 Path(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size
             )
-            self.registry = VoiceRegistry(Path(voice_cloning.voices_dir), voice_cloning.max_voices)
+            self.registry = VoiceRegistry(
+                Path(voice_cloning.voices_dir), voice_cloning.max_voices, voice_cloning.max_voices_per_key
+            )
 
-    def encode(self, request: SynthesisRequest, request_id: str = "") -> list[EncodedSegment]:
-        """One encoded segment per sentence, in order (engine errors propagate to the caller)."""
-        segments = self.stage.encode(request, prompt=self.registered_prompt(request.voice))
+    def encode(self, request: SynthesisRequest, request_id: str, caller: Caller) -> list[EncodedSegment]:
+        """One encoded segment per sentence, in order (engine errors propagate to the caller); a registered voice
+        must be one `caller` sees."""
+        segments = self.stage.encode(request, prompt=self.registered_prompt(request.voice, caller))
         logger.info("encoded %d segment(s)", len(segments), extra={"request_id": request_id})
         return segments
 
-    def registered_prompt(self, voice: str) -> VoicePrompt | None:
+    def registered_prompt(self, voice: str, caller: Caller) -> VoicePrompt | None:
         """The prompt of a registered voice; None for a built-in speaker (or a name the stage will refuse)."""
         if self.registry is None or voice in self.stage.voices:
             return None
-        return self.registry.get(voice)
+        return self.registry.get(voice, caller)
 
-    def register_voice(self, audio: bytes, transcript: str, name: str | None = None) -> dict[str, Any]:
-        """Clone the voice of `audio` (a recording of `transcript`) and register it; its record as a dict."""
+    def register_voice(
+        self, audio: bytes, transcript: str, name: str | None, caller: Caller, shared: bool = False
+    ) -> dict[str, Any]:
+        """Clone the voice of `audio` (a recording of `transcript`) and register it for `caller` (for every key:
+        `shared`, admin keys only); its record as the API shows it."""
         if self.cloner is None or self.registry is None or self.voice_cloning is None:
             raise VoiceCloningNotConfiguredError()
         transcript = transcript.strip()
@@ -90,13 +97,13 @@ class Encoder:
         waveform, sample_rate = decode_prompt_audio(audio, self.voice_cloning.prompt_audio)
         duration_s = len(waveform) / sample_rate
         prompt = self.cloner.clone(waveform, sample_rate, transcript)
-        return self.registry.add(prompt, name, duration_s).as_dict()
+        return self.registry.add(prompt, name, duration_s, caller, shared).shown()
 
-    def list_voices(self) -> list[dict[str, Any]]:
-        return [] if self.registry is None else [record.as_dict() for record in self.registry.records()]
+    def list_voices(self, caller: Caller) -> list[dict[str, Any]]:
+        return [] if self.registry is None else [record.shown() for record in self.registry.records(caller)]
 
-    def delete_voice(self, voice_id: str) -> bool:
-        return self.registry is not None and self.registry.delete(voice_id)
+    def delete_voice(self, voice_id: str, caller: Caller) -> bool:
+        return self.registry is not None and self.registry.delete(voice_id, caller)
 
     def info(self) -> dict[str, Any]:
         family = self.stage.model.config.family

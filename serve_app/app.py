@@ -48,10 +48,12 @@ from serve_app.guard import (
     check_voice_name,
     configure_guard,
     load_api_keys,
+    load_keys,
     serving_warnings,
 )
 from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.schemas import SpeechRequest, TTSRequest
+from serve_app.tenancy import KeyTenancy, TenancySettings, caller_of, configure_tenancy
 from serve_app.voice_registry import is_voice_id
 
 logger = logging.getLogger("ray.serve")
@@ -176,7 +178,10 @@ def _reject_request_id(message: str) -> JSONResponse:
     return JSONResponse(error_body(400, message, "invalid_request_id"), status_code=400)
 
 
-# API keys and the body size limit; added first, so it runs inside the observability middleware (401s are counted).
+# Each key's identity and in-flight limit, inside the guard: with keys on, only valid keys reach it.
+api.add_middleware(KeyTenancy, error_body=error_body)
+# API keys and the body size limit; added before the next, so it runs inside the observability middleware (401s are
+# counted).
 api.add_middleware(RequestGuard, error_body=error_body)
 api.add_middleware(RequestObservability, reject=_reject_request_id)
 
@@ -300,17 +305,27 @@ class TTSIngress:
         upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
         security = security or SecurityArgs()
         keys = load_api_keys(security)
+        admin_keys = load_keys(security.admin_keys, security.admin_keys_env)
+        keys_on = bool(keys + admin_keys)
         bound_host = serve_http_host()
-        self.serving_warnings = serving_warnings(security, bound_host, bool(keys))
+        self.serving_warnings = serving_warnings(security, bound_host, keys_on)
         for warning in self.serving_warnings:
             logger.warning(warning)
         configure_guard(
             GuardSettings(
-                keys,
+                keys + admin_keys,
                 limits.max_body_bytes,
                 {VOICES_PATH: upload_limit},
                 body_timeouts=BodyTimeouts(limits.body_read_timeout_s, limits.body_read_deadline_s),
-                browser=browser_rules(security, bound_host, bool(keys)),
+                browser=browser_rules(security, bound_host, keys_on),
+            )
+        )
+        configure_tenancy(
+            TenancySettings(
+                keys_on=keys_on,
+                admin_keys=admin_keys,
+                max_concurrent_requests_per_key=limits.max_concurrent_requests_per_key,
+                retry_after_s=limits.retry_after_s,
             )
         )
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
@@ -373,11 +388,12 @@ class TTSIngress:
         return {"object": "list", "data": data}
 
     @api.get(VOICES_PATH)
-    async def voices(self) -> dict[str, Any]:
-        """Built-in speakers (`voices`), registered voices (`registered_voices`: records with their ids), the voice
-        each OpenAI voice name stands for (`openai_voices`), and what the model and server can do."""
+    async def voices(self, http: Request) -> dict[str, Any]:
+        """Built-in speakers (`voices`), registered voices (`registered_voices`: records with their ids; with API
+        keys, the key's own and the shared ones), the voice each OpenAI voice name stands for (`openai_voices`), and
+        what the model and server can do."""
         info = await self.model_info()
-        registered = await self.call(self.encoder.list_voices.remote)
+        registered = await self.call(partial(self.encoder.list_voices.remote, caller_of(http.scope)))
         return {
             "voices": info["voices"],
             "sample_rate": info["sample_rate"],
@@ -397,20 +413,24 @@ class TTSIngress:
                 "(wav, flac, ogg, mp3)"
             ),],
         transcript: Annotated[str, Form(description="what the recording says")],
+        http: Request,
         name: Annotated[str | None, Form(description="a display name")] = None,
+        shared: Annotated[bool, Form(description="usable by every API key (admin keys only)")] = False,
     ) -> dict[str, Any]:
-        """Clone a voice from a short recording and its transcript; the returned `id` is usable as `voice`."""
+        """Clone a voice from a short recording and its transcript; the returned `id` is usable as `voice` (with API
+        keys, by this key only, unless an admin key makes it `shared`)."""
         if not (await self.model_info())["voice_cloning"]:
             raise VoiceCloningNotConfiguredError()
         limit = self.limits.max_prompt_audio_bytes
         audio = await file.read(limit + 1)  # the size is checked before anything decodes the file
         if len(audio) > limit:
             raise UploadTooLargeError(f"the audio file is larger than the limit of {limit} bytes")
-        return await self.call(partial(self.encoder.register_voice.remote, audio, transcript, name))
+        caller = caller_of(http.scope)
+        return await self.call(partial(self.encoder.register_voice.remote, audio, transcript, name, caller, shared))
 
     @api.delete(VOICES_PATH + "/{voice_id}")
-    async def delete_voice(self, voice_id: str) -> dict[str, Any]:
-        if not await self.call(partial(self.encoder.delete_voice.remote, voice_id)):
+    async def delete_voice(self, voice_id: str, http: Request) -> dict[str, Any]:
+        if not await self.call(partial(self.encoder.delete_voice.remote, voice_id, caller_of(http.scope))):
             raise UnknownVoiceError(f"no registered voice has the id {voice_id!r}")
         return {"id": voice_id, "object": "voice", "deleted": True}
 
@@ -466,7 +486,10 @@ class TTSIngress:
         if request.instruct_text is not None:
             check_follows_instructions(info, request.voice)
         request = request.validated()
-        segments: list[EncodedSegment] = await self.call(partial(self.encoder.encode.remote, request, request_id))
+        caller = caller_of(http.scope)
+        segments: list[EncodedSegment] = await self.call(
+            partial(self.encoder.encode.remote, request, request_id, caller)
+        )
         sample_rate = info["sample_rate"]
         timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
         logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
@@ -536,6 +559,7 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
         voices_dir=str(Path(args.voices_dir).resolve()),
         models_dir=str(models_dir.resolve()),
         max_voices=args.limits.max_voices,
+        max_voices_per_key=args.limits.max_voices_per_key,
         prompt_audio=PromptAudioLimits(
             min_seconds=args.limits.min_prompt_audio_s,
             max_seconds=args.limits.max_prompt_audio_s,

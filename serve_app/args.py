@@ -178,6 +178,18 @@ class LimitsArgs(_Strict):
         f"{', '.join(map(str, PROMPT_SAMPLE_RATES))} (each resamples to the models' rates in bounded memory)",
     )
     max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")
+    max_voices_per_key: int | None = Field(
+        20,
+        ge=1,
+        description="with API keys on, registered voices one key may own (shared ones count for none); past it, "
+        "registering answers 409; None: only max_voices",
+    )
+    max_concurrent_requests_per_key: int | None = Field(
+        8,
+        ge=1,
+        description="with API keys on, requests one key may have in flight in one ingress replica (a stream until "
+        "its end); more: 429 + Retry-After; None: no limit",
+    )
 
     @model_validator(mode="after")
     def _prompt_rates_are_supported(self) -> LimitsArgs:
@@ -219,6 +231,15 @@ class SecurityArgs(_Strict):
     api_keys: tuple[SecretStr, ...] = Field((), description="bearer tokens accepted on every endpoint but /healthz")
     api_keys_env: str | None = Field(
         "COSYVOICE_API_KEYS", description="env variable read by the ingress replicas: more keys, comma-separated"
+    )
+    admin_keys: tuple[SecretStr, ...] = Field(
+        (),
+        description="bearer tokens accepted like api_keys that also see, use and delete every registered voice "
+        "(other keys: only their own and the shared ones)",
+    )
+    admin_keys_env: str | None = Field(
+        "COSYVOICE_ADMIN_KEYS",
+        description="env variable read by the ingress replicas: more admin keys, comma-separated",
     )
     allowed_model_roots: tuple[str, ...] | None = Field(
         None, description="directories a model dir must lie in (symlinks resolved); None: any path without '..'"

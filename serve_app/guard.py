@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import SecretStr
+
 from engine.errors import InvalidInputError
 from serve_app.args import SecurityArgs
 
@@ -207,12 +209,19 @@ def configure_guard(settings: GuardSettings | None) -> None:
     _settings = settings
 
 
-def load_api_keys(security: SecurityArgs, environ: MutableMapping[str, str] = os.environ) -> tuple[bytes, ...]:
-    """The configured keys plus the comma-separated ones of `security.api_keys_env` in this process."""
-    keys = [key.get_secret_value() for key in security.api_keys]
-    if security.api_keys_env:
-        keys += environ.get(security.api_keys_env, "").split(",")
+def load_keys(
+    configured: tuple[SecretStr, ...], env_name: str | None, environ: Mapping[str, str] = os.environ
+) -> tuple[bytes, ...]:
+    """`configured` keys plus the comma-separated ones of the environment variable `env_name` in this process."""
+    keys = [key.get_secret_value() for key in configured]
+    if env_name:
+        keys += environ.get(env_name, "").split(",")
     return tuple(key.strip().encode() for key in keys if key.strip())
+
+
+def load_api_keys(security: SecurityArgs, environ: Mapping[str, str] = os.environ) -> tuple[bytes, ...]:
+    """The API keys: `security.api_keys` plus those of `security.api_keys_env` in this process."""
+    return load_keys(security.api_keys, security.api_keys_env, environ)
 
 
 def is_open(path: str) -> bool:

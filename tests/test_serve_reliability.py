@@ -58,7 +58,13 @@ ARGS: dict[str, Any] = {
         "max_queued_requests": DECODER_QUEUE,
     },
     "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "poll_interval_s": 0.5, "autoscaling_config": ALWAYS_ON_FALLBACK},
-    "limits": {"max_input_chars": 600, "long_text_chars": 120, "max_body_bytes": MAX_BODY_BYTES, "retry_after_s": 2},
+    "limits": {
+        "max_input_chars": 600,
+        "long_text_chars": 120,
+        "max_body_bytes": MAX_BODY_BYTES,
+        "retry_after_s": 2,
+        "max_concurrent_requests_per_key": None,  # one key sends the bursts that fill the decoder queue
+    },
     "security": {"api_keys": [API_KEY]},
 }
 

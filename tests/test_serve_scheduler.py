@@ -16,6 +16,7 @@ from serve_testing import running_app, wait_until
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
 from serve_app.args import DecoderArgs
+from serve_app.voice_registry import EVERYONE
 
 APP = "scheduler"
 BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; "Hi." at 1000 tokens per text token ~800
@@ -40,7 +41,7 @@ def decoder(base_url: str) -> Any:
 def _encode(text: str, ratio: float, seed: int) -> list[EncodedSegment]:
     sampling = SamplingOptions(seed=seed, min_token_text_ratio=ratio, max_token_text_ratio=ratio)
     request = SynthesisRequest(text, "dummy_female", sampling=sampling)
-    return serve.get_deployment_handle("Encoder", APP).encode.remote(request).result()
+    return serve.get_deployment_handle("Encoder", APP).encode.remote(request, "scheduler-test", EVERYONE).result()
 
 
 def _stats(decoder: Any) -> dict[str, Any]:

@@ -24,7 +24,14 @@ from engine.families import COSYVOICE1
 from engine.voice_cloning import VoicePrompt
 from serve_app import build_app
 from serve_app.guard import check_voice_name
-from serve_app.voice_registry import VoiceRegistry, VoiceRegistryFullError, is_voice_id
+from serve_app.voice_registry import (
+    EVERYONE,
+    Caller,
+    VoiceForbiddenError,
+    VoiceRegistry,
+    VoiceRegistryFullError,
+    is_voice_id,
+)
 
 TRAVERSAL_IDS = [
     "../outside",
@@ -66,7 +73,7 @@ def assert_same_prompt(actual: VoicePrompt, expected: VoicePrompt) -> None:
 def test_round_trip_and_files(tmp_path: Path) -> None:
     registry = VoiceRegistry(tmp_path)
     prompt = make_prompt()
-    record = registry.add(prompt, "  my voice ", duration_s=2.0004)
+    record = registry.add(prompt, "  my voice ", duration_s=2.0004, caller=EVERYONE)
     assert is_voice_id(record.id) and record.name == "my voice" and record.transcript == "Hello there."
     assert record.duration_s == 2.0 and record.created_at > 0
     check_voice_name(record.id)  # the ingress accepts registered ids as `voice`
@@ -75,33 +82,35 @@ def test_round_trip_and_files(tmp_path: Path) -> None:
         f"{record.id}.npz",
     ], "no temporary file may be left behind"
     assert json.loads((tmp_path / f"{record.id}.json").read_text()) == record.as_dict()
-    assert_same_prompt(registry.get(record.id), prompt)
-    assert registry.records() == [record]
-    assert registry.add(make_prompt(1), None, duration_s=1.0).name.startswith("voice_")  # unnamed: named by its id
+    assert_same_prompt(registry.get(record.id, EVERYONE), prompt)
+    assert registry.records(EVERYONE) == [record]
+    unnamed = registry.add(make_prompt(1), None, duration_s=1.0, caller=EVERYONE)
+    assert unnamed.name == unnamed.id  # unnamed: named by its id
 
 
 def test_a_new_instance_sees_the_voices_and_caches_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = VoiceRegistry(tmp_path)
-    records = [first.add(make_prompt(seed), f"v{seed}", duration_s=1.5) for seed in range(3)]
+    records = [first.add(make_prompt(seed), f"v{seed}", duration_s=1.5, caller=EVERYONE) for seed in range(3)]
     restarted = VoiceRegistry(tmp_path)
-    assert sorted(restarted.records(), key=lambda record: record.id) == sorted(records, key=lambda record: record.id)
+    by_id = lambda record: record.id  # noqa: E731
+    assert sorted(restarted.records(EVERYONE), key=by_id) == sorted(records, key=by_id)
     loads: list[Path] = []
     real_load = VoicePrompt.load
     monkeypatch.setattr(VoicePrompt, "load", classmethod(lambda cls, path: loads.append(path) or real_load(path)))
     for _ in range(3):
-        assert_same_prompt(restarted.get(records[1].id), make_prompt(1))
+        assert_same_prompt(restarted.get(records[1].id, EVERYONE), make_prompt(1))
     assert loads == [tmp_path / f"{records[1].id}.npz"], "the prompt is read from disk once, then from memory"
 
 
 def test_delete(tmp_path: Path) -> None:
     registry = VoiceRegistry(tmp_path)
-    kept, deleted = (registry.add(make_prompt(seed), None, duration_s=1.0) for seed in range(2))
-    assert registry.delete(deleted.id)
+    kept, deleted = (registry.add(make_prompt(seed), None, duration_s=1.0, caller=EVERYONE) for seed in range(2))
+    assert registry.delete(deleted.id, EVERYONE)
     assert not (tmp_path / f"{deleted.id}.json").exists() and not (tmp_path / f"{deleted.id}.npz").exists()
     with pytest.raises(UnknownVoiceError, match="unknown voice"):
-        registry.get(deleted.id)
-    assert not registry.delete(deleted.id)
-    assert [record.id for record in registry.records()] == [kept.id]
+        registry.get(deleted.id, EVERYONE)
+    assert not registry.delete(deleted.id, EVERYONE)
+    assert [record.id for record in registry.records(EVERYONE)] == [kept.id]
 
 
 @pytest.mark.parametrize("voice_id", TRAVERSAL_IDS)
@@ -112,38 +121,38 @@ def test_ids_that_are_not_voice_ids_never_reach_the_disk(tmp_path: Path, voice_i
     for name in ("outside.json", "outside.npz"):
         (tmp_path / name).write_text("{}")
     with pytest.raises(UnknownVoiceError):
-        registry.get(voice_id)
-    assert not registry.delete(voice_id)
+        registry.get(voice_id, EVERYONE)
+    assert not registry.delete(voice_id, EVERYONE)
     assert (tmp_path / "outside.json").exists() and (tmp_path / "outside.npz").exists()
 
 
 def test_cap_on_the_number_of_voices(tmp_path: Path) -> None:
     registry = VoiceRegistry(tmp_path, max_voices=2)
-    first, _ = (registry.add(make_prompt(seed), None, duration_s=1.0) for seed in range(2))
+    first, _ = (registry.add(make_prompt(seed), None, duration_s=1.0, caller=EVERYONE) for seed in range(2))
     with pytest.raises(VoiceRegistryFullError, match="full") as full:
-        registry.add(make_prompt(2), None, duration_s=1.0)
+        registry.add(make_prompt(2), None, duration_s=1.0, caller=EVERYONE)
     assert full.value.http_status == 409
-    assert len(registry.records()) == 2
-    registry.delete(first.id)
-    registry.add(make_prompt(3), None, duration_s=1.0)
+    assert len(registry.records(EVERYONE)) == 2
+    registry.delete(first.id, EVERYONE)
+    registry.add(make_prompt(3), None, duration_s=1.0, caller=EVERYONE)
 
 
 @pytest.mark.parametrize("name", ["x" * 65, "tab\there", "new\nline"])
 def test_bad_display_names(tmp_path: Path, name: str) -> None:
     with pytest.raises(InvalidInputError, match="voice name"):
-        VoiceRegistry(tmp_path).add(make_prompt(), name, duration_s=1.0)
+        VoiceRegistry(tmp_path).add(make_prompt(), name, duration_s=1.0, caller=EVERYONE)
 
 
 def test_two_instances_share_one_directory(tmp_path: Path) -> None:
     """Two encoder replicas: a voice added by one is found by the other; one deleted by one is gone for both."""
     replica_a, replica_b = VoiceRegistry(tmp_path), VoiceRegistry(tmp_path)
-    record = replica_a.add(make_prompt(7), "shared", duration_s=1.0)
-    assert_same_prompt(replica_b.get(record.id), make_prompt(7))
-    assert replica_b.records() == [record]
-    assert replica_b.delete(record.id)
+    record = replica_a.add(make_prompt(7), "shared", duration_s=1.0, caller=EVERYONE)
+    assert_same_prompt(replica_b.get(record.id, EVERYONE), make_prompt(7))
+    assert replica_b.records(EVERYONE) == [record]
+    assert replica_b.delete(record.id, EVERYONE)
     with pytest.raises(UnknownVoiceError):
-        replica_a.get(record.id)  # cached in A, deleted through B
-    assert replica_a.records() == []
+        replica_a.get(record.id, EVERYONE)  # cached in A, deleted through B
+    assert replica_a.records(EVERYONE) == []
 
 
 def test_concurrent_adds_respect_the_cap(tmp_path: Path) -> None:
@@ -152,7 +161,7 @@ def test_concurrent_adds_respect_the_cap(tmp_path: Path) -> None:
 
     def add(index: int) -> None:
         try:
-            registries[index % 2].add(make_prompt(index), None, duration_s=1.0)
+            registries[index % 2].add(make_prompt(index), None, duration_s=1.0, caller=EVERYONE)
             outcomes.append("added")
         except VoiceRegistryFullError:
             outcomes.append("full")
@@ -163,7 +172,79 @@ def test_concurrent_adds_respect_the_cap(tmp_path: Path) -> None:
     for thread in threads:
         thread.join(timeout=30)
     assert sorted(outcomes) == ["added"] * 5 + ["full"] * 3
-    assert len(registries[0].records()) == 5
+    assert len(registries[0].records(EVERYONE)) == 5
+
+
+ALICE = Caller(owner="a" * 32, admin=False)
+BOB = Caller(owner="b" * 32, admin=False)
+ADMIN = Caller(owner="c" * 32, admin=True)
+
+
+def test_a_voice_belongs_to_the_key_that_registered_it(tmp_path: Path) -> None:
+    registry = VoiceRegistry(tmp_path)
+    record = registry.add(make_prompt(), "mine", duration_s=1.0, caller=ALICE)
+    assert record.owner == ALICE.owner and record.shown()["shared"] is False and "owner" not in record.shown()
+    assert json.loads((tmp_path / f"{record.id}.json").read_text())["owner"] == ALICE.owner
+    assert_same_prompt(registry.get(record.id, ALICE), make_prompt())  # cached now: the cache must not leak it
+    # To another key it does not exist: the same error as an id nobody registered.
+    with pytest.raises(UnknownVoiceError) as hidden:
+        registry.get(record.id, BOB)
+    with pytest.raises(UnknownVoiceError) as missing:
+        registry.get("voice_0123456789ab", BOB)
+    assert hidden.value.message == missing.value.message.replace("voice_0123456789ab", record.id)
+    assert registry.records(BOB) == [] and not registry.delete(record.id, BOB)
+    assert registry.records(ALICE) == [record]
+    # Another replica (a new instance) keeps to the same rule.
+    other_replica = VoiceRegistry(tmp_path)
+    with pytest.raises(UnknownVoiceError):
+        other_replica.get(record.id, BOB)
+    # An admin key sees, uses and deletes every voice.
+    assert registry.records(ADMIN) == [record]
+    assert_same_prompt(other_replica.get(record.id, ADMIN), make_prompt())
+    assert registry.delete(record.id, ADMIN) and registry.records(ALICE) == []
+    own = registry.add(make_prompt(1), None, duration_s=1.0, caller=ALICE)
+    assert registry.delete(own.id, ALICE)
+
+
+def test_shared_voices_old_records_and_keys_off(tmp_path: Path) -> None:
+    registry = VoiceRegistry(tmp_path)
+    shared = registry.add(make_prompt(), "for all", duration_s=1.0, caller=ADMIN, shared=True)
+    # A record written before owners existed (or placed by the operator) has no owner field: shared too.
+    old = registry.add(make_prompt(1), "old", duration_s=1.0, caller=EVERYONE)
+    old_path = tmp_path / f"{old.id}.json"
+    old_record = json.loads(old_path.read_text())
+    del old_record["owner"]
+    old_path.write_text(json.dumps(old_record))
+    restarted = VoiceRegistry(tmp_path)
+    for caller in (ALICE, BOB):
+        assert {record.id for record in restarted.records(caller)} == {shared.id, old.id}
+        assert all(record.shown()["shared"] for record in restarted.records(caller))
+        assert_same_prompt(restarted.get(old.id, caller), make_prompt(1))
+        for voice in (shared, old):
+            with pytest.raises(VoiceForbiddenError, match="only an admin key") as forbidden:
+                restarted.delete(voice.id, caller)
+            assert forbidden.value.http_status == 403
+    with pytest.raises(VoiceForbiddenError, match="only an admin key"):
+        restarted.add(make_prompt(2), None, duration_s=1.0, caller=ALICE, shared=True)
+    assert restarted.delete(shared.id, ADMIN) and restarted.delete(old.id, ADMIN)
+    # Keys off: everyone is EVERYONE, who sees and deletes every voice, including those keys once owned.
+    owned = restarted.add(make_prompt(3), None, duration_s=1.0, caller=ALICE)
+    assert restarted.records(EVERYONE) == [owned] and restarted.delete(owned.id, EVERYONE)
+
+
+def test_cap_on_the_voices_of_one_key(tmp_path: Path) -> None:
+    registry = VoiceRegistry(tmp_path, max_voices=10, max_voices_per_key=2)
+    first, _ = (registry.add(make_prompt(seed), None, duration_s=1.0, caller=ALICE) for seed in range(2))
+    with pytest.raises(VoiceRegistryFullError, match="this API key has registered 2 voices") as full:
+        registry.add(make_prompt(2), None, duration_s=1.0, caller=ALICE)
+    assert full.value.http_status == 409
+    # Other keys, shared voices and voices made with keys off are not bounded by Alice's.
+    registry.add(make_prompt(3), None, duration_s=1.0, caller=BOB)
+    registry.add(make_prompt(4), None, duration_s=1.0, caller=ADMIN, shared=True)
+    registry.add(make_prompt(5), None, duration_s=1.0, caller=EVERYONE)
+    assert registry.delete(first.id, ALICE)
+    registry.add(make_prompt(6), None, duration_s=1.0, caller=ALICE)
+    assert len(registry.records(ADMIN)) == 5
 
 
 # --- over HTTP, on a real Serve app ---------------------------------------------------------------------
