@@ -12,6 +12,7 @@ table of distances (cached per dtype/device) and sliced per call instead of bein
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -169,6 +170,13 @@ class KVCache:
         used = self.valid[index, : self.length].any(dim=0).nonzero()
         first = int(used[0, 0]) if len(used) else self.length
         self._regrid(index, first, _headroom(self.length - first))
+
+    def take(self, rows: list[int]) -> KVCache:
+        """A new cache holding copies of these rows (this one is left as it is)."""
+        part = copy.copy(self)
+        part.keys, part.values = list(self.keys), list(self.values)
+        part.select(rows)  # new buffers: indexing copies
+        return part
 
     @classmethod
     def concat(cls, first: KVCache, second: KVCache) -> KVCache:

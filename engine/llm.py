@@ -244,12 +244,13 @@ class TokenGenerator:
         self.model = model
         self._pending: list[_Sequence] = []
         self._running: list[_Sequence] = []  # row i of the cache is self._running[i]
+        self._paused: dict[int, tuple[_Sequence, KVCache | None]] = {}  # by id: its cache rows, None to recompute
         self._cache: KVCache | None = None
         self._next_id = 0
 
     @property
     def active(self) -> int:
-        """Requests added and not yet finished or cancelled."""
+        """Requests added and not yet finished, cancelled or paused."""
         return len(self._pending) + len(self._running)
 
     @property
@@ -289,6 +290,8 @@ class TokenGenerator:
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request and free its batch slot; False if it is not active."""
+        if self._paused.pop(request_id, None) is not None:
+            return True
         for index, sequence in enumerate(self._pending):
             if sequence.request_id == request_id:
                 del self._pending[index]
@@ -298,6 +301,33 @@ class TokenGenerator:
             return False
         self._retain(rows)
         return True
+
+    def pause(self, request_id: int, keep_cache: bool) -> None:
+        """Take an active request out of the batch between steps, until `resume`: its KV cache rows are set aside
+        (`keep_cache`), or dropped and recomputed from its prompt and tokens on resume (vLLM's recompute
+        preemption). Either way it resumes with the tokens it would have had unpaused (up to float rounding)."""
+        for index, sequence in enumerate(self._pending):
+            if sequence.request_id == request_id:  # not prefilled yet: nothing to keep
+                del self._pending[index]
+                self._paused[request_id] = (sequence, None)
+                return
+        [row] = [i for i, s in enumerate(self._running) if s.request_id == request_id]
+        cache = self._cache.take([row]) if keep_cache else None
+        self._paused[request_id] = (self._running[row], cache)
+        self._retain([i for i in range(len(self._running)) if i != row])
+
+    def resume(self, request_id: int) -> None:
+        """A paused request rejoins the batch: it gets its next token in the next `step`."""
+        sequence, cache = self._paused.pop(request_id)
+        if cache is None:
+            self._pending.append(sequence)  # prefilled again over its prompt and its tokens so far
+        else:
+            self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
+            self._running.append(sequence)
+
+    @property
+    def paused(self) -> int:
+        return len(self._paused)
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
@@ -375,8 +405,9 @@ class TokenGenerator:
         return joined, *self._prefill(joined)
 
     def _prefill(self, sequences: list[_Sequence]) -> tuple[Tensor, KVCache]:
-        """Prefill requests (left-padded) into a cache of their own -> (last hidden [N, D], cache)."""
-        inputs = [self.model.lm_input(s.request) for s in sequences]
+        """Prefill requests (left-padded) into a cache of their own -> (last hidden [N, D], cache). A request resumed
+        without its cache is prefilled over its prompt and the tokens it has so far."""
+        inputs = [self._prefill_input(s) for s in sequences]
         width = max(len(x) for x in inputs)
         padded = torch.stack([F.pad(x, (0, 0, width - len(x), 0)) for x in inputs])
         columns = torch.arange(width, device=padded.device)
@@ -384,6 +415,15 @@ class TokenGenerator:
         cache = self.model.llm.new_cache(len(inputs), padded.device)
         hidden = self.model.llm.forward_incremental(padded, valid, cache)[:, -1]
         return hidden, cache
+
+    def _prefill_input(self, sequence: _Sequence) -> Tensor:
+        """[S, D]: the request's prompt (`lm_input`), then its tokens so far (after a recompute pause)."""
+        prompt = self.model.lm_input(sequence.request)
+        if not sequence.tokens:
+            return prompt
+        weight = self.model.speech_embedding.weight
+        tokens = torch.tensor(sequence.tokens, device=weight.device)
+        return torch.cat([prompt, self.model.speech_embedding(tokens).to(prompt.dtype)])
 
     def _retain(self, rows: list[int]) -> None:
         """Keep these running rows (finished or cancelled ones leave the batch and the cache)."""

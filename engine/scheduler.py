@@ -9,16 +9,19 @@ threads, the lanes. One `step`:
    any compute);
 2. runs one LLM step for every sentence that is generating tokens; the ones admitted at the previous step
    are prefilled in it and join the running batch;
-3. admits queued sentences, oldest first, while the live set stays within `max_live` sentences and the
-   memory budget, each sentence counted by its own estimate (`engine.memory`); the next sentence of a
-   request already running goes first, as soon as the sentence before it has all its tokens, before that
-   one's last audio is made (so the next sentence's tokens are generated while the current one is vocoded,
-   with no round trip through the caller);
+3. admits sentences in the policy's order (`engine.playback`) while the live set stays within `max_live`
+   generating sentences and the memory budget, each sentence counted by its own estimate (`engine.memory`).
+   A request's next sentence may join as soon as the sentence before it has all its tokens, before that one's
+   last audio is made (so the next sentence's tokens are generated while the current one is vocoded, with no
+   round trip through the caller). The default `DeadlinePolicy` admits earliest playback deadline first and, when
+   the earliest waiting sentence has no slot, pauses a generating sentence whose request has slack to spare (its
+   KV cache set aside, or dropped and recomputed when memory is short) and resumes it when it is again the
+   earliest; `FcfsPolicy` admits a running request's next sentence first, then the oldest new request;
 4. hands each free lane one job, a flow + vocoder batch of at most `max_vocode_batch` sentences:
-   - the first-audio lane takes the streams of requests that have no audio yet;
-   - the main lane takes such streams too if the first-audio lane is busy, else streams whose audio has
-     started (those waiting longest first) and whole sentences whose tokens are all there, the two kinds in
-     turns.
+   - the first-audio lane takes the streams of requests that have no audio yet (earliest deadline first);
+   - the main lane takes such streams too if the first-audio lane is busy, else the ready work earliest deadline
+     first (fcfs: streams whose audio has started, those waiting longest first, and whole sentences whose tokens
+     are all there, the two kinds in turns).
    A job takes in the stream tokens that waited in the loop thread and emits the chunks they complete.
 
 So neither side waits for the other: the LLM steps on while flow + vocoder batches run, and a batch that is
@@ -67,6 +70,7 @@ from engine.errors import (
 from engine.llm import GenerationRequest, TokenEvent, TokenGenerator
 from engine.memory import estimate_request_memory
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
+from engine.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
 from engine.streaming import DecodeStream
 
 DEFAULT_VOCODE_BATCH_CUDA, DEFAULT_VOCODE_BATCH_CPU = 8, 1
@@ -100,6 +104,14 @@ class _SharedGenerator:
         with self._lock:
             return self.generator.cancel(request_id)
 
+    def pause(self, request_id: int, keep_cache: bool) -> None:
+        with self._lock:
+            self.generator.pause(request_id, keep_cache)
+
+    def resume(self, request_id: int) -> None:
+        with self._lock:
+            self.generator.resume(request_id)
+
     def step(self) -> list[TokenEvent]:
         with self._lock:
             return self.generator.step()
@@ -117,6 +129,8 @@ class _Sentence:
     recorded_at: int = 0  # streaming sentences: the LLM step count when a job last took in their tokens
     chunk_ready: bool = False  # streaming sentences: the tokens taken in may hold a chunk not yet emitted
     in_job: bool = False  # a flow + vocoder job works on it
+    paused: bool = False  # out of the LLM batch until resumed (preempted by an earlier deadline)
+    cache_kept: bool = False  # paused with its KV cache set aside (it still holds its memory)
     tokens_done: bool = False
     done: bool = False
     outputs: list[np.ndarray] = field(default_factory=list)  # made, not yet handed on (an earlier one still runs)
@@ -129,7 +143,8 @@ class Ticket:
     sentences: list[_Sentence]
     streaming: bool
     sink: Sink
-    deadline: float  # time.monotonic() past which it ends with DecodeLimitError
+    playback: PlaybackClock  # its arrival, the audio handed on and its listener's slack
+    expires_at: float  # the scheduler's clock past which it ends with DecodeLimitError
     cancelled: bool = False
     ended: bool = False
     emitted: int = 0  # sentences fully handed to the sink
@@ -161,6 +176,8 @@ class SchedulerStats:
     admitted: int = 0
     cancelled: int = 0
     request_faults: int = 0  # requests ended by a fault of their own (RequestFailedError) while the loop went on
+    preempted: int = 0  # generating sentences paused to give their slot to an earlier deadline
+    resumed: int = 0
     over_limit: int = 0  # requests ended at their audio or time ceiling
 
 
@@ -176,8 +193,16 @@ class Scheduler:
         max_vocode_batch: int | None = None,
         max_audio_s: float | None = None,
         max_request_s: float | None = None,
+        policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_request_end: Callable[[Ticket, CosyVoiceError | None], None] | None = None,
     ) -> None:
+        """`on_request_end(ticket, error)` is called on the loop thread when a request ends (its `playback` says
+        when its audio came and how its listener fared)."""
         self.stage = stage
+        self.policy: SchedulingPolicy = policy or DeadlinePolicy()
+        self.clock = clock
+        self.on_request_end = on_request_end
         self.max_live = max_live
         self.memory_budget_bytes = memory_budget_bytes
         self.max_audio_s = max_audio_s
@@ -253,8 +278,10 @@ class Scheduler:
             if streaming:
                 self.streams.check_streamable(segment)
         estimates = self.check_fits(segments)
-        deadline = time.monotonic() + (self.max_request_s if self.max_request_s is not None else float("inf"))
-        ticket = Ticket(sentences=[], streaming=streaming, sink=sink, deadline=deadline)
+        now = self.clock()
+        playback = PlaybackClock(now, sum(s.text_len for s in segments) * SECONDS_PER_TEXT_TOKEN)
+        expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
+        ticket = Ticket(sentences=[], streaming=streaming, sink=sink, playback=playback, expires_at=expires_at)
         ticket.sentences = [_Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]
         with self._lock:
             if self.failure is not None:
@@ -278,7 +305,13 @@ class Scheduler:
 
     @property
     def live_bytes(self) -> int:
-        return sum(s.memory_bytes for s in tuple(self._live))
+        """Memory the live sentences hold (a sentence paused without its KV cache holds none)."""
+        return sum(s.memory_bytes for s in tuple(self._live) if not s.paused or s.cache_kept)
+
+    @property
+    def generating_slots(self) -> int:
+        """Live sentences that count against `max_live`: all but the paused ones."""
+        return sum(not s.paused for s in tuple(self._live))
 
     @property
     def has_work(self) -> bool:
@@ -341,7 +374,7 @@ class Scheduler:
         self._wakeup.clear()  # what sets it after this line is seen by the wait; what set it before, by the checks
         if not self._jobs or any(job.future.done() for job in self._jobs.values()):
             return
-        if self.llm.active or self._inbox or self._next_admission():
+        if self.llm.active or self._inbox or self._admissible():
             return
         if any(s.request.cancelled for s in self._live):
             return
@@ -385,49 +418,91 @@ class Scheduler:
         else:
             job.to_release.append(sentence.stream)
 
-    def _next_admission(self) -> _Sentence | None:
-        """The next sentence to admit if it fits now: a running request whose admitted sentences all have their
-        tokens goes first (pipelining), then the oldest request not started yet."""
-        ticket = next(
-            (t for t in self._queue if t.admitted and all(s.tokens_done for s in t.sentences[: t.admitted])),
-            None,
-        ) or next((t for t in self._queue if not t.admitted), None)
-        if ticket is None:
-            return None
-        sentence = ticket.sentences[ticket.admitted]
-        budget = self.memory_budget_bytes
-        if len(self._live) >= self.max_live or (
-            budget is not None and self._live and self.live_bytes + sentence.memory_bytes > budget
-        ):
-            return None
-        return sentence
+    def _candidates(self) -> list[_Sentence]:
+        """The sentences that may join the LLM batch, in the policy's order: each queued request's next one (a
+        running request's once the sentences before it have all their tokens) and the paused ones."""
+        keyed = [
+            (self.policy.admission_key(t, continues=bool(t.admitted)), t.sentences[t.admitted])
+            for t in self._queue
+            if all(s.tokens_done for s in t.sentences[: t.admitted])
+        ]
+        keyed += [(self.policy.admission_key(s.request, continues=True), s) for s in self._live if s.paused]
+        return [sentence for _, sentence in sorted(keyed, key=lambda item: item[0])]
+
+    def _fits(self, sentence: _Sentence) -> bool:
+        """Whether `sentence` may join the batch now: a free slot, and room in the memory budget (an empty loop
+        takes any sentence: `check_fits` refused those larger than the whole budget)."""
+        if self.generating_slots >= self.max_live:
+            return False
+        budget, held = self.memory_budget_bytes, self.live_bytes
+        needed = 0 if sentence.cache_kept else sentence.memory_bytes
+        return budget is None or not held or held + needed <= budget
+
+    def _admissible(self) -> bool:
+        candidates = self._candidates()
+        return bool(candidates) and self._fits(candidates[0])
 
     def _admit(self) -> None:
-        while (sentence := self._next_admission()) is not None:
-            ticket = sentence.request
-            try:
-                if ticket.streaming:
-                    sentence.stream = self.streams.add(sentence.segment)
-                    sentence.llm_id = sentence.stream.llm_id
-                else:
-                    [request] = self.stage.generation_requests([sentence.segment])
-                    sentence.llm_id = self.llm.add(request)
-            except Exception as exc:  # this request's input: it ends, the admission goes on
-                self._fail_request(ticket, as_request_error(exc))
-                continue
-            if self.llm.batch_size:
-                self.stats.joined_running_batch += 1
-            if ticket.admitted and not ticket.sentences[ticket.admitted - 1].done:
-                self.stats.pipelined_sentences += 1
-            self._by_llm_id[sentence.llm_id] = sentence
-            ticket.admitted += 1
-            self.stats.admitted += 1
-            self._live.append(sentence)
-            if ticket.admitted == len(ticket.sentences):
-                self._queue.remove(ticket)
+        """Admit (or resume) sentences in the policy's order while they fit; the first that does not fit may take the
+        slot of a generating sentence the policy lets it pause, and otherwise waits, with every one after it."""
+        now = self.clock()
+        for sentence in self._candidates():
+            if not self._fits(sentence) and not self._preempt_for(sentence, now):
+                return
+            if sentence.paused:
+                self.llm.resume(sentence.llm_id)
+                sentence.paused = sentence.cache_kept = False
+                self.stats.resumed += 1
+            else:
+                self._start_generating(sentence)
+
+    def _preempt_for(self, waiting: _Sentence, now: float) -> bool:
+        """Pause generating sentences, the latest deadline first, while the policy allows it and `waiting` does not
+        fit; -> whether it fits now. A paused sentence keeps its KV cache unless memory is what `waiting` lacks."""
+        while not self._fits(waiting):
+            victims = [
+                s
+                for s in self._live
+                if not (s.paused or s.tokens_done or s.llm_id is None)
+                and s.request is not waiting.request
+                and self.policy.may_preempt(s.request, waiting.request, now)
+            ]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda s: self.policy.deadline(s.request))
+            budget = self.memory_budget_bytes
+            keep = budget is None or self.live_bytes + waiting.memory_bytes <= budget
+            self.llm.pause(victim.llm_id, keep_cache=keep)
+            victim.paused, victim.cache_kept = True, keep
+            self.stats.preempted += 1
+        return True
+
+    def _start_generating(self, sentence: _Sentence) -> None:
+        """Admit a request's next sentence: its generator row (its stream, when streaming) starts in the next step."""
+        ticket = sentence.request
+        try:
+            if ticket.streaming:
+                sentence.stream = self.streams.add(sentence.segment)
+                sentence.llm_id = sentence.stream.llm_id
+            else:
+                [request] = self.stage.generation_requests([sentence.segment])
+                sentence.llm_id = self.llm.add(request)
+        except Exception as exc:  # this request's input: it ends, the admission goes on
+            self._fail_request(ticket, as_request_error(exc))
+            return
+        if self.llm.batch_size:
+            self.stats.joined_running_batch += 1
+        if ticket.admitted and not ticket.sentences[ticket.admitted - 1].done:
+            self.stats.pipelined_sentences += 1
+        self._by_llm_id[sentence.llm_id] = sentence
+        ticket.admitted += 1
+        self.stats.admitted += 1
+        self._live.append(sentence)
+        if ticket.admitted == len(ticket.sentences):
+            self._queue.remove(ticket)
 
     def _llm_step(self) -> None:
-        generating = [s for s in self._live if not s.tokens_done]
+        generating = [s for s in self._live if not (s.tokens_done or s.paused)]
         self.stats.llm_steps += 1
         self.stats.llm_batch_size_counts[self.llm.active] += 1
         if len({s.request.streaming for s in generating}) == 2:
@@ -467,6 +542,9 @@ class Scheduler:
         """Hand each free lane its next job (see the module docstring)."""
         ready = [s for s in self._live if s.stream is not None and not s.in_job and (s.events or s.chunk_ready)]
         first = [s for s in ready if not s.request.audio_started]
+        by_deadline = self.policy.by_deadline
+        if by_deadline:
+            first.sort(key=self._deadline)
         if FIRST not in self._jobs and first:
             self._start_streams_job(FIRST, first[: self.max_vocode_batch])
             first = first[self.max_vocode_batch :]
@@ -474,16 +552,34 @@ class Scheduler:
             return
         running = sorted((s for s in ready if s.request.audio_started), key=lambda s: s.recorded_at)
         whole = [s for s in self._live if s.stream is None and s.tokens_done and not s.done and not s.in_job]
-        if first:
+        if by_deadline:
+            self._start_earliest(sorted(first + running + whole, key=self._deadline))
+        elif first:
             self._start_streams_job(MAIN, first[: self.max_vocode_batch])
         elif running and (not whole or self._main_turn == "streams"):
             self._start_streams_job(MAIN, running[: self.max_vocode_batch])
             self._main_turn = "whole"
         elif whole:
-            whole = whole[: self.max_vocode_batch]
-            tokens = [torch.tensor(s.tokens, dtype=torch.long) for s in whole]
-            self._start(MAIN, "whole", whole, self._vocode, [s.segment for s in whole], tokens)
+            self._start_whole_job(whole[: self.max_vocode_batch])
             self._main_turn = "streams"
+
+    def _deadline(self, sentence: _Sentence) -> float:
+        return self.policy.deadline(sentence.request)
+
+    def _start_earliest(self, work: list[_Sentence]) -> None:
+        """The main lane's job: the earliest-deadline sentence's kind (streams or whole), the earliest of that kind."""
+        if not work:
+            return
+        streams = work[0].stream is not None
+        chosen = [s for s in work if (s.stream is not None) == streams][: self.max_vocode_batch]
+        if streams:
+            self._start_streams_job(MAIN, chosen)
+        else:
+            self._start_whole_job(chosen)
+
+    def _start_whole_job(self, whole: list[_Sentence]) -> None:
+        tokens = [torch.tensor(s.tokens, dtype=torch.long) for s in whole]
+        self._start(MAIN, "whole", whole, self._vocode, [s.segment for s in whole], tokens)
 
     def _start_streams_job(self, lane: str, sentences: list[_Sentence]) -> None:
         """Take in the sentences' waiting tokens and emit the chunks they complete."""
@@ -588,10 +684,10 @@ class Scheduler:
         self._stop(ticket, error)
 
     def _end_overdue(self) -> None:
-        """End the requests past their deadline (`max_request_s` after submission), queued or live."""
-        now = time.monotonic()
-        overdue = {s.request for s in self._live if now > s.request.deadline} | {
-            t for t in self._queue if now > t.deadline
+        """End the requests past their time ceiling (`max_request_s` after submission), queued or live."""
+        now = self.clock()
+        overdue = {s.request for s in self._live if now > s.request.expires_at} | {
+            t for t in self._queue if now > t.expires_at
         }
         for ticket in overdue:
             self.stats.over_limit += 1
@@ -624,10 +720,14 @@ class Scheduler:
             self._hand_on(ticket, last)
         self._hand_on(ticket, None)
         ticket.ended = True
+        if self.on_request_end is not None:
+            self.on_request_end(ticket, last)
 
-    @staticmethod
-    def _hand_on(ticket: Ticket, item: Output) -> None:
-        """Give the request's sink an output; a sink that raises (its caller is gone) cancels its request alone."""
+    def _hand_on(self, ticket: Ticket, item: Output) -> None:
+        """Give the request's sink an output (its listener's clock counts the audio); a sink that raises (its caller
+        is gone) cancels its request alone."""
+        if isinstance(item, np.ndarray) and item.size:
+            ticket.playback.deliver(item.size / self.stage.sample_rate, self.clock())
         try:
             ticket.sink(item)
         except Exception:

@@ -6,7 +6,6 @@ ceilings every request has (audio length, wall time)."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 
 import engine.llm
-import engine.scheduler
 from engine.errors import DecodeLimitError, InvalidInputError, RequestFailedError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.sampling import MAX_SEED, SamplingOptions
@@ -210,18 +208,16 @@ def test_a_request_past_its_audio_ceiling_ends_with_413_and_frees_its_slot(tts: 
     assert scheduler.stats.over_limit == 1 and scheduler.live == 0 and scheduler.llm.active == 0
 
 
-def test_a_request_past_its_deadline_ends_with_413_queued_or_live(
-    tts: CosyVoice, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    scheduler = Scheduler(tts.decoder, max_live=1, max_request_s=10.0)
+def test_a_request_past_its_deadline_ends_with_413_queued_or_live(tts: CosyVoice) -> None:
+    now = [0.0]
+    scheduler = Scheduler(tts.decoder, max_live=1, max_request_s=10.0, clock=lambda: now[0])
     live, queued = Collected(), Collected()
     scheduler.submit([_segment(tts, "Too slow for its deadline.", 1, 20.0)], streaming=True, sink=live)
     scheduler.submit([_segment(tts, "Queued behind it.", 2, 20.0)], streaming=False, sink=queued)
     for _ in range(3):
         scheduler.step()
     assert scheduler.live == 1 and scheduler.queued == 1
-    later = time.monotonic() + 11.0
-    monkeypatch.setattr(engine.scheduler.time, "monotonic", lambda: later)
+    now[0] = 10.5
     scheduler.step()
     for sink in (live, queued):
         assert isinstance(sink.error, DecodeLimitError) and "longer than the limit of 10 s" in sink.error.message

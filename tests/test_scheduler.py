@@ -14,6 +14,7 @@ import pytest
 
 from engine.errors import CosyVoiceError, RequestTooLargeError, UnavailableError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
+from engine.playback import FcfsPolicy
 from engine.sampling import SamplingOptions
 from engine.scheduler import Output, Scheduler
 
@@ -156,7 +157,8 @@ def test_the_memory_budget_counts_each_request_by_its_own_length(tts: CosyVoice)
     short_bytes, long_bytes = probe.memory_estimate(short), probe.memory_estimate(long)
     assert long_bytes > 3 * short_bytes
     # Room for the long one and two short ones, not for two long ones.
-    scheduler = Scheduler(tts.decoder, max_live=8, memory_budget_bytes=long_bytes + 2 * short_bytes)
+    budget = long_bytes + 2 * short_bytes
+    scheduler = Scheduler(tts.decoder, max_live=8, memory_budget_bytes=budget, policy=FcfsPolicy())
     for segment in (long, long, short, short):
         scheduler.submit([segment], streaming=False, sink=Collected())
     scheduler.step()

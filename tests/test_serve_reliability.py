@@ -195,15 +195,18 @@ def _decoding() -> float:
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(base_url: str, voice: str) -> None:
     _wait_for(lambda: _decoding() == 0, 60, "idle decoders before the test")
-    # One sentence forced to 72 s of speech: one decoder call that runs far longer than the freeing wait below
+    # One sentence forced to 58 s of speech: one decoder call that runs far longer than the freeing wait below
     # (the decoder runs ahead of the client, so only a cancel can end it early).
     body = {
-        "text": "One long sentence keeps the decoder busy.",
+        "text": (
+            "One long sentence keeps the decoder busy, and it goes on and on with many more words in it so that it "
+            "lasts a long while."
+        ),
         "voice": voice,
         "format": "pcm",
         "stream": True,
         "seed": 1,
-        "sampling": {"min_token_text_ratio": 400.0, "max_token_text_ratio": 400.0},
+        "sampling": {"min_token_text_ratio": 100.0, "max_token_text_ratio": 100.0},
     }
     with (
         httpx.Client(base_url=base_url, timeout=120, headers=AUTH) as http,

@@ -19,7 +19,7 @@ from serve_app.args import DecoderArgs
 from serve_app.voice_registry import EVERYONE
 
 APP = "scheduler"
-BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; "Hi." at 1000 tokens per text token ~800
+BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; the 29-token sentence at 100 per token ~660
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def _stats(decoder: Any) -> dict[str, Any]:
 
 
 def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model(decoder: Any) -> None:
-    long_stream = _encode("A long streaming request keeps the loop busy.", ratio=150, seed=1)
+    long_stream = _encode("A long streaming request keeps the loop busy.", ratio=100, seed=1)
     [short] = _encode("Short.", ratio=4, seed=2)
     chunks = decoder.stream.options(stream=True).remote(long_stream, "long")
     assert len(next(chunks)) > 0  # the long stream is decoding: about 1350 tokens, the first chunk at 120
@@ -71,7 +71,7 @@ def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model
 def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder: Any) -> None:
     wait_until(lambda: not _stats(decoder)["loop_busy"], 30, "an idle loop")
     assert _stats(decoder)["admission_wait_s"] == 0.0  # an admission batch of an idle loop waits for no other
-    long_stream = _encode("A long streaming request keeps the loop busy.", ratio=150, seed=3)
+    long_stream = _encode("A long streaming request keeps the loop busy.", ratio=100, seed=3)
     chunks = decoder.stream.options(stream=True).remote(long_stream, "busy")
     assert len(next(chunks)) > 0
     busy = _stats(decoder)
@@ -83,9 +83,13 @@ def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder:
 
 def test_a_request_that_can_never_fit_is_refused_with_413(base_url: str) -> None:
     with httpx.Client(base_url=base_url, timeout=120) as http:
-        huge = {"min_token_text_ratio": 1000.0, "max_token_text_ratio": 1000.0}
+        huge = {"min_token_text_ratio": 100.0, "max_token_text_ratio": 100.0}
+        text = (
+            "One long sentence keeps the decoder busy, and it goes on and on with many more words in it so that it "
+            "lasts a long while."
+        )
         for stream in (False, True):
-            body = {"text": "Hi.", "voice": "dummy_female", "stream": stream, "format": "pcm", "sampling": huge}
+            body = {"text": text, "voice": "dummy_female", "stream": stream, "format": "pcm", "sampling": huge}
             response = http.post("/v1/tts", json=body)
             assert response.status_code == 413, response.text
             assert "budget" in response.json()["error"]["message"]

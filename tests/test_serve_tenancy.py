@@ -205,8 +205,12 @@ def test_no_limit_when_none_or_keys_off() -> None:
 # --- on a real Serve app ----------------------------------------------------------------------------------
 
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights rarely stop by themselves
-# One sentence forced to ~72 s of speech: a stream that lasts far longer than the test holds it.
-FORCED_LENGTH = {"min_token_text_ratio": 400.0, "max_token_text_ratio": 400.0}
+# One sentence forced to ~58 s of speech: a stream that lasts far longer than the test holds it.
+LONG_TEXT = (
+    "One long sentence keeps the decoder busy, and it goes on and on with many more words in it so that it "
+    "lasts a long while."
+)
+FORCED_LENGTH = {"min_token_text_ratio": 100.0, "max_token_text_ratio": 100.0}
 LONG_STREAM = {"format": "pcm", "stream": True, "sampling": FORCED_LENGTH}
 UNKNOWN_VOICE = "voice_0123456789ab"
 
@@ -337,7 +341,7 @@ def test_one_key_cannot_fill_the_registry(clients: dict[str, httpx.Client]) -> N
 def test_a_key_over_its_limit_gets_429_and_every_slot_comes_back(clients: dict[str, httpx.Client]) -> None:
     alice, bob = clients["alice"], clients["bob"]
     short = {"text": "Hi.", "voice": "dummy_female", "format": "pcm", **SHORT}
-    long = {"text": "One long sentence keeps the decoder busy.", "voice": "dummy_female", **LONG_STREAM}
+    long = {"text": LONG_TEXT, "voice": "dummy_female", **LONG_STREAM}
     with ExitStack() as streams:
         pieces = []
         for _ in range(LIMIT):

@@ -23,6 +23,7 @@ from engine.loader import PRESET_VOICE_MODELS
 from engine.voice_cloning import PROMPT_SAMPLE_RATES, PromptAudioLimits, VoiceCloner, decode_prompt_audio
 from serve_app.app import voice_cloning_config
 from serve_app.args import AppArgs, LimitsArgs
+from serve_app.voice_registry import EVERYONE
 
 MAX_GROWTH_BYTES = 200 << 20  # the refused uploads below would take 300 MB to gigabytes if decoded whole
 MAX_REFUSAL_S = 5.0  # generous: the bounded refusals take milliseconds
@@ -164,13 +165,13 @@ UPLOADS = {  # name: (file, message)
 def test_the_encoder_refuses_bad_uploads_fast(encoder: Encoder, make: Callable[[], bytes], message: str) -> None:
     upload = make()
     with bounded_in_time_and_memory(), pytest.raises(InvalidInputError, match=re.escape(message)) as refused:
-        encoder.register_voice(upload, "Hello there.")
+        encoder.register_voice(upload, "Hello there.", None, EVERYONE)
     assert refused.value.http_status == 400
-    assert encoder.list_voices() == []
+    assert encoder.list_voices(EVERYONE) == []
 
 
 def test_the_encoder_registers_a_stereo_44100_hz_upload(encoder: Encoder) -> None:
-    record = encoder.register_voice(tone_wav(3.0, 44100, channels=2), "Hello there.", "stereo")
+    record = encoder.register_voice(tone_wav(3.0, 44100, channels=2), "Hello there.", "stereo", EVERYONE)
     assert record["name"] == "stereo" and record["duration_s"] == pytest.approx(3.0)
-    assert encoder.registered_prompt(record["id"]) is not None
-    assert encoder.delete_voice(record["id"])
+    assert encoder.registered_prompt(record["id"], EVERYONE) is not None
+    assert encoder.delete_voice(record["id"], EVERYONE)
