@@ -26,6 +26,7 @@ from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sa
 from engine.errors import CosyVoiceError, RequestFailedError, UnavailableError
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
+from engine.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
 from engine.precision import FALLBACKS
 from engine.scheduler import Output, Scheduler, Ticket
 from observability import STRUCTURED_LOGGING
@@ -81,7 +82,9 @@ class Decoder:
         max_vocode_batch: int | None = None,
         max_audio_s: float | None = None,
         max_request_s: float | None = None,
+        scheduling: dict[str, Any] | None = None,
     ) -> None:
+        """`scheduling`: the app args' `scheduler` section (policy name and its settings)."""
         device, dtype = resolve_device_and_dtype(use_gpu, dtype)
         self.device = torch.device(device)
         if self.device.type == "cuda" and gpu_fraction:
@@ -96,6 +99,8 @@ class Decoder:
             max_vocode_batch=max_vocode_batch,
             max_audio_s=max_audio_s,
             max_request_s=max_request_s,
+            policy=scheduling_policy(scheduling or {}),
+            on_request_end=self._request_ended,
         )
         gpu = GpuProbe(torch.cuda.current_device()) if self.device.type == "cuda" else None
         # NVML read about once a second in the background; None (busy time instead) without a GPU or NVML.
@@ -240,6 +245,11 @@ class Decoder:
         self._admit.set_batch_wait_timeout_s(self.admission_wait_s)
         self._publish_load()
 
+    def _request_ended(self, ticket: Ticket, error: CosyVoiceError | None) -> None:
+        """On the loop thread: what the request's listener felt, exported."""
+        playback = ticket.playback
+        self.metrics.record_playback(ticket.streaming, playback.first_audio_s, playback.underruns, playback.min_slack_s)
+
     def _publish_load(self) -> None:
         self.metrics.queue_depth.set(self.load.waiting)
         self.metrics.ongoing.set(self.load.ongoing)
@@ -278,6 +288,9 @@ class Decoder:
             "admitted": stats.admitted,
             "cancelled": stats.cancelled,
             "request_faults": stats.request_faults,
+            "policy": self.scheduler.policy.name,
+            "preempted": stats.preempted,
+            "resumed": stats.resumed,
             "over_limit": stats.over_limit,
             "loop_failed": self.scheduler.failure is not None,
             "live": self.scheduler.live,
@@ -298,6 +311,13 @@ class Decoder:
         """The autoscaling policy's inputs (numbers only: anything else makes Serve stop collecting)."""
         self._publish_load()
         return self.load.snapshot()
+
+
+def scheduling_policy(settings: dict[str, Any]) -> SchedulingPolicy:
+    """The loop's policy from the app args' `scheduler` section: {"policy": "deadline" | "fcfs", its settings}."""
+    settings = dict(settings)
+    name = settings.pop("policy", "deadline")
+    return FcfsPolicy() if name == "fcfs" else DeadlinePolicy(**settings)
 
 
 def _gib(size_gb: float | None) -> int | None:

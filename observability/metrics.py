@@ -7,6 +7,8 @@ application tags); the autoscaling policy builds its counter on the controller. 
 
 from __future__ import annotations
 
+import math
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 SECONDS_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
@@ -27,6 +29,12 @@ AUTOSCALING_DECISIONS = "cosyvoice_autoscaling_decisions_total"
 UTILIZATION_FROM_BUSY_TIME = "cosyvoice_decoder_utilization_from_busy_time"
 PRECISION_FALLBACKS = "cosyvoice_decoder_precision_fallbacks_total"
 DECODER_LOOP_FAILURES = "cosyvoice_decoder_loop_failures_total"
+DECODER_FIRST_AUDIO = "cosyvoice_decoder_time_to_first_audio_seconds"
+STREAM_UNDERRUNS = "cosyvoice_decoder_stream_underruns_total"
+STREAM_MIN_SLACK = "cosyvoice_decoder_stream_min_slack_seconds"
+# The least slack of a stream (Ray's buckets are positive: a stream that stalled counts as 0, in the first bucket;
+# the underruns counter counts its stalls)
+SLACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class IngressMetrics:
@@ -76,6 +84,21 @@ class DecoderMetrics:
             "1: the replica reports its busy-time fraction as autoscaling utilization (no GPU, or NVML unavailable); "
             "0: NVML GPU utilization",
         )
+        self.first_audio = Histogram(
+            DECODER_FIRST_AUDIO,
+            "A request's arrival in the decoder loop to its first audio handed on (whole: to its audio), by path",
+            SECONDS_BUCKETS,
+            ("path",),
+        )
+        self.underruns = Counter(
+            STREAM_UNDERRUNS,
+            "Stream chunks handed on after the stream's listener (playing at 1x from its first chunk) had run out",
+        )
+        self.min_slack = Histogram(
+            STREAM_MIN_SLACK,
+            "Per stream, the least audio its listener had left when a chunk was handed on (0 if it stalled)",
+            SLACK_BUCKETS,
+        )
         self.loop_failures = Counter(
             DECODER_LOOP_FAILURES,
             "Decoder loops ended by a fault no single request explains (their requests got 503; the replica is "
@@ -87,6 +110,17 @@ class DecoderMetrics:
             "recovered: whether float32 was finite",
             ("stage", "recovered"),
         )
+
+    def record_playback(
+        self, streaming: bool, first_audio_s: float | None, underruns: int, min_slack_s: float
+    ) -> None:
+        """What a request's listener felt, once it ended (engine.playback.PlaybackClock's figures)."""
+        if first_audio_s is not None:
+            self.first_audio.observe(first_audio_s, {"path": "stream" if streaming else "whole"})
+        if streaming and underruns:
+            self.underruns.inc(underruns)
+        if streaming and math.isfinite(min_slack_s):
+            self.min_slack.observe(max(0.0, min_slack_s))
 
     def record_precision_fallback(self, stage: str, recovered: bool) -> None:
         """A listener for engine.precision.FALLBACKS."""

@@ -597,7 +597,11 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         backpressure_config=backpressure,
         ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.encoder.resources),
     ).bind(args.model, args.encoder.int8, args.limits.max_input_chars, voice_cloning_config(args))
-    decoder_ceilings = {"max_audio_s": args.limits.max_audio_s, "max_request_s": args.limits.max_stream_s}
+    decoder_loop = {
+        "max_audio_s": args.limits.max_audio_s,
+        "max_request_s": args.limits.max_stream_s,
+        "scheduling": args.scheduler.model_dump(),
+    }
     decoder_scaling = args.decoder.autoscaling
     gpu_rules = decoder_scaling.scaling_rules() if decoder_scaling else None
     decoder = Decoder.options(
@@ -617,7 +621,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_concurrent_batches=args.decoder.max_concurrent_batches,
         gpu_fraction=args.decoder.num_gpus,
         max_vocode_batch=args.decoder.max_vocode_batch,
-        **decoder_ceilings,
+        **decoder_loop,
     )
     fallback = args.decoder_cpu
     decoder_cpu = None
@@ -637,7 +641,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             dtype="float32",
             max_batch_size=fallback.max_batch_size,
             batch_wait_timeout_s=fallback.batch_wait_timeout_s,
-            **decoder_ceilings,
+            **decoder_loop,
         )
     return TTSIngress.options(
         num_replicas=args.ingress.num_replicas,

@@ -130,6 +130,38 @@ class DecoderArgs(_Strict):
         return self.max_ongoing_requests or 2 * self.max_batch_size * self.max_concurrent_batches
 
 
+class SchedulerArgs(_Strict):
+    """The order of every decoder replica's loop (engine.playback, docs/scheduler.md)."""
+
+    policy: Literal["deadline", "fcfs"] = Field(
+        "deadline",
+        description="deadline: earliest playback deadline first, streams with slack paused for earlier deadlines; "
+        "fcfs: a running request's next sentence first, then the oldest new request (the order before deadlines)",
+    )
+    target_first_audio_s: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="a new stream's deadline for its first audio, after its arrival in the decoder (on CPU the tiny "
+        "model's idle time to first audio is ~0.6 s, the real-size model's ~5 s: there the deadline orders, it "
+        "cannot be met)",
+    )
+    whole_deadline_factor: float = Field(
+        2.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="a whole request's deadline: its arrival + this x its estimated audio length (0.3 s per text "
+        "token)",
+    )
+    min_preempt_slack_s: float = Field(
+        2.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="a generating sentence is paused for an earlier deadline only if its own is at least this far "
+        "off, and this much later than the waiting one's",
+    )
+
+
 class LimitsArgs(_Strict):
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
@@ -322,6 +354,7 @@ class AppArgs(_Strict):
     decoder: DecoderArgs = DecoderArgs()
     limits: LimitsArgs = LimitsArgs()
     decoder_cpu: CpuFallbackArgs = CpuFallbackArgs()
+    scheduler: SchedulerArgs = SchedulerArgs()
     security: SecurityArgs = SecurityArgs()
     openai: OpenAIArgs = OpenAIArgs()
     voices_dir: str | None = Field(

@@ -142,3 +142,17 @@ def test_openai_speech_is_sent_whole_where_the_format_or_the_family_cannot_strea
     assert openai_mode("audio", "mp3", V2_INFO, 1.5) == "stream"  # v1/v2 stretch each chunk
     assert openai_mode("audio", "mp3", V3_INFO, 1.0) == "stream"
     assert openai_mode("audio", "mp3", V3_INFO, 1.5) == "whole"  # CosyVoice3 applies speed to whole requests only
+
+
+def test_the_scheduler_app_args_make_the_decoder_loops_policy() -> None:
+    from deployments.decoder import scheduling_policy
+    from engine.playback import DeadlinePolicy, FcfsPolicy
+    from serve_app.args import AppArgs
+
+    assert scheduling_policy(AppArgs().scheduler.model_dump()) == DeadlinePolicy()
+    args = AppArgs.model_validate({"scheduler": {"policy": "deadline", "target_first_audio_s": 3.0}})
+    assert scheduling_policy(args.scheduler.model_dump()).target_first_audio_s == 3.0
+    fcfs = AppArgs.model_validate({"scheduler": {"policy": "fcfs"}}).scheduler
+    assert isinstance(scheduling_policy(fcfs.model_dump()), FcfsPolicy)
+    with pytest.raises(ValueError, match="policy"):
+        AppArgs.model_validate({"scheduler": {"policy": "lifo"}})
