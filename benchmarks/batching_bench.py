@@ -5,7 +5,11 @@ the LLM alone and for the whole decoder (LLM + flow + HiFT); then the time to th
 of a 20 s utterance against its full (non-streaming) synthesis time. All in one process, side by side.
 
     python -m benchmarks.batching_bench --out out/batching.json [--model dummy] [--seconds 2] [--batches 1 2 4 8 16]
-        [--stream-seconds 20] [--int8]
+        [--stream-seconds 20] [--int8] [--repeats 3] [--warmup 1]
+
+Every figure is the median of `--repeats` timed runs after `--warmup` untimed ones, with `<key>_spread` beside it
+(`benchmarks.timing`). A batch-8 / batch-1 throughput ratio outside [0, 8] is not a measurement: its key is null
+and `failed_measurements` says why.
 
 The streaming keys name the utterance's length (`first_chunk_fraction_20s` for `--stream-seconds 20`).
 
@@ -17,49 +21,110 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from benchmarks.engine_bench import bench_parser, fixed_length_segments, timed, write_json
+from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
+from benchmarks.timing import (
+    BATCH_RATIO_BOUND,
+    DEFAULT_REPEATS,
+    DEFAULT_WARMUP,
+    FailedMeasurements,
+    Timing,
+    measure,
+    paired,
+    ratio,
+)
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
 
 
-def measure_batches(decoder: SpeechDecoderStage, segments_for, batches: list[int], audio_seconds: float) -> dict:
+def measure_batches(
+    decoder: SpeechDecoderStage,
+    segments_for: Callable[[int], list[EncodedSegment]],
+    batches: list[int],
+    audio_seconds: float,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
+) -> dict[str, Any]:
     """For each batch size, `segments_for(batch)` (fixed-length segments of `audio_seconds` each) through the LLM
-    alone, then through the whole decoder."""
+    alone, then through the whole decoder; each after `warmup` untimed runs, `repeats` times (`benchmarks.timing`).
+    Each row keeps its Timings under "timings" (not JSON: `report_rows` drops them)."""
     rows = []
     for batch in batches:
         segments = segments_for(batch)
-        tokens, llm_s = timed(decoder.generate_tokens, segments)
-        _, decoder_s = timed(decoder.decode_batch, segments)
+        tokens, llm_s = measure(lambda s=segments: decoder.generate_tokens(s), repeats, warmup)
+        _, decoder_s = measure(lambda s=segments: decoder.decode_batch(s), repeats, warmup)
         audio = batch * audio_seconds
-        rows.append(
-            {
-                "batch": batch,
-                "llm_seconds": llm_s,
-                "decoder_seconds": decoder_s,
-                "llm_throughput": audio / llm_s,
-                "decoder_throughput": audio / decoder_s,
-                "llm_ms_per_token_step": 1000 * llm_s / max(len(t) for t in tokens),
-                "latency_s": decoder_s,  # every request of a fixed-length batch finishes with the batch
-            }
+        steps = max(len(t) for t in tokens)
+        timings = {
+            "llm_seconds": llm_s,
+            "decoder_seconds": decoder_s,
+            "llm_throughput": llm_s.map(lambda s, a=audio: a / s),
+            "decoder_throughput": decoder_s.map(lambda s, a=audio: a / s),
+            "llm_ms_per_token_step": llm_s.map(lambda s, n=steps: 1000 * s / n),
+            "latency_s": decoder_s,  # every request of a fixed-length batch finishes with the batch
+        }
+        row: dict[str, Any] = {"batch": batch, "timings": timings}
+        for name, timing in timings.items():
+            row |= timing.fields(name)
+        rows.append(row)
+        print(
+            f"batch {batch:2d}: LLM {row['llm_throughput']:.3f}, decoder {row['decoder_throughput']:.3f} audio s/s"
+            f" (median of {repeats})"
         )
-        row = rows[-1]
-        print(f"batch {batch:2d}: LLM {row['llm_throughput']:.3f}, decoder {row['decoder_throughput']:.3f} audio s/s")
     return {"rows": rows}
 
 
-def measure_first_chunk(decoder: SpeechDecoderStage, segment: EncodedSegment) -> dict:
-    start = time.perf_counter()
-    first = None
-    for outputs in decoder.open_stream([segment]):
-        if first is None and outputs[0] is not None and len(outputs[0]):
-            first = time.perf_counter() - start
-    stream_total = time.perf_counter() - start
-    _, full = timed(decoder.decode_batch, [segment])
-    return {"first_chunk_s": first, "stream_total_s": stream_total, "full_synthesis_s": full}
+def report_rows(batching: dict[str, Any]) -> dict[str, Any]:
+    """`measure_batches`' result for the JSON: the rows without their Timing objects."""
+    return {"rows": [{k: v for k, v in row.items() if k != "timings"} for row in batching["rows"]]}
+
+
+def throughput_ratios(
+    rows: list[dict[str, Any]], batch: int, failed: FailedMeasurements, suffix: str = ""
+) -> dict[str, Any]:
+    """`<part>_throughput_ratio_b<batch>_vs_b1<suffix>` for the LLM alone and the whole decoder: the median of the
+    repeat-by-repeat ratios and their spread, bound-checked within [0, batch] (null and listed in `failed`
+    outside)."""
+    by_batch = {r["batch"]: r["timings"] for r in rows}
+    result: dict[str, Any] = {}
+    for part in ("llm", "decoder"):
+        key = f"{part}_throughput"
+        throughput = paired(ratio, by_batch[batch][key], by_batch[1][key])
+        result |= failed.bounded_fields(
+            f"{part}_throughput_ratio_b{batch}_vs_b1{suffix}", throughput, 0.0, float(batch), BATCH_RATIO_BOUND
+        )
+    return result
+
+
+def measure_first_chunk(
+    decoder: SpeechDecoderStage, segment: EncodedSegment, repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP
+) -> dict[str, Any]:
+    """Seconds to the first non-empty chunk of streaming `segment` and to its end, and of its whole (non-streamed)
+    synthesis, and the first chunk's fraction of the whole synthesis (repeat by repeat); each the median of
+    `repeats` runs after `warmup` untimed ones, with its spread."""
+    firsts: list[float | None] = []
+
+    def stream() -> None:
+        start, first = time.perf_counter(), None
+        for outputs in decoder.open_stream([segment]):
+            if first is None and outputs[0] is not None and len(outputs[0]):
+                first = time.perf_counter() - start
+        firsts.append(first)
+
+    _, stream_total = measure(stream, repeats, warmup)
+    firsts = firsts[warmup:]
+    _, full = measure(lambda: decoder.decode_batch([segment]), repeats, warmup)
+    result: dict[str, Any] = {**stream_total.fields("stream_total_s"), **full.fields("full_synthesis_s")}
+    if None in firsts:  # no audio came: no first chunk to report
+        missing = {"first_chunk_s": None, "first_chunk_s_spread": None, "fraction": None, "fraction_spread": None}
+        return {**missing, **result}
+    first = Timing(tuple(firsts))
+    return {**first.fields("first_chunk_s"), **result, **paired(ratio, first, full).fields("fraction")}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -94,37 +159,51 @@ def main() -> None:
     parser.add_argument("--stream-seconds", type=float, default=20.0)
     parser.add_argument("--int8", action="store_true", help="also sweep with an INT8 decoder LLM")
     args = parser.parse_args()
+    if 1 not in args.batches:
+        parser.error("--batches must include 1 (what the throughput ratios compare with)")
     torch.set_num_threads(args.threads)
 
-    result: dict = {"model": args.model, "threads": args.threads, "audio_seconds_per_request": args.seconds}
+    result: dict = {
+        "model": args.model,
+        "threads": args.threads,
+        "audio_seconds_per_request": args.seconds,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+    }
+    failed = FailedMeasurements()
     for int8 in (False, True) if args.int8 else (False,):
         suffix = "_int8" if int8 else ""
         print(f"-- decoder LLM in {'INT8' if int8 else 'float32'}")
         model = load_model(args.model, int8=int8)
         encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-        decoder.decode_batch(fixed_length_segments(encoder, 0.5))  # warm-up
         batching = measure_batches(
-            decoder, lambda n, e=encoder: fixed_length_segments(e, args.seconds, n), args.batches, args.seconds
+            decoder,
+            lambda n, e=encoder: fixed_length_segments(e, args.seconds, n),
+            args.batches,
+            args.seconds,
+            args.repeats,
+            args.warmup,
         )
-        by_batch = {r["batch"]: r for r in batching["rows"]}
-        result[f"batching{suffix}"] = batching
-        result[f"rtf_b1{suffix}"] = 1 / by_batch[1]["decoder_throughput"]
-        result[f"llm_ms_per_token_b1{suffix}"] = by_batch[1]["llm_ms_per_token_step"]
-        if 8 in by_batch:
-            for part in ("llm", "decoder"):
-                ratio = by_batch[8][f"{part}_throughput"] / by_batch[1][f"{part}_throughput"]
-                result[f"{part}_throughput_ratio_b8_vs_b1{suffix}"] = ratio
+        b1 = next(r for r in batching["rows"] if r["batch"] == 1)["timings"]
+        result[f"batching{suffix}"] = report_rows(batching)
+        result |= b1["decoder_seconds"].map(lambda s: s / args.seconds).fields(f"rtf_b1{suffix}")
+        result |= b1["llm_ms_per_token_step"].fields(f"llm_ms_per_token_b1{suffix}")
+        if 8 in args.batches:
+            result |= throughput_ratios(batching["rows"], 8, failed, suffix)
         if not int8:
             [segment] = fixed_length_segments(encoder, args.stream_seconds)
-            streaming = measure_first_chunk(decoder, segment)
+            streaming = measure_first_chunk(decoder, segment, args.repeats, args.warmup)
             result[f"streaming_{args.stream_seconds:g}s"] = streaming
-            fraction = streaming["first_chunk_s"] / streaming["full_synthesis_s"]
-            result[f"first_chunk_fraction_{args.stream_seconds:g}s"] = fraction
+            name = f"first_chunk_fraction_{args.stream_seconds:g}s"
+            result |= {name: streaming["fraction"], f"{name}_spread": streaming["fraction_spread"]}
         del model, encoder, decoder
+    result["failed_measurements"] = failed.entries
     write_json(result, args.out)
     plot(result, args.out.with_suffix(".png"))
-    summary = {k: v for k, v in result.items() if not isinstance(v, dict)}
+    summary = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
     print(json.dumps(summary, indent=2))
+    for entry in failed.entries:
+        print(f"failed measurement: {entry['name']} = {entry['value']} ({entry['why']})")
 
 
 if __name__ == "__main__":

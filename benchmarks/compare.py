@@ -10,8 +10,14 @@ In one run, on 127.0.0.1, the same engine and weights:
    client and at the compared level.
 
 How much load each part sends is the model's profile (`PROFILES`: the real-size dummy is ~50x slower than tiny
-and its profile is sized for an estimated half hour on a quiet 2-core machine); `--requests` and `--rates`
+and its profile is sized for an estimated half hour per repeat on a quiet 2-core machine); `--requests` and `--rates`
 override it. The JSON records the profile used (`setup.profile`).
+
+Every figure is taken `--repeats` times (default 3; each closed-loop level, Poisson rate, probe and the
+overhead measure), after `--warmup` untimed requests: a key holds the median of the repeats and `<key>_spread`
+beside it their {min, max, n}; per-request percentiles pool every repeat's requests (`benchmarks.timing`). A
+ratio outside its physical bound (8 clients or batch 8 above 8x one, below 0; an efficiency above what they
+allow) is null, and `failed_measurements` lists it with its raw value and why.
 
 Headline keys:
 - `throughput_ratio_c8`: audio seconds per second of whole requests at 8 clients, ours / baseline;
@@ -20,11 +26,12 @@ Headline keys:
 - `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones (~8 s of audio each) stream /
   on an idle server;
 - `overhead_ms_c1`: p50 of (latency through Ray Serve - latency in-process) of whole requests, one at a time,
-  each request in-process then through Ray Serve (so that a shared machine's drifting load hits both alike, and
-  each difference compares the same text);
+  its median over the repeats; each request in-process then through Ray Serve (so that a shared machine's
+  drifting load hits both alike, and each difference compares the same text);
 - `openai_first_byte_fraction_20s`: first byte of `/v1/audio/speech` (~20 s of audio) / its full time.
 
     python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests N] [--rates R ...]
+        [--repeats 3] [--warmup 1]
     python -m benchmarks.compare --out out/overhead.json --overhead-only   # only `overhead_ms_c1`
 
 Writes the JSON and a PNG beside it (same name, .png; none with --overhead-only).
@@ -35,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -58,14 +66,24 @@ from benchmarks.http_bench import (
     PCM_BYTES_PER_SAMPLE,
     TEXTS,
     LevelResult,
+    LevelRun,
     Workload,
     free_port,
+    level_dict,
     local_server,
     one_request,
     percentiles,
     print_table,
     run_sweep,
     summarize,
+)
+from benchmarks.timing import (
+    BATCH_RATIO_BOUND,
+    FailedMeasurements,
+    Timing,
+    add_repeat_options,
+    paired,
+    ratio,
 )
 from engine.sampling import SamplingOptions
 
@@ -83,16 +101,18 @@ class Profile:
     """How much load the comparison sends (the texts are the workload's 1-, 2- and 4-sentence ones, at 3
     speech tokens per text token: 0.2 / 0.9 / 2.3 s of audio)."""
 
-    requests: int  # per closed-loop level, per Poisson rate, and request pairs of the overhead measure
+    requests: int  # per repeat: per closed-loop level, per Poisson rate, and request pairs of the overhead measure
     rates: tuple[float, ...]  # Poisson arrivals per second, one level each
 
-    def workload(self, clients: tuple[int, ...]) -> Workload:
-        return replace(Workload(), concurrencies=clients, requests_per_level=self.requests)
+    def workload(self, clients: tuple[int, ...], repeats: int, warmup: int) -> Workload:
+        return replace(
+            Workload(), concurrencies=clients, requests_per_level=self.requests, repeats=repeats, warmup=warmup
+        )
 
 
 # dummy: sized from the engine's RTF of ~5.5 at batch 1 on this 2-core CPU (~6 s per request of the mixed texts):
-# an estimated 25-35 minutes on a quiet machine, the OpenAI ~20 s text and the late-arrival probe (its long streams
-# are cancelled once it has measured) included.
+# an estimated 25-35 minutes per repeat on a quiet machine, the OpenAI ~20 s text and the late-arrival probe (its
+# long streams are cancelled once it has measured) included.
 PROFILES = {"tiny": Profile(requests=16, rates=(0.5, 1.0)), "dummy": Profile(requests=16, rates=(0.25, 0.5))}
 
 
@@ -126,39 +146,62 @@ def baseline_server(model: str, device: str, ready_timeout_s: float = 300.0) -> 
             process.kill()
 
 
-def in_process(tts: Any, compared: int) -> dict[str, Any]:
-    """The engine alone: decoder throughput at batch 1 and `compared` (fixed-length requests)."""
+def in_process(
+    tts: Any, compared: int, workload: Workload, failed: FailedMeasurements
+) -> tuple[dict[str, Any], Timing | None]:
+    """The engine alone: decoder throughput at batch 1 and `compared` (fixed-length requests), each the median of
+    `workload.repeats` after `workload.warmup` untimed runs -> (the report's fields, the repeat-by-repeat ratio of
+    the two throughputs: None, its keys null and its failure in `failed`, outside [0, compared])."""
 
     def segments(count: int) -> list[Any]:
         return fixed_length_segments(tts.encoder, ENGINE_AUDIO_S, count)
 
-    tts.decoder.decode_batch(segments(1))  # warm-up
-    rows = {row["batch"]: row for row in measure_batches(tts.decoder, segments, [1, compared], ENGINE_AUDIO_S)["rows"]}
-    return {
-        "decoder_throughput_b1": rows[1]["decoder_throughput"],
-        f"decoder_throughput_b{compared}": rows[compared]["decoder_throughput"],
-        "decoder_ratio_vs_b1": rows[compared]["decoder_throughput"] / rows[1]["decoder_throughput"],
+    batching = measure_batches(tts.decoder, segments, [1, compared], ENGINE_AUDIO_S, workload.repeats, workload.warmup)
+    rows = {row["batch"]: row["timings"]["decoder_throughput"] for row in batching["rows"]}
+    engine_ratio = paired(ratio, rows[compared], rows[1])
+    fields = {
+        **rows[1].fields("decoder_throughput_b1"),
+        **rows[compared].fields(f"decoder_throughput_b{compared}"),
+        **failed.bounded_fields(
+            "engine.decoder_ratio_vs_b1",
+            engine_ratio,
+            0.0,
+            float(compared),
+            BATCH_RATIO_BOUND,
+            key="decoder_ratio_vs_b1",
+        ),
     }
+    return fields, None if fields["decoder_ratio_vs_b1"] is None else engine_ratio
 
 
 def interleaved_overhead(url: str, tts: Any, workload: Workload) -> dict[str, Any]:
     """Whole requests one at a time, each in-process and then through Ray Serve, so that the load of a shared
-    machine drifts over both alike -> the p50 of the per-request differences in ms, and each side's latencies."""
+    machine drifts over both alike; `workload.repeats` rounds of `requests_per_level` pairs after
+    `workload.warmup` untimed pairs -> "ms": the median over the rounds of each round's p50 of the per-request
+    differences in ms (with "ms_spread"), and the percentiles of all rounds' differences and latencies."""
     voice = tts.voices[0]
-    local, served = [], []
+    local, served, round_p50s = [], [], []
+
+    def pair(http: httpx.Client, index: int) -> tuple[float, float]:
+        body = {**workload.body(index, stream=False), "voice": voice}
+        started = time.perf_counter()
+        tts.synthesize(body["text"], voice, seed=body["seed"], **body.get("sampling", {}))
+        alone = time.perf_counter() - started
+        started = time.perf_counter()
+        http.post("/v1/tts", json=body).raise_for_status()
+        return alone, time.perf_counter() - started
+
     with httpx.Client(base_url=url, timeout=workload.timeout_s) as http:
-        http.post("/v1/tts", json={**workload.body(0, stream=False), "voice": voice}).raise_for_status()  # warm-up
-        for index in range(workload.requests_per_level):
-            body = {**workload.body(index, stream=False), "voice": voice}
-            started = time.perf_counter()
-            tts.synthesize(body["text"], voice, seed=body["seed"], **body.get("sampling", {}))
-            local.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            http.post("/v1/tts", json=body).raise_for_status()
-            served.append(time.perf_counter() - started)
+        for index in range(workload.warmup):
+            pair(http, index)
+        for _ in range(workload.repeats):
+            pairs = [pair(http, index) for index in range(workload.requests_per_level)]
+            round_p50s.append(percentiles([1000 * (ray - alone) for alone, ray in pairs])["p50"])
+            local += [alone for alone, _ in pairs]
+            served += [ray for _, ray in pairs]
     differences_ms = [1000 * (ray - alone) for ray, alone in zip(served, local, strict=True)]
     return {
-        "ms": percentiles(differences_ms)["p50"],
+        **Timing(tuple(round_p50s)).fields("ms"),
         "difference_ms": percentiles(differences_ms),
         "in_process_s": percentiles(local),
         "ray_serve_s": percentiles(served),
@@ -184,28 +227,46 @@ def text_for_audio_seconds(tts: Any, seconds: float, max_token_text_ratio: float
 
 
 async def poisson_level(client: httpx.AsyncClient, workload: Workload, rate: float, sample_rate: int) -> LevelResult:
-    """`requests_per_level` streaming requests whose arrivals are a Poisson process of `rate` per second."""
+    """`workload.repeats` times: `requests_per_level` streaming requests whose arrivals are a Poisson process of
+    `rate` per second (each repeat its own arrival times)."""
     rng = random.Random(int(rate * 1000))
-    tasks, started = [], time.perf_counter()
-    for index in range(workload.requests_per_level):
-        tasks.append(asyncio.create_task(one_request(client, workload.body(index, stream=True), sample_rate)))
-        await asyncio.sleep(rng.expovariate(rate))
-    samples = await asyncio.gather(*tasks)
-    return summarize(f"poisson_{rate:g}", 0, samples, time.perf_counter() - started)
+    runs = []
+    for _ in range(workload.repeats):
+        tasks, started = [], time.perf_counter()
+        for index in range(workload.requests_per_level):
+            tasks.append(asyncio.create_task(one_request(client, workload.body(index, stream=True), sample_rate)))
+            await asyncio.sleep(rng.expovariate(rate))
+        samples = await asyncio.gather(*tasks)
+        runs.append(LevelRun(list(samples), time.perf_counter() - started))
+    return summarize(f"poisson_{rate:g}", 0, runs)
 
 
 async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rate: int) -> dict[str, Any]:
+    """The late-arrival probe `workload.repeats` times -> the median of each figure with its spread (a figure that
+    some probe could not measure: null)."""
+    probes = [await late_arrival_probe(client, workload, sample_rate, attempt) for attempt in range(workload.repeats)]
+    result: dict[str, Any] = {}
+    for name in ("idle_ttfa_s", "late_ttfa_s", "ratio"):
+        values = [probe[name] for probe in probes]
+        result |= Timing(tuple(values)).fields(name) if None not in values else {name: None, f"{name}_spread": None}
+    return result
+
+
+async def late_arrival_probe(
+    client: httpx.AsyncClient, workload: Workload, sample_rate: int, attempt: int
+) -> dict[str, Any]:
     """First audio of a short stream on the idle server, then while 7 long streams are running."""
 
     def body(text: str, seed: int) -> dict[str, Any]:
         return {**workload.body(seed, stream=True), "text": text}
 
-    idle = [await one_request(client, body(SHORT_TEXT, 100 + i), sample_rate) for i in range(3)]
+    seeds = 1000 * attempt  # each probe its own requests
+    idle = [await one_request(client, body(SHORT_TEXT, seeds + 100 + i), sample_rate) for i in range(3)]
     first_bytes = [asyncio.Event() for _ in range(LATE_ARRIVAL_RUNNING)]
     forced = {"min_token_text_ratio": LATE_ARRIVAL_LONG_RATIO, "max_token_text_ratio": LATE_ARRIVAL_LONG_RATIO}
 
     async def long_stream(index: int) -> None:
-        long_body = {**body(LONG_TEXT, 200 + index), "sampling": forced}
+        long_body = {**body(LONG_TEXT, seeds + 200 + index), "sampling": forced}
         async with client.stream("POST", "/v1/tts", json=long_body) as response:
             async for piece in response.aiter_bytes():
                 if piece:
@@ -214,7 +275,7 @@ async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rat
     running = [asyncio.create_task(long_stream(i)) for i in range(LATE_ARRIVAL_RUNNING)]
     try:
         await asyncio.gather(*(event.wait() for event in first_bytes))  # all 7 are streaming
-        late = await one_request(client, body(SHORT_TEXT, 300), sample_rate)
+        late = await one_request(client, body(SHORT_TEXT, seeds + 300), sample_rate)
     finally:  # what the long ones still had to decode is not needed: their clients leave
         for task in running:
             task.cancel()
@@ -228,9 +289,21 @@ async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rat
 
 
 async def openai_first_byte(
+    client: httpx.AsyncClient, model_name: str, voice: str, text: str, sample_rate: int, repeats: int
+) -> dict[str, Any]:
+    """`openai_request` `repeats` times -> the median of each figure, with its spread."""
+    runs = [await openai_request(client, model_name, voice, text, sample_rate) for _ in range(repeats)]
+    result: dict[str, Any] = {}
+    for name in ("first_byte_s", "total_s", "audio_s", "fraction"):
+        result |= Timing(tuple(run[name] for run in runs)).fields(name)
+    return result
+
+
+async def openai_request(
     client: httpx.AsyncClient, model_name: str, voice: str, text: str, sample_rate: int
 ) -> dict[str, Any]:
-    """`POST /v1/audio/speech` (pcm, default stream_format): seconds to the first and the last byte."""
+    """`POST /v1/audio/speech` (pcm, default stream_format): seconds to the first byte (the last, without any
+    audio) and the last byte."""
     body = {"model": model_name, "input": text, "voice": voice, "response_format": "pcm"}
     started = time.perf_counter()
     first, size = None, 0
@@ -242,7 +315,8 @@ async def openai_first_byte(
             size += len(piece)
     total = time.perf_counter() - started
     audio_s = size / PCM_BYTES_PER_SAMPLE / sample_rate
-    return {"first_byte_s": first, "total_s": total, "audio_s": audio_s, "fraction": (first or total) / total}
+    first = total if first is None else first
+    return {"first_byte_s": first, "total_s": total, "audio_s": audio_s, "fraction": first / total}
 
 
 async def ours_run(url: str, workload: Workload, rates: tuple[float, ...], openai_text: str) -> dict[str, Any]:
@@ -254,7 +328,9 @@ async def ours_run(url: str, workload: Workload, rates: tuple[float, ...], opena
         sample_rate = int(info["sample_rate"])
         poisson = [await poisson_level(client, workload, rate, sample_rate) for rate in rates]
         late = await late_arrival(client, workload, sample_rate)
-        openai = await openai_first_byte(client, model_name, info["voices"][0], openai_text, sample_rate)
+        openai = await openai_first_byte(
+            client, model_name, info["voices"][0], openai_text, sample_rate, workload.repeats
+        )
     return {"closed": closed, "poisson": poisson, "late_arrival": late, "openai": openai}
 
 
@@ -262,8 +338,44 @@ def level(results: list[LevelResult], mode: str, concurrency: int) -> LevelResul
     return next(r for r in results if r.mode == mode and r.concurrency == concurrency)
 
 
-def ratio(ours: float, theirs: float) -> float | None:
-    return ours / theirs if theirs else None
+def batching_figures(
+    top: LevelResult,
+    c1: LevelResult,
+    baseline_top: LevelResult,
+    engine_ratio: Timing | None,
+    compared: int,
+    failed: FailedMeasurements,
+) -> dict[str, Any]:
+    """Whole-request throughput at the compared level against the baseline's and against ours at 1 client, and
+    the batching efficiency (that serving ratio / the engine's `engine_ratio`, None where it failed its bound):
+    ratios taken repeat by repeat, reported as median and spread. A serving ratio outside [0, compared] is a
+    failed measurement, and so is an efficiency above what a serving ratio within that bound allows; the
+    efficiency of a failed ratio is null."""
+    assert top.throughput and c1.throughput and baseline_top.throughput  # every summarized level has them
+    against_baseline = paired(ratio, top.throughput, baseline_top.throughput)
+    serving = paired(ratio, top.throughput, c1.throughput)
+    fields = {
+        **failed.bounded_fields(
+            f"throughput_ratio_c{compared}",
+            against_baseline,
+            0.0,
+            math.inf,
+            "a throughput ratio is finite and not negative (none: the baseline delivered no audio)",
+        ),
+        **failed.bounded_fields(
+            f"serving_throughput_ratio_c{compared}_vs_c1",
+            serving,
+            0.0,
+            float(compared),
+            f"{compared} clients cannot get more than {compared} times the throughput of 1 client, nor less than 0",
+        ),
+    }
+    efficiency_key = f"batching_efficiency_c{compared}"
+    if engine_ratio is None or fields[f"serving_throughput_ratio_c{compared}_vs_c1"] is None:
+        return {**fields, efficiency_key: None, f"{efficiency_key}_spread": None}
+    efficiency = paired(ratio, serving, engine_ratio)
+    why = f"the serving ratio is at most {compared}, so the efficiency is at most {compared} / the engine's ratio"
+    return {**fields, **failed.bounded_fields(efficiency_key, efficiency, 0.0, compared / engine_ratio.median, why)}
 
 
 def app_args_for(compared: int, num_gpus: float) -> dict[str, Any]:
@@ -285,8 +397,9 @@ def compare(
     compared = max(workload.concurrencies)
     app_args = app_args_for(compared, num_gpus)
     tts = load_in_process(model, device)
+    failed = FailedMeasurements()
     # In-process first, with nothing else running; then each server alone on the machine.
-    engine = in_process(tts, compared)
+    engine, engine_ratio = in_process(tts, compared, workload, failed)
     # The OpenAI endpoint takes no sampling options: the text is sized for the model's default longest speech
     # (random weights rarely stop earlier); the audio it gave is recorded.
     openai_text = text_for_audio_seconds(tts, OPENAI_AUDIO_S, SamplingOptions().max_token_text_ratio)
@@ -305,17 +418,19 @@ def compare(
     c1, top = level(closed, "whole", 1), level(closed, "whole", compared)
     ttfa_levels = {f"stream_c{r.concurrency}": r for r in closed if r.mode == "stream"}
     ttfa_levels |= {r.mode: r for r in ours["poisson"]}
-    serving_ratio = ratio(top.audio_s_per_s, c1.audio_s_per_s)
-    efficiency = None if serving_ratio is None else serving_ratio / engine["decoder_ratio_vs_b1"]
+    figures = batching_figures(top, c1, level(baseline, "whole", compared), engine_ratio, compared, failed)
+    late, openai = ours["late_arrival"], ours["openai"]
     return {
-        f"throughput_ratio_c{compared}": ratio(top.audio_s_per_s, level(baseline, "whole", compared).audio_s_per_s),
-        f"batching_efficiency_c{compared}": efficiency,
+        **figures,
         "p50_ttfa_s": {name: r.first_chunk_s.get("p50") for name, r in ttfa_levels.items()},
         "p95_ttfa_s": {name: r.first_chunk_s.get("p95") for name, r in ttfa_levels.items()},
-        "late_arrival_ttfa_ratio": ours["late_arrival"]["ratio"],
+        "late_arrival_ttfa_ratio": late["ratio"],
+        "late_arrival_ttfa_ratio_spread": late["ratio_spread"],
         "overhead_ms_c1": overhead["ms"],
-        "openai_first_byte_fraction_20s": ours["openai"]["fraction"],
-        f"serving_throughput_ratio_c{compared}_vs_c1": serving_ratio,
+        "overhead_ms_c1_spread": overhead["ms_spread"],
+        "openai_first_byte_fraction_20s": openai["fraction"],
+        "openai_first_byte_fraction_20s_spread": openai["fraction_spread"],
+        "failed_measurements": failed.entries,
         "engine": engine,
         "overhead_c1": overhead,
         "late_arrival": ours["late_arrival"],
@@ -325,12 +440,17 @@ def compare(
             "ray_serve": sum(r.errors for r in closed + ours["poisson"]),
             "baseline": sum(r.errors for r in baseline),
         },
-        "ray_serve": [asdict(r) for r in closed + ours["poisson"]],
-        "baseline": [asdict(r) for r in baseline],
+        "ray_serve": [level_dict(r) for r in closed + ours["poisson"]],
+        "baseline": [level_dict(r) for r in baseline],
         "setup": {
             "model": model,
             "device": device,
-            "profile": {"requests": workload.requests_per_level, "poisson_rates_per_s": list(rates)},
+            "profile": {
+                "requests": workload.requests_per_level,
+                "poisson_rates_per_s": list(rates),
+                "repeats": workload.repeats,
+                "warmup": workload.warmup,
+            },
             "workload": asdict(workload),
             "ray_app_args": app_args,
             "baseline_and_in_process_torch_threads": BASELINE_THREADS,
@@ -367,7 +487,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def headline(report: dict[str, Any]) -> dict[str, Any]:
     prefixes = ("throughput_ratio_c", "batching_efficiency_c", "p50_ttfa", "p95_ttfa", "late_arrival", "overhead_ms")
-    keys = [k for k in report if k.startswith(prefixes)] + ["openai_first_byte_fraction_20s", "errors"]
+    keys = [k for k in report if k.startswith(prefixes)]
+    keys += ["openai_first_byte_fraction_20s", "openai_first_byte_fraction_20s_spread", "errors", "failed_measurements"]
     return {key: report[key] for key in keys}
 
 
@@ -377,8 +498,16 @@ def overhead_only(model: str, workload: Workload, device: str, num_gpus: float) 
     tts = load_in_process(model, device)
     with local_server(model, app_args) as url:
         overhead = interleaved_overhead(url, tts, workload)
-    setup = {"model": model, "device": device, "requests": workload.requests_per_level, "ray_app_args": app_args}
-    return {"overhead_ms_c1": overhead["ms"], "overhead_c1": overhead, "setup": setup}
+    setup = {
+        "model": model,
+        "device": device,
+        "requests": workload.requests_per_level,
+        "repeats": workload.repeats,
+        "warmup": workload.warmup,
+        "ray_app_args": app_args,
+    }
+    figure = {"overhead_ms_c1": overhead["ms"], "overhead_ms_c1_spread": overhead["ms_spread"]}
+    return {**figure, "overhead_c1": overhead, "setup": setup}
 
 
 def main() -> None:
@@ -392,6 +521,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLOSED_LOOP_CLIENTS), help=levels_help)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="in-process and baseline device")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPU fraction of the Serve decoder replica")
+    add_repeat_options(parser)
     options = parser.parse_args()
     if 1 not in options.clients:
         parser.error("--clients must include 1 (the baseline of the batching efficiency)")
@@ -402,7 +532,7 @@ def main() -> None:
     profile = replace(
         profile, requests=options.requests or profile.requests, rates=tuple(options.rates or profile.rates)
     )
-    workload = profile.workload(clients)
+    workload = profile.workload(clients, options.repeats, options.warmup)
     options.out.parent.mkdir(parents=True, exist_ok=True)
     if options.overhead_only:
         report = overhead_only(options.model, workload, options.device, options.num_gpus)
@@ -413,6 +543,8 @@ def main() -> None:
     options.out.write_text(json.dumps(report, indent=2))
     plot(report, options.out.with_suffix(".png"))
     print(json.dumps(headline(report), indent=2))
+    for entry in report["failed_measurements"]:
+        print(f"failed measurement: {entry['name']} = {entry['value']} ({entry['why']})")
 
 
 if __name__ == "__main__":

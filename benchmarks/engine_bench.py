@@ -1,10 +1,11 @@
 """Engine benchmark: a real-size architecture with dummy weights (any family), fixed output length.
 
-Times each stage of one synthesis (text encoding, LLM, flow, HiFT), gives the real-time factor, the peak RSS, the
+Times each stage of one synthesis (text encoding, LLM, flow, HiFT; each the median of `--repeats` timed runs after
+`--warmup` untimed ones, with its spread: `benchmarks.timing`), gives the real-time factor, the peak RSS, the
 parameter bytes of the model in fp32 / fp16 / int8, and how far INT8 moves the text encoder and the greedy tokens.
 Writes JSON.
 
-    python -m benchmarks.engine_bench --out engine_bench.json [--model dummy] [--seconds 5]
+    python -m benchmarks.engine_bench --out engine_bench.json [--model dummy] [--seconds 5] [--repeats 3] [--warmup 1]
 
 The speech length is forced (every stop id masked until max_len, min ratio == max ratio), in speech tokens of the
 model's own rate (flow mel frames per token x vocoder samples per frame), so every family speaks `--seconds`.
@@ -17,27 +18,21 @@ import copy
 import gc
 import json
 import resource
-import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
+from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure, paired
 from engine.loader import LoadedModel, load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 from engine.precision import parameter_bytes, quantize_linear_int8
 from engine.sampling import SamplingOptions
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
-
-
-def timed(fn, *args) -> tuple:
-    """(fn(*args), its wall-clock seconds)."""
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
 
 
 def fixed_length_sampling(text_tokens: int, speech_tokens: int) -> SamplingOptions:
@@ -113,38 +108,41 @@ def int8_quality(model_name: str, request: SynthesisRequest, reference: EncodedS
     }
 
 
-def run(model_name: str, audio_seconds: float, threads: int) -> dict:
-    """Time one fixed-length synthesis stage by stage; then, one model in memory at a time (a real-size CosyVoice3
-    takes 5 GB), the INT8 quality and the parameter bytes."""
+def run(
+    model_name: str, audio_seconds: float, threads: int, repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP
+) -> dict:
+    """Time one fixed-length synthesis stage by stage (each stage after `warmup` untimed calls, `repeats` times:
+    the median and spread); then, one model in memory at a time (a real-size CosyVoice3 takes 5 GB), the INT8
+    quality and the parameter bytes."""
     torch.set_num_threads(threads)
     model = load_model(model_name)
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
     request = fixed_length_text_request(encoder, audio_seconds)
 
-    segments, t_text = timed(encoder.encode, request)
-    tokens, t_llm = timed(decoder.generate_tokens, segments)
-    mels, t_flow = timed(decoder.tokens_to_mel, segments, tokens)
-    waves, t_hift = timed(decoder.vocode, segments, mels)
+    segments, t_text = measure(partial(encoder.encode, request), repeats, warmup)
+    tokens, t_llm = measure(partial(decoder.generate_tokens, segments), repeats, warmup)
+    mels, t_flow = measure(partial(decoder.tokens_to_mel, segments, tokens), repeats, warmup)
+    waves, t_hift = measure(partial(decoder.vocode, segments, mels), repeats, warmup)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     audio = sum(len(w) for w in waves) / model.config.sample_rate
     n_tokens = sum(len(t) for t in tokens)
-    decode_time = t_llm + t_flow + t_hift
+    stages = {"text_encode": t_text, "llm": t_llm, "flow": t_flow, "hift": t_hift}
+    # each repeat's stages added up, so that the total's spread is that of whole syntheses
+    stages_rtf = {"total": paired(lambda *seconds: sum(seconds) / audio, *stages.values())}
+    stages_rtf["decoder"] = paired(lambda *seconds: sum(seconds) / audio, t_llm, t_flow, t_hift)
+    stages_rtf |= {name: stages[name].map(lambda s: s / audio) for name in ("llm", "flow", "hift")}
     result = {
         "model": model_name,
         "family": model.config.family.name,
         "threads": threads,
+        "repeats": repeats,
+        "warmup": warmup,
         "audio_seconds": audio,
         "speech_tokens": n_tokens,
-        "seconds": {"text_encode": t_text, "llm": t_llm, "flow": t_flow, "hift": t_hift},
-        "rtf": {
-            "total": (t_text + decode_time) / audio,
-            "decoder": decode_time / audio,
-            "llm": t_llm / audio,
-            "flow": t_flow / audio,
-            "hift": t_hift / audio,
-        },
-        "llm_ms_per_token": 1000 * t_llm / n_tokens,
-        "peak_rss_mb_during_synthesis": peak_rss_mb,  # the process's peak so far: load and one synthesis
+        "seconds": {k: v for name, timing in stages.items() for k, v in timing.fields(name).items()},
+        "rtf": {k: v for name, timing in stages_rtf.items() for k, v in timing.fields(name).items()},
+        **t_llm.map(lambda s: 1000 * s / n_tokens).fields("llm_ms_per_token"),
+        "peak_rss_mb_during_synthesis": peak_rss_mb,  # the process's peak so far: load and the timed syntheses
     }
     reference_tokens = decoder.generate_tokens(_greedy(segments))[0]
     del model, encoder, decoder, tokens, mels, waves
@@ -158,7 +156,7 @@ def run(model_name: str, audio_seconds: float, threads: int) -> dict:
 
 def bench_parser(doc: str, out: str, seconds: float, seconds_help: str) -> argparse.ArgumentParser:
     """A benchmark's command line with the options the engine benchmarks share: --out, --model, --seconds,
-    --threads."""
+    --threads, --repeats, --warmup."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(out))
     parser.add_argument(
@@ -166,6 +164,7 @@ def bench_parser(doc: str, out: str, seconds: float, seconds_help: str) -> argpa
     )
     parser.add_argument("--seconds", type=float, default=seconds, help=seconds_help)
     parser.add_argument("--threads", type=int, default=2)
+    add_repeat_options(parser)
     return parser
 
 
@@ -176,7 +175,7 @@ def write_json(result: dict, path: Path) -> None:
 
 def main() -> None:
     args = bench_parser(__doc__, "engine_bench.json", 5.0, "audio length to generate").parse_args()
-    result = run(args.model, args.seconds, args.threads)
+    result = run(args.model, args.seconds, args.threads, args.repeats, args.warmup)
     write_json(result, args.out)
     print(json.dumps(result, indent=2))
 

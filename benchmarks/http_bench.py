@@ -1,8 +1,9 @@
 """HTTP load benchmark of the `/v1/tts` API: a concurrency sweep, streaming and whole, mixed text lengths.
 
 For each mode and concurrency it sends a fixed number of requests (`requests_per_level`) from that many
-concurrent clients and reports p50/p95/p99 time to the first audio byte and latency, the real-time
-factor (latency / audio seconds), throughput (requests and audio seconds per wall second) and errors.
+concurrent clients, `repeats` times (after `warmup` untimed requests), and reports p50/p95/p99 time to the first
+audio byte and latency over every repeat's requests, the real-time factor (latency / audio seconds), throughput
+(requests and audio seconds per wall second: the median of the repeats, with `<name>_spread`) and errors.
 Writes `<out>/bench.json`, `<out>/latency_vs_concurrency.png` and `<out>/throughput_vs_concurrency.png`.
 
     cosyvoice-serve bench [--url http://127.0.0.1:8000] [--concurrency 1 2 4 8 16] [--out out/bench]
@@ -18,7 +19,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, Timing
 
 MODES = ("whole", "stream")
 # Short, medium and long inputs (1, 2 and 4 sentences), cycled through the requests of each level.
@@ -50,6 +53,8 @@ class Workload:
     # Dummy and tiny weights rarely emit end-of-speech: cap the speech tokens per text token (None: model default).
     max_token_text_ratio: float | None = 3.0
     timeout_s: float = 300.0
+    repeats: int = DEFAULT_REPEATS  # runs of each level: its throughput is their median, its percentiles pooled
+    warmup: int = DEFAULT_WARMUP  # untimed requests before the sweep
 
     def body(self, index: int, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -74,10 +79,13 @@ class Sample:
 
 @dataclass
 class LevelResult:
+    """One level of load over its repeats: the per-request percentiles pool every repeat's requests; the wall time
+    and throughputs are the median of the repeats, with `<name>_spread` ({min, max, n}) beside each."""
+
     mode: str
     concurrency: int
-    requests: int
-    errors: int
+    requests: int  # sent per repeat
+    errors: int  # over all repeats
     wall_s: float
     first_chunk_s: dict[str, float] = field(default_factory=dict)
     latency_s: dict[str, float] = field(default_factory=dict)
@@ -85,6 +93,12 @@ class LevelResult:
     requests_per_s: float = 0.0
     audio_s_per_s: float = 0.0
     error_examples: list[str] = field(default_factory=list)
+    repeats: int = 1
+    wall_s_spread: dict[str, float] = field(default_factory=dict)
+    requests_per_s_spread: dict[str, float] = field(default_factory=dict)
+    audio_s_per_s_spread: dict[str, float] = field(default_factory=dict)
+    # each repeat's throughputs, for ratios taken repeat by repeat (`benchmarks.timing.paired`); not in the JSON
+    throughput: Timing | None = field(default=None, repr=False, compare=False)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -94,21 +108,47 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
     return {"p50": float(p50), "p95": float(p95), "p99": float(p99), "mean": float(np.mean(values))}
 
 
-def summarize(mode: str, concurrency: int, samples: list[Sample], wall_s: float) -> LevelResult:
+@dataclass(frozen=True)
+class LevelRun:
+    """One repeat of a level: its requests and the wall seconds they took together."""
+
+    samples: list[Sample]
+    wall_s: float
+
+    def rate(self, value: Callable[[Sample], float]) -> float:
+        """The sum of `value` over the good requests per wall second."""
+        return sum(value(s) for s in self.samples if s.ok) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def summarize(mode: str, concurrency: int, runs: list[LevelRun]) -> LevelResult:
+    samples = [s for run in runs for s in run.samples]
     good = [s for s in samples if s.ok]
+    wall = Timing(tuple(run.wall_s for run in runs))
+    requests_per_s = Timing(tuple(run.rate(lambda s: 1.0) for run in runs))
+    audio_s_per_s = Timing(tuple(run.rate(lambda s: s.audio_s) for run in runs))
     return LevelResult(
         mode=mode,
         concurrency=concurrency,
-        requests=len(samples),
+        requests=len(runs[0].samples),
         errors=len(samples) - len(good),
-        wall_s=wall_s,
+        wall_s=wall.median,
         first_chunk_s=percentiles([s.first_chunk_s for s in good]),
         latency_s=percentiles([s.latency_s for s in good]),
         real_time_factor=percentiles([s.latency_s / s.audio_s for s in good if s.audio_s > 0]),
-        requests_per_s=len(good) / wall_s if wall_s > 0 else 0.0,
-        audio_s_per_s=sum(s.audio_s for s in good) / wall_s if wall_s > 0 else 0.0,
+        requests_per_s=requests_per_s.median,
+        audio_s_per_s=audio_s_per_s.median,
         error_examples=sorted({s.error for s in samples if not s.ok})[:5],
+        repeats=len(runs),
+        wall_s_spread=wall.spread(),
+        requests_per_s_spread=requests_per_s.spread(),
+        audio_s_per_s_spread=audio_s_per_s.spread(),
+        throughput=audio_s_per_s,
     )
+
+
+def level_dict(result: LevelResult) -> dict[str, Any]:
+    """A level for the JSON (its per-repeat Timing left out: the spread fields carry it)."""
+    return {k: v for k, v in asdict(result).items() if k != "throughput"}
 
 
 class Progress:
@@ -148,18 +188,23 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any], sample_ra
 async def run_level(
     client: httpx.AsyncClient, workload: Workload, mode: str, concurrency: int, sample_rate: int, progress: Progress
 ) -> LevelResult:
-    """`requests_per_level` requests from `concurrency` clients that each send the next one when theirs ends."""
-    indices = iter(range(workload.requests_per_level))
-    samples: list[Sample] = []
+    """`workload.repeats` times: `requests_per_level` requests from `concurrency` clients that each send the next
+    one when theirs ends."""
 
-    async def client_loop() -> None:
-        for index in indices:  # a shared iterator: each index goes to exactly one client
-            samples.append(await one_request(client, workload.body(index, mode == "stream"), sample_rate))
-            progress.advance(f"{mode} c={concurrency}")
+    async def once() -> LevelRun:
+        indices = iter(range(workload.requests_per_level))
+        samples: list[Sample] = []
 
-    started = time.perf_counter()
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return summarize(mode, concurrency, samples, time.perf_counter() - started)
+        async def client_loop() -> None:
+            for index in indices:  # a shared iterator: each index goes to exactly one client
+                samples.append(await one_request(client, workload.body(index, mode == "stream"), sample_rate))
+                progress.advance(f"{mode} c={concurrency}")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        return LevelRun(samples, time.perf_counter() - started)
+
+    return summarize(mode, concurrency, [await once() for _ in range(workload.repeats)])
 
 
 async def run_sweep(url: str, workload: Workload) -> list[LevelResult]:
@@ -168,8 +213,10 @@ async def run_sweep(url: str, workload: Workload) -> list[LevelResult]:
         voices = await client.get("/v1/voices")
         voices.raise_for_status()
         sample_rate = int(voices.json()["sample_rate"])
-        await one_request(client, workload.body(0, False), sample_rate)  # warm-up: first-call costs stay out
-        progress = Progress(len(workload.modes) * len(workload.concurrencies) * workload.requests_per_level)
+        for index in range(workload.warmup):  # first-call costs stay out of the figures
+            await one_request(client, workload.body(index, False), sample_rate)
+        levels = len(workload.modes) * len(workload.concurrencies)
+        progress = Progress(levels * workload.repeats * workload.requests_per_level)
         return [
             await run_level(client, workload, mode, concurrency, sample_rate, progress)
             for mode in workload.modes
@@ -244,7 +291,7 @@ def plot(results: list[LevelResult], out_dir: Path) -> list[Path]:
 
 def write_report(url: str, workload: Workload, results: list[LevelResult], out_dir: Path) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"url": url, "workload": asdict(workload), "results": [asdict(r) for r in results]}
+    report = {"url": url, "workload": asdict(workload), "results": [level_dict(r) for r in results]}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
     report["plots"] = [str(path) for path in plot(results, out_dir)]
     return report

@@ -1,11 +1,15 @@
-"""The measuring pieces of benchmarks/roofline.py: FLOP counting and the layers a decode step reads."""
+"""The measuring pieces of benchmarks/roofline.py: FLOP counting, the layers a decode step reads, and a whole run on
+the tiny model (medians with their spread; an efficiency above 1 is a failed measurement)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks import roofline
 from benchmarks.engine_bench import fixed_length_segments
 from benchmarks.roofline import counted_flops, per_token_linears
 from engine.loader import load_model
@@ -55,3 +59,35 @@ def test_a_cosyvoice3_decode_step_reads_the_qwen2_layers_and_speech_decoder_only
     expected.append(model.llm.llm_decoder)
     # not the text lm_head (tied to the embedding, never run)
     assert layers == expected
+
+
+def _tiny_roofline() -> dict:
+    return roofline.run("tiny", 0.2, threads=1, int8=False, repeats=2, warmup=1, gemm_seconds_per_shape=0.02)
+
+
+def test_roofline_reports_medians_with_their_spread_and_bounded_efficiencies() -> None:
+    result = _tiny_roofline()
+
+    json.dumps(result, allow_nan=False)
+    assert result["rtf_spread"]["min"] <= result["rtf"] <= result["rtf_spread"]["max"]
+    assert result["gemm_gflops"]["1024x1024x1024_spread"]["n"] == 2
+    assert result["stages"]["llm"]["read_gb_per_s_spread"]["n"] == roofline.READ_REPEATS
+    failed = {entry["name"] for entry in result["failed_measurements"]}
+    for name, stage in result["stages"].items():
+        assert stage["seconds_spread"]["n"] == 2
+        # a stage faster than its floor is reported as failed, never as an efficiency above 1
+        assert (stage["efficiency"] is None) == (f"stages.{name}.efficiency" in failed)
+        assert stage["efficiency"] is None or 0 < stage["efficiency"] <= 1
+
+
+def test_an_efficiency_above_one_is_a_failed_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a GEMM peak measured far too low puts the flow's and HiFT's floors above their measured times
+    monkeypatch.setattr(roofline, "peak_gemm_gflops", lambda *args: ({"peak": 1e-3}, 1e-3))
+
+    result = _tiny_roofline()
+
+    assert result["stages"]["flow"]["efficiency"] is None and result["efficiency"] is None
+    failed = {entry["name"]: entry for entry in result["failed_measurements"]}
+    assert {"stages.flow.efficiency", "stages.hift.efficiency", "efficiency"} <= set(failed)
+    assert failed["efficiency"]["value"] > 1 and failed["efficiency"]["bound"] == [0.0, 1.0]
+    assert result["stages"]["llm"]["efficiency"] is not None  # its floor is the weight read, not the GEMM peak
