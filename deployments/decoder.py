@@ -19,11 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 from ray import serve
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
-from engine.errors import CosyVoiceError, RequestFailedError, UnavailableError
+from engine.errors import (
+    CosyVoiceError,
+    InvalidInputError,
+    RequestFailedError,
+    UnavailableError,
+    as_request_error,
+)
 from engine.loader import load_model
 from engine.pipeline import EncodedSegment, SpeechDecoderStage
 from engine.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
@@ -45,6 +53,7 @@ class _Slot:
     streaming: bool
     request_id: str
     loop: asyncio.AbstractEventLoop
+    later: list[ray.ObjectRef] = field(default_factory=list)  # the encoder's calls for its next sentences, in order
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     started: bool = False
     ticket: Ticket | None = None
@@ -55,6 +64,19 @@ class _Slot:
     @property
     def path(self) -> str:
         return "stream" if self.streaming else "whole"
+
+
+def later_sentences_error(exc: Exception) -> CosyVoiceError:
+    """The error that ends a request whose later sentences did not come: the encoder's own error (looking through
+    Ray's wrapping), 503 for a lost encoder replica or a cancelled call, else a `RequestFailedError` (500)."""
+    cause: BaseException = exc
+    while isinstance(cause, RayTaskError):
+        cause = cause.cause
+    if isinstance(cause, CosyVoiceError):
+        return cause
+    if isinstance(cause, (RayActorError, TaskCancelledError)):
+        return UnavailableError("the encoder failed while encoding this request's later sentences; retry")
+    return as_request_error(exc)
 
 
 def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
@@ -152,9 +174,13 @@ class Decoder:
     # --- requests --------------------------------------------------------------------------------
 
     @contextmanager
-    def _track(self, segments: list[EncodedSegment], streaming: bool, request_id: str) -> Iterator[_Slot]:
+    def _track(
+        self, segments: list[EncodedSegment], streaming: bool, request_id: str, later: list[ray.ObjectRef] | None = None
+    ) -> Iterator[_Slot]:
         self.scheduler.check_fits(segments)  # a request that can never fit is refused before it queues
-        slot = _Slot(segments, streaming, request_id, asyncio.get_running_loop())
+        if later is not None and not (isinstance(later, list) and all(isinstance(r, ray.ObjectRef) for r in later)):
+            raise InvalidInputError("later sentences come as a list of references to the encoder's calls")
+        slot = _Slot(segments, streaming, request_id, asyncio.get_running_loop(), later or [])
         self.load.request_accepted()
         self._publish_load()
         try:
@@ -171,13 +197,29 @@ class Decoder:
         error = await self._admit(slot)
         if error is not None:
             raise error
-        while (item := await slot.outputs.get()) is not None:
-            if isinstance(item, RequestFailedError):  # its cause stays here: the client gets a 500 with the id
-                cause, request_id = item.__cause__, slot.request_id
-                logger.error("request failed in the decoder loop", exc_info=cause, extra={"request_id": request_id})
-            if isinstance(item, CosyVoiceError):
-                raise item
-            yield item
+        taking_later = asyncio.create_task(self._take_later_sentences(slot)) if slot.later else None
+        try:
+            while (item := await slot.outputs.get()) is not None:
+                if isinstance(item, RequestFailedError):  # its cause stays here: the client gets a 500 with the id
+                    cause, request_id = item.__cause__, slot.request_id
+                    logger.error("request failed in the decoder loop", exc_info=cause, extra={"request_id": request_id})
+                if isinstance(item, CosyVoiceError):
+                    raise item
+                yield item
+        finally:
+            if taking_later is not None:
+                taking_later.cancel()  # the request ended or its caller left: its later sentences are not awaited
+
+    async def _take_later_sentences(self, slot: _Slot) -> None:
+        """Hand the request's later sentences to the loop as the encoder's calls return them; a failure (the
+        encoder's, or a sentence the loop refuses, as it would have refused it at submission) ends the request."""
+        assert slot.ticket is not None
+        try:
+            for index, later in enumerate(slot.later):
+                segments = await later
+                self.scheduler.extend(slot.ticket, segments, final=index == len(slot.later) - 1)
+        except Exception as exc:
+            self.scheduler.abort(slot.ticket, later_sentences_error(exc))
 
     async def synthesize(self, segment: EncodedSegment, request_id: str = "") -> np.ndarray:
         """Whole-utterance audio [N] float32 of one segment, decoded in the replica's loop."""
@@ -185,11 +227,18 @@ class Decoder:
             return np.concatenate([audio async for audio in self._outputs(slot)])
 
     async def stream(
-        self, segments: EncodedSegment | list[EncodedSegment], request_id: str = ""
+        self,
+        segments: EncodedSegment | list[EncodedSegment],
+        request_id: str = "",
+        later: list[ray.ObjectRef] | None = None,
     ) -> AsyncIterator[np.ndarray]:
-        """Audio chunks [n] float32 as they are decoded; a list of a request's sentences is pipelined in order."""
+        """Audio chunks [n] float32 as they are decoded; a list of a request's sentences is pipelined in order.
+
+        `later`: references to the encoder's calls that return the request's next sentences, in order (inside a list,
+        so that Serve hands them on at once instead of resolving them first): the request decodes its first sentences
+        meanwhile, and each later one joins it once it is encoded; an encoder error ends the request."""
         segments = segments if isinstance(segments, list) else [segments]
-        with self._track(segments, True, request_id) as slot:
+        with self._track(segments, True, request_id, later) as slot:
             async for chunk in self._outputs(slot):
                 if chunk.size:
                     yield chunk
@@ -200,7 +249,7 @@ class Decoder:
         for slot in slots:
             slot.started = True
             try:
-                slot.ticket = self.scheduler.submit(slot.segments, slot.streaming, slot.push)
+                slot.ticket = self.scheduler.submit(slot.segments, slot.streaming, slot.push, complete=not slot.later)
                 errors.append(None)
             except CosyVoiceError as exc:  # the budget shrank since the request's own check
                 errors.append(exc)
@@ -295,6 +344,7 @@ class Decoder:
             "loop_failed": self.scheduler.failure is not None,
             "live": self.scheduler.live,
             "queued": self.scheduler.queued,
+            "awaiting_sentences": self.scheduler.awaiting_sentences,
             "live_bytes": self.scheduler.live_bytes,
             "device_peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self._gpu else None,
         }

@@ -11,7 +11,7 @@ from ray import serve
 
 from engine.errors import CosyVoiceError, InvalidInputError
 from engine.loader import load_model
-from engine.pipeline import EncodedSegment, SynthesisRequest, TextEncoderStage
+from engine.pipeline import EncodedSegment, EncodingPlan, SynthesisRequest, TextEncoderStage
 from engine.voice_cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
 from observability import STRUCTURED_LOGGING
 
@@ -76,6 +76,23 @@ class Encoder:
         must be one `caller` sees."""
         segments = self.stage.encode(request, prompt=self.registered_prompt(request.voice, caller))
         logger.info("encoded %d segment(s)", len(segments), extra={"request_id": request_id})
+        return segments
+
+    def encode_first(
+        self, request: SynthesisRequest, request_id: str, caller: Caller
+    ) -> tuple[list[EncodedSegment], EncodingPlan]:
+        """The first sentence's segment alone, and the plan whose other sentences `encode_planned` encodes: the first
+        can reach the decoder while the others are encoded (each segment is as `encode` makes it); a registered voice
+        must be one `caller` sees."""
+        plan = self.stage.plan(request, prompt=self.registered_prompt(request.voice, caller))
+        first = self.stage.encode_planned(plan, 0, 1)
+        logger.info("encoded the first of %d segment(s)", plan.num_segments, extra={"request_id": request_id})
+        return first, plan
+
+    def encode_planned(self, plan: EncodingPlan, start: int, request_id: str = "") -> list[EncodedSegment]:
+        """The segments of the plan's sentences from `start` on, in order (its voice was checked by `encode_first`)."""
+        segments = self.stage.encode_planned(plan, start)
+        logger.info("encoded segments %d to %d", start, plan.num_segments - 1, extra={"request_id": request_id})
         return segments
 
     def registered_prompt(self, voice: str, caller: Caller) -> VoicePrompt | None:

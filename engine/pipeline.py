@@ -109,6 +109,21 @@ class _VoiceConditioning:
     prompt_feat: np.ndarray
 
 
+@dataclass(frozen=True)
+class EncodingPlan:
+    """A request split into sentences, none encoded yet (`TextEncoderStage.plan`): `TextEncoderStage.encode_planned`
+    encodes any run of them, so the first can go to the decoder before the others are encoded. Plain data: it can
+    cross a process boundary."""
+
+    request: SynthesisRequest  # validated: its seed is drawn
+    voice: _VoiceConditioning
+    texts: tuple[SegmentText, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.texts)
+
+
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """Arrays arrive read-only from Ray's object store: copy into a writable tensor on `device`."""
     return torch.from_numpy(np.array(array)).to(device)
@@ -132,7 +147,6 @@ class TextEncoderStage:
         """The sentences that will be synthesised one after another."""
         return self.model.frontend.split(text)
 
-    @torch.inference_mode()
     def encode(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> list[EncodedSegment]:
         """Validate, normalise, split and encode a request; one segment per sentence, in order.
 
@@ -140,9 +154,24 @@ class TextEncoderStage:
         the request is zero-shot (prompt transcript and speech tokens lead the LLM input), cross-lingual,
         or instruct (instruct2: the instruction replaces the transcript, the prompt speech stays in the flow).
         """
+        return self.encode_planned(self.plan(request, prompt))
+
+    @torch.inference_mode()
+    def plan(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> EncodingPlan:
+        """Validate, normalise and split a request (as `encode`), encoding no sentence yet."""
         request = request.validated()
         voice = self._voice_conditioning(request, prompt)
-        texts = self._segment_texts(request, voice)
+        return EncodingPlan(request, voice, tuple(self._segment_texts(request, voice)))
+
+    @torch.inference_mode()
+    def encode_planned(self, plan: EncodingPlan, start: int = 0, stop: int | None = None) -> list[EncodedSegment]:
+        """The segments of the plan's sentences `start` to `stop` (None: the last), each as `encode` makes it (its
+        seed, index and count, text encoding included: a sentence encodes the same alone or with others)."""
+        count = plan.num_segments
+        stop = count if stop is None else stop
+        if not 0 <= start < stop <= count:
+            raise InvalidInputError(f"sentences {start} to {stop} are not a range of the request's {count}")
+        texts, voice, request = plan.texts[start:stop], plan.voice, plan.request
         encoded = self._encode_batch([text.prompt + text.text for text in texts])
         return [
             EncodedSegment(
@@ -157,9 +186,9 @@ class TextEncoderStage:
                 sampling=replace(request.sampling, seed=(request.sampling.seed + index) % (MAX_SEED + 1)),
                 speed=request.speed,
                 segment_index=index,
-                num_segments=len(texts),
+                num_segments=count,
             )
-            for index, (text, text_encoded) in enumerate(zip(texts, encoded, strict=True))
+            for index, text, text_encoded in zip(range(start, stop), texts, encoded, strict=True)
         ]
 
     def segment_texts(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> list[SegmentText]:

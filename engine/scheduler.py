@@ -1,8 +1,10 @@
 """Continuous batching over every request of a decoder: one loop, one model copy, one queue, three threads.
 
-Callers `submit` a request (its sentences, whole or streaming) from any thread. The loop thread calls `step`
-again and again (`run` does it for ever); the flow + vocoder work runs at the same time on two vocoding
-threads, the lanes. One `step`:
+Callers `submit` a request (its sentences, whole or streaming) from any thread; a request submitted incomplete gets
+its later sentences by `extend` as they are encoded (its first ones decode meanwhile), and ends only once they are all
+there and done (while it waits for them it holds no slot) or with an error of theirs (`extend` refuses what `submit`
+would; `abort`). The loop thread calls `step` again and again (`run` does it for ever); the flow + vocoder work runs
+at the same time on two vocoding threads, the lanes. One `step`:
 
 1. takes in the flow + vocoder jobs that finished (their audio goes to their sentences), the new
    submissions, and drops the cancelled requests (their LLM rows and memory leave the live set here, before
@@ -46,6 +48,7 @@ submissions are refused with `UnavailableError`, and `failure` tells the replica
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -151,6 +154,18 @@ class Ticket:
     admitted: int = 0  # sentences admitted so far
     audio_started: bool = False  # some audio of it was made: its first-chunk priority is over
     speech_tokens: int = 0  # generated so far, over all its sentences
+    complete: bool = True  # all its sentences are here: once they are handed on, it ends
+
+
+@dataclass
+class _Late:
+    """What an incomplete request got after its submission: more sentences (the last ones if `final`), or the error
+    that ends it."""
+
+    ticket: Ticket
+    sentences: list[_Sentence] = field(default_factory=list)
+    final: bool = False
+    error: CosyVoiceError | None = None
 
 
 @dataclass
@@ -217,6 +232,8 @@ class Scheduler:
         self.streams = DecodeStream(stage, [], llm=self.llm)
         self.stats = SchedulerStats()
         self._inbox: list[Ticket] = []
+        self._late: list[_Late] = []  # for incomplete requests, taken in with the inbox
+        self._incomplete: set[Ticket] = set()  # requests whose later sentences may still come
         self._lock = threading.Lock()
         self._wakeup = threading.Event()  # set by submit, cancel and a finished job
         self._queue: deque[Ticket] = deque()  # requests with sentences still to admit, in arrival order
@@ -268,27 +285,55 @@ class Scheduler:
             )
         return estimates
 
-    def submit(self, segments: list[EncodedSegment], streaming: bool, sink: Sink) -> Ticket:
+    def submit(self, segments: list[EncodedSegment], streaming: bool, sink: Sink, complete: bool = True) -> Ticket:
         """Queue a request (refused at once if its segments are not what this decoder takes, if it can never fit,
-        or cannot stream, or the loop has failed); it is admitted at a coming `step`."""
+        or cannot stream, or the loop has failed); it is admitted at a coming `step`. Not `complete`: its later
+        sentences come by `extend`."""
         if not isinstance(segments, list) or not segments:
             raise InvalidInputError("a request needs a list of at least one segment")
-        for segment in segments:  # here, not at admission: work refused inside `step` costs the loop a step
-            self.stage.check_segment(segment)
-            if streaming:
-                self.streams.check_streamable(segment)
-        estimates = self.check_fits(segments)
         now = self.clock()
         playback = PlaybackClock(now, sum(s.text_len for s in segments) * SECONDS_PER_TEXT_TOKEN)
         expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
-        ticket = Ticket(sentences=[], streaming=streaming, sink=sink, playback=playback, expires_at=expires_at)
-        ticket.sentences = [_Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]
+        ticket = Ticket(
+            sentences=[], streaming=streaming, sink=sink, playback=playback, expires_at=expires_at, complete=complete
+        )
+        ticket.sentences = self._checked_sentences(ticket, segments)
         with self._lock:
-            if self.failure is not None:
-                raise UnavailableError("this decoder replica's loop failed and the replica is being replaced; retry")
+            self._check_running()
             self._inbox.append(ticket)
         self._wakeup.set()
         return ticket
+
+    def extend(self, ticket: Ticket, segments: list[EncodedSegment], final: bool) -> None:
+        """Queue the next sentences of a request submitted incomplete, after those it has (the last ones if `final`).
+        Refused, the request unchanged, as `submit` refuses (the caller then ends it: `abort`)."""
+        if not isinstance(segments, list):
+            raise InvalidInputError("later sentences come as a list of segments")
+        sentences = self._checked_sentences(ticket, segments)
+        with self._lock:
+            self._check_running()
+            self._late.append(_Late(ticket, sentences, final))
+        self._wakeup.set()
+
+    def abort(self, ticket: Ticket, error: CosyVoiceError) -> None:
+        """End a request with `error` at the next `step` (its later sentences cannot come: their encoding failed, or
+        one was refused)."""
+        with self._lock:
+            if self.failure is None:  # else the failure ended it
+                self._late.append(_Late(ticket, error=error))
+        self._wakeup.set()
+
+    def _checked_sentences(self, ticket: Ticket, segments: list[EncodedSegment]) -> list[_Sentence]:
+        for segment in segments:  # here, not at admission: work refused inside `step` costs the loop a step
+            self.stage.check_segment(segment)
+            if ticket.streaming:
+                self.streams.check_streamable(segment)
+        estimates = self.check_fits(segments)
+        return [_Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]
+
+    def _check_running(self) -> None:
+        if self.failure is not None:
+            raise UnavailableError("this decoder replica's loop failed and the replica is being replaced; retry")
 
     def cancel(self, ticket: Ticket) -> None:
         """The caller left: the request's sentences leave the live set at the next `step`."""
@@ -314,8 +359,23 @@ class Scheduler:
         return sum(not s.paused for s in tuple(self._live))
 
     @property
+    def awaiting_sentences(self) -> int:
+        """Requests whose later sentences may still come."""
+        return len(self._incomplete)
+
+    @property
     def has_work(self) -> bool:
-        return bool(self._live or self._queue or self._inbox or self._jobs)
+        return bool(self._live or self._queue or self._inbox or self._late or self._jobs) or self._incomplete_due()
+
+    def _incomplete_due(self) -> bool:
+        """A request waiting for its later sentences must end now: cancelled, or past its time ceiling."""
+        now = self.clock()
+        return any(t.cancelled or now > t.expires_at for t in tuple(self._incomplete))
+
+    def _until_incomplete_expires(self) -> float | None:
+        """Seconds until the first time ceiling of a request waiting for its later sentences; None: no such one."""
+        expires_at = min((t.expires_at for t in tuple(self._incomplete)), default=math.inf)
+        return None if math.isinf(expires_at) else max(0.0, expires_at - self.clock())
 
     # --- the loop thread ---------------------------------------------------------------------------------
 
@@ -332,7 +392,7 @@ class Scheduler:
             if not self.has_work:
                 if busy:
                     on_busy(busy := False)
-                self._wakeup.wait()
+                self._wakeup.wait(self._until_incomplete_expires())
                 continue
             if not busy:
                 on_busy(busy := True)
@@ -363,9 +423,9 @@ class Scheduler:
         with self._lock:
             self.failure = cause
         self._take_inbox()
-        for ticket in {s.request for s in self._live} | set(self._queue):
+        for ticket in {s.request for s in self._live} | set(self._queue) | self._incomplete:
             self._end(ticket, error)
-        self._live, self._queue, self._by_llm_id = [], deque(), {}
+        self._live, self._queue, self._by_llm_id, self._incomplete = [], deque(), {}, set()
         self._jobs = {}  # a running job's results are dropped
 
     def _wait_if_only_vocoding(self) -> None:
@@ -374,19 +434,42 @@ class Scheduler:
         self._wakeup.clear()  # what sets it after this line is seen by the wait; what set it before, by the checks
         if not self._jobs or any(job.future.done() for job in self._jobs.values()):
             return
-        if self.llm.active or self._inbox or self._admissible():
+        if self.llm.active or self._inbox or self._late or self._admissible():
             return
-        if any(s.request.cancelled for s in self._live):
+        if any(s.request.cancelled for s in self._live) or self._incomplete_due():
             return
         self._wakeup.wait()
 
     def _take_inbox(self) -> None:
-        with self._lock:
+        with self._lock:  # one take: a request's later sentences never come in before it
             arrived, self._inbox = self._inbox, []
+            late, self._late = self._late, []
         self._queue.extend(arrived)
+        self._incomplete.update(t for t in arrived if not t.complete)
+        for item in late:
+            self._take_late(item)
+
+    def _take_late(self, late: _Late) -> None:
+        ticket = late.ticket
+        if ticket.ended:  # cancelled or failed meanwhile
+            return
+        if late.error is not None:
+            self._fail_request(ticket, late.error)
+            self._live = [s for s in self._live if s.request is not ticket]
+            return
+        ticket.sentences += late.sentences
+        ticket.playback.estimated_audio_s += sum(s.segment.text_len for s in late.sentences) * SECONDS_PER_TEXT_TOKEN
+        if late.final:
+            ticket.complete = True
+            self._incomplete.discard(ticket)
+        if ticket.admitted < len(ticket.sentences) and ticket not in self._queue:
+            self._queue.append(ticket)
+        self._flush(ticket)  # ends a request whose every sentence was handed on before its last word came
 
     def _drop_cancelled(self) -> None:
-        cancelled = {s.request for s in self._live if s.request.cancelled} | {t for t in self._queue if t.cancelled}
+        cancelled = {s.request for s in self._live if s.request.cancelled} | {
+            t for t in (*self._queue, *self._incomplete) if t.cancelled
+        }
         for ticket in cancelled:
             self._stop(ticket, None)
             self.stats.cancelled += 1
@@ -684,10 +767,11 @@ class Scheduler:
         self._stop(ticket, error)
 
     def _end_overdue(self) -> None:
-        """End the requests past their time ceiling (`max_request_s` after submission), queued or live."""
+        """End the requests past their time ceiling (`max_request_s` after submission), queued, live or waiting for
+        their later sentences."""
         now = self.clock()
         overdue = {s.request for s in self._live if now > s.request.expires_at} | {
-            t for t in self._queue if now > t.expires_at
+            t for t in (*self._queue, *self._incomplete) if now > t.expires_at
         }
         for ticket in overdue:
             self.stats.over_limit += 1
@@ -710,12 +794,13 @@ class Scheduler:
             if not sentence.done:
                 return
             ticket.emitted += 1
-        if not ticket.ended:
+        if not ticket.ended and ticket.complete:  # else it waits for its later sentences, its slot free
             self._end(ticket, None)
 
     def _end(self, ticket: Ticket, last: CosyVoiceError | None) -> None:
         if ticket.ended:
             return
+        self._incomplete.discard(ticket)
         if last is not None:
             self._hand_on(ticket, last)
         self._hand_on(ticket, None)

@@ -2,7 +2,8 @@
 
 Requests are validated here, encoded by the `Encoder` deployment (CPU) and decoded by the `Decoder`
 deployment: short texts sentence-parallel through its batched whole-utterance path, long texts and
-streaming requests sentence by sentence through its batched streaming path.
+streaming requests sentence by sentence through its batched streaming path, which starts on the first
+sentence while the encoder encodes the others.
 """
 
 import asyncio
@@ -33,13 +34,13 @@ from deployments.decoder import Decoder
 from deployments.encoder import Encoder, VoiceCloningConfig, VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, UnavailableError, UnknownVoiceError
 from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
-from engine.pipeline import EncodedSegment, SynthesisRequest
+from engine.pipeline import EncodedSegment, EncodingPlan, SynthesisRequest
 from engine.sampling import SamplingOptions
 from engine.voice_cloning import PromptAudioLimits
 from observability import STRUCTURED_LOGGING
 from observability.http import RequestObservability, SynthesisTimer, endpoint_of, request_id_of
 from serve_app.args import AppArgs, LimitsArgs, OpenAIArgs, SecurityArgs
-from serve_app.audio import FORMATS, StreamEncoder, audio_format, encode_audio, stream_encoder
+from serve_app.audio import FORMATS, AudioFormat, StreamEncoder, audio_format, encode_audio, stream_encoder
 from serve_app.guard import (
     BodyTimeouts,
     GuardSettings,
@@ -487,48 +488,68 @@ class TTSIngress:
             check_follows_instructions(info, request.voice)
         request = request.validated()
         caller = caller_of(http.scope)
-        segments: list[EncodedSegment] = await self.call(
-            partial(self.encoder.encode.remote, request, request_id, caller)
-        )
         sample_rate = info["sample_rate"]
-        timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
-        logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
-        # whole, or sse of a format (or model, at this speed) that cannot stream: one event, at the end
         streams = streams_at(info, request.speed)
-        if mode == "whole" or not (fmt.streamable and streams):
-            if len(request.text) > self.limits.long_text_chars and streams:
-                audio = np.concatenate([chunk async for chunk in self.stream_audio(segments, request_id)])
-            else:
-                decoder = self.router.handle()
-                decoded = (self.call(partial(decoder.synthesize.remote, s, request_id)) for s in segments)
-                audio = np.concatenate(await asyncio.gather(*decoded))
-            body = encode_audio(audio, sample_rate, fmt.name)
-            timer.audio(audio)
-            timer.done()
-            if mode == "sse":
-                return StreamingResponse(self.sse_body(iter_once(body), request_id), media_type=SSE_MEDIA_TYPE)
-            return Response(body, media_type=fmt.media_type)
+        # whole, or sse of a format (or model, at this speed) that cannot stream: one event, at the end
+        whole = mode == "whole" or not (fmt.streamable and streams)
+        if whole and not (len(request.text) > self.limits.long_text_chars and streams):
+            segments: list[EncodedSegment] = await self.call(
+                partial(self.encoder.encode.remote, request, request_id, caller)
+            )
+            timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
+            logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
+            decoder = self.router.handle()
+            decoded = (self.call(partial(decoder.synthesize.remote, s, request_id)) for s in segments)
+            return self.whole_response(np.concatenate(await asyncio.gather(*decoded)), fmt, mode, timer, request_id)
 
-        chunks = timer.measure(self.stream_audio(segments, request_id))
-        first = await anext(chunks, None)  # errors up to the first chunk still get their HTTP status
-        encoded = encoded_stream(stream_encoder(fmt.name, sample_rate), first, chunks, request_id)
+        # The streaming path: the first sentence decodes while the encoder encodes the others.
+        first, plan = await self.call(partial(self.encoder.encode_first.remote, request, request_id, caller))
+        timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
+        logger.info("synthesis of %d segment(s), %s", plan.num_segments, mode, extra={"request_id": request_id})
+        if whole:
+            audio = np.concatenate([chunk async for chunk in self.stream_audio(first, plan, request_id)])
+            return self.whole_response(audio, fmt, mode, timer, request_id)
+        chunks = timer.measure(self.stream_audio(first, plan, request_id))
+        first_chunk = await anext(chunks, None)  # errors up to the first chunk still get their HTTP status
+        encoded = encoded_stream(stream_encoder(fmt.name, sample_rate), first_chunk, chunks, request_id)
         if mode == "sse":
             return StreamingResponse(self.sse_body(encoded, request_id), media_type=SSE_MEDIA_TYPE)
         return StreamingResponse(encoded, media_type=fmt.media_type)
 
-    async def stream_audio(self, segments: list[EncodedSegment], request_id: str) -> AsyncIterator[np.ndarray]:
-        """Audio chunks of the segments in order, through the decoder's streaming path (which ends the request at
-        its ceilings: `limits.max_stream_s`, `limits.max_audio_s`)."""
+    def whole_response(
+        self, audio: np.ndarray, fmt: AudioFormat, mode: Mode, timer: SynthesisTimer, request_id: str
+    ) -> Response:
+        """The whole file, in the body or (sse) in one event."""
+        body = encode_audio(audio, timer.sample_rate, fmt.name)
+        timer.audio(audio)
+        timer.done()
+        if mode == "sse":
+            return StreamingResponse(self.sse_body(iter_once(body), request_id), media_type=SSE_MEDIA_TYPE)
+        return Response(body, media_type=fmt.media_type)
+
+    async def stream_audio(
+        self, first: list[EncodedSegment], plan: EncodingPlan, request_id: str
+    ) -> AsyncIterator[np.ndarray]:
+        """Audio chunks of the plan's sentences in order, through the decoder's streaming path (which ends the request
+        at its ceilings: `limits.max_stream_s`, `limits.max_audio_s`): `first` (its first sentences, encoded) at once,
+        the others as the encoder encodes them meanwhile."""
         decoder = self.router.handle()
-        # All sentences in one call: the decoder pipelines them (the next one generates while this one vocodes).
-        response = decoder.stream.options(stream=True).remote(segments, request_id)
+        rest = response = None
         try:
+            later = []
+            if len(first) < plan.num_segments:
+                rest = self.encoder.encode_planned.remote(plan, len(first), request_id)
+                later = [await rest._to_object_ref()]  # a reference, which the decoder awaits
+            # All sentences in one call: the decoder pipelines them (the next one generates while this one vocodes).
+            response = decoder.stream.options(stream=True).remote(first, request_id, later)
             async for chunk in response:
                 yield chunk
         except SERVE_UNAVAILABLE as exc:
             raise unavailable_error(exc) from exc
-        finally:
-            response.cancel()  # no-op when finished; stops the decoder's work if the client left
+        finally:  # no-ops for finished calls; they stop the decoder's and the encoder's work if the client left
+            for call in (response, rest):
+                if call is not None:
+                    call.cancel()
 
     @staticmethod
     async def sse_body(encoded: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:

@@ -1,10 +1,11 @@
 """The continuous-batching scheduler (engine.scheduler) on the tiny model: joining, equality with a request
 decoded alone, cancellation, memory admission, refusal, pipelined sentences, and the vocoding thread (LLM steps
-go on while it works, first chunks go first)."""
+go on while it works, first chunks go first), and requests whose later sentences come after their submission."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.errors import CosyVoiceError, RequestTooLargeError, UnavailableError
+from engine.errors import CosyVoiceError, DecodeLimitError, RequestTooLargeError, UnavailableError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.playback import FcfsPolicy
 from engine.sampling import SamplingOptions
@@ -298,3 +299,108 @@ def test_flow_and_vocoder_batches_hold_at_most_max_vocode_batch_sentences(tts: C
     for segment, sink in zip(streamed, sinks, strict=True):
         np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4)
     np.testing.assert_allclose(whole_sink.audio[0], tts.decoder.decode_batch([whole])[0], atol=1e-4)
+
+
+PARAGRAPH = " ".join(["This sentence is here to make the paragraph long enough to be split."] * 12)
+PIPELINED = SamplingOptions(seed=5, min_token_text_ratio=3, max_token_text_ratio=3)
+
+
+def _audio_of(tts: CosyVoice, segments: list[EncodedSegment]) -> list[np.ndarray]:
+    """The request's chunks as a complete streaming submission (all its sentences at once) gives them."""
+    scheduler, sink = Scheduler(tts.decoder, max_live=8), Collected()
+    scheduler.submit(segments, streaming=True, sink=sink)
+    _run(scheduler)
+    return sink.audio
+
+
+def test_an_incomplete_request_decodes_its_first_sentence_before_the_others_come(tts: CosyVoice) -> None:
+    segments = _segments(tts, PARAGRAPH, PIPELINED)
+    assert len(segments) == 3
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    sink = Collected()
+    ticket = scheduler.submit(segments[:1], streaming=True, sink=sink, complete=False)
+    _step_until(scheduler, lambda: bool(sink.outputs))  # first audio, the others not encoded yet
+    scheduler.extend(ticket, segments[1:2], final=False)  # in time: generated while the first is vocoded
+    _step_until(scheduler, lambda: not scheduler.has_work)
+    # Both sentences done, the last not there: the request waits, holding no slot, and the loop is idle.
+    assert not sink.ended and scheduler.live == 0 and scheduler.queued == 0 and scheduler.awaiting_sentences == 1
+    scheduler.extend(ticket, segments[2:], final=True)
+    _run(scheduler)
+    assert sink.ended and scheduler.awaiting_sentences == 0 and not scheduler.has_work
+    assert scheduler.stats.pipelined_sentences >= 1  # the second came while the first was still decoding
+    expected = _audio_of(tts, segments)
+    assert [len(c) for c in sink.audio] == [len(c) for c in expected]
+    np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(expected), atol=1e-4)
+
+
+def test_an_incomplete_request_whose_last_word_adds_nothing_ends_then(tts: CosyVoice) -> None:
+    [segment] = _segments(tts, "Short.", SHORT)
+    scheduler = Scheduler(tts.decoder, max_live=8)
+    sink = Collected()
+    ticket = scheduler.submit([segment], streaming=False, sink=sink, complete=False)
+    _run(scheduler)
+    assert len(sink.outputs) == 1 and not sink.ended  # its one sentence's audio, and it waits
+    scheduler.extend(ticket, [], final=True)
+    scheduler.step()
+    assert sink.ended and scheduler.awaiting_sentences == 0
+
+
+@pytest.mark.parametrize("while_decoding", [False, True])
+def test_cancelling_a_request_waiting_for_its_later_sentences_ends_it(tts: CosyVoice, while_decoding: bool) -> None:
+    segments = _segments(tts, PARAGRAPH, PIPELINED)
+    scheduler = Scheduler(tts.decoder, max_live=1)
+    sink = Collected()
+    ticket = scheduler.submit(segments[:1], streaming=True, sink=sink, complete=False)
+    _step_until(scheduler, lambda: bool(sink.outputs) if while_decoding else not scheduler.has_work)
+    scheduler.cancel(ticket)
+    assert scheduler.has_work  # even an idle loop steps to end it
+    scheduler.step()
+    assert sink.ended and scheduler.stats.cancelled == 1
+    assert scheduler.live == 0 and scheduler.llm.active == 0 and scheduler.awaiting_sentences == 0
+    scheduler.extend(ticket, segments[1:], final=True)  # the encoder's answer, after the caller left: dropped
+    _run(scheduler)
+    assert scheduler.stats.admitted == 1 and not scheduler.has_work
+    waiting = Collected()  # the slot is free
+    scheduler.submit(segments[:1], streaming=True, sink=waiting)
+    _run(scheduler)
+    assert waiting.ended
+
+
+def test_a_refused_later_sentence_ends_its_request_with_the_refusal(tts: CosyVoice) -> None:
+    [short] = _segments(tts, "Short.", SHORT)
+    [long] = _segments(tts, "A far longer sentence, with many more words in it than the short one.", LONG)
+    probe = Scheduler(tts.decoder, max_live=8)
+    scheduler = Scheduler(tts.decoder, max_live=8, memory_budget_bytes=probe.memory_estimate(long) - 1)
+    sink = Collected()
+    ticket = scheduler.submit([short], streaming=True, sink=sink, complete=False)
+    scheduler.step()
+    with pytest.raises(RequestTooLargeError, match="budget"):
+        scheduler.extend(ticket, [long], final=True)
+    assert scheduler.queued == 0  # refused whole: nothing of it was queued
+    scheduler.abort(ticket, RequestTooLargeError("the later sentence was refused"))
+    scheduler.step()
+    assert isinstance(sink.outputs[-2], RequestTooLargeError) and sink.ended
+    assert scheduler.live == 0 and scheduler.llm.active == 0 and scheduler.awaiting_sentences == 0
+    assert not scheduler.has_work
+
+
+def test_an_idle_loop_ends_a_request_whose_later_sentences_come_too_late(tts: CosyVoice) -> None:
+    [segment] = _segments(tts, "Short.", SHORT)
+    scheduler = Scheduler(tts.decoder, max_live=8, max_request_s=600)
+    sink = Collected()
+    ticket = scheduler.submit([segment], streaming=True, sink=sink, complete=False)
+    _run(scheduler)
+    assert sink.outputs and not sink.ended and not scheduler.has_work
+    ticket.expires_at = time.monotonic() + 0.5  # as if `max_request_s` were nearly over
+    loop = threading.Thread(target=scheduler.run, args=(lambda busy: None, lambda exc: CosyVoiceError("failed")))
+    loop.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not sink.ended and time.monotonic() < deadline:  # the sleeping loop wakes up at the deadline itself
+            time.sleep(0.05)
+        assert isinstance(sink.outputs[-2], DecodeLimitError) and sink.ended
+        assert scheduler.awaiting_sentences == 0 and scheduler.stats.over_limit == 1
+    finally:
+        scheduler.fail(RuntimeError("test over"), CosyVoiceError("test over"))
+        scheduler.cancel(ticket)  # wakes the loop, which sees the failure and returns
+        loop.join(timeout=30)

@@ -1,21 +1,28 @@
 """The Decoder deployment's continuous-batching loop on a real Serve app (tiny model): a request that arrives
 while another decodes joins its LLM batch, whole and streaming requests share one model copy and one loop,
-a cancelled stream frees its slot, an idle replica admits without waiting for an admission batch to fill, and
-a request that can never fit the memory budget is refused with 413."""
+a cancelled stream frees its slot, an idle replica admits without waiting for an admission batch to fill,
+a request that can never fit the memory budget is refused with 413, and a streamed request's first sentence
+decodes while its later sentences are encoded (a refused later sentence ends the request with its error)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import ray
 from ray import serve
 from serve_testing import running_app, wait_until
 
+from engine.errors import RequestTooLargeError
 from engine.pipeline import EncodedSegment, SynthesisRequest
 from engine.sampling import SamplingOptions
+from serve_app.app import engine_error
 from serve_app.args import DecoderArgs
+from serve_app.audio import PCM_MAX
 from serve_app.voice_registry import EVERYONE
 
 APP = "scheduler"
@@ -52,7 +59,7 @@ def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model
     long_stream = _encode("A long streaming request keeps the loop busy.", ratio=100, seed=1)
     [short] = _encode("Short.", ratio=4, seed=2)
     chunks = decoder.stream.options(stream=True).remote(long_stream, "long")
-    assert len(next(chunks)) > 0  # the long stream is decoding: about 1350 tokens, the first chunk at 120
+    assert len(next(chunks)) > 0  # the long stream is decoding: about 900 tokens, the first chunk at 120
     before = _stats(decoder)
     audio = decoder.synthesize.remote(short, "short").result()
     after = _stats(decoder)
@@ -95,3 +102,118 @@ def test_a_request_that_can_never_fit_is_refused_with_413(base_url: str) -> None
             assert "budget" in response.json()["error"]["message"]
         small = {"text": "Hi.", "voice": "dummy_female", "sampling": {"max_token_text_ratio": 4.0}}
         assert http.post("/v1/tts", json=small).status_code == 200
+
+
+PARAGRAPH = " ".join(["This sentence is here to make the paragraph long enough to be split."] * 12)
+# A first sentence of 70 text tokens, then one of 220: at ratio 10 about 54 and 394 MiB, the second over the budget.
+TOO_LONG_LATER = " ".join(
+    ["A short sentence here."] * 14 + [", ".join(["and then the long sentence goes on with more words"] * 20) + "."]
+)
+
+
+@ray.remote(num_cpus=0)
+class HeldSentences:
+    """Stands for the encoder's call for a request's later sentences: returns them once the test opens it."""
+
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
+
+    async def get(self, segments: list[EncodedSegment]) -> list[EncodedSegment]:
+        await self.opened.wait()
+        return segments
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+def _request(text: str, seed: int, ratio: float = 3) -> SynthesisRequest:
+    return SynthesisRequest(text, "dummy_female", sampling=SamplingOptions(seed=seed, max_token_text_ratio=ratio))
+
+
+def _held_stream(decoder: Any, first: list[EncodedSegment], later: list[EncodedSegment], request_id: str) -> Any:
+    """The decoder's stream of `first`, its later sentences held until `.open` on the returned actor."""
+    held = HeldSentences.remote()
+    ref = held.get.remote(later)
+    return held, ref, decoder.stream.options(stream=True).remote(first, request_id, [ref])
+
+
+def test_a_streams_first_sentence_decodes_before_its_later_ones_are_encoded(decoder: Any) -> None:
+    encoder = serve.get_deployment_handle("Encoder", APP)
+    request = _request(PARAGRAPH, seed=21)
+    first, plan = encoder.encode_first.remote(request, "first", EVERYONE).result()
+    later = encoder.encode_planned.remote(plan, 1).result()
+    everything = encoder.encode.remote(request, "at-once", EVERYONE).result()
+    assert len(first) == 1 and plan.num_segments == len(everything) == 3
+    held, ref, chunks = _held_stream(decoder, first, later, "held")
+    try:
+        audio = [next(chunks)]
+        ready, _ = ray.wait([ref], timeout=0)
+        assert len(audio[0]) > 0 and not ready  # first audio while the later sentences are still being "encoded"
+        assert _stats(decoder)["awaiting_sentences"] == 1
+    finally:
+        held.open.remote()
+    audio += list(chunks)
+    # The same audio as the request's sentences all encoded first and sent at once.
+    at_once = list(decoder.stream.options(stream=True).remote(everything, "at-once"))
+    assert [len(chunk) for chunk in audio] == [len(chunk) for chunk in at_once]
+    np.testing.assert_allclose(np.concatenate(audio), np.concatenate(at_once), atol=1e-4)
+    assert _stats(decoder)["awaiting_sentences"] == 0
+
+
+def test_a_stream_cancelled_while_its_later_sentences_are_encoded_frees_everything(decoder: Any) -> None:
+    encoder = serve.get_deployment_handle("Encoder", APP)
+    first, plan = encoder.encode_first.remote(_request(PARAGRAPH, seed=22), "first", EVERYONE).result()
+    later = encoder.encode_planned.remote(plan, 1).result()
+    before = _stats(decoder)
+    held, _, chunks = _held_stream(decoder, first, later, "left")
+    try:
+        assert len(next(chunks)) > 0
+        chunks.cancel()
+        stats = lambda: _stats(decoder)  # noqa: E731
+        wait_until(lambda: stats()["live"] == 0 and stats()["awaiting_sentences"] == 0, 30, "the request to go")
+        assert stats()["cancelled"] == before["cancelled"] + 1 and stats()["queued"] == 0
+    finally:
+        held.open.remote()
+
+
+def test_a_refused_later_sentence_ends_the_stream_with_its_error(decoder: Any) -> None:
+    encoder = serve.get_deployment_handle("Encoder", APP)
+    first, plan = encoder.encode_first.remote(_request(TOO_LONG_LATER, seed=23, ratio=10), "first", EVERYONE).result()
+    later = encoder.encode_planned.remote(plan, 1).result()
+    assert plan.num_segments == 2
+    held, _, chunks = _held_stream(decoder, first, later, "refused")
+    held.open.remote()
+    with pytest.raises(Exception) as raised:
+        list(chunks)
+    assert isinstance(engine_error(raised.value), RequestTooLargeError), raised.value
+    wait_until(lambda: _stats(decoder)["awaiting_sentences"] == 0 and _stats(decoder)["live"] == 0, 30, "an idle loop")
+
+
+def test_a_streamed_request_over_http_is_the_audio_of_its_sentences_sent_at_once(base_url: str, decoder: Any) -> None:
+    body = {"text": PARAGRAPH, "voice": "dummy_female", "format": "pcm", "stream": True, "seed": 24}
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        response = http.post("/v1/tts", json={**body, "sampling": {"max_token_text_ratio": 3.0}})
+    assert response.status_code == 200, response.text
+    streamed = np.frombuffer(response.content, dtype=np.int16).astype(np.float32) / PCM_MAX
+    request = _request(PARAGRAPH, seed=24)
+    segments = serve.get_deployment_handle("Encoder", APP).encode.remote(request, "at-once", EVERYONE).result()
+    at_once = np.concatenate(list(decoder.stream.options(stream=True).remote(segments, "at-once")))
+    assert len(streamed) == len(at_once)
+    np.testing.assert_allclose(streamed, np.clip(at_once, -1, 1), atol=2e-4)  # as 16-bit samples
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_later_sentence_over_http_is_its_413(base_url: str, decoder: Any, stream: bool) -> None:
+    body = {"text": TOO_LONG_LATER, "voice": "dummy_female", "format": "wav", "stream": stream}
+    body["sampling"] = {"min_token_text_ratio": 1.0, "max_token_text_ratio": 10.0}
+    with httpx.Client(base_url=base_url, timeout=120) as http, http.stream("POST", "/v1/tts", json=body) as response:
+        if response.status_code == 200:  # a stream whose first chunk went out before the refusal: it is cut
+            assert stream
+            with pytest.raises(httpx.HTTPError):
+                response.read()
+            return
+        response.read()
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["code"] == "RequestTooLargeError" and "budget" in error["message"]
+    wait_until(lambda: _stats(decoder)["awaiting_sentences"] == 0 and _stats(decoder)["live"] == 0, 30, "an idle loop")
