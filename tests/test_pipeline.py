@@ -64,6 +64,26 @@ def test_long_text_is_split_into_ordered_segments(tts: CosyVoice) -> None:
     assert len({s.sampling.seed for s in segments}) == len(segments)  # each sentence its own draw
 
 
+def test_a_planned_request_encodes_sentence_by_sentence_as_all_at_once(tts: CosyVoice) -> None:
+    text = " ".join(["This sentence is here to make the paragraph long enough to be split."] * 12) + " The end."
+    request = SynthesisRequest(text, tts.voices[0], sampling=SHORT)
+    plan = tts.encoder.plan(request)
+    at_once = tts.encoder.encode(request)
+    one_by_one = tts.encoder.encode_planned(plan, 0, 1) + tts.encoder.encode_planned(plan, 1)
+    assert plan.num_segments == len(at_once) == len(one_by_one) == 3
+    for alone, together in zip(one_by_one, at_once, strict=True):
+        assert np.array_equal(alone.text_encoded, together.text_encoded)  # exactly: the audio is the same
+        assert (alone.text_len, alone.sampling, alone.segment_index, alone.num_segments) == (
+            together.text_len,
+            together.sampling,
+            together.segment_index,
+            together.num_segments,
+        )
+    for start, stop in ((1, 1), (-1, 2), (2, 4)):
+        with pytest.raises(InvalidInputError, match="not a range"):
+            tts.encoder.encode_planned(plan, start, stop)
+
+
 def test_speed_stretches_the_audio(tts: CosyVoice) -> None:
     normal, _ = tts.synthesize("Speed test.", tts.voices[0], seed=2, max_token_text_ratio=4)
     fast, _ = tts.synthesize("Speed test.", tts.voices[0], seed=2, max_token_text_ratio=4, speed=2.0)
