@@ -1,13 +1,17 @@
-"""Serve-side pieces that need no Ray cluster: device choice, error mapping, typed app arguments."""
+"""Serve-side pieces that need no Ray cluster: device choice, error mapping, typed app arguments, the ingress's
+calls of a stream."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from deployments.decoder import resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
@@ -156,3 +160,66 @@ def test_the_scheduler_app_args_make_the_decoder_loops_policy() -> None:
     assert isinstance(scheduling_policy(fcfs.model_dump()), FcfsPolicy)
     with pytest.raises(ValueError, match="policy"):
         AppArgs.model_validate({"scheduler": {"policy": "lifo"}})
+
+
+class _FakeCall:
+    """A deployment call: a unary one (`_to_object_ref`) or a streamed one (its chunks); records `cancel`."""
+
+    def __init__(self, chunks: list[np.ndarray] | None = None) -> None:
+        self.chunks = list(chunks or [])
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def _to_object_ref(self) -> str:
+        return "reference to the later sentences"
+
+    def __aiter__(self) -> _FakeCall:
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        if not self.chunks:
+            raise StopAsyncIteration
+        return self.chunks.pop(0)
+
+
+@pytest.mark.parametrize("sentences", [1, 3])
+def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders_call_for_the_rest(
+    sentences: int,
+) -> None:
+    from serve_app.app import TTSIngress
+
+    rest, stream, sent = _FakeCall(), _FakeCall([np.ones(4, np.float32)] * 2), {}
+    encoder = SimpleNamespace(encode_planned=SimpleNamespace(remote=lambda plan, start, request_id: rest))
+
+    def stream_remote(first: list[str], request_id: str, later: list[str]) -> _FakeCall:
+        sent.update(first=first, later=later)
+        return stream
+
+    decoder = SimpleNamespace(stream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=stream_remote)))
+    ingress = SimpleNamespace(encoder=encoder, router=SimpleNamespace(handle=lambda: decoder))
+
+    async def first_chunk_then_leave() -> None:
+        plan = SimpleNamespace(num_segments=sentences)
+        chunks = TTSIngress.func_or_class.stream_audio(ingress, ["first sentence"], plan, "req-1")
+        assert len(await anext(chunks)) == 4
+        await chunks.aclose()  # the client left
+
+    asyncio.run(first_chunk_then_leave())
+    later = ["reference to the later sentences"] if sentences > 1 else []
+    assert sent == {"first": ["first sentence"], "later": later}  # at once, the later sentences still encoding
+    assert stream.cancelled and rest.cancelled == (sentences > 1)
+
+
+def test_a_stream_whose_later_sentences_fail_ends_with_the_encoders_error_or_a_503() -> None:
+    from deployments.decoder import later_sentences_error
+    from engine.errors import RequestFailedError, UnavailableError
+
+    refused = InvalidInputError("the text is too long")
+    assert later_sentences_error(RayTaskError("encode_planned", "traceback", refused)) is refused
+    for lost in (RayActorError(), TaskCancelledError()):
+        assert isinstance(later_sentences_error(lost), UnavailableError)
+    bug = RuntimeError("a bug in the encoder")
+    failed = later_sentences_error(RayTaskError("encode_planned", "traceback", bug))
+    assert isinstance(failed, RequestFailedError) and failed.__cause__ is not None  # logged by the decoder, a 500
