@@ -539,7 +539,9 @@ class TTSIngress:
             later = []
             if len(first) < plan.num_segments:
                 rest = self.encoder.encode_planned.remote(plan, len(first), request_id)
-                later = [await rest._to_object_ref()]  # a reference, which the decoder awaits
+                # An ObjectRef, which the decoder awaits: a DeploymentResponse passes only as a top-level argument,
+                # which Serve resolves before the call.
+                later = [await rest._to_object_ref()]
             # All sentences in one call: the decoder pipelines them (the next one generates while this one vocodes).
             response = decoder.stream.options(stream=True).remote(first, request_id, later)
             async for chunk in response:
