@@ -12,36 +12,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sinks import Collected
 
 import engine.llm
 from engine.errors import DecodeLimitError, InvalidInputError, RequestFailedError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.sampling import MAX_SEED, SamplingOptions
-from engine.scheduler import Output, Scheduler
+from engine.scheduler import Scheduler
 
 POISON_SEED = 666  # the request the fault is injected into
 MODELS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
-
-
-class Collected:
-    def __init__(self) -> None:
-        self.outputs: list[Output] = []
-
-    def __call__(self, item: Output) -> None:
-        self.outputs.append(item)
-
-    @property
-    def ended(self) -> bool:
-        return bool(self.outputs) and self.outputs[-1] is None
-
-    @property
-    def audio(self) -> np.ndarray:
-        assert self.ended and all(isinstance(o, np.ndarray) for o in self.outputs[:-1]), self.outputs
-        return np.concatenate([o for o in self.outputs[:-1] if o.size])
-
-    @property
-    def error(self) -> Exception | None:
-        return self.outputs[-2] if len(self.outputs) >= 2 and isinstance(self.outputs[-2], Exception) else None
 
 
 @pytest.fixture(scope="module", params=MODELS)

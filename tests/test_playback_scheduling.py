@@ -8,12 +8,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from sinks import Collected
 
 from engine.errors import CosyVoiceError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.playback import DeadlinePolicy, FcfsPolicy, PlaybackClock
 from engine.sampling import SamplingOptions
-from engine.scheduler import Output, Scheduler, Ticket
+from engine.scheduler import Scheduler, Ticket
 
 TWO_SENTENCES = "This is a much longer request that keeps the decoder busy for a while. " * 8
 
@@ -24,23 +25,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Collected:
-    def __init__(self) -> None:
-        self.outputs: list[Output] = []
-
-    def __call__(self, item: Output) -> None:
-        self.outputs.append(item)
-
-    @property
-    def ended(self) -> bool:
-        return bool(self.outputs) and self.outputs[-1] is None
-
-    @property
-    def audio(self) -> np.ndarray:
-        assert self.ended and not any(isinstance(o, CosyVoiceError) for o in self.outputs), self.outputs
-        return np.concatenate([o for o in self.outputs[:-1] if o.size])
 
 
 @pytest.fixture(scope="module")

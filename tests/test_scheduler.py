@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sinks import Collected
 
 from engine.errors import CosyVoiceError, DecodeLimitError, RequestTooLargeError, UnavailableError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
 from engine.playback import FcfsPolicy
 from engine.sampling import SamplingOptions
-from engine.scheduler import Output, Scheduler
+from engine.scheduler import Scheduler
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=6, max_token_text_ratio=6)
 LONG = SamplingOptions(seed=4, min_token_text_ratio=30, max_token_text_ratio=30)  # several stream chunks
@@ -30,25 +31,6 @@ def tts() -> CosyVoice:
 
 def _segments(tts: CosyVoice, text: str, sampling: SamplingOptions) -> list[EncodedSegment]:
     return tts.encoder.encode(SynthesisRequest(text, tts.voices[0], sampling=sampling))
-
-
-class Collected:
-    """A sink that keeps what a request handed on."""
-
-    def __init__(self) -> None:
-        self.outputs: list[Output] = []
-
-    def __call__(self, item: Output) -> None:
-        self.outputs.append(item)
-
-    @property
-    def ended(self) -> bool:
-        return bool(self.outputs) and self.outputs[-1] is None
-
-    @property
-    def audio(self) -> list[np.ndarray]:
-        assert all(isinstance(o, np.ndarray) for o in self.outputs[:-1]), self.outputs
-        return self.outputs[:-1]
 
 
 def _run(scheduler: Scheduler, steps: int | None = None) -> None:
@@ -77,14 +59,14 @@ def test_requests_decoded_in_the_loop_equal_the_same_requests_decoded_alone(tts:
     _run(scheduler)
 
     [alone_whole] = tts.decoder.decode_batch([whole])
-    [in_loop] = whole_sink.audio
+    [in_loop] = whole_sink.chunks
     assert in_loop.shape == alone_whole.shape
     np.testing.assert_allclose(in_loop, alone_whole, atol=1e-4)
     alone_chunks = _stream_alone(tts, streamed)
-    assert [len(c) for c in stream_sink.audio] == [len(c) for c in alone_chunks]
-    np.testing.assert_allclose(np.concatenate(stream_sink.audio), np.concatenate(alone_chunks), atol=1e-4)
+    assert [len(c) for c in stream_sink.chunks] == [len(c) for c in alone_chunks]
+    np.testing.assert_allclose(np.concatenate(stream_sink.chunks), np.concatenate(alone_chunks), atol=1e-4)
     np.testing.assert_allclose(
-        np.concatenate(short_sink.audio), np.concatenate(_stream_alone(tts, short_stream)), atol=1e-4
+        np.concatenate(short_sink.chunks), np.concatenate(_stream_alone(tts, short_stream)), atol=1e-4
     )
     assert other_sink.ended and scheduler.live == 0 and scheduler.llm.active == 0
 
@@ -181,8 +163,8 @@ def test_the_sentences_of_a_request_are_pipelined_and_arrive_in_order(tts: CosyV
     _run(scheduler)
     assert scheduler.stats.pipelined_sentences == 1  # the second started before the first's last audio
     expected = [chunk for segment in segments for chunk in _stream_alone(tts, segment)]
-    assert [len(c) for c in sink.audio] == [len(c) for c in expected]
-    np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(expected), atol=1e-4)
+    assert [len(c) for c in sink.chunks] == [len(c) for c in expected]
+    np.testing.assert_allclose(np.concatenate(sink.chunks), np.concatenate(expected), atol=1e-4)
 
 
 class Gate:
@@ -233,8 +215,8 @@ def test_llm_steps_go_on_while_a_whole_sentence_is_vocoded(tts: CosyVoice, monke
     finally:
         gate.open()
     _run(scheduler)
-    np.testing.assert_allclose(short_sink.audio[0], alone_short, atol=1e-4)
-    np.testing.assert_allclose(long_sink.audio[0], alone_long, atol=1e-4)
+    np.testing.assert_allclose(short_sink.chunks[0], alone_short, atol=1e-4)
+    np.testing.assert_allclose(long_sink.chunks[0], alone_long, atol=1e-4)
 
 
 @pytest.mark.parametrize("max_vocode_batch", [1, 8])
@@ -261,7 +243,7 @@ def test_a_first_chunk_is_made_while_a_running_streams_chunk_is_vocoded(tts: Cos
     _run(scheduler)
     for segment, collected in ((running, running_sink), (late, late_sink)):
         np.testing.assert_allclose(
-            np.concatenate(collected.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4
+            np.concatenate(collected.chunks), np.concatenate(_stream_alone(tts, segment)), atol=1e-4
         )
 
 
@@ -297,8 +279,8 @@ def test_flow_and_vocoder_batches_hold_at_most_max_vocode_batch_sentences(tts: C
     _run(scheduler)
     assert set(scheduler.stats.vocode_batch_size_counts) == {1}
     for segment, sink in zip(streamed, sinks, strict=True):
-        np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(_stream_alone(tts, segment)), atol=1e-4)
-    np.testing.assert_allclose(whole_sink.audio[0], tts.decoder.decode_batch([whole])[0], atol=1e-4)
+        np.testing.assert_allclose(np.concatenate(sink.chunks), np.concatenate(_stream_alone(tts, segment)), atol=1e-4)
+    np.testing.assert_allclose(whole_sink.chunks[0], tts.decoder.decode_batch([whole])[0], atol=1e-4)
 
 
 PARAGRAPH = " ".join(["This sentence is here to make the paragraph long enough to be split."] * 12)
@@ -310,7 +292,7 @@ def _audio_of(tts: CosyVoice, segments: list[EncodedSegment]) -> list[np.ndarray
     scheduler, sink = Scheduler(tts.decoder, max_live=8), Collected()
     scheduler.submit(segments, streaming=True, sink=sink)
     _run(scheduler)
-    return sink.audio
+    return sink.chunks
 
 
 def test_an_incomplete_request_decodes_its_first_sentence_before_the_others_come(tts: CosyVoice) -> None:
@@ -329,8 +311,8 @@ def test_an_incomplete_request_decodes_its_first_sentence_before_the_others_come
     assert sink.ended and scheduler.awaiting_sentences == 0 and not scheduler.has_work
     assert scheduler.stats.pipelined_sentences >= 1  # the second came while the first was still decoding
     expected = _audio_of(tts, segments)
-    assert [len(c) for c in sink.audio] == [len(c) for c in expected]
-    np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(expected), atol=1e-4)
+    assert [len(c) for c in sink.chunks] == [len(c) for c in expected]
+    np.testing.assert_allclose(np.concatenate(sink.chunks), np.concatenate(expected), atol=1e-4)
 
 
 def test_an_incomplete_request_whose_last_word_adds_nothing_ends_then(tts: CosyVoice) -> None:
