@@ -85,7 +85,7 @@ def isolate_failures(
 ) -> list[R]:
     """`run(items)` (a batch); if it raises, `undo` each item (put back what the failed run changed) and run each item
     alone: an item that fails alone gives `fail(item, its error)`, so one request's fault fails that request only.
-    A batch that fails while each item runs alone is retried as those single runs, which then succeed."""
+    When every item succeeds alone (the batch as a whole was at fault, e.g. its size), the single runs stand."""
     try:
         return run(items)
     except Exception as exc:
