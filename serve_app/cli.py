@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -83,7 +84,8 @@ def run(options: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.app import SHUTDOWN_MARGIN_S, build_app
+    from serve_app.args import AppArgs
 
     application, http_options = read_serve_config(options.config)
     args = dict(application.get("args") or {})
@@ -101,24 +103,49 @@ def run(options: argparse.Namespace) -> int:
     # address (Ray 2.60), so its token auth stays on: a new local cluster gets a token (~/.ray/auth_token).
     ray.init(address="local", include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(
-        build_app(args), name=application.get("name", "cosyvoice"), route_prefix=application.get("route_prefix", "/")
-    )
+    name = application.get("name", "cosyvoice")
+    serve.run(build_app(args), name=name, route_prefix=application.get("route_prefix", "/"))
     url = f"http://{host}:{port}"
     print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
     print(f'  cosyvoice-serve say "Hello from CosyVoice." -o out.wav --url {url}')
     print(f"  curl {url}/v1/voices")
     if args.get("voices_dir"):
         print(f"registered voices are kept in {args['voices_dir']}")
+    # SIGTERM (containers, systemd) stops the server as Ctrl-C does: drained, then Serve and Ray shut down, exit 0.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print("shutting down")
+        drain_s = AppArgs.model_validate(args).limits.max_stream_s + SHUTDOWN_MARGIN_S
+        print(f"stopping: new requests are refused; the running ones may finish (up to {drain_s:g} s)", flush=True)
+        drain(name, drain_s)
     finally:
         serve.shutdown()
         ray.shutdown()
+    print("stopped", flush=True)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def drain(app_name: str, timeout_s: float) -> bool:
+    """Delete the application and wait until it is gone: Serve routes no new request to it (its route answers 404)
+    while each replica finishes its ongoing requests within its graceful shutdown timeout. -> whether it went in
+    time (else what still runs is stopped by the shutdown that follows)."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    serve.delete(app_name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app_name)
+        if status is None or status.status == ApplicationStatus.NOT_STARTED:
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def say(options: argparse.Namespace) -> int:
