@@ -69,6 +69,7 @@ class UnknownModelError(CosyVoiceError):
 
 
 DEFAULT_RETRY_AFTER_S = 1.0  # where Serve gives none (a lost replica, no backpressure_config)
+REROUTE_BACKOFF_S = 1.0  # between two tries of a stream whose decoder replica was lost (Serve replaces it in ~10 s)
 
 
 class ServiceUnavailableError(UnavailableError):
@@ -533,7 +534,8 @@ class TTSIngress:
         """Audio chunks of the plan's sentences in order, through the decoder's streaming path (which ends the request
         at its ceilings: `limits.max_stream_s`, `limits.max_audio_s`): `first` (its first sentences, encoded) at once,
         the others as the encoder encodes them meanwhile."""
-        decoder = self.router.handle()
+        loop = asyncio.get_running_loop()
+        reroute_until = loop.time() + self.limits.reroute_s
         rest = response = None
         try:
             later = []
@@ -542,10 +544,32 @@ class TTSIngress:
                 # An ObjectRef, which the decoder awaits: a DeploymentResponse passes only as a top-level argument,
                 # which Serve resolves before the call.
                 later = [await rest._to_object_ref()]
-            # All sentences in one call: the decoder pipelines them (the next one generates while this one vocodes).
-            response = decoder.stream.options(stream=True).remote(first, request_id, later)
-            async for chunk in response:
-                yield chunk
+            lost = False  # a decoder replica was lost under this stream before its first audio
+            while True:
+                # All sentences in one call: the decoder pipelines them (the next one generates while this one
+                # vocodes).
+                response = self.router.handle().stream.options(stream=True).remote(first, request_id, later)
+                started = False
+                try:
+                    async for chunk in response:
+                        started = True
+                        yield chunk
+                    return
+                except (RayActorError, *SERVE_UNAVAILABLE) as exc:
+                    # A stream that sent nothing yet lost nothing but time: it goes again, to another replica or
+                    # the replacement (whose queue the other re-sent streams may fill for a while), until
+                    # `limits.reroute_s`; one that has sent audio cannot be resumed. A full queue at the first try
+                    # is overload: 503 at once.
+                    overload = isinstance(exc, BackPressureError) and not lost
+                    if started or overload or loop.time() >= reroute_until:
+                        raise unavailable_error(exc) from exc
+                    lost = True
+                    logger.warning(
+                        "the decoder replica was lost before this stream's first audio (%s); sending it again",
+                        type(exc).__name__,
+                        extra={"request_id": request_id},
+                    )
+                    await asyncio.sleep(REROUTE_BACKOFF_S)
         except SERVE_UNAVAILABLE as exc:
             raise unavailable_error(exc) from exc
         finally:  # no-ops for finished calls; they stop the decoder's and the encoder's work if the client left

@@ -189,6 +189,12 @@ class LimitsArgs(_Strict):
         "it, it ends with 413 and frees its slot (sampling.max_token_text_ratio also bounds it per text length)",
     )
     retry_after_s: float = Field(1.0, ge=0, description="the Retry-After of 503 answers (overload, replica lost)")
+    reroute_s: float = Field(
+        30.0,
+        ge=0,
+        description="a stream whose decoder replica is lost before its first audio is sent again (to another replica "
+        "or the replacement) for up to this long, then answered 503 + Retry-After",
+    )
     # Voice registration (POST /v1/voices): the uploaded prompt recording and the registry.
     max_prompt_audio_bytes: int = Field(
         10 << 20, ge=1, description="larger voice uploads are rejected with 413, before decoding"

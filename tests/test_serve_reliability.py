@@ -338,6 +338,47 @@ def test_a_killed_replica_under_load(base_url: str, voice: str, deployment: str)
     _wait_for(lambda: _running(deployment) >= 1, 180, f"a RUNNING {deployment} replica again")
 
 
+def test_streams_that_sent_nothing_are_rerouted_when_their_decoder_dies(base_url: str, voice: str) -> None:
+    bodies = [
+        {"text": f"Stream {i} is here.", "voice": voice, "seed": i, "format": "pcm", "stream": True, **LONG}
+        for i in range(DECODER_ONGOING + DECODER_QUEUE)  # all accepted: none is refused by the full queue
+    ]
+    with httpx.Client(base_url=base_url, timeout=180, headers=AUTH) as http:
+        expected = [http.post("/v1/tts", json=body).content for body in bodies]  # seeded: the same bytes again
+    received: list[list[bytes]] = [[] for _ in bodies]
+
+    async def scenario() -> tuple[list[bool], list[tuple[int | None, Exception | None]]]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=180, headers=AUTH) as http:
+
+            async def stream(index: int) -> tuple[int | None, Exception | None]:
+                try:
+                    async with http.stream("POST", "/v1/tts", json=bodies[index]) as response:
+                        async for piece in response.aiter_raw():
+                            received[index].append(piece)
+                        return response.status_code, None
+                except httpx.HTTPError as exc:  # a stream cut after its first bytes
+                    return None, exc
+
+            in_flight = [asyncio.ensure_future(stream(i)) for i in range(len(bodies))]
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(_ongoing, "Decoder") == 0:
+                assert time.monotonic() < deadline, "the decoder never held a request"
+                await asyncio.sleep(0.05)
+            ray.kill(_replica_actor("Decoder"), no_restart=True)
+            started_at_kill = [bool(pieces) for pieces in received]
+            return started_at_kill, await asyncio.wait_for(asyncio.gather(*in_flight), 240)
+
+    started_at_kill, outcomes = asyncio.run(scenario())
+    assert not all(started_at_kill), "every stream had audio before the kill: nothing to re-route"
+    for index, (started, (status, error)) in enumerate(zip(started_at_kill, outcomes, strict=True)):
+        data = b"".join(received[index])
+        if not started:  # lost nothing but time: sent again, it completes whole
+            assert status == 200 and data == expected[index], (index, status, error, data[:300])
+        elif data != expected[index]:  # had started: the cut is the clearest signal a raw stream allows
+            assert error is not None and expected[index].startswith(data)
+    _wait_for(lambda: _running("Decoder") >= 1, 180, "a RUNNING Decoder replica again")
+
+
 # --- logs (last: everything above has logged by now) -------------------------------------------------------
 
 
