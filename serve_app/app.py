@@ -8,6 +8,7 @@ sentence while the encoder encodes the others.
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import math
@@ -575,7 +576,10 @@ class TTSIngress:
         finally:  # no-ops for finished calls; they stop the decoder's and the encoder's work if the client left
             for call in (response, rest):
                 if call is not None:
-                    call.cancel()
+                    # Cancelling a call that failed re-raises its error (Serve's BackPressureError: a plain-text 503),
+                    # which would replace the translated one on its way out.
+                    with contextlib.suppress(Exception):
+                        call.cancel()
 
     @staticmethod
     async def sse_body(encoded: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:

@@ -170,7 +170,11 @@ def test_a_full_decoder_queue_answers_503_with_retry_after(base_url: str, voice:
 
     async def send() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=AUTH) as http:
-            bodies = [{"text": f"Request {i} says hi.", "voice": voice, "seed": i, **SHORT} for i in range(burst)]
+            streamed = {"format": "pcm", "stream": True}  # every other one: both paths answer overload alike
+            bodies = [
+                {"text": f"Request {i} says hi.", "voice": voice, "seed": i, **SHORT, **(streamed if i % 2 else {})}
+                for i in range(burst)
+            ]
             return await asyncio.wait_for(asyncio.gather(*(http.post("/v1/tts", json=b) for b in bodies)), 240)
 
     responses = asyncio.run(send())
