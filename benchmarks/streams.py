@@ -254,7 +254,7 @@ def held_rate_figures(levels_by_policy: dict[str, list[RateResult]]) -> dict[str
     elif fcfs == top.get("fcfs"):
         reason = f"fcfs holds every rate tried (up to {fcfs} streams/s): its limit was not reached"
     elif deadline is None:
-        ratio = 0.0
+        reason = f"deadline holds no rate tried while fcfs holds {fcfs} streams/s: the ratio is below 1"
     else:
         ratio = deadline / fcfs
     figures["held_rate_ratio"] = ratio

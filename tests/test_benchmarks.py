@@ -313,6 +313,10 @@ def test_the_held_rate_is_the_top_of_the_rates_that_all_hold_and_its_ratio_says_
     )
     assert held_rate_target(None, 1.0) is None and held_rate_target(None, None) is None  # a bound of 1 tells nothing
     assert fcfs_holds_all["held_rate_ratio"] is None and "every rate" in fcfs_holds_all["held_rate_ratio_reason"]
+    deadline_fails_all = held_rate_figures(
+        {"fcfs": [_rate(0.1, True), _rate(0.2, False)], "deadline": [_rate(0.1, False)]}
+    )
+    assert deadline_fails_all["held_rate_ratio"] is None and "below 1" in deadline_fails_all["held_rate_ratio_reason"]
     assert deadline_holds_all["held_rate_ratio"] == 2.0 and deadline_holds_all["held_rate_ratio_is_lower_bound"]
 
 
