@@ -4,7 +4,8 @@
 #      peak memory, RTF at batch 1, 4 and 16, first-chunk time of a 20 s utterance;
 #   2. benchmarks.compare at 1, 4 and 16 clients on a local Serve whose decoder replica has a GPU fraction;
 #   3. benchmarks.streams on such a Serve, once per decoder policy (fcfs, deadline): Poisson streams at 3 rates,
-#      6 each, and the 7 long + 1 late short scenario twice (the idle time to first audio 3 times).
+#      6 each, and the 7 long + 1 late short scenario twice (the idle time to first audio 3 times), its long
+#      texts 2 sentences instead of the issue's 8 to fit the step's time.
 # Everything lands in OUT_DIR (default out/gpu_check): engine.json, compare.json/.png, streams.json/.png,
 # gpu_check.json.
 #
@@ -33,7 +34,7 @@ timeout 120 python -m benchmarks.gpu_check --device "$device" --model "$model" -
 timeout 300 python -m benchmarks.compare --model "$model" --device "$device" --num-gpus "$num_gpus" \
   --clients 1 4 16 --requests 8 --rates 2 --out "$out/compare.json" 2>&1 | tee "$out/compare.log" || status=1
 timeout 150 python -m benchmarks.streams --model "$model" --num-gpus "$num_gpus" --rates 0.5 1 2 --arrivals 6 \
-  --repeats 2 --drain-timeout-s 30 --out "$out/streams.json" 2>&1 | tee "$out/streams.log" || status=1
+  --long-sentences 2 --repeats 2 --drain-timeout-s 30 --out "$out/streams.json" 2>&1 | tee "$out/streams.log" || status=1
 
 python - "$out" <<'PY'
 import json, sys

@@ -26,6 +26,7 @@ the repeats, `_spread` beside each), `targets` (the issue's: held rate ratio >= 
 its idle TTFA under deadline; the long streams' underruns no worse than under fcfs).
 
     python -m benchmarks.streams --model tiny --out out/streams_tiny.json [--rates 0.15 0.3 0.6 1.2] [--arrivals 10]
+        [--long-sentences 8] [--repeats 3] [--warmup 1] [--num-gpus 0]
 
 Writes the JSON and a PNG beside it (same name, .png). A progress bar goes to stderr.
 """
@@ -54,7 +55,8 @@ from benchmarks.http_bench import BENCH_APP, PCM_BYTES_PER_SAMPLE, Progress, loc
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, add_repeat_options
 
 POLICIES = ("fcfs", "deadline")
-LONG_TEXT = " ".join(["This is a much longer request that keeps the decoder busy for a while."] * 8)
+LONG_SENTENCE = "This is a much longer request that keeps the decoder busy for a while."
+LONG_SENTENCES = 8  # the issue's long text
 SHORT_TEXTS = ("Hi there.", "Hello.", "Good morning.", "Thank you.")
 LATE_SHORT_TEXT = SHORT_TEXTS[0]
 LATE_LONG_STREAMS = 7
@@ -70,12 +72,17 @@ class StreamsWorkload:
     rates: tuple[float, ...] = (0.15, 0.3, 0.6, 1.2)  # streams per second, rising: fcfs fails within them on tiny
     arrivals: int = 10  # streams per rate
     long_fraction: float = 0.5  # of the arrivals, drawn with the seed
+    long_sentences: int = LONG_SENTENCES  # fewer: a cheaper run (a check), no longer the issue's workload
     seed: int = 26
     jitter_buffer_s: float = 0.3
     repeats: int = DEFAULT_REPEATS  # of the late-short scenario (and idle samples, at least 3)
     warmup: int = DEFAULT_WARMUP
     request_timeout_s: float = 300.0  # one stream, from its request to its last byte
     drain_timeout_s: float = 180.0  # after a rate's last arrival: streams still running are cancelled (errors)
+
+    @property
+    def long_text(self) -> str:
+        return " ".join([LONG_SENTENCE] * self.long_sentences)
 
     @property
     def idle_samples(self) -> int:
@@ -124,10 +131,6 @@ def poisson_arrivals(rate: float, count: int, long_fraction: float, seed: int) -
         arrivals.append((offset, "long" if rng.random() < long_fraction else "short"))
         offset += rng.expovariate(rate)
     return arrivals
-
-
-def text_for(kind: str, index: int) -> str:
-    return LONG_TEXT if kind == "long" else SHORT_TEXTS[index % len(SHORT_TEXTS)]
 
 
 async def stream_request(
@@ -287,6 +290,9 @@ class Run:
         self.client, self.sample_rate, self.workload, self.progress = client, sample_rate, workload, progress
         self.seeds = 0
 
+    def text_for(self, kind: str, index: int) -> str:
+        return self.workload.long_text if kind == "long" else SHORT_TEXTS[index % len(SHORT_TEXTS)]
+
     async def stream(self, kind: str, text: str, first_audio_only: bool = False) -> StreamResult:
         self.seeds += 1  # the same sequence of seeds under both policies
         workload = self.workload
@@ -304,13 +310,13 @@ class Run:
     async def idle(self) -> dict[str, list[float]]:
         """The idle TTFAs of each kind (one request at a time, after the warm-up)."""
         for index in range(self.workload.warmup):
-            await self.stream("short", text_for("short", index))
-            await self.stream("long", LONG_TEXT, first_audio_only=True)
+            await self.stream("short", self.text_for("short", index))
+            await self.stream("long", self.text_for("long", index), first_audio_only=True)
         samples: dict[str, list[float]] = {}
         for kind in KINDS:
             samples[kind] = []
-            for index in range(self.workload.idle_samples):
-                result = await self.stream(kind, text_for(kind, 0 if kind == "short" else index), kind == "long")
+            for _ in range(self.workload.idle_samples):
+                result = await self.stream(kind, self.text_for(kind, 0), kind == "long")
                 self.progress.advance(f"idle {kind}")
                 if result.ttfa_s is None:
                     raise RuntimeError(f"an idle {kind} stream gave no audio: {result.error}")
@@ -319,7 +325,7 @@ class Run:
 
     async def late_short(self) -> tuple[StreamResult, list[StreamResult]]:
         """7 long streams, then one second later a short one -> the short one, the long ones (run to their end)."""
-        longs = [asyncio.create_task(self.stream("long", LONG_TEXT)) for _ in range(LATE_LONG_STREAMS)]
+        longs = [asyncio.create_task(self.stream("long", self.text_for("long", 0))) for _ in range(LATE_LONG_STREAMS)]
         await asyncio.sleep(LATE_SHORT_DELAY_S)
         short = await self.stream("short", LATE_SHORT_TEXT)
         long_results = await asyncio.gather(*longs)
@@ -335,7 +341,7 @@ class Run:
         tasks = []
         for index, (offset, kind) in enumerate(arrivals):
             await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
-            task = asyncio.create_task(self.stream(kind, text_for(kind, index)))
+            task = asyncio.create_task(self.stream(kind, self.text_for(kind, index)))
             task.add_done_callback(lambda _, rate=rate: self.progress.advance(f"{rate:g}/s"))
             tasks.append(task)
         await asyncio.wait(tasks, timeout=workload.drain_timeout_s)
@@ -468,7 +474,7 @@ def measure_policies(model: str, workload: StreamsWorkload, num_gpus: float = 0.
     report["setup"] = {
         "model": model,
         "workload": asdict(workload),
-        "long_text": LONG_TEXT,
+        "long_text": workload.long_text,
         "short_texts": list(SHORT_TEXTS),
         "app_args": {policy: app_args_for(policy, num_gpus) for policy in POLICIES},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -560,6 +566,8 @@ def main() -> None:
     parser.add_argument("--arrivals", type=int, default=defaults.arrivals, help="streams per rate")
     parser.add_argument("--long-fraction", type=float, default=defaults.long_fraction)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    sentences_help = "sentences of the long text (default the issue's 8; fewer makes a cheaper check)"
+    parser.add_argument("--long-sentences", type=int, default=defaults.long_sentences, help=sentences_help)
     parser.add_argument("--jitter-buffer-s", type=float, default=defaults.jitter_buffer_s)
     timeout_help = "one stream's longest time, request to last byte"
     parser.add_argument("--request-timeout-s", type=float, default=defaults.request_timeout_s, help=timeout_help)
@@ -568,8 +576,8 @@ def main() -> None:
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPU fraction of the decoder replica")
     add_repeat_options(parser)
     options = parser.parse_args()
-    if any(rate <= 0 for rate in options.rates) or options.arrivals < 1:
-        parser.error("--rates must be positive and --arrivals at least 1")
+    if any(rate <= 0 for rate in options.rates) or options.arrivals < 1 or options.long_sentences < 1:
+        parser.error("--rates must be positive, --arrivals and --long-sentences at least 1")
     if not 0 <= options.long_fraction <= 1 or options.jitter_buffer_s < 0:
         parser.error("--long-fraction must be in [0, 1] and --jitter-buffer-s at least 0")
     if options.request_timeout_s <= 0 or options.drain_timeout_s <= 0:
@@ -579,6 +587,7 @@ def main() -> None:
         arrivals=options.arrivals,
         long_fraction=options.long_fraction,
         seed=options.seed,
+        long_sentences=options.long_sentences,
         jitter_buffer_s=options.jitter_buffer_s,
         repeats=options.repeats,
         warmup=options.warmup,
