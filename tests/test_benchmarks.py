@@ -6,15 +6,28 @@ the ~20 s text `compare` sends to the OpenAI endpoint."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
+from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 from benchmarks.batching_bench import measure_batches, measure_first_chunk, report_rows, throughput_ratios
 from benchmarks.compare import batching_figures, text_for_audio_seconds
 from benchmarks.engine_bench import fixed_length_segments, run
 from benchmarks.http_bench import LevelResult, LevelRun, Sample, level_dict, summarize
+from benchmarks.streams import (
+    Listener,
+    RateResult,
+    StreamResult,
+    held_rate_figures,
+    held_rate_target,
+    poisson_arrivals,
+    stream_request,
+    summarize_rate,
+)
 from benchmarks.timing import FailedMeasurements, Timing, add_repeat_options, measure, paired, ratio
 from engine.loader import load_model
 from engine.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
@@ -233,3 +246,113 @@ def test_compare_sizes_the_openai_text_at_the_models_own_token_rate(preset: str)
     wanted = tts.encoder.model.config.speech_tokens_for(20.0)
     spoken = ratio * len(frontend.tokenize(frontend.normalize(text)))
     assert wanted <= spoken < wanted + ratio * 8  # reached with the last word (a few text tokens at most)
+
+
+def test_a_listener_underruns_only_when_a_piece_comes_after_it_ran_out() -> None:
+    listener = Listener(jitter_buffer_s=0.3)
+
+    listener.receive(1.0, 0.5)  # first audio at 1.0: it plays from 1.3 to 1.8
+    listener.receive(1.8, 0.5)  # just in time: it plays on to 2.3
+    listener.receive(2.5, 1.0)  # 0.2 s late: an underrun, and it plays again from 2.5 to 3.5
+    listener.receive(3.4, 0.1)  # within the buffer again
+
+    assert (listener.first_at, listener.underruns) == (1.0, 1)
+    assert listener.runs_out_at == pytest.approx(3.6) and listener.audio_s == pytest.approx(2.1)
+    on_time = Listener(jitter_buffer_s=0.3)
+    for at in (0.0, 0.35, 0.7):  # 0.3 s of buffer covers chunks a little later than their playback
+        on_time.receive(at, 0.1 if at == 0.0 else 0.5)
+    assert on_time.underruns == 0
+
+
+def _rate(rate: float, holds: bool) -> RateResult:
+    ttfa = 0.2 if holds else 5.0
+    return summarize_rate(rate, [StreamResult("short", ok=True, ttfa_s=ttfa)], {"short": 0.2, "long": 0.6}, 1.0)
+
+
+def test_a_rate_holds_with_every_stream_ok_no_underrun_and_its_p95_ttfa_within_3x_idle() -> None:
+    idle = {"short": 0.2, "long": 0.6}
+    results = [StreamResult("short", ok=True, ttfa_s=0.3), StreamResult("long", ok=True, ttfa_s=1.5)]
+
+    fine = summarize_rate(0.1, results, idle, 10.0)
+    underrun = summarize_rate(0.1, [*results, StreamResult("short", ok=True, ttfa_s=0.2, underruns=1)], idle, 10.0)
+    failed = summarize_rate(0.1, [*results, StreamResult("long", ok=False, ttfa_s=0.6, error="500")], idle, 10.0)
+    slow = summarize_rate(0.1, [*results, StreamResult("short", ok=True, ttfa_s=0.7)], idle, 10.0)
+
+    assert fine.holds and fine.ttfa_ratio_p95 == pytest.approx(2.45)  # each stream against its kind's idle TTFA
+    assert (fine.served, fine.errors, fine.ttfa_p50_s) == (2, 0, pytest.approx(0.9))
+    assert not underrun.holds and underrun.underruns_per_stream == pytest.approx(1 / 3)
+    assert not failed.holds and (failed.served, failed.errors) == (2, 1)
+    assert not slow.holds and slow.ttfa_ratio_p95 > 3.0
+
+
+def test_the_held_rate_is_the_top_of_the_rates_that_all_hold_and_its_ratio_says_when_it_is_null() -> None:
+    measured = held_rate_figures(
+        {
+            "fcfs": [_rate(0.1, True), _rate(0.2, False), _rate(0.4, True)],
+            "deadline": [_rate(r, r < 0.8) for r in (0.1, 0.2, 0.4, 0.8)],
+        }
+    )
+    fcfs_fails_all = held_rate_figures({"fcfs": [_rate(0.1, False)], "deadline": [_rate(0.1, True)]})
+    fcfs_holds_all = held_rate_figures({"fcfs": [_rate(0.1, True)], "deadline": [_rate(0.1, True)]})
+    deadline_holds_all = held_rate_figures(
+        {"fcfs": [_rate(0.1, True), _rate(0.2, False)], "deadline": [_rate(0.1, True), _rate(0.2, True)]}
+    )
+
+    # 0.4 holds for fcfs only after 0.2 failed: not counted
+    assert (measured["held_rate_fcfs"], measured["held_rate_deadline"]) == (0.1, 0.4)
+    assert measured["held_rate_ratio"] == pytest.approx(4.0) and measured["held_rate_ratio_reason"] is None
+    assert not measured["held_rate_ratio_is_lower_bound"]
+    assert fcfs_fails_all["held_rate_fcfs"] is None and fcfs_fails_all["held_rate_fcfs_below"] == 0.1
+    assert fcfs_fails_all["held_rate_ratio"] is None and "fails the lowest" in fcfs_fails_all["held_rate_ratio_reason"]
+    assert fcfs_fails_all["held_rate_ratio_above"] == 1.0  # fcfs holds less than 0.1, deadline at least 0.1
+    assert measured["held_rate_ratio_above"] is None and fcfs_holds_all["held_rate_ratio_above"] is None
+    assert (held_rate_target(4.0, None), held_rate_target(1.2, None), held_rate_target(None, 8.0)) == (
+        True,
+        False,
+        True,
+    )
+    assert held_rate_target(None, 1.0) is None and held_rate_target(None, None) is None  # a bound of 1 tells nothing
+    assert fcfs_holds_all["held_rate_ratio"] is None and "every rate" in fcfs_holds_all["held_rate_ratio_reason"]
+    deadline_fails_all = held_rate_figures(
+        {"fcfs": [_rate(0.1, True), _rate(0.2, False)], "deadline": [_rate(0.1, False)]}
+    )
+    assert deadline_fails_all["held_rate_ratio"] is None and "below 1" in deadline_fails_all["held_rate_ratio_reason"]
+    assert deadline_holds_all["held_rate_ratio"] == 2.0 and deadline_holds_all["held_rate_ratio_is_lower_bound"]
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_asked_rate_and_mix() -> None:
+    arrivals = poisson_arrivals(0.5, 2000, 0.25, seed=26)
+
+    assert arrivals == poisson_arrivals(0.5, 2000, 0.25, seed=26)  # both policies get the same load
+    assert arrivals != poisson_arrivals(0.5, 2000, 0.25, seed=27)
+    offsets = [offset for offset, _ in arrivals]
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert 1800 / 0.5 < offsets[-1] < 2200 / 0.5  # 2000 gaps of 2 s on average
+    assert 0.2 < sum(kind == "long" for _, kind in arrivals) / 2000 < 0.3
+
+
+def test_a_stream_request_measures_its_first_audio_and_underruns_through_http() -> None:
+    sample_rate, gaps = 1000, (0.05, 0.0, 0.5)  # 0.1 s of audio per piece: the third comes 0.4 s late
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for gap in gaps:
+            await asyncio.sleep(gap)
+            yield b"\0" * 200
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["text"] == "bad":
+            return httpx.Response(422, json={"error": {"message": "no"}})
+        return httpx.Response(200, content=pieces())
+
+    async def run() -> tuple[StreamResult, StreamResult]:
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            good = await stream_request(client, "Hi there.", "short", sample_rate, 0.1, 5.0, seed=1)
+            bad = await stream_request(client, "bad", "short", sample_rate, 0.1, 5.0, seed=2)
+        return good, bad
+
+    good, bad = asyncio.run(run())
+
+    assert good.ok and good.underruns == 1 and good.audio_s == pytest.approx(0.3)
+    assert 0.04 < good.ttfa_s < good.total_s and good.total_s >= 0.55
+    assert not bad.ok and bad.error.startswith("422") and bad.ttfa_s is None
