@@ -19,7 +19,7 @@ from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputErro
 from engine.loader import PRESET_VOICE_MODELS
 from engine.voices import DUMMY_VOICES
 from serve_app.app import check_streams, error_payload, mapped_voice, openai_mode
-from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs
+from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir
 
 
@@ -198,7 +198,7 @@ def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders
         return stream
 
     decoder = SimpleNamespace(stream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=stream_remote)))
-    ingress = SimpleNamespace(encoder=encoder, router=SimpleNamespace(handle=lambda: decoder))
+    ingress = SimpleNamespace(encoder=encoder, router=SimpleNamespace(handle=lambda: decoder), limits=LimitsArgs())
 
     async def first_chunk_then_leave() -> None:
         plan = SimpleNamespace(num_segments=sentences)
