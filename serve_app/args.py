@@ -92,7 +92,13 @@ class DecoderArgs(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="auto: float32 on CPU; on a GPU float16 (CosyVoice3: bfloat16 LLM and flow)"
     )
-    max_batch_size: int = Field(4, ge=1, description="sentences decoding at once in a replica's loop (LLM batch)")
+    max_batch_size: int = Field(
+        8,
+        ge=1,
+        description="sentences decoding at once in a replica's loop (LLM batch), at most (the memory budget may "
+        "admit fewer); 8 for the tiny model on CPU, whose LLM step keeps 16 streams 5x faster than real time and "
+        "whose flow + vocoder lanes make ~11 audio seconds a second (docs/performance.md)",
+    )
     batch_wait_timeout_s: float = Field(0.05, ge=0)
     max_concurrent_batches: int = Field(
         2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
