@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
+from sinks import Collected
 from test_parity_llm import kit_request
 from test_parity_stream import segment_of
-from test_scheduler import Collected
 
 from engine.flow import FlowRequest
 from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
@@ -325,7 +325,7 @@ def test_streams_decoded_in_the_scheduler_loop_equal_them_decoded_alone(
     assert scheduler.stats.vocode_batch_size_counts[2] >= len(ends[1]), "the streams' chunks were not batched"
     for segment, sink in ((first, sinks[0]), (second, sinks[2])):
         alone = [out[0] for out in DecodeStream(decoder, [segment]) if out[0] is not None and len(out[0])]
-        assert [len(c) for c in sink.audio] == [len(c) for c in alone]
-        np.testing.assert_allclose(np.concatenate(sink.audio), np.concatenate(alone), atol=SPEECH_ATOL, rtol=0)
+        assert [len(c) for c in sink.chunks] == [len(c) for c in alone]
+        np.testing.assert_allclose(np.concatenate(sink.chunks), np.concatenate(alone), atol=SPEECH_ATOL, rtol=0)
     (whole,) = decoder.decode_batch([second])
-    np.testing.assert_allclose(np.concatenate(sinks[1].audio), whole, atol=SPEECH_ATOL, rtol=0)
+    np.testing.assert_allclose(np.concatenate(sinks[1].chunks), whole, atol=SPEECH_ATOL, rtol=0)
