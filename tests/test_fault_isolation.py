@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sinks import Collected
+from loop_testing import Collected
 
 import engine.llm
 from engine.errors import DecodeLimitError, InvalidInputError, RequestFailedError

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
-from sinks import Collected
+from loop_testing import Collected
 from test_parity_llm import kit_request
 from test_parity_stream import segment_of
 

@@ -4,11 +4,10 @@ fake clock: who is admitted first, preemption with equal audio, no starvation, f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import pytest
-from sinks import Collected
+from loop_testing import Collected, step_until
 
 from engine.errors import CosyVoiceError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
@@ -40,16 +39,8 @@ def _segments(tts: CosyVoice, text: str, seed: int, ratio: float) -> list[Encode
     return tts.encoder.encode(SynthesisRequest(text, tts.voices[0], sampling=sampling))
 
 
-def _step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int = 3000) -> None:
-    for _ in range(limit):
-        if condition():
-            return
-        scheduler.step()
-    raise AssertionError(f"not reached in {limit} steps")
-
-
 def _run(scheduler: Scheduler) -> None:
-    _step_until(scheduler, lambda: not scheduler.has_work)
+    step_until(scheduler, lambda: not scheduler.has_work, limit=3000)
 
 
 def _admission_order(scheduler: Scheduler, tickets: dict[str, Ticket]) -> list[str]:
@@ -72,7 +63,9 @@ def _stream_with_audio_and_its_next_sentence_waiting(
     segments = _segments(tts, TWO_SENTENCES, 1, 4.0)
     assert len(segments) == 2
     stream = scheduler.submit(segments, streaming=True, sink=Collected())
-    _step_until(scheduler, lambda: stream.sentences[0].tokens_done and stream.playback.first_audio_at is not None)
+    step_until(
+        scheduler, lambda: stream.sentences[0].tokens_done and stream.playback.first_audio_at is not None, limit=3000
+    )
     return scheduler, stream
 
 
@@ -125,7 +118,7 @@ def test_a_preempted_stream_resumes_with_the_audio_it_has_unpreempted(model: str
     scheduler = Scheduler(tts.decoder, max_live=1, memory_budget_bytes=budget, clock=clock)
     preempted, newcomer = Collected(), Collected()
     ticket = scheduler.submit([long], streaming=True, sink=preempted)
-    _step_until(scheduler, lambda: ticket.playback.audio_s > 3.5)  # its deadline 2.5 s past the newcomer's
+    step_until(scheduler, lambda: ticket.playback.audio_s > 3.5, limit=3000)  # its deadline 2.5 s past the newcomer's
     assert not ticket.sentences[0].tokens_done
     scheduler.submit([short], streaming=True, sink=newcomer)
     scheduler.step()
@@ -161,7 +154,7 @@ def test_an_underrun_is_counted_and_reported_at_the_end(tiny: CosyVoice) -> None
     scheduler = Scheduler(tiny.decoder, max_live=1, clock=clock, on_request_end=lambda t, e: ended.append((t, e)))
     [segment] = _segments(tiny, "A stream whose listener outruns the decoder.", 1, 30.0)
     ticket = scheduler.submit([segment], streaming=True, sink=Collected())
-    _step_until(scheduler, lambda: ticket.playback.first_audio_at is not None)
+    step_until(scheduler, lambda: ticket.playback.first_audio_at is not None, limit=3000)
     delivered = ticket.playback.audio_s
     clock.now += delivered + 5.0  # the listener played everything and waited 5 s more
     _run(scheduler)

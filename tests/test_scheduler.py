@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sinks import Collected
+from loop_testing import Collected, step_until
 
 from engine.errors import CosyVoiceError, DecodeLimitError, RequestTooLargeError, UnavailableError
 from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
@@ -187,14 +187,6 @@ class Gate:
         self._opened.set()
 
 
-def _step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int = 2000) -> None:
-    for _ in range(limit):
-        if condition():
-            return
-        scheduler.step()
-    raise AssertionError(f"not reached in {limit} steps")
-
-
 def test_llm_steps_go_on_while_a_whole_sentence_is_vocoded(tts: CosyVoice, monkeypatch: pytest.MonkeyPatch) -> None:
     [short] = _segments(tts, "A whole request in the loop.", SHORT)
     [long] = _segments(tts, "A longer whole request that keeps generating.", LONG)
@@ -206,7 +198,7 @@ def test_llm_steps_go_on_while_a_whole_sentence_is_vocoded(tts: CosyVoice, monke
     scheduler.submit([short], streaming=False, sink=short_sink)
     scheduler.submit([long], streaming=False, sink=long_sink)
     try:
-        _step_until(scheduler, lambda: gate.arrived == 1)  # the short one's tokens are all there: its job waits
+        step_until(scheduler, lambda: gate.arrived == 1)  # the short one's tokens are all there: its job waits
         steps_before = scheduler.stats.llm_steps_while_vocoding
         _run(scheduler, steps=20)
         assert not short_sink.outputs
@@ -227,16 +219,16 @@ def test_a_first_chunk_is_made_while_a_running_streams_chunk_is_vocoded(tts: Cos
     scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=max_vocode_batch)
     running_sink, late_sink = Collected(), Collected()
     scheduler.submit([running], streaming=True, sink=running_sink)
-    _step_until(scheduler, lambda: bool(running_sink.outputs))
+    step_until(scheduler, lambda: bool(running_sink.outputs))
     # the running stream's next chunks wait on their lane (the emit's third argument: the streams it emits)
     gate = Gate(scheduler._emit, holds=lambda streams, events, chosen: any(s.segment is running for s in chosen))
     scheduler._emit = gate
     try:
-        _step_until(scheduler, lambda: gate.arrived == 1)
+        step_until(scheduler, lambda: gate.arrived == 1)
         # a job the step that took the first chunk started before the gate was there may have made one more chunk
         held_at = len(running_sink.outputs)
         scheduler.submit([late], streaming=True, sink=late_sink)
-        _step_until(scheduler, lambda: late_sink.ended)  # made meanwhile, on the first-audio lane
+        step_until(scheduler, lambda: late_sink.ended)  # made meanwhile, on the first-audio lane
         assert len(running_sink.outputs) == held_at and scheduler.stats.first_lane_chunks == 2
     finally:
         gate.open()
@@ -255,7 +247,7 @@ def test_a_stream_cancelled_while_its_chunk_is_vocoded_frees_its_slot_at_once(tt
     sink = Collected()
     ticket = scheduler.submit([segment], streaming=True, sink=sink)
     try:
-        _step_until(scheduler, lambda: gate.arrived == 1)
+        step_until(scheduler, lambda: gate.arrived == 1)
         scheduler.cancel(ticket)
         scheduler.step()
         assert sink.ended and scheduler.live == 0 and scheduler.llm.active == 0  # freed while the job still runs
@@ -301,9 +293,9 @@ def test_an_incomplete_request_decodes_its_first_sentence_before_the_others_come
     scheduler = Scheduler(tts.decoder, max_live=8)
     sink = Collected()
     ticket = scheduler.submit(segments[:1], streaming=True, sink=sink, complete=False)
-    _step_until(scheduler, lambda: bool(sink.outputs))  # first audio, the others not encoded yet
+    step_until(scheduler, lambda: bool(sink.outputs))  # first audio, the others not encoded yet
     scheduler.extend(ticket, segments[1:2], final=False)  # in time: generated while the first is vocoded
-    _step_until(scheduler, lambda: not scheduler.has_work)
+    step_until(scheduler, lambda: not scheduler.has_work)
     # Both sentences done, the last not there: the request waits, holding no slot, and the loop is idle.
     assert not sink.ended and scheduler.live == 0 and scheduler.queued == 0 and scheduler.awaiting_sentences == 1
     scheduler.extend(ticket, segments[2:], final=True)
@@ -333,7 +325,7 @@ def test_cancelling_a_request_waiting_for_its_later_sentences_ends_it(tts: CosyV
     scheduler = Scheduler(tts.decoder, max_live=1)
     sink = Collected()
     ticket = scheduler.submit(segments[:1], streaming=True, sink=sink, complete=False)
-    _step_until(scheduler, lambda: bool(sink.outputs) if while_decoding else not scheduler.has_work)
+    step_until(scheduler, lambda: bool(sink.outputs) if while_decoding else not scheduler.has_work)
     scheduler.cancel(ticket)
     assert scheduler.has_work  # even an idle loop steps to end it
     scheduler.step()

@@ -1,10 +1,13 @@
-"""A decoder loop's sink for tests (engine.scheduler): keeps what a request handed on."""
+"""Helpers for tests of the decoder loop (engine.scheduler): a sink that keeps what a request handed on, and
+stepping the loop until a condition holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from engine.scheduler import Output
+from engine.scheduler import Output, Scheduler
 
 
 class Collected:
@@ -35,3 +38,12 @@ class Collected:
     def error(self) -> Exception | None:
         """The error that ended the request, if one did."""
         return self.outputs[-2] if len(self.outputs) >= 2 and isinstance(self.outputs[-2], Exception) else None
+
+
+def step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int = 2000) -> None:
+    """Step the loop until `condition()` holds; fail (never hang) after `limit` steps."""
+    for _ in range(limit):
+        if condition():
+            return
+        scheduler.step()
+    raise AssertionError(f"not reached in {limit} steps")
