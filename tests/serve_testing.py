@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +20,7 @@ from serve_app import build_app
 
 OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than the tiny model needs
 READY_TIMEOUT_S = 60.0
+CLI_START_TIMEOUT_S = 300.0  # `cosyvoice-serve run`: Ray, three deployments and the model loads, on 2 shared CPUs
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.25) -> None:
@@ -58,3 +62,30 @@ def running_app(app_args: dict[str, Any], app_name: str, host: str = "127.0.0.1"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def answers_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_cli_server(checkout: Path, home: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`cosyvoice-serve run` of the code in `checkout`, in a process of its own, for a user whose home is `home` ->
+    (process, URL) once its /healthz answers 200. Fails, the process killed, if it exits first or is not healthy
+    within CLI_START_TIMEOUT_S."""
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
+    env |= {"HOME": str(home), "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "serve_app.cli", "run", "--port", str(port)]
+    process = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + CLI_START_TIMEOUT_S
+    while not answers_healthy(url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            output = process.communicate()[0].decode()[-3000:]
+            raise AssertionError(f"the server did not come up (exit code {process.returncode}): {output}")
+        time.sleep(2)
+    return process, url

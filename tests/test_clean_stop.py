@@ -3,21 +3,15 @@ running at that moment completes whole, then Serve and Ray shut down and the pro
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-
-from benchmarks.http_bench import free_port
+from serve_testing import start_cli_server
 
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 300  # Ray, three deployments and the model loads, on 2 shared CPUs
 STOP_TIMEOUT_S = 120
 # ~30 s of speech: the stream is still running when the signal comes
 BODY = {
@@ -29,26 +23,9 @@ BODY = {
 }
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> None:
-    port = free_port()
-    env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
-    env |= {"HOME": str(tmp_path), "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "serve_app.cli", "run", "--port", str(port)]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_cli_server(REPO, tmp_path)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            assert process.poll() is None, process.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, f"not healthy within {START_TIMEOUT_S} s"
-            time.sleep(2)
         expected = httpx.post(f"{url}/v1/tts", json=BODY, timeout=300).content  # seeded: the same bytes again
         assert len(expected) > 0
 

@@ -7,12 +7,9 @@ The clone is of the committed HEAD, so this checks what a new user gets; it skip
 from __future__ import annotations
 
 import io
-import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +17,9 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-
-from benchmarks.http_bench import free_port
+from serve_testing import start_cli_server
 
 REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT_S = 300  # Ray, three deployments and the model loads, on 2 shared CPUs
 STOP_TIMEOUT_S = 60
 
 
@@ -48,20 +43,8 @@ def fresh_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(fresh_clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(URL, home dir) of `cosyvoice-serve run` started in the clone, for a user with an empty home."""
     home = tmp_path_factory.mktemp("home")
-    port = free_port()
-    env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
-    env |= {"HOME": str(home), "PYTHONPATH": str(fresh_clone), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "serve_app.cli", "run", "--port", str(port)]
-    process = subprocess.Popen(command, cwd=fresh_clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_cli_server(fresh_clone, home)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if process.poll() is not None:
-                pytest.fail(f"the server exited with {process.returncode}: {process.stdout.read().decode()[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server was not healthy within {START_TIMEOUT_S} s")
-            time.sleep(2)
         yield url, home
     finally:
         process.send_signal(signal.SIGINT)  # the CLI shuts Serve and Ray down on Ctrl-C
@@ -70,13 +53,6 @@ def server(fresh_clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_the_clone_ships_the_cloning_models(fresh_clone: Path) -> None:
