@@ -48,6 +48,9 @@ def endpoint_of(scope: Scope) -> str:
     return getattr(route, "path", None) or UNMATCHED_ENDPOINT
 
 
+COMPLETE, ABORTED = "complete", "aborted"  # a request's outcome: its whole response sent, or cut after its status
+
+
 class RequestObservability:
     """Pure ASGI middleware (it must not buffer streaming bodies); `reject(message)` answers a bad id."""
 
@@ -62,29 +65,35 @@ class RequestObservability:
         # Serve's proxy always sets the header; a bare ASGI server (tests, other hosts) may not.
         request_id = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         status = 500  # stays 500 when the app raises before it starts a response
+        started = ended = False
         if is_valid_request_id(request_id):
             scope.setdefault("state", {})["request_id"] = request_id
 
             async def send_and_note_status(message: Message) -> None:
-                nonlocal status
+                nonlocal status, started, ended
                 if message["type"] == "http.response.start":
-                    status = message["status"]
+                    status, started = message["status"], True
+                elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                    ended = True
                 await send(message)
 
             try:
                 await self.app(scope, receive, send_and_note_status)
             finally:
-                self._count(scope, status)
+                # A body cut after its status line (a stream that failed, or whose client left) is not what its
+                # status says: counted apart, as aborted.
+                self._count(scope, status, ABORTED if started and not ended else COMPLETE)
             return
         await self.reject(
             f"invalid X-Request-ID: use 1-128 characters among letters, digits and . _ : -, got {len(request_id)}"
         )(scope, receive, send)
-        self._count(scope, 400)
+        self._count(scope, 400, COMPLETE)
 
     @staticmethod
-    def _count(scope: Scope, status: int) -> None:
+    def _count(scope: Scope, status: int, outcome: str) -> None:
         # No access log line here: Serve's replica already writes one per request, with its request_id.
-        ingress_metrics().requests.inc(tags={"endpoint": endpoint_of(scope), "status_code": str(status)})
+        tags = {"endpoint": endpoint_of(scope), "status_code": str(status), "outcome": outcome}
+        ingress_metrics().requests.inc(tags=tags)
 
 
 @dataclass

@@ -41,7 +41,12 @@ class IngressMetrics:
     """Per request: count by endpoint and status code; for synthesis also latency, first chunk, RTF, audio."""
 
     def __init__(self) -> None:
-        self.requests = Counter(REQUESTS, "HTTP requests by endpoint and status code", ("endpoint", "status_code"))
+        self.requests = Counter(
+            REQUESTS,
+            "HTTP requests by endpoint, the status code the client got, and outcome (complete, or aborted: the body "
+            "was cut after the status line)",
+            ("endpoint", "status_code", "outcome"),
+        )
         synthesis_tags = ("endpoint", "mode")
         self.latency = Histogram(REQUEST_LATENCY, "Request start to last audio byte", SECONDS_BUCKETS, synthesis_tags)
         self.first_chunk = Histogram(

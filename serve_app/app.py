@@ -171,7 +171,10 @@ async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(error_body(exc.status_code, str(exc.detail), "http_error"), status_code=exc.status_code)
 
 
-@api.exception_handler(CosyVoiceError)  # inside the middleware below, which thus counts its real status
+# CosyVoiceError and a lost replica are handled inside the middleware below, which thus counts the status the client
+# gets (503 for a lost replica); what only the `Exception` handler takes is answered outside it, as 500.
+@api.exception_handler(CosyVoiceError)
+@api.exception_handler(RayActorError)
 @api.exception_handler(Exception)
 async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc, request.scope.get("state", {}).get("request_id", "unknown"))

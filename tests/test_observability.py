@@ -266,3 +266,42 @@ def test_baseline_server_serves_the_bench_requests() -> None:
             pieces = [piece for piece in response.iter_bytes() if piece]
     assert whole.status_code == 200 and len(whole.content) > 0 and len(whole.content) % 2 == 0
     assert len(pieces) >= 1 and sum(map(len, pieces)) % 2 == 0
+
+
+def test_each_request_is_counted_once_with_the_status_its_client_got_and_a_cut_stream_as_aborted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from ray.exceptions import RayActorError
+
+    import observability.http as http_observability
+    from engine.errors import InvalidInputError
+    from serve_app.app import _reject_request_id, api
+
+    counter = RecordingCounter()
+    monkeypatch.setattr(http_observability, "ingress_metrics", lambda: type("M", (), {"requests": counter})())
+    app = FastAPI()
+    for exception, handler in api.exception_handlers.items():  # the ingress's own error handling
+        app.add_exception_handler(exception, handler)
+    app.add_middleware(http_observability.RequestObservability, reject=_reject_request_id)
+
+    async def cut_after_first_bytes():
+        yield b"audio"
+        raise RuntimeError("the decoder failed mid-stream")
+
+    app.get("/ok")(lambda: {"ok": True})
+    app.get("/bad")(lambda: (_ for _ in ()).throw(InvalidInputError("a bad value")))
+    app.get("/lost")(lambda: (_ for _ in ()).throw(RayActorError()))
+    app.get("/cut")(lambda: StreamingResponse(cut_after_first_bytes()))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        statuses = [client.get(path).status_code for path in ("/ok", "/bad", "/lost")]
+        cut = client.get("/cut")
+    assert statuses == [200, 400, 503]
+    assert cut.status_code == 200 and cut.content == b"audio"  # the status line was sent before the failure
+    assert [(c["status_code"], c["outcome"]) for c in counter.calls] == [
+        ("200", "complete"),
+        ("400", "complete"),
+        ("503", "complete"),  # a lost replica: the client's 503, not the 500 the middleware saw before
+        ("200", "aborted"),
+    ]
