@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
+from benchmarks.timing import add_repeat_options
 from engine.voice_cloning import CAMPPLUS_FILE
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
@@ -186,6 +187,8 @@ def bench(options: argparse.Namespace) -> int:
         requests_per_level=options.requests,
         max_token_text_ratio=options.max_token_text_ratio or None,
         timeout_s=options.timeout,
+        repeats=options.repeats,
+        warmup=options.warmup,
     )
     report = run_bench(options.url, workload, options.out, model=options.model)
     errors = sum(result["errors"] for result in report["results"])
@@ -246,6 +249,7 @@ def parser() -> argparse.ArgumentParser:
         "--max-token-text-ratio", type=float, default=3.0, help="speech-token cap for dummy weights; 0: model default"
     )
     bench_parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    add_repeat_options(bench_parser)
     bench_parser.add_argument("--out", type=Path, default=Path("out/bench"))
     bench_parser.set_defaults(handler=bench)
     return main_parser

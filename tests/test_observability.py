@@ -243,13 +243,13 @@ def test_percentiles_are_ordered() -> None:
 
 def test_cli_bench_sweeps_and_writes_json_and_plots(server: tuple[str, int], tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    argv = ["bench", "--url", server[0], "--concurrency", "1", "2", "--requests", "3", "--out", str(out)]
-    assert cli_main(argv) == 0
+    argv = ["bench", "--url", server[0], "--concurrency", "1", "2", "--requests", "3", "--repeats", "2"]
+    assert cli_main([*argv, "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     levels = {(r["mode"], r["concurrency"]): r for r in report["results"]}
     assert set(levels) == {(mode, c) for mode in ("whole", "stream") for c in (1, 2)}
     for result in levels.values():
-        assert result["requests"] == 3 and result["errors"] == 0
+        assert result["requests"] == 3 and result["errors"] == 0 and result["repeats"] == 2
         assert 0 < result["first_chunk_s"]["p50"] <= result["latency_s"]["p50"] <= result["latency_s"]["p99"]
         assert result["audio_s_per_s"] > 0 and result["real_time_factor"]["p50"] > 0
     for name in ("latency_vs_concurrency.png", "throughput_vs_concurrency.png"):
