@@ -88,7 +88,7 @@ class UploadTooLargeError(CosyVoiceError):
 
 
 VOICES_PATH = "/v1/voices"
-HEALTH_REREAD_S = 0.5
+HEALTH_MAX_AGE_S = 1.0
 # Room for the multipart framing and the text fields around the audio of a voice upload (POST /v1/voices).
 UPLOAD_FORM_OVERHEAD_BYTES = 64 << 10
 
@@ -365,18 +365,15 @@ class TTSIngress:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        """200 once the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503;
-        `warnings` says what is unsafe in how the server runs (e.g. beyond loopback without API keys).
+        """200 while the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503.
 
-        Answered from the router's polled view (at most `poll_interval_s` old), not a controller call per probe;
-        a view that says "not ready" is re-read first, at most every `HEALTH_REREAD_S` (it may predate the start).
+        From the router's view, re-read when older than `HEALTH_MAX_AGE_S` (so a probe sees a replica's death within
+        about a second: the view counts only replicas whose actor is alive), else the view it has.
         """
-
-        if not self.router.ready():
-            try:
-                await self.router.refresh_if_older(serve.get_replica_context().app_name, HEALTH_REREAD_S)
-            except Exception as exc:  # the last view stands
-                logger.warning("could not re-read the replica counts for /healthz: %s", exc)
+        try:
+            await self.router.refresh_if_older(serve.get_replica_context().app_name, HEALTH_MAX_AGE_S)
+        except Exception as exc:  # the last view stands
+            logger.warning("could not re-read the replica counts for /healthz: %s", exc)
         ready = self.router.ready()
         polled_at = self.router.polled_at
         body = {

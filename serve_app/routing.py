@@ -4,9 +4,9 @@ The rule is `autoscaling.policy.use_cpu_fallback`: while the GPU decoder's sched
 fallback (`DecoderCPU`) runs, work goes to the fallback, so the GPU replicas drain before their policy
 scales them to 0 and no queued request cold-starts one; otherwise `Decoder` while it has a RUNNING
 replica, else `DecoderCPU` if that has one, else `Decoder` (Serve cold-starts a replica from 0).
-The RUNNING counts come from `serve.status()`, re-read by a background task every `poll_interval_s` (a
-controller round trip per request or per health probe would cost more than it is worth); between
-reads the last view holds.
+The RUNNING counts come from `serve.status()` and the live replica actors, re-read by a background task every
+`poll_interval_s` (a controller round trip per request would cost more than it is worth; /healthz re-reads a view
+older than a second); between reads the last view holds.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -35,10 +37,24 @@ def choose_decoder(running: Mapping[str, int], draining: bool = False) -> str:
 
 
 async def running_replicas(app_name: str, names: Iterable[str]) -> dict[str, int]:
-    """RUNNING replicas of each named deployment of `app_name` (0 for a name the app does not have)."""
-    status = await asyncio.to_thread(serve.status)
+    """RUNNING replicas of each named deployment of `app_name` (0 for a name the app does not have), not counting
+    those whose actor is gone: Serve's controller notices a dead replica only at its next health check (~10 s),
+    while a dead actor leaves Ray's named actors at once."""
+    status, actors = await asyncio.gather(
+        asyncio.to_thread(serve.status), asyncio.to_thread(live_replica_actors, app_name)
+    )
     deployments = status.applications[app_name].deployments
-    return {name: deployments[name].replica_states.get("RUNNING", 0) if name in deployments else 0 for name in names}
+    return {
+        name: min(deployments[name].replica_states.get("RUNNING", 0), actors[name]) if name in deployments else 0
+        for name in names
+    }
+
+
+def live_replica_actors(app_name: str) -> Counter[str]:
+    """Live replica actors of each deployment of `app_name`, by Serve's actor names (SERVE_REPLICA::app#name#id)."""
+    prefix = f"SERVE_REPLICA::{app_name}#"
+    names = (actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True))
+    return Counter(name[len(prefix) :].split("#")[0] for name in names if name.startswith(prefix))
 
 
 class DecoderRouter:

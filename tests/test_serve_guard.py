@@ -241,31 +241,62 @@ def test_router_without_fallback_polls_for_healthz_and_keeps_the_gpu_decoder(mon
     assert _run(scenario()) == ("gpu", {ENCODER: 1, GPU_DECODER: 0})
 
 
-def test_healthz_answers_from_the_polled_view_and_rereads_only_when_not_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     import ray.serve
 
-    from serve_app.app import TTSIngress
+    from serve_app.app import HEALTH_MAX_AGE_S, TTSIngress
 
-    views = [{ENCODER: 0, GPU_DECODER: 1}, {ENCODER: 1, GPU_DECODER: 1}]  # the first read predates the start
     reads = 0
 
-    async def fake_running(app_name: str, names) -> dict[str, int]:
-        nonlocal reads
-        reads += 1
-        return views[min(reads, len(views)) - 1]
+    def serving(views: list[dict[str, int]]):
+        async def fake_running(app_name: str, names) -> dict[str, int]:
+            nonlocal reads
+            reads += 1
+            return views[min(reads, len(views)) - 1]
 
-    monkeypatch.setattr(routing, "running_replicas", fake_running)
+        return fake_running
+
     monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
     healthz = TTSIngress.func_or_class.healthz
 
-    async def probes() -> list[int]:
+    async def probes(views: list[dict[str, int]]) -> list[int]:
+        nonlocal reads
+        reads = 0
+        monkeypatch.setattr(routing, "running_replicas", serving(views))
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)  # no poll during the probes
         await router.refresh("app")
         ingress = SimpleNamespace(router=router, serving_warnings=())
-        router.polled_at -= 1.0  # older than HEALTH_REREAD_S
+        router.polled_at -= 2 * HEALTH_MAX_AGE_S
         return [(await healthz(ingress)).status_code for _ in range(5)]
 
-    assert _run(probes()) == [200] * 5  # the not-ready view was re-read once ...
-    assert reads == 2  # ... and the ready one served the other probes without a controller call
+    # a view that predates the start is re-read once; the fresh one serves the probes of the next second
+    assert _run(probes([{ENCODER: 0, GPU_DECODER: 1}, {ENCODER: 1, GPU_DECODER: 1}])) == [200] * 5
+    assert reads == 2
+    # a ready view is re-read too: a replica that died since (its actor gone) turns the probe to 503 at once
+    assert _run(probes([{ENCODER: 1, GPU_DECODER: 1}, {ENCODER: 1, GPU_DECODER: 0}])) == [503] * 5
+    assert reads == 2
+
+
+def test_a_replica_whose_actor_is_gone_is_not_counted_as_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import ray
+
+    status = SimpleNamespace(
+        applications={
+            "app": SimpleNamespace(
+                deployments={
+                    "Encoder": SimpleNamespace(replica_states={"RUNNING": 1}),
+                    "Decoder": SimpleNamespace(replica_states={"RUNNING": 2}),  # the controller has not noticed yet
+                }
+            )
+        }
+    )
+    actors = [{"name": "SERVE_REPLICA::app#Encoder#a1"}, {"name": "SERVE_REPLICA::app#Decoder#d1"}]
+    actors.append({"name": "SERVE_REPLICA::other#Decoder#x"})  # another app's
+    monkeypatch.setattr(routing.serve, "status", lambda: status)
+    monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces: actors)
+    counts = _run(routing.running_replicas("app", ("Encoder", "Decoder", "DecoderCPU")))
+    assert counts == {"Encoder": 1, "Decoder": 1, "DecoderCPU": 0}

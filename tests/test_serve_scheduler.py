@@ -217,3 +217,18 @@ def test_a_refused_later_sentence_over_http_is_its_413(base_url: str, decoder: A
     error = response.json()["error"]
     assert error["code"] == "RequestTooLargeError" and "budget" in error["message"]
     wait_until(lambda: _stats(decoder)["awaiting_sentences"] == 0 and _stats(decoder)["live"] == 0, 30, "an idle loop")
+
+
+# --- last: it kills the decoder replica ---------------------------------------------------------------------
+
+
+def test_healthz_turns_503_soon_after_the_last_decoder_replica_dies_and_200_when_replaced(base_url: str) -> None:
+    healthz = lambda: httpx.get(f"{base_url}/healthz", timeout=10).status_code  # noqa: E731
+    assert healthz() == 200
+    prefix = f"SERVE_REPLICA::{APP}#Decoder#"
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    # Serve's controller sees the death only at its next health check (~10 s here); the ingress, within a second or
+    # two (the bound is generous: the machine is shared)
+    wait_until(lambda: healthz() == 503, 5, "/healthz to answer 503 after the decoder died", interval_s=0.1)
+    wait_until(lambda: healthz() == 200, 120, "/healthz to answer 200 once the replacement runs", interval_s=0.5)
