@@ -19,8 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
-from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.sampling import SamplingOptions
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 from serve_app.audio import to_pcm16
 
 

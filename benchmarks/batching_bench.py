@@ -38,8 +38,9 @@ from benchmarks.timing import (
     paired,
     ratio,
 )
-from engine.loader import load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.segment import EncodedSegment
 
 
 def measure_batches(

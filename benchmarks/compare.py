@@ -85,7 +85,7 @@ from benchmarks.timing import (
     paired,
     ratio,
 )
-from engine.sampling import SamplingOptions
+from engine.llm.sampling import SamplingOptions
 
 CLOSED_LOOP_CLIENTS = (1, 4, 8)
 LATE_ARRIVAL_RUNNING = 7  # long streams already running when the short one arrives
@@ -384,7 +384,7 @@ def app_args_for(compared: int, num_gpus: float) -> dict[str, Any]:
 
 
 def load_in_process(model: str, device: str) -> Any:
-    from engine.pipeline import CosyVoice
+    from engine.runtime.pipeline import CosyVoice
 
     torch.set_num_threads(BASELINE_THREADS)
     return CosyVoice.load(model, device=device, dtype=dtype_for(device))

@@ -27,10 +27,11 @@ import torch
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure, paired
-from engine.loader import LoadedModel, load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage, SynthesisRequest, TextEncoderStage
-from engine.precision import parameter_bytes, quantize_linear_int8
-from engine.sampling import SamplingOptions
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import LoadedModel, load_model
+from engine.nn.precision import parameter_bytes, quantize_linear_int8
+from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.runtime.segment import EncodedSegment
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
 

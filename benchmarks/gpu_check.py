@@ -21,8 +21,9 @@ import torch
 from benchmarks.batching_bench import measure_first_chunk
 from benchmarks.engine_bench import fixed_length_segments
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure
-from engine.loader import load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage, TextEncoderStage
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.segment import EncodedSegment
 
 
 def _synchronize(device: str) -> None:

@@ -31,11 +31,11 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, measure, paired
-from engine.layers import PackedLinear
-from engine.llm import TokenGenerator
-from engine.loader import load_model
-from engine.pipeline import SpeechDecoderStage, TextEncoderStage
-from engine.precision import parameter_bytes
+from engine.llm.generation import TokenGenerator
+from engine.loading.loader import load_model
+from engine.nn.layers import PackedLinear
+from engine.nn.precision import parameter_bytes
+from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
 
 GEMM_SHAPES = ((860, 256, 1024), (860, 1024, 256), (1024, 1024, 1024), (2048, 2048, 2048))  # (M, K, N)
 _LINEAR_TYPES = (nn.Linear, PackedLinear, quantized_dynamic.Linear)

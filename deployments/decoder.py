@@ -1,6 +1,6 @@
 """The `Decoder` deployment: speech-token LM + flow + vocoder on a GPU fraction (FP16), or on CPU (fp32).
 
-One continuous-batching loop per replica (`engine.scheduler.Scheduler`) owns the model: whole-utterance
+One continuous-batching loop per replica (`engine.runtime.scheduler.Scheduler`) owns the model: whole-utterance
 requests (`synthesize`) and streaming ones (`stream`) enter one `@serve.batch` admission queue, which hands
 each gathered batch to the loop at once and returns, so admission never waits for decoding. The loop runs
 in a thread of its own (and its flow + vocoder work in two more); it admits requests between LLM steps
@@ -32,11 +32,12 @@ from engine.errors import (
     UnavailableError,
     as_request_error,
 )
-from engine.loader import load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage
-from engine.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
-from engine.precision import FALLBACKS
-from engine.scheduler import Output, Scheduler, Ticket
+from engine.loading.loader import load_model
+from engine.nn.precision import FALLBACKS
+from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
+from engine.runtime.scheduler import Output, Scheduler, Ticket
+from engine.runtime.segment import EncodedSegment
 from observability import STRUCTURED_LOGGING
 from observability.metrics import DecoderMetrics
 
@@ -81,7 +82,8 @@ def later_sentences_error(exc: Exception) -> CosyVoiceError:
 
 def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
     """cuda when the replica was given a GPU fraction and sees a GPU, else cpu; `auto` dtype: float32 on CPU, on a
-    GPU each module's, chosen at load for the model (engine.precision.decoder_dtypes: float16; CosyVoice3 bfloat16)."""
+    GPU each module's, chosen at load for the model (engine.nn.precision.decoder_dtypes: float16; CosyVoice3
+    bfloat16)."""
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
     if dtype != "auto":
         return device, dtype

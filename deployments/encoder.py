@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from engine.errors import CosyVoiceError, InvalidInputError
-from engine.loader import load_model
-from engine.pipeline import EncodedSegment, EncodingPlan, SynthesisRequest, TextEncoderStage
-from engine.voice_cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderStage
+from engine.runtime.segment import EncodedSegment
+from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
 from observability import STRUCTURED_LOGGING
 
 if TYPE_CHECKING:
-    from serve_app.voice_registry import Caller, VoiceRegistry
+    from engine.voices.registry import Caller, VoiceRegistry
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,7 +62,7 @@ class Encoder:
         self.registry: VoiceRegistry | None = None
         if voice_cloning is not None:
             # Imported here: the serve_app package imports the ingress, which imports this module.
-            from serve_app.voice_registry import VoiceRegistry
+            from engine.voices.registry import VoiceRegistry
 
             config = loaded.config
             self.cloner = VoiceCloner.from_model_dir(

@@ -9,8 +9,8 @@ import time
 import soundfile as sf
 
 from engine.errors import CosyVoiceError
-from engine.loader import PRESETS
-from engine.pipeline import CosyVoice
+from engine.loading.loader import PRESETS
+from engine.runtime.pipeline import CosyVoice
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,7 @@ class IngressMetrics:
 
 class DecoderMetrics:
     """Queue depth, ongoing requests and GPU memory of a decoder replica; its batch sizes by path; its requests
-    recomputed in float32 (engine.precision's NaN guard)."""
+    recomputed in float32 (engine.nn.precision's NaN guard)."""
 
     def __init__(self) -> None:
         self.queue_depth = Gauge(DECODER_QUEUE_DEPTH, "Requests waiting in the replica for a batch")
@@ -116,10 +116,8 @@ class DecoderMetrics:
             ("stage", "recovered"),
         )
 
-    def record_playback(
-        self, streaming: bool, first_audio_s: float | None, underruns: int, min_slack_s: float
-    ) -> None:
-        """What a request's listener felt, once it ended (engine.playback.PlaybackClock's figures)."""
+    def record_playback(self, streaming: bool, first_audio_s: float | None, underruns: int, min_slack_s: float) -> None:
+        """What a request's listener felt, once it ended (engine.runtime.playback.PlaybackClock's figures)."""
         if first_audio_s is not None:
             self.first_audio.observe(first_audio_s, {"path": "stream" if streaming else "whole"})
         if streaming and underruns:
@@ -128,7 +126,7 @@ class DecoderMetrics:
             self.min_slack.observe(max(0.0, min_slack_s))
 
     def record_precision_fallback(self, stage: str, recovered: bool) -> None:
-        """A listener for engine.precision.FALLBACKS."""
+        """A listener for engine.nn.precision.FALLBACKS."""
         self.precision_fallbacks.inc(tags={"stage": stage, "recovered": str(recovered).lower()})
 
 

@@ -35,9 +35,11 @@ from deployments.decoder import Decoder
 from deployments.encoder import Encoder, VoiceCloningConfig, VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, UnavailableError, UnknownVoiceError
 from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
-from engine.pipeline import EncodedSegment, EncodingPlan, SynthesisRequest
-from engine.sampling import SamplingOptions
-from engine.voice_cloning import PromptAudioLimits
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
+from engine.runtime.segment import EncodedSegment
+from engine.voices.cloning import PromptAudioLimits
+from engine.voices.registry import is_voice_id
 from observability import STRUCTURED_LOGGING
 from observability.http import RequestObservability, SynthesisTimer, endpoint_of, request_id_of
 from serve_app.args import AppArgs, LimitsArgs, OpenAIArgs, SecurityArgs
@@ -56,7 +58,6 @@ from serve_app.guard import (
 from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.schemas import SpeechRequest, TTSRequest
 from serve_app.tenancy import KeyTenancy, TenancySettings, caller_of, configure_tenancy
-from serve_app.voice_registry import is_voice_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -411,10 +412,13 @@ class TTSIngress:
     @api.post(VOICES_PATH, status_code=201)
     async def register_voice(
         self,
-        file: Annotated[UploadFile, File(
+        file: Annotated[
+            UploadFile,
+            File(
                 description="a 1-30 s mono or stereo recording of the voice at 16, 22.05, 24, 32, 44.1 or 48 kHz "
                 "(wav, flac, ogg, mp3)"
-            ),],
+            ),
+        ],
         transcript: Annotated[str, Form(description="what the recording says")],
         http: Request,
         name: Annotated[str | None, Form(description="a display name")] = None,

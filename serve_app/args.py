@@ -8,8 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from autoscaling.policy import ScalingRules, decoder_autoscaling_config
-from engine.loader import PRESET_VOICE_MODELS, PRESETS
-from engine.voice_cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
+from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
+from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
 
 
 class _Strict(BaseModel):
@@ -137,7 +137,7 @@ class DecoderArgs(_Strict):
 
 
 class SchedulerArgs(_Strict):
-    """The order of every decoder replica's loop (engine.playback, docs/scheduler.md)."""
+    """The order of every decoder replica's loop (engine.runtime.playback, docs/scheduler.md)."""
 
     policy: Literal["deadline", "fcfs"] = Field(
         "deadline",

@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 from benchmarks.timing import add_repeat_options
-from engine.voice_cloning import CAMPPLUS_FILE
+from engine.voices.cloning import CAMPPLUS_FILE
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 

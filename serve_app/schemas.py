@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.pipeline import MAX_SPEED, MIN_SPEED
-from engine.sampling import MAX_SEED, MAX_TOKEN_TEXT_RATIO, MAX_TOP_K, MAX_WIN_SIZE
+from engine.llm.sampling import MAX_SEED, MAX_TOKEN_TEXT_RATIO, MAX_TOP_K, MAX_WIN_SIZE
+from engine.runtime.pipeline import MAX_SPEED, MIN_SPEED
 from serve_app.audio import FORMATS
 
 OPENAI_DEFAULT_FORMAT = "mp3" if "mp3" in FORMATS else "wav"

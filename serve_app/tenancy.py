@@ -19,8 +19,8 @@ import math
 import threading
 from dataclasses import dataclass
 
+from engine.voices.registry import EVERYONE, Caller
 from serve_app.guard import ASGIApp, ErrorBody, Receive, Scope, Send, bearer_token, key_is_valid
-from serve_app.voice_registry import EVERYONE, Caller
 
 logger = logging.getLogger("ray.serve")
 

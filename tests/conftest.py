@@ -3,8 +3,8 @@
 There is one kit per model family: `conformance_kit` (v1), `v2_kit`, `v3_kit`, and `each_kit` runs a test on
 each of them. With COSYVOICE_CONFORMANCE_KIT set, that kit replaces the one of its own version and the tests of
 the other versions skip. `kit_llm`, `kit_flow`, `kit_hift` (and the CosyVoice2 `kit_qwen2_llm`, `kit_flow_v2`,
-`kit_hift_v2`) are built once per session through the loader (`engine.loader.load_module`): a test that changes a
-module (dtype, weights, attributes) must work on a `copy.deepcopy` of it.
+`kit_hift_v2`) are built once per session through the loader (`engine.loading.loader.load_module`): a test that changes
+a module (dtype, weights, attributes) must work on a `copy.deepcopy` of it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from engine.families import families
-from engine.flow import MaskedDiffWithXvec
-from engine.flow_v2 import CausalMaskedDiffWithXvec
-from engine.hift import HiFTGenerator
-from engine.llm import TransformerLM
-from engine.loader import load_module
-from engine.qwen2_llm import Qwen2LM
+from engine.flow.causal import CausalMaskedDiffWithXvec
+from engine.flow.masked_diff import MaskedDiffWithXvec
+from engine.llm.transformer_lm import TransformerLM
+from engine.llm.qwen2_lm import Qwen2LM
+from engine.loading.loader import load_module
+from engine.vocoder.hift import HiFTGenerator
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEFAULT_KITS = {1: FIXTURES / "cosyvoice1-tiny", 2: FIXTURES / "cosyvoice2-tiny", 3: FIXTURES / "cosyvoice3-tiny"}

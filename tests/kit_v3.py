@@ -14,8 +14,8 @@ import torch
 from conftest import version_kit
 from torch import nn
 
-from engine.checkpoint import load_strict, read_state_dict
-from engine.yaml_config import load_model_yaml
+from engine.loading.checkpoint import load_strict, read_state_dict
+from engine.loading.yaml_config import load_model_yaml
 
 V3_YAML = "cosyvoice3.yaml"
 

@@ -1,4 +1,4 @@
-"""Helpers for tests of the decoder loop (engine.scheduler): a sink that keeps what a request handed on, and
+"""Helpers for tests of the decoder loop (engine.runtime.scheduler): a sink that keeps what a request handed on, and
 stepping the loop until a condition holds."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.scheduler import Output, Scheduler
+from engine.runtime.scheduler import Output, Scheduler
 
 
 class Collected:

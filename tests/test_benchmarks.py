@@ -29,8 +29,8 @@ from benchmarks.streams import (
     summarize_rate,
 )
 from benchmarks.timing import FailedMeasurements, Timing, add_repeat_options, measure, paired, ratio
-from engine.loader import load_model
-from engine.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
 
 TINY_PRESETS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
 REPEATS = 2  # the tiny-model runs below: enough to have a spread, quick

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
-from engine.loader import load_model
-from engine.yaml_config import ObjectSpec, load_model_yaml
+from engine.loading.checkpoint import load_strict, read_state_dict
+from engine.loading.loader import load_model
+from engine.loading.yaml_config import ObjectSpec, load_model_yaml
 
 
 def test_official_yaml_parses_without_executing_tags(conformance_kit: Path) -> None:

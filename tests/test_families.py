@@ -21,11 +21,14 @@ from engine.families import (
     family_for_llm_class,
     register,
 )
-from engine.loader import PRESETS, PRESETS_DIR, ModelConfig, load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage
-from engine.sampling import SamplingOptions
-from engine.scheduler import Scheduler
-from engine.streaming import CausalPrefixChunks, CausalPrefixRerunChunks, DecodeStream, OverlappingChunks
+from engine.families.base import ModelConfig
+from engine.families.chunking import CausalPrefixChunks, CausalPrefixRerunChunks, OverlappingChunks
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import PRESETS, PRESETS_DIR, load_model
+from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.segment import EncodedSegment
+from engine.runtime.streaming import DecodeStream
 
 PRESET_FAMILIES = {"tiny": COSYVOICE1, "cosyvoice2-tiny": COSYVOICE2, "cosyvoice3-tiny": COSYVOICE3}
 

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from loop_testing import Collected
 
-import engine.llm
+import engine.llm.generation
 from engine.errors import DecodeLimitError, InvalidInputError, RequestFailedError
-from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
-from engine.sampling import MAX_SEED, SamplingOptions
-from engine.scheduler import Scheduler
+from engine.llm.sampling import MAX_SEED, SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.segment import EncodedSegment
 
 POISON_SEED = 666  # the request the fault is injected into
 MODELS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
@@ -55,9 +56,9 @@ def _inject(where: str, tts: CosyVoice, scheduler: Scheduler, monkeypatch: pytes
         llm = stage.model.llm
         monkeypatch.setattr(llm, "lm_input", _fail_if(lambda request: _poisoned(request.options.seed), llm.lm_input))
     elif where == "sampling":
-        sample = engine.llm.sample_token
+        sample = engine.llm.generation.sample_token
         monkeypatch.setattr(
-            engine.llm, "sample_token", _fail_if(lambda _s, _h, options, _g: _poisoned(options.seed), sample)
+            engine.llm.generation, "sample_token", _fail_if(lambda _s, _h, options, _g: _poisoned(options.seed), sample)
         )
     elif where == "whole_flow":
         hit = lambda segments, _tokens: any(_poisoned(s.sampling.seed) for s in segments)  # noqa: E731

@@ -1,4 +1,4 @@
-"""Batching, seeding, low precision and loading errors of the v1 flow (`engine.flow`)."""
+"""Batching, seeding, low precision and loading errors of the v1 flow (`engine.flow.masked_diff`)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 from test_parity_flow import request_of
 from torch import Tensor, nn
 
-from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import FlowConfig, FlowRequest, MaskedDiffWithXvec
-from engine.flow_estimator import MaskedGroupNorm
-from engine.yaml_config import ObjectSpec, load_model_yaml
+from engine.flow.estimator import MaskedGroupNorm
+from engine.flow.masked_diff import FlowConfig, FlowRequest, MaskedDiffWithXvec
+from engine.loading.checkpoint import load_strict, read_state_dict
+from engine.loading.yaml_config import ObjectSpec, load_model_yaml
 
 BATCH_ATOL = 1e-4  # a request inside a padded batch vs alone, fp32
 LOW_PRECISION_RTOL = 0.05  # fp16/bf16 weights vs fp32: max error relative to the largest fp32 value

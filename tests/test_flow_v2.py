@@ -12,9 +12,9 @@ from test_flow import BATCH_ATOL, assert_low_precision_close, max_error, with_no
 from test_parity_flow import request_of  # the same case fields in every kit
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow import FlowRequest
-from engine.flow_v2 import NOISE_FRAMES, CausalFlowConfig, CausalMaskedDiffWithXvec, chunk_attention_mask
-from engine.yaml_config import ObjectSpec, load_model_yaml
+from engine.flow.causal import NOISE_FRAMES, CausalFlowConfig, CausalMaskedDiffWithXvec, chunk_attention_mask
+from engine.flow.masked_diff import FlowRequest
+from engine.loading.yaml_config import ObjectSpec, load_model_yaml
 
 MODES = [(False, True), (True, True), (True, False)]  # (streaming, finalize)
 

@@ -1,4 +1,4 @@
-"""engine.frontend: the rebuilt whisper vocabulary, input validation, robustness, and segment length limits."""
+"""engine.text.frontend: the rebuilt whisper vocabulary, input validation, robustness, and segment length limits."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import frontend as frontend_module
 from engine.errors import InvalidInputError
-from engine.frontend import (
+from engine.text import frontend as frontend_module
+from engine.text.frontend import (
     SEGMENT_MAX_LEN,
     SEGMENT_MERGE_LEN,
     SEGMENT_MIN_LEN,
@@ -128,7 +128,7 @@ def test_minimal_normalisation_still_spells_english_numbers(minimal_frontend: Te
 def test_missing_wetext_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     monkeypatch.setitem(sys.modules, "wetext", None)  # makes `import wetext` raise ImportError
     frontend_module._warn_wetext_missing.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="engine.frontend"):
+    with caplog.at_level(logging.WARNING, logger="engine.text.frontend"):
         frontends = [TextFrontend(), TextFrontend()]
     assert [frontend.backend for frontend in frontends] == ["minimal", "minimal"]
     assert sum("wetext is not installed" in record.getMessage() for record in caplog.records) == 1

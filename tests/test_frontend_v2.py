@@ -1,4 +1,5 @@
-"""CosyVoice2 text front end: engine.qwen_tokenizer against transformers' Qwen2TokenizerFast, and TextFrontend with it.
+"""CosyVoice2 text front end: engine.text.qwen_tokenizer against transformers' Qwen2TokenizerFast, and TextFrontend
+with it.
 
 The expected ids were recorded with transformers 4.51.3 (tokenizers 0.21.4), the versions of the v2 kit: on the
 tiny tokenizer directory of tests/tokenizer_files.py, `AutoTokenizer.from_pretrained(dir)` followed by the
@@ -15,8 +16,8 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.frontend import ENGLISH_SPLIT, TextFrontend, WhisperTokenizer, split_paragraph
-from engine.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, TOKENIZER_DIR_NAME, QwenTokenizer, byte_level_alphabet
+from engine.text.frontend import ENGLISH_SPLIT, TextFrontend, WhisperTokenizer, split_paragraph
+from engine.text.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, TOKENIZER_DIR_NAME, QwenTokenizer, byte_level_alphabet
 from tests.tokenizer_files import TINY_VOCAB_SIZE, write_tiny_qwen_tokenizer
 
 # sha256 of the files the recorded ids belong to; a new `tokenizers` trainer could write other files

@@ -1,4 +1,4 @@
-"""engine.hift behaviour: batching, seeds, low precision, checkpoint loading and config validation."""
+"""engine.vocoder.hift behaviour: batching, seeds, low precision, checkpoint loading and config validation."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.checkpoint import read_state_dict
 from engine.errors import CheckpointError, InvalidInputError
-from engine.hift import HiFTConfig, HiFTGenerator, Snake
-from engine.loader import CHECKPOINT_FILES, load_module
-from engine.yaml_config import ObjectSpec, load_model_yaml
+from engine.loading.checkpoint import read_state_dict
+from engine.loading.loader import CHECKPOINT_FILES, load_module
+from engine.loading.yaml_config import ObjectSpec, load_model_yaml
+from engine.vocoder.hift import HiFTConfig, HiFTGenerator, Snake
 
 BATCH_ATOL = 1e-4
 # fp32 garbage in the padded region: masking must keep it from reaching the real items

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
-from engine.layers import Linear, PackedLinear
-from engine.loader import load_model
-from engine.precision import cpu_packing_available, pack_linear_for_cpu, parameter_bytes, quantize_linear_int8
+from engine.loading.loader import load_model
+from engine.nn.layers import Linear, PackedLinear
+from engine.nn.precision import cpu_packing_available, pack_linear_for_cpu, parameter_bytes, quantize_linear_int8
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch has no oneDNN")
 

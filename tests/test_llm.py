@@ -13,12 +13,13 @@ from conftest import KIT_YAMLS, kit_model_version
 from test_parity_llm import case_text, kit_request, run_alone
 from torch import nn
 
-from engine.conformer import EncoderConfig, RelPositionEncoder
 from engine.errors import CheckpointError, InvalidInputError
-from engine.llm import GenerationRequest, LLMConfig, TokenEvent, TokenGenerator, TransformerLM
-from engine.loader import load_module
-from engine.sampling import SamplingOptions, make_generator, nucleus_sample, sample_token
-from engine.yaml_config import load_model_yaml
+from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
+from engine.llm.transformer_lm import LLMConfig, TransformerLM
+from engine.llm.sampling import SamplingOptions, make_generator, nucleus_sample, sample_token
+from engine.loading.loader import load_module
+from engine.loading.yaml_config import load_model_yaml
+from engine.nn.conformer import EncoderConfig, RelPositionEncoder
 
 BATCH_ATOL = 1e-4
 

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-import engine.llm
-from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
-from engine.sampling import SamplingOptions
+import engine.llm.generation
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.segment import EncodedSegment
 
 SILENT_SEED, SPOKEN_SEED = 7, 3
 
@@ -23,12 +24,12 @@ def tts(request: pytest.FixtureRequest) -> CosyVoice:
 @pytest.fixture
 def silent_seed_stops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sentence sampled with SILENT_SEED draws the last class (a stop id in every family) at its first step."""
-    sample: Callable = engine.llm.sample_token
+    sample: Callable = engine.llm.generation.sample_token
 
     def sample_or_stop(scores, tokens, options, generator) -> int:
         return scores.shape[-1] - 1 if options.seed == SILENT_SEED else sample(scores, tokens, options, generator)
 
-    monkeypatch.setattr(engine.llm, "sample_token", sample_or_stop)
+    monkeypatch.setattr(engine.llm.generation, "sample_token", sample_or_stop)
 
 
 def encoded(tts: CosyVoice, seed: int) -> EncodedSegment:

@@ -16,9 +16,9 @@ from conftest import KIT_YAMLS
 from test_parity_llm import case_text, kit_request, run_alone
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.qwen2_llm import QWEN_DIR, Qwen2Config, Qwen2Encoder, Qwen2LM, Qwen2LMConfig
-from engine.sampling import SamplingOptions
-from engine.yaml_config import load_model_yaml
+from engine.llm.qwen2_lm import QWEN_DIR, Qwen2Config, Qwen2Encoder, Qwen2LM, Qwen2LMConfig
+from engine.llm.sampling import SamplingOptions
+from engine.loading.yaml_config import load_model_yaml
 
 BATCH_ATOL = 1e-4
 

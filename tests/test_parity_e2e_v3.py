@@ -12,10 +12,11 @@ from kit_v3 import v3_kit_cases, v3_kit_dir
 from test_parity_flow import request_of  # the same case fields in every kit
 from test_parity_llm import kit_request
 
-from engine.flow_v3 import CausalMaskedDiffWithDiT
-from engine.hift_v3 import CausalHiFTGenerator
-from engine.llm_v3 import CosyVoice3LM, CosyVoice3TextEmbedding
-from engine.loader import PRESETS_DIR, ModelConfig, load_model, load_module
+from engine.families.base import ModelConfig
+from engine.flow.dit import CausalMaskedDiffWithDiT
+from engine.llm.cosyvoice3_lm import CosyVoice3LM, CosyVoice3TextEmbedding
+from engine.loading.loader import PRESETS_DIR, load_model, load_module
+from engine.vocoder.causal_hift import CausalHiFTGenerator
 
 ATOL = 1e-4
 

@@ -12,8 +12,8 @@ import torch
 from conftest import kit_group, kit_model_version
 from torch import Tensor, nn
 
-from engine.flow import ConditionalCFM, FlowRequest, MaskedDiffWithXvec, mel_frames
-from engine.loader import load_module
+from engine.flow.masked_diff import ConditionalCFM, FlowRequest, MaskedDiffWithXvec, mel_frames
+from engine.loading.loader import load_module
 
 HIDDEN_ATOL = 5e-5  # the kit README's acceptance for hidden tensors
 FEAT_ATOL = 1e-4  # ... for the mel (and v1's estimator output)

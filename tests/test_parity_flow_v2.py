@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import kit_group
 
-from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
-from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
-from engine.yaml_config import load_model_yaml
+from engine.flow.causal import CausalFlowConfig, CausalMaskedDiffWithXvec
+from engine.loading.checkpoint import load_strict, read_state_dict
+from engine.loading.yaml_config import load_model_yaml
 
 
 @pytest.fixture(scope="module")

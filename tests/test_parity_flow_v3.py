@@ -11,7 +11,7 @@ from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
 from test_parity_flow import request_of  # the same case fields in every kit
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
+from engine.flow.dit import CausalMaskedDiffWithDiT, DiTFlowConfig
 
 ATOL = 1e-4  # feat, the estimator output and the conditioning (all within a few 1e-6 on the tiny kit)
 BATCH_ATOL = 1e-5

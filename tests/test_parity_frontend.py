@@ -1,4 +1,4 @@
-"""Parity of engine.frontend with the official CosyVoiceFrontEnd, on every frontend case of the conformance kits:
+"""Parity of engine.text.frontend with the official CosyVoiceFrontEnd, on every frontend case of the conformance kits:
 each with its family's tokenizer (v1: whisper, as its yaml names; v2: the Qwen2 files in model/CosyVoice-BlankEN)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import KIT_YAMLS, kit_group, kit_model_version
 
-from engine.frontend import TextFrontend
-from engine.loader import ModelConfig
+from engine.families.base import ModelConfig
+from engine.text.frontend import TextFrontend
 
 WETEXT_INSTALLED = importlib.util.find_spec("wetext") is not None
 

@@ -15,11 +15,11 @@ from kit_v3 import V3_YAML, v3_kit_cases, v3_kit_dir
 from tokenizer_files import write_tiny_qwen_tokenizer
 
 from engine.families import COSYVOICE3
-from engine.frontend import ENDOFPROMPT, TextFrontend
-from engine.llm_v3 import ENDOFPROMPT_TOKEN
-from engine.loader import ModelConfig
-from engine.qwen2_llm import QWEN_DIR
-from engine.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, QwenTokenizer
+from engine.families.base import ModelConfig
+from engine.llm.cosyvoice3_lm import ENDOFPROMPT_TOKEN
+from engine.llm.qwen2_lm import QWEN_DIR
+from engine.text.frontend import ENDOFPROMPT, TextFrontend
+from engine.text.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, QwenTokenizer
 
 # the ids the official CosyVoice3Tokenizer gives over Qwen2's added tokens (the kit README's table)
 RELEASED_TAG_IDS = {ENDOFPROMPT: 151646, "[breath]": 151647, "<|endofsystem|>": 151663, "[AA]": 151664, "[ǜ]": 151923}

@@ -1,4 +1,4 @@
-"""Numerical parity of engine.hift's `HiFTGenerator` with the official one, on every hift case of the v1 kit
+"""Numerical parity of engine.vocoder.hift's `HiFTGenerator` with the official one, on every hift case of the v1 kit
 (`SineGen` source, 22.05 kHz) and of the v2 kit (`SineGen2`, 24 kHz). What only v2 has: test_parity_hift_v2.py;
 CosyVoice3's causal HiFT: test_parity_hift_v3.py."""
 
@@ -12,8 +12,8 @@ import torch
 from conftest import kit_group, kit_model_version
 from torch import Tensor
 
-from engine.hift import HiFTGenerator, Sine2Draws, SineDraws
-from engine.loader import load_module
+from engine.loading.loader import load_module
+from engine.vocoder.hift import HiFTGenerator, Sine2Draws, SineDraws
 
 # Kit README acceptance: f0 rtol 1e-5; speech atol 1e-4 (v1), 5e-4 (v2: exp magnitudes, three upsampling stages);
 # hidden tensors atol 5e-5. conv_post_out feeds exp() directly and reaches ~10, so it gets the speech tolerance.

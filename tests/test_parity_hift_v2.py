@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import kit_group
 from test_parity_hift import OFFICIAL_DRAW_ORDER, SPEECH_ATOL, assert_close, with_cache_source
 
-from engine.hift import HiFTGenerator, Sine2Draws, SineGen2
+from engine.vocoder.hift import HiFTGenerator, Sine2Draws, SineGen2
 
 BATCH_ATOL = 1e-4
 # batched and single-row float32 kernels may round differently (seen: 3e-8 on the source)

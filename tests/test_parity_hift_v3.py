@@ -14,7 +14,7 @@ import torch
 from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.hift_v3 import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator, FixedSourceDraws
+from engine.vocoder.causal_hift import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator, FixedSourceDraws
 
 ATOL = 1e-4  # speech, f0 (Hz) and the source
 # conv_post: float32 rounding over ~30 convolutions grows with the values (up to ~20), so the bound is relative to

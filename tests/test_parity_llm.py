@@ -12,11 +12,12 @@ import torch
 from conftest import KIT_MODEL_VERSIONS, KIT_YAMLS, kit_group
 from torch import nn
 
-from engine.checkpoint import load_strict, read_state_dict
 from engine.errors import CheckpointError
-from engine.llm import GenerationRequest, TokenEvent, TokenGenerator
-from engine.loader import ModelConfig, load_module
-from engine.sampling import SamplingOptions
+from engine.families.base import ModelConfig
+from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
+from engine.llm.sampling import SamplingOptions
+from engine.loading.checkpoint import load_strict, read_state_dict
+from engine.loading.loader import load_module
 
 TOP5_ATOL = 1e-4
 RAW_LOGP_ATOL = {1: 2e-4, 2: 3e-4}  # the kit READMEs' acceptance for step_raw_logp (v3's: test_parity_llm_v3.py)

@@ -12,8 +12,8 @@ import torch
 from conftest import kit_group
 from test_parity_llm import kit_request, run_alone
 
-from engine.loader import load_module
-from engine.sampling import SamplingOptions
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import load_module
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import kit_group
 
-from engine.qwen2_llm import Qwen2LM
+from engine.llm.qwen2_lm import Qwen2LM
 
 
 @pytest.fixture(scope="module")

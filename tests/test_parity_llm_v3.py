@@ -16,8 +16,8 @@ from kit_v3 import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
 from test_parity_llm import decode_greedily, kit_request
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.llm import GenerationRequest
-from engine.llm_v3 import ENDOFPROMPT_TOKEN, NUM_SPECIAL_SPEECH_TOKENS, CosyVoice3LM, CosyVoice3LMConfig
+from engine.llm.cosyvoice3_lm import ENDOFPROMPT_TOKEN, NUM_SPECIAL_SPEECH_TOKENS, CosyVoice3LM, CosyVoice3LMConfig
+from engine.llm.generation import GenerationRequest
 
 RAW_LOGP_ATOL = 1e-4
 

@@ -1,4 +1,4 @@
-"""End-to-end parity of the streaming path (`engine.streaming.DecodeStream`) with the official streaming loop
+"""End-to-end parity of the streaming path (`engine.runtime.streaming.DecodeStream`) with the official streaming loop
 `CosyVoiceModel.tts(stream=True)` (v1: flow cache, mel and speech cross-fades, HiFT cache) and
 `CosyVoice2Model.tts(stream=True)` (v2: the chunk loop with its padded first hop and the final chunk), on every
 `stream` case of the v1 and v2 kits. The official random draws (v1's CFM start noise, the HiFT source) are
@@ -17,10 +17,11 @@ import torch
 from conftest import kit_group
 from torch import Tensor
 
-from engine.loader import load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage
-from engine.sampling import SamplingOptions
-from engine.streaming import OverlappingChunks
+from engine.families.chunking import OverlappingChunks
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.segment import EncodedSegment
 
 # The kits' acceptance for a flow mel, and for HiFT decode(mel, source) in each version (measured on the tiny
 # kits: about 4e-6 and 1e-6).

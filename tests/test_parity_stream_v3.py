@@ -1,7 +1,7 @@
 """The CosyVoice3 streaming loop (`CosyVoice3Model.tts(stream=True)`) recorded in the v3 kit's `stream` group:
 first piece by piece (the LLM's tokens, the DiT flow over each chunk's token prefix with the chunk's
 streaming/finalize flags, the causal HiFT re-run over the accumulated mel cut at the chunk's speech offset), then
-end to end through the engine's loop (`engine.streaming.DecodeStream`, the scheduler's continuous-batching loop)
+end to end through the engine's loop (`engine.runtime.streaming.DecodeStream`, the scheduler's continuous-batching loop)
 and its whole-utterance path, silent-token filter included.
 
 The official HiFT source comes from fixed buffers drawn at model build; the kit records the source of the last
@@ -22,15 +22,15 @@ from loop_testing import Collected
 from test_parity_llm import kit_request
 from test_parity_stream import segment_of
 
-from engine.flow import FlowRequest
-from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
-from engine.hift_v3 import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator
-from engine.llm import GenerationRequest, TokenEvent
-from engine.llm_v3 import CosyVoice3LM, CosyVoice3LMConfig
-from engine.loader import load_model
-from engine.pipeline import SpeechDecoderStage
-from engine.scheduler import Scheduler
-from engine.streaming import DecodeStream
+from engine.flow.dit import CausalMaskedDiffWithDiT, DiTFlowConfig
+from engine.flow.masked_diff import FlowRequest
+from engine.llm.cosyvoice3_lm import CosyVoice3LM, CosyVoice3LMConfig
+from engine.llm.generation import GenerationRequest, TokenEvent
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.streaming import DecodeStream
+from engine.vocoder.causal_hift import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator
 
 MEL_ATOL = 1e-4  # as the flow parity test (measured within a few 1e-6)
 SPEECH_ATOL = 1e-4  # as the HiFT parity test

@@ -10,15 +10,11 @@ import pytest
 import torch
 
 from engine.errors import CheckpointError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
-from engine.loader import PRESETS_DIR, ModelConfig, load_model, load_module
-from engine.memory import estimate_request_memory
-from engine.pipeline import (
-    CosyVoice,
-    SpeechDecoderStage,
-    SynthesisRequest,
-    TextEncoderStage,
-)
-from engine.sampling import SamplingOptions
+from engine.families.base import ModelConfig
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import PRESETS_DIR, load_model, load_module
+from engine.runtime.memory import estimate_request_memory
+from engine.runtime.pipeline import CosyVoice, SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 
 SHORT = SamplingOptions(seed=7, min_token_text_ratio=2, max_token_text_ratio=4)
 

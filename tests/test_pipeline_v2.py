@@ -11,12 +11,13 @@ import torch
 from tokenizer_files import write_tiny_qwen_tokenizer
 
 from engine.errors import CheckpointError
-from engine.flow_v2 import CausalMaskedDiffWithXvec
-from engine.loader import ModelConfig, load_model, load_module
-from engine.memory import estimate_request_memory
-from engine.pipeline import CosyVoice, SynthesisRequest, TextEncoderStage
-from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2TextEmbedding
-from engine.sampling import SamplingOptions
+from engine.families.base import ModelConfig
+from engine.flow.causal import CausalMaskedDiffWithXvec
+from engine.llm.qwen2_lm import QWEN_DIR, Qwen2LM, Qwen2TextEmbedding
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import load_model, load_module
+from engine.runtime.memory import estimate_request_memory
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest, TextEncoderStage
 
 SHORT = SamplingOptions(seed=2, min_token_text_ratio=2, max_token_text_ratio=4)
 

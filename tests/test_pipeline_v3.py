@@ -17,15 +17,16 @@ from tokenizer_files import write_tiny_qwen_tokenizer
 from engine.__main__ import main as engine_cli
 from engine.errors import CheckpointError, InvalidInputError, RequestTooLargeError
 from engine.families import COSYVOICE3
-from engine.frontend import ENDOFPROMPT
-from engine.llm_v3 import ENDOFPROMPT_TOKEN
-from engine.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, ModelConfig, load_model
-from engine.memory import estimate_request_memory
-from engine.pipeline import CosyVoice, SegmentText, SynthesisRequest, TextEncoderStage
-from engine.qwen2_llm import QWEN_DIR
-from engine.sampling import SamplingOptions
-from engine.scheduler import Output, Scheduler
-from engine.voice_cloning import VoiceCloner, VoicePrompt
+from engine.families.base import ModelConfig
+from engine.llm.cosyvoice3_lm import ENDOFPROMPT_TOKEN
+from engine.llm.qwen2_lm import QWEN_DIR
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, load_model
+from engine.runtime.memory import estimate_request_memory
+from engine.runtime.pipeline import CosyVoice, SegmentText, SynthesisRequest, TextEncoderStage
+from engine.runtime.scheduler import Output, Scheduler
+from engine.text.frontend import ENDOFPROMPT
+from engine.voices.cloning import VoiceCloner, VoicePrompt
 
 SYSTEM_TEXT = "You are a helpful assistant.<|endofprompt|>"
 SHORT = SamplingOptions(seed=5, min_token_text_ratio=2, max_token_text_ratio=3)

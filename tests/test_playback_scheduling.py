@@ -1,5 +1,6 @@
-"""The decoder loop's playback-deadline policy (engine.playback, engine.scheduler) on the tiny models, driven by a
-fake clock: who is admitted first, preemption with equal audio, no starvation, fcfs kept, underruns counted."""
+"""The decoder loop's playback-deadline policy (engine.runtime.playback, engine.runtime.scheduler) on the tiny
+models, driven by a fake clock: who is admitted first, preemption with equal audio, no starvation, fcfs kept,
+underruns counted."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import pytest
 from loop_testing import Collected, step_until
 
 from engine.errors import CosyVoiceError
-from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
-from engine.playback import DeadlinePolicy, FcfsPolicy, PlaybackClock
-from engine.sampling import SamplingOptions
-from engine.scheduler import Scheduler, Ticket
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, PlaybackClock
+from engine.runtime.scheduler import Scheduler, Ticket
+from engine.runtime.segment import EncodedSegment
 
 TWO_SENTENCES = "This is a much longer request that keeps the decoder busy for a while. " * 8
 

@@ -19,14 +19,16 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from engine.errors import InvalidInputError, NonFiniteOutputError
-from engine.flow import FlowRequest
-from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
-from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
-from engine.layers import Conv1d, Linear, compute_dtype, float32_compute
-from engine.loader import PRESETS_DIR, ModelConfig, load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage
-from engine.precision import DTYPES, FALLBACKS, DecoderDtypes, decoder_dtypes
-from engine.sampling import SamplingOptions
+from engine.families.base import ModelConfig
+from engine.flow.dit import CausalMaskedDiffWithDiT, DiTFlowConfig
+from engine.flow.masked_diff import FlowRequest
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import PRESETS_DIR, load_model
+from engine.nn.layers import Conv1d, Linear, compute_dtype, float32_compute
+from engine.nn.precision import DTYPES, FALLBACKS, DecoderDtypes, decoder_dtypes
+from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.segment import EncodedSegment
+from engine.vocoder.causal_hift import CausalHiFTConfig, CausalHiFTGenerator
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 LONG_TOKENS = 750  # 30 s of speech at 25 tokens per second

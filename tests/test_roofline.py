@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from benchmarks import roofline
 from benchmarks.engine_bench import fixed_length_segments
 from benchmarks.roofline import counted_flops, per_token_linears
-from engine.loader import load_model
-from engine.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
 
 
 def test_counted_flops_include_the_cpu_attention_kernel() -> None:

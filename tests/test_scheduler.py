@@ -1,4 +1,4 @@
-"""The continuous-batching scheduler (engine.scheduler) on the tiny model: joining, equality with a request
+"""The continuous-batching scheduler (engine.runtime.scheduler) on the tiny model: joining, equality with a request
 decoded alone, cancellation, memory admission, refusal, pipelined sentences, and the vocoding thread (LLM steps
 go on while it works, first chunks go first), and requests whose later sentences come after their submission."""
 
@@ -15,10 +15,11 @@ import pytest
 from loop_testing import Collected, step_until
 
 from engine.errors import CosyVoiceError, DecodeLimitError, RequestTooLargeError, UnavailableError
-from engine.pipeline import CosyVoice, EncodedSegment, SynthesisRequest
-from engine.playback import FcfsPolicy
-from engine.sampling import SamplingOptions
-from engine.scheduler import Scheduler
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.playback import FcfsPolicy
+from engine.runtime.scheduler import Scheduler
+from engine.runtime.segment import EncodedSegment
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=6, max_token_text_ratio=6)
 LONG = SamplingOptions(seed=4, min_token_text_ratio=30, max_token_text_ratio=30)  # several stream chunks

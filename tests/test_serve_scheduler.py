@@ -18,12 +18,13 @@ from ray import serve
 from serve_testing import running_app, wait_until
 
 from engine.errors import RequestTooLargeError
-from engine.pipeline import EncodedSegment, SynthesisRequest
-from engine.sampling import SamplingOptions
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import SynthesisRequest
+from engine.runtime.segment import EncodedSegment
+from engine.voices.registry import EVERYONE
 from serve_app.app import engine_error
 from serve_app.args import DecoderArgs
 from serve_app.audio import PCM_MAX
-from serve_app.voice_registry import EVERYONE
 
 APP = "scheduler"
 BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; the 29-token sentence at 100 per token ~660

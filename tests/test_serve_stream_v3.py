@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("ray")
 from serve_testing import running_app
 
-from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.sampling import SamplingOptions
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 
 APP = "v3-stream"
 KIT_MODEL = Path(__file__).parent / "fixtures" / "cosyvoice3-tiny" / "model"

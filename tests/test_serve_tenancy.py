@@ -17,6 +17,7 @@ import pytest
 from serve_testing import running_app, wait_until
 from test_voice_registry import wav_bytes
 
+from engine.voices.registry import EVERYONE, Caller
 from serve_app.app import error_body
 from serve_app.args import SecurityArgs
 from serve_app.guard import load_keys
@@ -27,7 +28,6 @@ from serve_app.tenancy import (
     configure_tenancy,
     owner_id,
 )
-from serve_app.voice_registry import EVERYONE, Caller
 
 ALICE = "alice-key-5c1f0e27b9d34a68"
 BOB = "bob-key-9e3d41a7c2b85f06"

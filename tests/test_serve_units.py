@@ -16,8 +16,8 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from deployments.decoder import resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
-from engine.loader import PRESET_VOICE_MODELS
-from engine.voices import DUMMY_VOICES
+from engine.loading.loader import PRESET_VOICE_MODELS
+from engine.voices.speaker_bank import DUMMY_VOICES
 from serve_app.app import check_streams, error_payload, mapped_voice, openai_mode
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir
@@ -150,7 +150,7 @@ def test_openai_speech_is_sent_whole_where_the_format_or_the_family_cannot_strea
 
 def test_the_scheduler_app_args_make_the_decoder_loops_policy() -> None:
     from deployments.decoder import scheduling_policy
-    from engine.playback import DeadlinePolicy, FcfsPolicy
+    from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
     from serve_app.args import AppArgs
 
     assert scheduling_policy(AppArgs().scheduler.model_dump()) == DeadlinePolicy()

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.sampling import SamplingOptions
-from engine.streaming import OverlappingChunks
+from engine.families.chunking import OverlappingChunks
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from test_streaming import SETUPS, run_stream
 
-from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.voice_cloning import VoicePrompt
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.voices.cloning import VoicePrompt
 
 SETUP = SETUPS["cosyvoice2-tiny"]
 FIXED, TEXT = SETUP.sampling, SETUP.text

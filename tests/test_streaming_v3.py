@@ -10,13 +10,15 @@ import torch
 from test_parity_stream_v3 import pin_unvoiced_source, spy_flow
 
 from engine.errors import InvalidInputError
-from engine.hift_v3 import CausalHiFTGenerator, decode_history_frames
-from engine.llm_v3 import ENDOFPROMPT_TOKEN
-from engine.loader import load_model
-from engine.pipeline import EncodedSegment, SpeechDecoderStage
-from engine.sampling import SamplingOptions
-from engine.scheduler import Output, Scheduler
-from engine.streaming import CausalPrefixRerunChunks, DecodeStream
+from engine.families.chunking import CausalPrefixRerunChunks
+from engine.llm.cosyvoice3_lm import ENDOFPROMPT_TOKEN
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.scheduler import Output, Scheduler
+from engine.runtime.segment import EncodedSegment
+from engine.runtime.streaming import DecodeStream
+from engine.vocoder.causal_hift import CausalHiFTGenerator, decode_history_frames
 
 TEXT_TOKENS = 5
 TOKENS = 20 * TEXT_TOKENS  # min = max length: hops of 25 and 50 (+3 look-ahead tokens), then the final 25

@@ -1,5 +1,5 @@
 """A voice upload is bounded before it is decoded: a tiny file of a long, many-channel or oddly sampled signal is
-refused fast with a 400, in little memory (engine.voice_cloning.decode_prompt_audio, the Encoder's register_voice).
+refused fast with a 400, in little memory (engine.voices.cloning.decode_prompt_audio, the Encoder's register_voice).
 The same uploads through a real Serve app: tests/test_voice_registry.py."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from audio_files import constant_flac
 from deployments.encoder import Encoder
 from engine.errors import InvalidInputError
 from engine.families import COSYVOICE1, COSYVOICE2
-from engine.loader import PRESET_VOICE_MODELS
-from engine.voice_cloning import PROMPT_SAMPLE_RATES, PromptAudioLimits, VoiceCloner, decode_prompt_audio
+from engine.loading.loader import PRESET_VOICE_MODELS
+from engine.voices.cloning import PROMPT_SAMPLE_RATES, PromptAudioLimits, VoiceCloner, decode_prompt_audio
+from engine.voices.registry import EVERYONE
 from serve_app.app import voice_cloning_config
 from serve_app.args import AppArgs, LimitsArgs
-from serve_app.voice_registry import EVERYONE
 
 MAX_GROWTH_BYTES = 200 << 20  # the refused uploads below would take 300 MB to gigabytes if decoded whole
 MAX_REFUSAL_S = 5.0  # generous: the bounded refusals take milliseconds

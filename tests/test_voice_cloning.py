@@ -1,4 +1,4 @@
-"""Voice cloning features (engine.voice_cloning) on tiny stand-in ONNX models and synthetic recordings."""
+"""Voice cloning features (engine.voices.cloning) on tiny stand-in ONNX models and synthetic recordings."""
 
 from __future__ import annotations
 
@@ -13,17 +13,18 @@ import torch
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.families import COSYVOICE1, COSYVOICE2, COSYVOICE3
-from engine.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, ModelConfig
-from engine.tiny_voice_models import write_tiny_voice_models
-from engine.voice_cloning import (
+from engine.families.base import ModelConfig
+from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR
+from engine.voices.cloning import (
     MAX_PROMPT_SECONDS,
-    PromptMelConfig,
     VoiceCloner,
     VoicePrompt,
     WhisperLogMel,
     align_prompt,
     decode_prompt_audio,
 )
+from engine.voices.spec import PromptMelConfig
+from engine.voices.tiny_models import write_tiny_voice_models
 
 MODEL_RATES = {1: 22050, 2: 24000, 3: 24000}
 FAMILIES = {1: COSYVOICE1, 2: COSYVOICE2, 3: COSYVOICE3}

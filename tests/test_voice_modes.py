@@ -9,9 +9,9 @@ import pytest
 
 from engine.errors import InvalidInputError
 from engine.families import families
-from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.sampling import SamplingOptions
-from engine.voice_cloning import VoicePrompt
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.voices.cloning import VoicePrompt
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=2, max_token_text_ratio=4)
 TEXT = "Cloned voices speak this."

@@ -21,10 +21,8 @@ from serve_testing import running_app
 
 from engine.errors import InvalidInputError, UnknownVoiceError
 from engine.families import COSYVOICE1
-from engine.voice_cloning import VoicePrompt
-from serve_app import build_app
-from serve_app.guard import check_voice_name
-from serve_app.voice_registry import (
+from engine.voices.cloning import VoicePrompt
+from engine.voices.registry import (
     EVERYONE,
     Caller,
     VoiceForbiddenError,
@@ -32,6 +30,8 @@ from serve_app.voice_registry import (
     VoiceRegistryFullError,
     is_voice_id,
 )
+from serve_app import build_app
+from serve_app.guard import check_voice_name
 
 TRAVERSAL_IDS = [
     "../outside",

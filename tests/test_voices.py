@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine.errors import CheckpointError
-from engine.loader import load_model
-from engine.pipeline import CosyVoice, SynthesisRequest
-from engine.sampling import SamplingOptions
-from engine.voices import VoiceBank
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.voices.speaker_bank import VoiceBank
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=2, max_token_text_ratio=4)
 

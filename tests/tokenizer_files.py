@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import models, pre_tokenizers, trainers
 
-from engine.qwen_tokenizer import QWEN2_ENDOFTEXT_ID, qwen2_pipeline, special_token
+from engine.text.qwen_tokenizer import QWEN2_ENDOFTEXT_ID, qwen2_pipeline, special_token
 
 # 380 trained ids + the 3 config tokens + CosyVoice2's 17 new special tokens = 400, the kit's Qwen2 vocab_size.
 TINY_VOCAB_SIZE = 380

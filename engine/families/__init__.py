@@ -1,5 +1,8 @@
 """Model families as plug-ins: one module per CosyVoice generation, each registering its `ModelFamily`.
 
+The one place that knows which stage classes make a version; above the stages, below the loader and the runtime.
+`chunking` holds each family's streaming `ChunkStrategy`; `base` the registry and `ModelConfig`.
+
 See `engine.families.base` for what a family names; `cosyvoice1`, `cosyvoice2` and `cosyvoice3` register theirs
 when this package is imported.
 """
@@ -8,6 +11,7 @@ from engine.families import cosyvoice1, cosyvoice2, cosyvoice3
 from engine.families.base import (
     MODULE_NAMES,
     InstructionSupport,
+    ModelConfig,
     ModelFamily,
     ModuleConfigs,
     VoiceRules,
@@ -25,6 +29,7 @@ __all__ = [
     "COSYVOICE3",
     "MODULE_NAMES",
     "InstructionSupport",
+    "ModelConfig",
     "ModelFamily",
     "ModuleConfigs",
     "VoiceRules",

@@ -11,18 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from torch import nn
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.frontend import ENDOFPROMPT
-
-if TYPE_CHECKING:
-    from engine.frontend import TextTokenizer
-    from engine.loader import ModelConfig
-    from engine.streaming import ChunkStrategy
-    from engine.voice_cloning import CloningModels
+from engine.families.chunking import ChunkStrategy
+from engine.loading.yaml_config import ObjectSpec, load_model_yaml
+from engine.text.frontend import ENDOFPROMPT, TextTokenizer
+from engine.voices.spec import CloningModels
 
 # How a model takes instructions: in any voice (v1 -Instruct models), only in a registered (cloned) voice
 # (CosyVoice2's instruct2), or not at all.
@@ -39,7 +36,7 @@ class ModuleConfigs(NamedTuple):
 @dataclass(frozen=True)
 class VoiceRules:
     """How the family's official frontend writes the LLM's text prompt and conditions an instruct request
-    (engine.pipeline applies them).
+    (engine.runtime.pipeline applies them).
 
     A text that already holds `<|endofprompt|>` was written in the official form by its caller and is taken as
     written; otherwise the rules complete it, so that a caller never needs to type the tag.
@@ -90,7 +87,7 @@ class ModelFamily:
     instruction_support: Callable[[str], InstructionSupport]  # model name -> how it takes instructions
     streaming: type[ChunkStrategy] | None  # None: streaming is refused (InvalidInputError)
     cloning: CloningModels | None  # None: voice cloning is refused (CheckpointError)
-    # The LLM and flow overflow float16 (engine.precision.decoder_dtypes): `auto` gives them bfloat16 on a GPU that
+    # The LLM and flow overflow float16 (engine.nn.precision.decoder_dtypes): `auto` gives them bfloat16 on a GPU that
     # has it natively.
     prefers_bfloat16: bool = False
     # speech tokens the flow never gets past a run of 5 (the official llm_job: silent/breath codes)
@@ -101,6 +98,59 @@ class ModelFamily:
         if self.cloning is None:
             raise CheckpointError(f"voice cloning is not available for {self.name} models")
         return self.cloning
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """All hyperparameters of a model, read from its yaml (v2/v3: and its Qwen2 config.json), and its family."""
+
+    family: ModelFamily  # found from the yaml's LLM class (engine.families)
+    sample_rate: int
+    spk_embed_dim: int
+    mel_bins: int
+    llm: Any  # the family's LLM, flow and HiFT configs
+    flow: Any
+    hift: Any
+
+    @property
+    def version(self) -> int:
+        """1: CosyVoice(-300M), 2: CosyVoice2, 3: CosyVoice3 (data for reports; behaviour asks the family)."""
+        return self.family.version
+
+    def speech_tokens_for(self, audio_seconds: float) -> int:
+        """The fewest speech tokens whose audio (the flow's mel frames x the vocoder's samples per frame) lasts at
+        least `audio_seconds`: 50 per second for CosyVoice v1, 25 for CosyVoice2 and 3."""
+        samples, tokens = audio_seconds * self.sample_rate, 1
+        while self.flow.mel_frames_of(tokens) * self.hift.hop < samples:
+            tokens += 1
+        return tokens
+
+    @classmethod
+    def from_yaml_file(cls, path: Path) -> ModelConfig:
+        tree = load_model_yaml(path)
+        for key in ("llm", "flow", "hift", "sample_rate"):
+            if key not in tree:
+                raise CheckpointError(f"model config {path} has no '{key}' entry")
+        if not isinstance(tree["llm"], ObjectSpec):
+            raise CheckpointError(f"model config {path}: 'llm' is not a `!new:` class node")
+        # The LLM class tells the family: a dummy yaml may have any file name, but an official one must agree.
+        family = family_for_llm_class(tree["llm"].class_name)
+        named = family_for_config_file(path.name)
+        if named is not None and named is not family:
+            raise CheckpointError(
+                f"model config {path} is named as a {named.name} config, but its LLM class {family.llm_class} is "
+                f"{family.name}'s"
+            )
+        configs = family.read_configs(tree, path.parent)
+        return cls(
+            family=family,
+            sample_rate=int(tree["sample_rate"]),
+            spk_embed_dim=int(tree.get("spk_embed_dim", 192)),
+            mel_bins=int(tree["flow"].get("output_size", 80)),
+            llm=configs.llm,
+            flow=configs.flow,
+            hift=configs.hift,
+        )
 
 
 _FAMILIES: list[ModelFamily] = []

@@ -12,13 +12,13 @@ from typing import Any
 from torch import nn
 
 from engine.families.base import InstructionSupport, ModelFamily, ModuleConfigs, VoiceRules, register
-from engine.flow import FlowConfig, MaskedDiffWithXvec
-from engine.frontend import WhisperTokenizer
-from engine.hift import HiFTConfig, HiFTGenerator
-from engine.llm import LLMConfig, TransformerLM
-from engine.streaming import OverlappingChunks
-from engine.voice_cloning import CloningModels, PromptMelConfig
-from engine.yaml_config import load_model_yaml
+from engine.families.chunking import OverlappingChunks
+from engine.flow.masked_diff import FlowConfig, MaskedDiffWithXvec
+from engine.llm.transformer_lm import LLMConfig, TransformerLM
+from engine.loading.yaml_config import load_model_yaml
+from engine.text.frontend import WhisperTokenizer
+from engine.vocoder.hift import HiFTConfig, HiFTGenerator
+from engine.voices.spec import CloningModels, PromptMelConfig
 
 INSTRUCT_MODEL_MARK = "-Instruct"  # the official v1 models trained to follow instructions are named so
 

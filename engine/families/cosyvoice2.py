@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.families.base import ModelFamily, ModuleConfigs, VoiceRules, register, registered_voices_only
-from engine.flow_v2 import CausalFlowConfig, CausalMaskedDiffWithXvec
-from engine.hift import HiFTConfig, HiFTGenerator
-from engine.qwen2_llm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
-from engine.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, QwenTokenizer
-from engine.streaming import CausalPrefixChunks
-from engine.voice_cloning import CloningModels, PromptMelConfig
+from engine.families.chunking import CausalPrefixChunks
+from engine.flow.causal import CausalFlowConfig, CausalMaskedDiffWithXvec
+from engine.llm.qwen2_lm import QWEN_DIR, Qwen2LM, Qwen2LMConfig, Qwen2TextEmbedding
+from engine.text.qwen_tokenizer import COSYVOICE2_SPECIAL_TOKENS, QwenTokenizer
+from engine.vocoder.hift import HiFTConfig, HiFTGenerator
+from engine.voices.spec import CloningModels, PromptMelConfig
 
 # instruct2: the instruction takes the transcript's place; the prompt speech stays in the flow
 INSTRUCT2 = VoiceRules(instruct_keeps_voice_prompt=True)
@@ -39,7 +39,7 @@ def qwen_tokenizer(
 ) -> QwenTokenizer:
     """The Qwen2 tokenizer of an official model dir with the family's `special_tokens`, or its byte-level stand-in
     for dummy weights (`<|endoftext|>` at `stand_in_endoftext_id`). Ids the LLM does not embed are refused per
-    request (`engine.qwen2_llm.embed_text`), as a model dir whose table ends before the last special tags loads
+    request (`engine.llm.qwen2_lm.embed_text`), as a model dir whose table ends before the last special tags loads
     officially."""
     if official:
         return QwenTokenizer.from_dir(config_path.parent / QWEN_DIR, special_tokens)

@@ -14,15 +14,15 @@ from typing import Any
 
 from engine.errors import CheckpointError
 from engine.families.base import ModelFamily, ModuleConfigs, VoiceRules, register, registered_voices_only
+from engine.families.chunking import CausalPrefixRerunChunks
 from engine.families.cosyvoice2 import qwen_tokenizer
-from engine.flow_v3 import CausalMaskedDiffWithDiT, DiTFlowConfig
-from engine.frontend import ENDOFPROMPT
-from engine.hift_v3 import CausalHiFTConfig, CausalHiFTGenerator
-from engine.llm_v3 import ENDOFPROMPT_TOKEN, CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
-from engine.qwen2_llm import QWEN_DIR
-from engine.qwen_tokenizer import COSYVOICE3_SPECIAL_TOKENS, QWEN2_ENDOFTEXT_ID, QwenTokenizer
-from engine.streaming import CausalPrefixRerunChunks
-from engine.voice_cloning import CloningModels, PromptMelConfig
+from engine.flow.dit import CausalMaskedDiffWithDiT, DiTFlowConfig
+from engine.llm.cosyvoice3_lm import ENDOFPROMPT_TOKEN, CosyVoice3LM, CosyVoice3LMConfig, CosyVoice3TextEmbedding
+from engine.llm.qwen2_lm import QWEN_DIR
+from engine.text.frontend import ENDOFPROMPT
+from engine.text.qwen_tokenizer import COSYVOICE3_SPECIAL_TOKENS, QWEN2_ENDOFTEXT_ID, QwenTokenizer
+from engine.vocoder.causal_hift import CausalHiFTConfig, CausalHiFTGenerator
+from engine.voices.spec import CloningModels, PromptMelConfig
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."  # the official examples' system prompt
 

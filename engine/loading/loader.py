@@ -1,0 +1,194 @@
+"""Build the model from an official model directory, or from a preset with seeded dummy weights.
+
+Load formats (like vLLM's `--load-format`):
+- `official`: a CosyVoice v1 model dir (`cosyvoice.yaml`, `llm.pt`, `flow.pt`, `hift.pt`, optional `spk2info.pt`)
+  or a CosyVoice2 / CosyVoice3 one (`cosyvoice2.yaml` / `cosyvoice3.yaml`, the same checkpoints, and
+  `CosyVoice-BlankEN/` with the Qwen2 config and tokenizer), every checkpoint loaded strictly with
+  `weights_only=True`;
+- `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`, `cosyvoice2-0.5b`, `cosyvoice2-tiny`,
+  `cosyvoice3-0.5b`, `cosyvoice3-tiny`) or a yaml file, seeded random weights (a v2/v3 dummy model gets a
+  byte-level stand-in for the Qwen2 tokenizer).
+The yaml's LLM class picks the model family (`engine.families`), which names the config readers, module classes,
+encoder-side text module and tokenizer used here.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.errors import CheckpointError
+from engine.families import MODULE_NAMES, ModelConfig, families
+from engine.loading.checkpoint import load_strict, read_state_dict
+from engine.nn.precision import decoder_dtypes, pack_linear_for_cpu, quantize_linear_int8
+from engine.text.frontend import TextFrontend
+from engine.vocoder.hift import upgrade_legacy_weight_norm
+from engine.voices.speaker_bank import VoiceBank
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+PRESETS = {
+    "dummy": "cosyvoice-300m.yaml",
+    "cosyvoice-300m": "cosyvoice-300m.yaml",
+    "tiny": "tiny.yaml",
+    "cosyvoice2-0.5b": "cosyvoice2-0.5b/cosyvoice2.yaml",
+    "cosyvoice2-tiny": "cosyvoice2-tiny/cosyvoice2.yaml",
+    "cosyvoice3-0.5b": "cosyvoice3-0.5b/cosyvoice3.yaml",
+    "cosyvoice3-tiny": "cosyvoice3-tiny/cosyvoice3.yaml",
+}
+# The tiny cloning models shipped for presets (written by engine/voices/tiny_models.py): campplus.onnx and the
+# speech tokenizer of the preset's version, over the preset's speech vocabulary.
+PRESET_VOICE_MODELS_DIR = PRESETS_DIR / "voice_models"
+PRESET_VOICE_MODELS = {
+    "tiny": PRESET_VOICE_MODELS_DIR / "tiny",
+    "dummy": PRESET_VOICE_MODELS_DIR / "tiny",  # the same version and speech vocabulary as tiny
+    "cosyvoice-300m": PRESET_VOICE_MODELS_DIR / "tiny",
+    "cosyvoice2-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice2-tiny",
+    "cosyvoice3-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice3-tiny",
+}
+CHECKPOINT_FILES = tuple(f"{name}.pt" for name in MODULE_NAMES)
+COMPONENTS = ("encoder", "decoder")
+
+
+@dataclass
+class LoadedModel:
+    """What the stages need. `text_llm` encodes text on CPU; `llm`, `flow`, `hift` decode on `decoder_device`."""
+
+    name: str
+    config: ModelConfig
+    frontend: TextFrontend | None
+    voices: VoiceBank
+    text_llm: nn.Module | None  # the family's text module (engine.families)
+    llm: nn.Module | None
+    flow: nn.Module | None
+    hift: nn.Module | None
+    dtype: torch.dtype  # the LLM's and the flow's (the vocoder's may differ: see engine.nn.precision.decoder_dtypes)
+    decoder_device: torch.device
+    text_device: torch.device
+
+
+def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
+    """-> (format, path): the yaml of a preset / dummy file, or an official model directory."""
+    text = str(source)
+    if load_format in (None, "dummy") and text in PRESETS:
+        return "dummy", PRESETS_DIR / PRESETS[text]
+    path = Path(source)
+    if load_format == "dummy" or (load_format is None and path.suffix in (".yaml", ".yml")):
+        if not path.is_file():
+            raise CheckpointError(f"dummy model config {path} not found (presets: {', '.join(PRESETS)})")
+        return "dummy", path
+    if load_format not in (None, "official"):
+        raise CheckpointError(f"unknown load format {load_format!r}; use 'official' or 'dummy'")
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} not found (or use one of the presets: {', '.join(PRESETS)})")
+    configs = [path / family.config_file for family in families() if (path / family.config_file).is_file()]
+    if len(configs) != 1:
+        expected = ", ".join(f"{family.config_file} ({family.name})" for family in families())
+        found = ", ".join(config.name for config in configs) or "none"
+        raise CheckpointError(f"model directory {path} must hold exactly one of {expected}; it holds {found}")
+    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
+    return "official", configs[0]
+
+
+def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Module:
+    """Load the official checkpoint into `module` (strictly), or keep its seeded random init (dummy)."""
+    if model_dir is not None:
+        path = model_dir / file_name
+        # Files saved with the legacy torch.nn.utils.weight_norm carry weight_g / weight_v keys.
+        load_strict(module, upgrade_legacy_weight_norm(read_state_dict(path)), path)
+    return module.eval().requires_grad_(False)
+
+
+def load_module(model_dir: str | Path, name: str) -> nn.Module:
+    """One official module ("llm", "flow" or "hift") of a model dir, strictly loaded, in eval mode."""
+    if name not in MODULE_NAMES:
+        raise CheckpointError(f"unknown module {name!r}; use one of {MODULE_NAMES}")
+    _, config_path = _resolve(model_dir, "official")
+    config = ModelConfig.from_yaml_file(config_path)
+    return _build(config.family.modules[name](getattr(config, name)), config_path.parent, f"{name}.pt")
+
+
+def load_model(
+    source: str | Path = "tiny",
+    *,
+    load_format: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    int8: bool = False,
+    components: tuple[str, ...] = COMPONENTS,
+    seed: int = 0,
+    max_text_chars: int = 2000,
+    cpu_packing: bool = True,
+) -> LoadedModel:
+    """Load a model for the given stage `components` ("encoder": frontend + text encoder, "decoder").
+
+    `dtype` casts the decoder weights (float32 / float16 / bfloat16: real low-precision weights; `auto`: each
+    module's dtype chosen for the family and device, `engine.nn.precision.decoder_dtypes`);
+    the text encoder always runs in float32 on CPU, INT8-quantized when `int8` (then a CPU float32
+    decoder LLM is quantized too). `cpu_packing` packs the float32 CPU LLM's Linear weights for oneDNN (faster
+    batched decode steps); turn it off to keep plain `nn.Linear` weights for casts, copies or state dicts.
+    """
+    unknown = set(components) - set(COMPONENTS)
+    if unknown or not components:
+        raise CheckpointError(f"components must be among {COMPONENTS}, got {components}")
+    fmt, config_path = _resolve(source, load_format)
+    config = ModelConfig.from_yaml_file(config_path)
+    model_dir = config_path.parent if fmt == "official" else None
+    decoder_device = torch.device(device)
+    dtypes = decoder_dtypes(dtype, config.family.prefers_bfloat16, decoder_device)
+    torch_dtype = dtypes.llm
+    cpu = torch.device("cpu")
+
+    classes = config.family.modules
+    decoding = "decoder" in components
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        llm = _build(classes["llm"](config.llm), model_dir, "llm.pt")
+        flow = _build(classes["flow"](config.flow), model_dir, "flow.pt") if decoding else None
+        hift = _build(classes["hift"](config.hift), model_dir, "hift.pt") if decoding else None
+
+    text_llm = None
+    if "encoder" in components:
+        # One LLM copy serves both halves unless the decoder runs on another device or dtype.
+        separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32)
+        text_llm = config.family.text_module(llm)
+        text_llm = copy.deepcopy(text_llm) if separate else text_llm
+        if int8 and (separate or not decoding):
+            quantize_linear_int8(text_llm)
+        elif cpu_packing and not int8:
+            pack_linear_for_cpu(text_llm)
+    decoder_llm = None
+    if decoding:
+        if int8 and decoder_device == cpu and torch_dtype == torch.float32:
+            quantize_linear_int8(llm)
+        decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
+        if cpu_packing and not int8:
+            pack_linear_for_cpu(decoder_llm)  # only float32 CPU layers are packed
+        flow = flow.to(device=decoder_device, dtype=dtypes.flow)
+        hift = hift.to(device=decoder_device, dtype=dtypes.hift)
+
+    spk2info = None if model_dir is None else model_dir / "spk2info.pt"
+    if spk2info is not None and spk2info.is_file():
+        voices = VoiceBank.from_spk2info(spk2info, config.spk_embed_dim)
+    else:
+        voices = VoiceBank.dummy(config.spk_embed_dim, seed=seed) if model_dir is None else VoiceBank({})
+    return LoadedModel(
+        name=str(source) if fmt == "dummy" else Path(source).name,
+        config=config,
+        frontend=TextFrontend(max_text_chars, tokenizer=config.family.tokenizer(config, config_path, fmt == "official"))
+        if "encoder" in components
+        else None,
+        voices=voices,
+        text_llm=text_llm,
+        llm=decoder_llm,
+        flow=flow,
+        hift=hift,
+        dtype=torch_dtype,
+        decoder_device=decoder_device,
+        text_device=cpu,
+    )

@@ -1,0 +1,190 @@
+"""Weight precision and layout: real fp16/bf16 casts, the decoder's default dtype per model version, the guard
+that recomputes a non-finite reduced-precision output in float32, INT8 dynamic quantization and oneDNN-packed
+float32 Linear layers (both for CPU)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.ao.nn.quantized import dynamic as quantized_dynamic
+from torch.ao.quantization import quantize_dynamic
+
+from engine.errors import InvalidInputError
+from engine.nn import layers
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTO_DTYPE = "auto"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'float32' / 'float16' / 'bfloat16' (also 'fp32', 'fp16', 'bf16') -> torch dtype."""
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    key = aliases.get(name, name)
+    if key not in DTYPES:
+        raise InvalidInputError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+@dataclass(frozen=True)
+class DecoderDtypes:
+    """The dtype of each decoder module's weights."""
+
+    llm: torch.dtype
+    flow: torch.dtype
+    hift: torch.dtype
+
+
+def decoder_dtypes(name: str, prefers_bfloat16: bool, device: torch.device) -> DecoderDtypes:
+    """The decoder modules' dtypes for a dtype name (see `parse_dtype`: all three in it) or `auto`.
+
+    `auto`: float32 on CPU; float16 on a GPU, except for a family that `prefers_bfloat16` (CosyVoice3) on a GPU with
+    native bfloat16: its DiT flow
+    overflows float16 (upstream issues report NaN audio from its float16 flow, the error growing layer by layer
+    rather than at one op), so the flow, and the LLM (a Qwen2, trained in bfloat16; the official vLLM path runs it
+    so), get bfloat16, which has float32's range. The vocoder keeps float16, whose 3 more mantissa bits matter
+    there (measured on random-weight CosyVoice3 vocoders, the kit's and a released-size one: bfloat16 weights give
+    ~18 dB less signal-to-error than float16; its overflow-prone ops run in float32 anyway). Without native
+    bfloat16, CosyVoice3 runs in float16 and the NaN guard recomputes what overflows.
+    """
+    if name != AUTO_DTYPE:
+        dtype = parse_dtype(name)
+        return DecoderDtypes(dtype, dtype, dtype)
+    if device.type != "cuda":
+        return DecoderDtypes(torch.float32, torch.float32, torch.float32)
+    if prefers_bfloat16 and torch.cuda.is_bf16_supported(including_emulation=False):
+        return DecoderDtypes(llm=torch.bfloat16, flow=torch.bfloat16, hift=torch.float16)
+    return DecoderDtypes(torch.float16, torch.float16, torch.float16)
+
+
+FallbackListener = Callable[[str, bool], None]
+
+
+class PrecisionFallbacks:
+    """Requests whose reduced-precision output (flow mel, vocoder audio) was not finite and were recomputed in
+    float32, counted by (stage, recovered); each is logged, and passed to the listeners (a metrics hook)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, bool]] = Counter()
+        self._listeners: list[FallbackListener] = []
+
+    def add_listener(self, listener: FallbackListener) -> Callable[[], None]:
+        """Call `listener(stage, recovered)` on every fallback; returns the function that removes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def record(self, stage: str, recovered: bool) -> None:
+        self.counts[stage, recovered] += 1
+        if recovered:
+            logger.warning("%s output was not finite in reduced precision; recomputed in float32", stage)
+        else:
+            logger.error("%s output was not finite, in float32 too; the request fails", stage)
+        for listener in list(self._listeners):
+            listener(stage, recovered)
+
+
+FALLBACKS = PrecisionFallbacks()  # the process's: one decoder per replica process
+
+
+def recompute_non_finite(
+    stage: str,
+    outputs: list[Tensor],
+    weight_dtype: torch.dtype,
+    recompute: Callable[[int], Tensor],
+    inputs: list[Tensor] | None = None,
+) -> list[Tensor]:
+    """The NaN guard of a batch computed with `weight_dtype` weights: every output that is not finite is replaced
+    by `recompute(i)` run in `float32_compute()`, and counted in FALLBACKS. An output that float32 leaves
+    non-finite stays so (the stages then fail that request with NonFiniteOutputError, the batch goes on). Nothing
+    is recomputed when the batch already ran in float32, or for an item whose `inputs[i]` is not finite."""
+    if layers.compute_dtype(weight_dtype) == torch.float32 or not outputs:
+        return outputs
+    finite = torch.stack([torch.isfinite(output).all() for output in outputs]).tolist()
+    if all(finite):
+        return outputs
+    outputs = list(outputs)
+    for index in (i for i, ok in enumerate(finite) if not ok):
+        if inputs is not None and not bool(torch.isfinite(inputs[index]).all()):
+            continue
+        with layers.float32_compute():
+            outputs[index] = recompute(index)
+        FALLBACKS.record(stage, recovered=bool(torch.isfinite(outputs[index]).all()))
+    return outputs
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes held by parameters and buffers, counting packed INT8 Linear weights too."""
+    total = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    for child in module.modules():
+        if isinstance(child, quantized_dynamic.Linear):
+            weight, bias = child._packed_params._weight_bias()
+            total += weight.numel() * weight.element_size()
+            total += 0 if bias is None else bias.numel() * bias.element_size()
+        if isinstance(child, layers.PackedLinear):
+            total += child.packed_weight.numel() * child.packed_weight.element_size()
+    return total
+
+
+def _as_plain_linear(layer: layers.Linear) -> nn.Linear:
+    plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    plain.weight = layer.weight
+    plain.bias = layer.bias
+    return plain
+
+
+def _untied_linear_layers(module: nn.Module) -> list[tuple[nn.Module, str, layers.Linear]]:
+    """(parent, name, layer) of every `layers.Linear` in `module` whose weight no other parameter shares.
+
+    A layer tied to another parameter (CosyVoice2/3's unused text `lm_head`, tied to the token embedding) is left
+    out: a packed or quantized copy would hold its weight twice.
+    """
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    return [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, layers.Linear) and uses[id(child.weight)] == 1
+    ]
+
+
+def quantize_linear_int8(module: nn.Module) -> nn.Module:
+    """Dynamic INT8 quantization of every untied Linear layer, in place; for CPU execution in float32.
+
+    torch's dynamic quantization only converts exact `nn.Linear`, so the dtype-casting
+    `layers.Linear` (a no-op in fp32) is swapped for a plain one first; tied layers keep their class and so their
+    shared float32 weight.
+    """
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        raise InvalidInputError("INT8 quantization needs a float32 module (it runs on CPU)")
+    for parent, name, child in _untied_linear_layers(module):
+        setattr(parent, name, _as_plain_linear(child))
+    with warnings.catch_warnings():  # torch marks eager quantization deprecated; it still works in 2.14
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+def cpu_packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_linear_for_cpu(module: nn.Module) -> nn.Module:
+    """Swap every untied float32 CPU `layers.Linear` for a oneDNN-packed `layers.PackedLinear`, in place.
+
+    The same products (within float rounding) at a fraction of the cost for the few rows of batched decode
+    steps. Inference only: afterwards casts and `.to()` leave those weights as they are. A no-op where torch has
+    no oneDNN.
+    """
+    if not cpu_packing_available():
+        return module
+    for parent, name, child in _untied_linear_layers(module):
+        if child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            setattr(parent, name, layers.PackedLinear(child.weight, child.bias))
+    return module

@@ -1,0 +1,448 @@
+"""The two serving stages and the single-request API built from them.
+
+`TextEncoderStage` (CPU: frontend, text encoding, voice features) turns a request into
+`EncodedSegment`s, plain numpy records that can cross a process boundary; `SpeechDecoderStage`
+(GPU or CPU: speech-token generation, flow, vocoder) turns a batch of them into waveforms.
+`CosyVoice.synthesize` runs both in-process.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from engine.errors import InvalidInputError, NonFiniteOutputError
+from engine.flow.masked_diff import FlowRequest
+from engine.llm.generation import GenerationRequest, SilentRunFilter
+from engine.llm.sampling import MAX_SEED, SamplingOptions
+from engine.loading.loader import LoadedModel, load_model
+from engine.runtime.segment import EncodedSegment
+from engine.runtime.streaming import DecodeStream
+from engine.text.frontend import ENDOFPROMPT
+
+if TYPE_CHECKING:
+    from engine.voices.cloning import VoicePrompt
+
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+# Sizes a decoder takes in one segment, checked before any of it is computed. The encoder's own inputs stay far below:
+# a sentence of `limits.max_input_chars` text, a voice prompt of at most `limits.max_prompt_audio_s` (30 s: 1500
+# speech tokens at 50 per second, 2600 mel frames).
+MAX_SEGMENT_TEXT_TOKENS = 8192
+MAX_PROMPT_SPEECH_TOKENS = 4096
+MAX_PROMPT_MEL_FRAMES = 8192
+
+
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """What a caller asks for. `seed` makes the request reproducible; None draws one.
+
+    `cross_lingual` (with a cloned voice) keeps the prompt's voice but not its transcript and speech
+    tokens in the LLM input, for text in another language than the prompt. `instruct_text` is a plain
+    instruction ("Speak happily.") or one in the official form, ending in `<|endofprompt|>` (taken as written).
+    `system_prompt` replaces the family's default system prompt (CosyVoice3: "You are a helpful assistant.");
+    families without one refuse it.
+    """
+
+    text: str
+    voice: str
+    instruct_text: str | None = None
+    speed: float = 1.0
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    cross_lingual: bool = False
+    system_prompt: str | None = None
+
+    def validated(self) -> SynthesisRequest:
+        if not MIN_SPEED <= self.speed <= MAX_SPEED:
+            raise InvalidInputError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {self.speed}")
+        if self.instruct_text is not None and not self.instruct_text.strip():
+            raise InvalidInputError("instruct_text must not be empty when given")
+        if self.system_prompt is not None and (not self.system_prompt.strip() or ENDOFPROMPT in self.system_prompt):
+            raise InvalidInputError(f"system_prompt must be non-empty text without {ENDOFPROMPT} (it is appended)")
+        if self.cross_lingual and self.instruct_text is not None:
+            raise InvalidInputError("cross_lingual and instruct_text cannot be combined")
+        if self.sampling.seed is None:
+            return replace(self, sampling=replace(self.sampling, seed=secrets.randbits(31)))
+        return self
+
+
+@dataclass(frozen=True)
+class SegmentText:
+    """The text ids the LLM gets for one segment: `prompt` (system prompt, instruction or transcript), then `text`,
+    whose length sets the segment's speech length bounds."""
+
+    prompt: list[int]
+    text: list[int]
+
+
+@dataclass(frozen=True)
+class _VoiceConditioning:
+    """How a voice enters the LLM and the flow, for one request mode."""
+
+    prompt_text_tokens: list[int]
+    text_lead_tokens: list[int]  # lead the text to speak and count with it (CosyVoice3 cross-lingual: system text)
+    llm_embedding: np.ndarray | None
+    flow_embedding: np.ndarray
+    llm_prompt_speech_tokens: np.ndarray
+    flow_prompt_speech_tokens: np.ndarray
+    prompt_feat: np.ndarray
+
+
+@dataclass(frozen=True)
+class EncodingPlan:
+    """A request split into sentences, none encoded yet (`TextEncoderStage.plan`): `TextEncoderStage.encode_planned`
+    encodes any run of them, so the first can go to the decoder before the others are encoded. Plain data: it can
+    cross a process boundary."""
+
+    request: SynthesisRequest  # validated: its seed is drawn
+    voice: _VoiceConditioning
+    texts: tuple[SegmentText, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.texts)
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Arrays arrive read-only from Ray's object store: copy into a writable tensor on `device`."""
+    return torch.from_numpy(np.array(array)).to(device)
+
+
+class TextEncoderStage:
+    """Frontend + text encoder + voice features. Runs on CPU (optionally INT8)."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+
+    @property
+    def voices(self) -> list[str]:
+        return self.model.voices.names
+
+    @property
+    def sample_rate(self) -> int:
+        return self.model.config.sample_rate
+
+    def split_text(self, text: str) -> list[str]:
+        """The sentences that will be synthesised one after another."""
+        return self.model.frontend.split(text)
+
+    def encode(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> list[EncodedSegment]:
+        """Validate, normalise, split and encode a request; one segment per sentence, in order.
+
+        Without `prompt` the voice is a built-in speaker (`request.voice`); with a cloned-voice `prompt`
+        the request is zero-shot (prompt transcript and speech tokens lead the LLM input), cross-lingual,
+        or instruct (instruct2: the instruction replaces the transcript, the prompt speech stays in the flow).
+        """
+        return self.encode_planned(self.plan(request, prompt))
+
+    @torch.inference_mode()
+    def plan(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> EncodingPlan:
+        """Validate, normalise and split a request (as `encode`), encoding no sentence yet."""
+        request = request.validated()
+        voice = self._voice_conditioning(request, prompt)
+        return EncodingPlan(request, voice, tuple(self._segment_texts(request, voice)))
+
+    @torch.inference_mode()
+    def encode_planned(self, plan: EncodingPlan, start: int = 0, stop: int | None = None) -> list[EncodedSegment]:
+        """The segments of the plan's sentences `start` to `stop` (None: the last), each as `encode` makes it (its
+        seed, index and count, text encoding included: a sentence encodes the same alone or with others)."""
+        count = plan.num_segments
+        stop = count if stop is None else stop
+        if not 0 <= start < stop <= count:
+            raise InvalidInputError(f"sentences {start} to {stop} are not a range of the request's {count}")
+        texts, voice, request = plan.texts[start:stop], plan.voice, plan.request
+        encoded = self._encode_batch([text.prompt + text.text for text in texts])
+        return [
+            EncodedSegment(
+                text_encoded=text_encoded,
+                text_len=len(text.text),
+                llm_embedding=voice.llm_embedding,
+                flow_embedding=voice.flow_embedding,
+                llm_prompt_speech_tokens=voice.llm_prompt_speech_tokens,
+                flow_prompt_speech_tokens=voice.flow_prompt_speech_tokens,
+                prompt_feat=voice.prompt_feat,
+                # each sentence its own draws; wrapped, so the largest seed stays a valid one
+                sampling=replace(request.sampling, seed=(request.sampling.seed + index) % (MAX_SEED + 1)),
+                speed=request.speed,
+                segment_index=index,
+                num_segments=count,
+            )
+            for index, text, text_encoded in zip(range(start, stop), texts, encoded, strict=True)
+        ]
+
+    def segment_texts(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> list[SegmentText]:
+        """The text ids each segment of `request` gives the LLM (what `encode` embeds), in the official form."""
+        request = request.validated()
+        return self._segment_texts(request, self._voice_conditioning(request, prompt))
+
+    def _segment_texts(self, request: SynthesisRequest, voice: _VoiceConditioning) -> list[SegmentText]:
+        segments = self.model.frontend.segment_tokens(request.text)
+        return [SegmentText(voice.prompt_text_tokens, voice.text_lead_tokens + tokens) for tokens in segments]
+
+    def _voice_conditioning(self, request: SynthesisRequest, prompt: VoicePrompt | None) -> _VoiceConditioning:
+        """The official frontend modes (sft, zero-shot, cross-lingual, instruct, instruct2) as one table of rules;
+        the family's `VoiceRules` write the prompt texts (CosyVoice3: after its system prompt).
+
+        A zero-shot speaker stored in spk2info.pt (official `zero_shot_spk_id`) acts as a cloned voice whose
+        prompt is already tokenized."""
+        family = self.model.config.family
+        frontend, rules = self.model.frontend, family.voice_rules
+        if request.system_prompt is not None:
+            rules = rules.with_system_prompt(request.system_prompt, family.name)
+        no_tokens = np.zeros(0, dtype=np.int64)
+        stored = self.model.voices.stored_prompt(request.voice) if prompt is None else None
+        if stored is not None:
+            speaker, llm_embedding = stored.flow_embedding, stored.llm_embedding
+            speech_tokens, llm_speech_tokens = stored.flow_speech_tokens, stored.llm_speech_tokens
+            feat = stored.speech_feat
+        elif prompt is None:
+            if request.cross_lingual:
+                raise InvalidInputError("cross_lingual needs a cloned voice (a prompt recording), not a speaker")
+            speaker = llm_embedding = self.model.voices.embedding(request.voice).numpy()
+            speech_tokens = llm_speech_tokens = no_tokens
+            feat = np.zeros((0, self.model.config.mel_bins), dtype=np.float32)
+        else:
+            if prompt.family != family.name:
+                raise InvalidInputError(
+                    f"voice {request.voice!r} was prepared for {prompt.family} models; this model is {family.name}: "
+                    "register the voice again for this model"
+                )
+            speaker = llm_embedding = prompt.embedding
+            speech_tokens = llm_speech_tokens = prompt.speech_tokens
+            feat = prompt.speech_feat
+        # A text already holding <|endofprompt|> carries its own prompt (official callers write it in the text).
+        system_text = "" if ENDOFPROMPT in request.text else rules.system_text()
+        text_lead = ""
+        if request.instruct_text is not None:
+            # instruct (v1) and instruct2: the instruction in the official form, not normalised (official
+            # `inference_instruct` normalises it, which its <|endofprompt|> turns off)
+            prompt_text_tokens = frontend.tokenize(rules.instruction_prompt(request.instruct_text))
+            llm_speech_tokens = no_tokens
+            if not rules.instruct_keeps_voice_prompt:  # v1 Instruct: no LLM speaker embedding, no prompt speech at all
+                llm_embedding, speech_tokens, feat = None, no_tokens, feat[:0]
+        elif request.cross_lingual:  # official: the system text leads the text to speak itself
+            prompt_text_tokens, text_lead = [], system_text
+            llm_speech_tokens = no_tokens
+        elif prompt is not None:
+            # normalised as officially, which leaves a transcript behind a system prompt as it is
+            prompt_text_tokens = frontend.tokenize(frontend.normalize(rules.transcript_prompt(prompt.transcript)))
+        elif stored is not None:
+            prompt_text_tokens = stored.prompt_text_tokens  # written with the prompt by the official code
+        else:  # a built-in speaker: the system text alone is the prompt text
+            prompt_text_tokens = frontend.tokenize(system_text)
+        return _VoiceConditioning(
+            prompt_text_tokens=prompt_text_tokens,
+            text_lead_tokens=frontend.tokenize(text_lead),
+            llm_embedding=llm_embedding,
+            flow_embedding=speaker,
+            llm_prompt_speech_tokens=llm_speech_tokens,
+            flow_prompt_speech_tokens=speech_tokens,
+            prompt_feat=feat,
+        )
+
+    def _encode_batch(self, token_lists: list[list[int]]) -> list[np.ndarray]:
+        """All sentences through the text encoder as one padded batch -> [T_i, D] float32 each."""
+        device = self.model.text_device
+        lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+        ids = pad_sequence([torch.tensor(tokens, dtype=torch.long) for tokens in token_lists], batch_first=True)
+        encoded = self.model.text_llm.encode_text(ids.to(device), lengths).float().cpu().numpy()
+        return [encoded[i, :length] for i, length in enumerate(lengths.tolist())]
+
+
+def _checked_array(name: str, value: object, shape: tuple[int | None, ...], integer: bool = False) -> np.ndarray:
+    """`value` as an array of `shape` (None: any size), of integers or of finite floats; else InvalidInputError."""
+    if not isinstance(value, np.ndarray) or value.ndim != len(shape):
+        raise InvalidInputError(f"{name} must be a {len(shape)}-d array")
+    if any(want is not None and have != want for have, want in zip(value.shape, shape, strict=True)):
+        raise InvalidInputError(f"{name} must have shape {shape}, got {value.shape}")
+    if integer and not np.issubdtype(value.dtype, np.integer):
+        raise InvalidInputError(f"{name} must hold integers, got {value.dtype}")
+    if not integer and not (np.issubdtype(value.dtype, np.floating) and np.isfinite(value).all()):
+        raise InvalidInputError(f"{name} must hold finite floats")
+    return value
+
+
+HEALTH_CHECK_MEL_FRAMES = 4  # enough for every conv of the vocoder, negligible time
+
+
+class SpeechDecoderStage:
+    """Speech-token generation, flow matching and vocoder over a batch of encoded segments."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+
+    @property
+    def sample_rate(self) -> int:
+        return self.model.config.sample_rate
+
+    def check_segment(self, segment: EncodedSegment) -> None:
+        """InvalidInputError unless `segment` is what this decoder can take: the encoder's output for this model,
+        every number finite and in bounds, every size within the decoder's. A decoder checks every segment it is
+        given (callers may skip the HTTP layer; an unpickled object skipped its constructors' checks)."""
+        config = self.model.config
+        if not isinstance(segment, EncodedSegment):
+            raise InvalidInputError(f"a segment must be an EncodedSegment, got {type(segment).__name__}")
+        if not isinstance(segment.sampling, SamplingOptions):
+            raise InvalidInputError("segment.sampling must be SamplingOptions")
+        segment.sampling.check()
+        if segment.sampling.seed is None:
+            raise InvalidInputError("segment.sampling.seed must be set (the encoder draws one)")
+        speed = segment.speed
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not MIN_SPEED <= speed <= MAX_SPEED:
+            raise InvalidInputError(f"speed must be a number between {MIN_SPEED} and {MAX_SPEED}, got {speed!r}")
+        text_rows = _checked_array("text_encoded", segment.text_encoded, (None, self.model.llm.cfg.llm_input_size))
+        if not 1 <= len(text_rows) <= MAX_SEGMENT_TEXT_TOKENS:
+            raise InvalidInputError(f"text_encoded must have 1 to {MAX_SEGMENT_TEXT_TOKENS} rows, got {len(text_rows)}")
+        text_len = segment.text_len
+        if isinstance(text_len, bool) or not isinstance(text_len, int) or not 1 <= text_len <= len(text_rows):
+            raise InvalidInputError(f"text_len must be an integer in [1, {len(text_rows)}], got {text_len!r}")
+        if segment.llm_embedding is not None and segment.llm_embedding.size:
+            _checked_array("llm_embedding", segment.llm_embedding, (config.spk_embed_dim,))
+        _checked_array("flow_embedding", segment.flow_embedding, (config.spk_embed_dim,))
+        for name in ("llm_prompt_speech_tokens", "flow_prompt_speech_tokens"):
+            tokens = _checked_array(name, getattr(segment, name), (None,), integer=True)
+            if len(tokens) > MAX_PROMPT_SPEECH_TOKENS:
+                raise InvalidInputError(f"{name} has {len(tokens)} tokens; at most {MAX_PROMPT_SPEECH_TOKENS}")
+            if tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.model.llm.eos:
+                raise InvalidInputError(f"{name} must be in [0, {self.model.llm.eos})")
+        frames = _checked_array("prompt_feat", segment.prompt_feat, (None, config.mel_bins))
+        if len(frames) > MAX_PROMPT_MEL_FRAMES:
+            raise InvalidInputError(f"prompt_feat must have at most {MAX_PROMPT_MEL_FRAMES} frames, got {len(frames)}")
+
+    @torch.inference_mode()
+    def decode_batch(self, segments: list[EncodedSegment]) -> list[np.ndarray | NonFiniteOutputError]:
+        """Whole-utterance synthesis of a batch: one waveform [N] float32 per segment, or its error."""
+        tokens = self.generate_tokens(segments)
+        mels = self.tokens_to_mel(segments, tokens)
+        return self.vocode(segments, mels)
+
+    def generation_requests(self, segments: list[EncodedSegment]) -> list[GenerationRequest]:
+        device = self.model.decoder_device
+        return [
+            GenerationRequest(
+                text_encoded=_tensor(s.text_encoded, device),
+                text_len=s.text_len,
+                embedding=None if s.llm_embedding is None else _tensor(s.llm_embedding, device),
+                prompt_speech_tokens=_tensor(s.llm_prompt_speech_tokens, device),
+                options=s.sampling,
+            )
+            for s in segments
+        ]
+
+    def flow_request(self, segment: EncodedSegment, tokens: torch.Tensor) -> FlowRequest:
+        device = self.model.decoder_device
+        return FlowRequest(
+            tokens=tokens.to(device),
+            prompt_tokens=_tensor(segment.flow_prompt_speech_tokens, device),
+            prompt_feat=_tensor(segment.prompt_feat, device),
+            embedding=_tensor(segment.flow_embedding, device),
+            seed=segment.sampling.seed,
+        )
+
+    def generate_tokens(self, segments: list[EncodedSegment]) -> list[torch.Tensor]:
+        return self.model.llm.generate(self.generation_requests(segments))
+
+    def tokens_to_mel(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The mel of each segment's LLM tokens (the family's long silent runs dropped first, as officially).
+
+        The LLM may stop before its first token: such a segment gets an empty mel [mel_bins, 0] (no flow call), and
+        so no audio, as its stream would.
+        """
+        flow_tokens = [self.flow_tokens(t) for t in tokens]
+        spoken = [i for i, t in enumerate(flow_tokens) if len(t)]
+        requests = [self.flow_request(segments[i], flow_tokens[i]) for i in spoken]
+        mels = [torch.zeros(self.model.config.mel_bins, 0, dtype=self.model.dtype) for _ in segments]
+        for i, mel in zip(spoken, self.model.flow.inference(requests) if requests else [], strict=True):
+            mels[i] = self.apply_speed(mel, segments[i].speed)
+        return mels
+
+    def flow_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The LLM's tokens [N] as the flow gets them: the official `llm_job` drops the family's silent tokens
+        past a run of 5 (streaming drops the same ones, token by token)."""
+        silent = self.model.config.family.silent_tokens
+        if not silent:
+            return tokens
+        return torch.tensor(SilentRunFilter(silent).filter(tokens.tolist()), dtype=torch.long)
+
+    @staticmethod
+    def apply_speed(mel: torch.Tensor, speed: float) -> torch.Tensor:
+        """Official v1 speed control: stretch the mel [80, T] in time by 1/speed (linear interpolation)."""
+        if speed == 1.0 or mel.shape[-1] == 0:
+            return mel
+        frames = max(1, int(mel.shape[-1] / speed))
+        return F.interpolate(mel[None].float(), size=frames, mode="linear")[0].to(mel.dtype)
+
+    @torch.inference_mode()
+    def check_health(self) -> None:
+        """A tiny vocoder pass on the decoder's device, waited for, so a device fault (a CUDA error) raises here.
+
+        Its output is not judged: weights that give NaN fail each request with a message (500), not the replica.
+        """
+        hift = self.model.hift
+        mel = torch.zeros(hift.config.in_channels, HEALTH_CHECK_MEL_FRAMES, dtype=self.model.dtype)
+        hift.inference([mel.to(self.model.decoder_device)], seeds=[0])
+        if self.model.decoder_device.type == "cuda":
+            torch.cuda.synchronize(self.model.decoder_device)
+
+    def open_stream(self, segments: list[EncodedSegment]) -> DecodeStream:
+        """Streaming synthesis of a batch: iterate the returned `DecodeStream` (see engine.runtime.streaming)."""
+        return DecodeStream(self, segments)
+
+    def vocode(
+        self, segments: list[EncodedSegment], mels: list[torch.Tensor]
+    ) -> list[np.ndarray | NonFiniteOutputError]:
+        """One waveform [N] float32 per mel, or its error; an empty mel gives empty audio (no vocoder call)."""
+        voiced = [i for i, mel in enumerate(mels) if mel.shape[-1]]
+        waves = [torch.zeros(0) for _ in mels]
+        if voiced:
+            made = self.model.hift.inference(
+                [mels[i] for i in voiced], seeds=[segments[i].sampling.seed for i in voiced]
+            )
+            for i, wave in zip(voiced, made, strict=True):
+                waves[i] = wave
+        results: list[np.ndarray | NonFiniteOutputError] = []
+        for wave in waves:
+            audio = wave.float().cpu().numpy()
+            if not np.isfinite(audio).all():
+                results.append(NonFiniteOutputError("the vocoder produced NaN or inf samples; no audio returned"))
+            else:
+                results.append(audio)
+        return results
+
+
+class CosyVoice:
+    """Single-process TTS: `synthesize(text, voice) -> (waveform float32 [N], sample_rate)`."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.encoder = TextEncoderStage(model)
+        self.decoder = SpeechDecoderStage(model)
+
+    @classmethod
+    def load(cls, source: str = "tiny", **kwargs) -> CosyVoice:
+        """`source`: an official model directory, or `dummy` / `tiny` (see `engine.loading.loader.load_model`)."""
+        return cls(load_model(source, **kwargs))
+
+    @property
+    def voices(self) -> list[str]:
+        return self.encoder.voices
+
+    @property
+    def sample_rate(self) -> int:
+        return self.decoder.sample_rate
+
+    def synthesize(self, text: str, voice: str, **options) -> tuple[np.ndarray, int]:
+        """Synthesise `text` in `voice`; sentences are decoded as one batch and joined in order."""
+        sampling_keys = set(SamplingOptions.__dataclass_fields__)
+        sampling = SamplingOptions(**{k: v for k, v in options.items() if k in sampling_keys})
+        rest = {k: v for k, v in options.items() if k not in sampling_keys}
+        request = SynthesisRequest(text=text, voice=voice, sampling=sampling, **rest)
+        results = self.decoder.decode_batch(self.encoder.encode(request))
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return np.concatenate(results), self.sample_rate

@@ -1,0 +1,384 @@
+"""CosyVoice text front end: normalisation, splitting of long texts, and the model's text tokenizer.
+
+It reproduces the official `CosyVoiceFrontEnd.text_normalize` with its wetext backend (the backend the
+official code falls back to without `ttsfrd`) and `tokenizer.encode(text, allowed_special="all")` of
+`whisper.tokenizer.get_tokenizer(multilingual=True, num_languages=100, ...)`, without depending on
+`openai-whisper`: the BPE ranks ship in `engine/text/assets/` and the special tokens are rebuilt here. The tokenizer
+is pluggable (`TextTokenizer`): CosyVoice2 runs the same normalisation and splitting with its Qwen2 tokenizer
+(`engine.text.qwen_tokenizer.QwenTokenizer`), which then also counts the English segment lengths.
+
+Pipeline of `TextFrontend.split` (the segments are synthesised one after another):
+  1. validate (non-empty, at most `max_text_chars`), drop control/format characters;
+  2. text holding both `<|` and `|>` (special-token markup) is passed through verbatim as one segment;
+  3. Chinese (any char in U+4E00-U+9FFF): wetext, then fixed clean-up rules, then sentence splitting with
+     lengths counted in characters; otherwise English: wetext, digits spelled with inflect, then splitting
+     with lengths counted in the tokenizer's tokens;
+  4. segments without anything speakable are dropped; if none is left the text is rejected.
+
+Without wetext the normalisation is minimal: the FST step is skipped, everything else (the Chinese rules,
+spelling English digits with inflect, the splitting) still runs. This is logged once per process.
+
+Deviations from the official code, all on inputs where it crashes or produces unspeakable segments:
+control/format characters are removed; a digit run too long for inflect is read digit by digit; a wetext
+failure leaves the text unnormalised (with a warning); segments of only punctuation, symbols and
+whitespace are dropped (the official code drops only punctuation and symbols).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import itertools
+import logging
+import re
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import inflect
+import tiktoken
+
+from engine.errors import CheckpointError, InvalidInputError
+from engine.loading.yaml_config import ObjectSpec
+
+logger = logging.getLogger(__name__)
+
+BPE_RANKS_PATH = Path(__file__).parent / "assets" / "multilingual.tiktoken"
+
+# Whisper's language codes in token order; v1 uses the first 100 (n_vocab 51866).
+WHISPER_LANGUAGE_CODES = (
+    "en", "zh", "de", "es", "ru", "ko", "fr", "ja", "pt", "tr", "pl", "ca", "nl", "ar", "sv", "it", "id", "hi",
+    "fi", "vi", "he", "uk", "el", "ms", "cs", "ro", "da", "hu", "ta", "no", "th", "ur", "hr", "bg", "lt", "la",
+    "mi", "ml", "cy", "sk", "te", "fa", "lv", "bn", "sr", "az", "sl", "kn", "et", "mk", "br", "eu", "is", "hy",
+    "ne", "mn", "bs", "kk", "sq", "sw", "gl", "mr", "pa", "si", "km", "sn", "yo", "so", "af", "oc", "ka", "be",
+    "tg", "sd", "gu", "am", "yi", "lo", "uz", "fo", "ht", "ps", "tk", "nn", "mt", "sa", "lb", "my", "bo", "tl",
+    "mg", "as", "tt", "haw", "ln", "ha", "ba", "jw", "su", "yue",
+)  # fmt: skip
+WHISPER_GET_TOKENIZER = "whisper.tokenizer.get_tokenizer"
+WHISPER_DEFAULT_NUM_LANGUAGES = 99  # the default of whisper's get_tokenizer; CosyVoice-300M's yaml says 100
+NUM_TIMESTAMP_TOKENS = 1501  # <|0.00|> ... <|30.00|>, every 20 ms
+WHISPER_PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# The official tag that ends a system or instruct prompt before the text to speak (one special token for the Qwen
+# tokenizers of CosyVoice2 and later; CosyVoice3's LLM requires it in every input).
+ENDOFPROMPT = "<|endofprompt|>"
+CHINESE_CHAR = re.compile(r"[\u4e00-\u9fff]")
+# replace_blank: a space survives only between two non-space ASCII characters.
+SPACE_NOT_BETWEEN_ASCII = re.compile(r"(?<![\x00-\x1f\x21-\x7f]) | (?![\x00-\x1f\x21-\x7f])")
+# Applied in order after wetext on the Chinese path.
+CHINESE_REPLACEMENTS = (
+    ("²", "平方"),
+    ("³", "立方"),
+    (".", "。"),
+    (" - ", "，"),
+    ("（", ""),
+    ("）", ""),
+    ("【", ""),
+    ("】", ""),
+    ("`", ""),
+    ("——", " "),
+)
+TRAILING_COMMAS = re.compile(r"[，,、]+$")
+CLOSING_QUOTES = frozenset('"”')
+KEPT_CONTROL_CHARACTERS = frozenset("\n\t")  # the Chinese path removes "\n" itself; others are noise
+SEGMENT_MAX_LEN = 80
+SEGMENT_MIN_LEN = 60
+SEGMENT_MERGE_LEN = 20
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How a language cuts a paragraph into sentences."""
+
+    sentence_ends: frozenset[str]
+    final_mark: str  # appended when the text does not end a sentence
+
+
+CHINESE_SPLIT = SplitRule(frozenset("。？！；：、.?!;"), "。")
+ENGLISH_SPLIT = SplitRule(frozenset(".?!;:"), ".")
+
+
+def whisper_special_tokens(num_languages: int = 100) -> list[str]:
+    """Whisper's special tokens in id order; they follow the BPE ranks."""
+    if not 1 <= num_languages <= len(WHISPER_LANGUAGE_CODES):
+        raise ValueError(f"num_languages must be in 1..{len(WHISPER_LANGUAGE_CODES)}, got {num_languages}")
+    return [
+        "<|endoftext|>",
+        "<|startoftranscript|>",
+        *(f"<|{code}|>" for code in WHISPER_LANGUAGE_CODES[:num_languages]),
+        "<|translate|>",
+        "<|transcribe|>",
+        "<|startoflm|>",
+        "<|startofprev|>",
+        "<|nospeech|>",
+        "<|notimestamps|>",
+        # Formatted from i * 0.02 exactly as whisper does, so that the strings (hence ids) agree.
+        *(f"<|{i * 0.02:.2f}|>" for i in range(NUM_TIMESTAMP_TOKENS)),
+    ]
+
+
+@functools.cache
+def load_whisper_encoding(num_languages: int = 100) -> tiktoken.Encoding:
+    """Whisper's multilingual tiktoken encoding, built from the packaged rank file (never touches the network)."""
+    ranks: dict[bytes, int] = {}
+    for line in BPE_RANKS_PATH.read_text(encoding="ascii").splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    first_special_id = len(ranks)
+    special_ids = {token: first_special_id + i for i, token in enumerate(whisper_special_tokens(num_languages))}
+    return tiktoken.Encoding(
+        name=f"whisper-multilingual-{num_languages}",
+        pat_str=WHISPER_PRETOKENIZE_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens=special_ids,
+        explicit_n_vocab=first_special_id + len(special_ids),
+    )
+
+
+class TextTokenizer(Protocol):
+    """What the front end needs of a model's text tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, special tokens written in it included."""
+        ...
+
+
+class WhisperTokenizer:
+    """CosyVoice v1's tokenizer: whisper's multilingual BPE, with every special token allowed in the text."""
+
+    def __init__(self, num_languages: int = 100) -> None:
+        self.encoding = load_whisper_encoding(num_languages)
+
+    @classmethod
+    def from_yaml(cls, spec: ObjectSpec | None) -> WhisperTokenizer:
+        """The tokenizer a v1 yaml's `get_tokenizer` names; 100 languages (CosyVoice-300M's) when it names none.
+
+        Only whisper's multilingual tokenizer can be built here: its BPE ranks ship in engine/text/assets. Any other
+        (gpt2, the CosyVoice-300M-25Hz `cosyvoice.tokenizer.tokenizer.get_tokenizer`) is refused by name.
+        """
+        if spec is None:
+            return cls()
+        if not isinstance(spec, ObjectSpec) or spec.target != WHISPER_GET_TOKENIZER:
+            target = spec.target if isinstance(spec, ObjectSpec) else repr(spec)
+            raise CheckpointError(
+                f"get_tokenizer {target} is not supported; this engine builds {WHISPER_GET_TOKENIZER} (multilingual)"
+            )
+        if spec.get("multilingual") is not True:
+            raise CheckpointError(f"get_tokenizer {WHISPER_GET_TOKENIZER} must be multilingual: True")
+        num_languages = spec.get("num_languages", WHISPER_DEFAULT_NUM_LANGUAGES)
+        if isinstance(num_languages, bool) or not isinstance(num_languages, int):
+            raise CheckpointError(f"get_tokenizer num_languages must be an integer, got {num_languages!r}")
+        try:
+            return cls(num_languages)
+        except ValueError as error:
+            raise CheckpointError(f"get_tokenizer: {error}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special="all")
+
+
+def contains_chinese(text: str) -> bool:
+    return CHINESE_CHAR.search(text) is not None
+
+
+def has_special_token_markup(text: str) -> bool:
+    """The official front end leaves such text untouched (SSML-like markup, special tokens)."""
+    return "<|" in text and "|>" in text
+
+
+def strip_control_characters(text: str) -> str:
+    """Drop control, format and lone-surrogate characters (never speech; NUL crashes wetext); keep newline, tab."""
+    return "".join(
+        char for char in text if char in KEPT_CONTROL_CHARACTERS or unicodedata.category(char) not in ("Cc", "Cf", "Cs")
+    )
+
+
+def is_speakable(segment: str) -> bool:
+    """Whether a segment holds anything besides punctuation, symbols and whitespace."""
+    return any(not char.isspace() and unicodedata.category(char)[0] not in "PSZ" for char in segment)
+
+
+def spell_out_numbers(text: str, inflect_engine: inflect.engine) -> str:
+    """Replace each run of `str.isdigit` characters with its English words, as the official front end does."""
+    pieces = []
+    for is_digit_run, chars in itertools.groupby(text, key=str.isdigit):
+        run = "".join(chars)
+        pieces.append(_number_words(run, inflect_engine) if is_digit_run else run)
+    return "".join(pieces)
+
+
+def _number_words(digits: str, inflect_engine: inflect.engine) -> str:
+    try:
+        return inflect_engine.number_to_words(digits)
+    except inflect.NumOutOfRangeError:  # beyond decillions: read it digit by digit instead of failing
+        return " ".join(inflect_engine.number_to_words(digit) for digit in digits)
+
+
+def chinese_cleanup(text: str) -> str:
+    """The official rules applied to Chinese text after wetext: spaces, marks, brackets, trailing commas."""
+    text = text.replace("\n", "")
+    text = SPACE_NOT_BETWEEN_ASCII.sub("", text)
+    for old, new in CHINESE_REPLACEMENTS:
+        text = text.replace(old, new)
+    return TRAILING_COMMAS.sub("。", text)
+
+
+def split_paragraph(text: str, rule: SplitRule, length: Callable[[str], int]) -> list[str]:
+    """Cut `text` into sentences at `rule.sentence_ends`, then greedily pack them into segments.
+
+    A segment is closed before a sentence that would make it longer than SEGMENT_MAX_LEN, but only once it is
+    longer than SEGMENT_MIN_LEN; a final remainder shorter than SEGMENT_MERGE_LEN joins the previous segment.
+    `length` measures a string (characters for Chinese, the tokenizer's tokens for English). As in the official code, a
+    sentence-end mark with no text since the previous one is dropped, and a closing quote right after a mark
+    stays with its sentence.
+    """
+    if not text:
+        return []
+    if text[-1] not in rule.sentence_ends:
+        text += rule.final_mark
+    sentences: list[str] = []
+    start = 0
+    for i, char in enumerate(text):
+        if char not in rule.sentence_ends:
+            continue
+        if i > start:
+            sentences.append(text[start : i + 1])
+        start = i + 1
+        if start < len(text) and text[start] in CLOSING_QUOTES:
+            if sentences:
+                sentences[-1] += text[start]
+            start += 1
+
+    segments: list[str] = []
+    current = ""
+    for sentence in sentences:
+        if length(current + sentence) > SEGMENT_MAX_LEN and length(current) > SEGMENT_MIN_LEN:
+            segments.append(current)
+            current = ""
+        current += sentence
+    if current:
+        if segments and length(current) < SEGMENT_MERGE_LEN:
+            segments[-1] += current
+        else:
+            segments.append(current)
+    return segments
+
+
+@functools.cache
+def _warn_wetext_missing() -> None:
+    logger.warning(
+        "wetext is not installed: text normalisation is minimal (no FST rewriting of dates, units, currencies; "
+        "English digits are still spelled out). Install it with: pip install 'cosyvoice-serve[text]'"
+    )
+
+
+def _load_wetext(use_wetext: bool | None) -> tuple[Any, Any] | None:
+    """The official (Chinese, English) wetext normalizers, or None for the minimal normalisation."""
+    if use_wetext is False:
+        return None
+    try:
+        from wetext import Normalizer
+    except ImportError as error:
+        if use_wetext:
+            raise ImportError(
+                "use_wetext=True but the 'wetext' package is not installed: pip install 'cosyvoice-serve[text]'"
+            ) from error
+        _warn_wetext_missing()
+        return None
+    # Both in language "auto", exactly as the official front end builds them: wetext itself picks its
+    # Chinese grammar for text with Chinese characters or made of digits only.
+    return Normalizer(remove_erhua=False), Normalizer()
+
+
+class TextFrontend:
+    """Text -> normalised segments -> token ids, as the official CosyVoice front ends."""
+
+    def __init__(
+        self, max_text_chars: int = 2000, use_wetext: bool | None = None, tokenizer: TextTokenizer | None = None
+    ) -> None:
+        """`use_wetext`: None uses wetext when installed, True requires it, False forces the minimal rules.
+        `tokenizer`: the model's text tokenizer; v1's whisper tokenizer by default."""
+        if max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be positive, got {max_text_chars}")
+        self.max_text_chars = max_text_chars
+        self.tokenizer = tokenizer if tokenizer is not None else WhisperTokenizer()
+        self._inflect = inflect.engine()
+        normalizers = _load_wetext(use_wetext)
+        self._zh_wetext, self._en_wetext = normalizers or (None, None)
+        self.backend = "wetext" if normalizers else "minimal"
+
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The whisper encoding of a v1 front end (the v1 API before tokenizers were pluggable)."""
+        if not isinstance(self.tokenizer, WhisperTokenizer):
+            raise AttributeError("only a front end with the v1 whisper tokenizer has a tiktoken encoding")
+        return self.tokenizer.encoding
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text` as is (no normalisation); special tokens such as `<|en|>` are allowed."""
+        self._check_length(text)
+        return self._encode(text)
+
+    def normalize(self, text: str) -> str:
+        """The whole normalised text (official `text_normalize(text, split=False)`)."""
+        return self._normalize(text)[0]
+
+    def split(self, text: str) -> list[str]:
+        """The normalised segments, synthesised one after another (official `text_normalize(text, split=True)`)."""
+        return self._normalize(text)[1]
+
+    def segment_tokens(self, text: str) -> list[list[int]]:
+        """Token ids of each segment of `split(text)`, tokenized separately."""
+        return [self._encode(segment) for segment in self.split(text)]
+
+    def _check_length(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise InvalidInputError(f"text must be a string, got {type(text).__name__}")
+        if len(text) > self.max_text_chars:
+            raise InvalidInputError(f"text has {len(text)} characters, more than the limit of {self.max_text_chars}")
+
+    def _normalize(self, text: str) -> tuple[str, list[str]]:
+        self._check_length(text)
+        text = strip_control_characters(text)
+        if not text.strip():
+            raise InvalidInputError("text is empty or only whitespace")
+        if has_special_token_markup(text):
+            normalized, segments = text, [text]
+        elif contains_chinese(text):
+            normalized = chinese_cleanup(self._apply_wetext(self._zh_wetext, text.strip()))
+            segments = split_paragraph(normalized, CHINESE_SPLIT, len)
+        else:
+            normalized = spell_out_numbers(self._apply_wetext(self._en_wetext, text.strip()), self._inflect)
+            segments = split_paragraph(normalized, ENGLISH_SPLIT, self._token_count)
+        segments = [segment for segment in segments if is_speakable(segment)]
+        if not segments:
+            raise InvalidInputError(f"text has nothing speakable after normalisation: {text[:50]!r}")
+        return normalized, segments
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def _token_count(self, text: str) -> int:
+        return len(self._encode(text))
+
+    @staticmethod
+    def _apply_wetext(normalizer: Any, text: str) -> str:
+        if normalizer is None:
+            return text
+        try:
+            return normalizer.normalize(text)
+        except Exception as error:  # a third-party FST failure must not fail the request; raw text still works
+            logger.warning(
+                "wetext could not normalise %r (%s: %s); using it as is", text[:50], type(error).__name__, error
+            )
+            return text
