@@ -19,8 +19,8 @@ import torch
 from engine.families import families
 from engine.flow.causal import CausalMaskedDiffWithXvec
 from engine.flow.masked_diff import MaskedDiffWithXvec
-from engine.llm.transformer_lm import TransformerLM
 from engine.llm.qwen2_lm import Qwen2LM
+from engine.llm.transformer_lm import TransformerLM
 from engine.loading.loader import load_module
 from engine.vocoder.hift import HiFTGenerator
 

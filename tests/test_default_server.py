@@ -59,7 +59,7 @@ def test_the_clone_ships_the_cloning_models(fresh_clone: Path) -> None:
     shipped = ("tiny/speech_tokenizer_v1.onnx", "cosyvoice2-tiny/speech_tokenizer_v2.onnx")
     shipped += ("cosyvoice3-tiny/speech_tokenizer_v3.onnx", "cosyvoice3-tiny/campplus.onnx", "tiny/campplus.onnx")
     for name in shipped:
-        assert (fresh_clone / "engine" / "presets" / "voice_models" / name).is_file(), name
+        assert (fresh_clone / "engine" / "loading" / "presets" / "voice_models" / name).is_file(), name
 
 
 def test_register_use_list_and_delete_a_voice(server: tuple[str, Path]) -> None:

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from serve_app.app import error_body
 from serve_app.args import SecurityArgs
 from serve_app.cli import startup_warnings
+from serve_app.errors import error_body
 from serve_app.guard import (
     BodyTimeouts,
     BrowserRules,

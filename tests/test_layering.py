@@ -100,7 +100,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(module)
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                return path[path.index(target) :] + [target]
+                return [*path[path.index(target) :], target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         path.pop()

@@ -15,8 +15,8 @@ from torch import nn
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
-from engine.llm.transformer_lm import LLMConfig, TransformerLM
 from engine.llm.sampling import SamplingOptions, make_generator, nucleus_sample, sample_token
+from engine.llm.transformer_lm import LLMConfig, TransformerLM
 from engine.loading.loader import load_module
 from engine.loading.yaml_config import load_model_yaml
 from engine.nn.conformer import EncoderConfig, RelPositionEncoder

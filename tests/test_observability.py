@@ -277,7 +277,7 @@ def test_each_request_is_counted_once_with_the_status_its_client_got_and_a_cut_s
 
     import observability.http as http_observability
     from engine.errors import InvalidInputError
-    from serve_app.app import _reject_request_id, api
+    from serve_app.api import _reject_request_id, api
 
     counter = RecordingCounter()
     monkeypatch.setattr(http_observability, "ingress_metrics", lambda: type("M", (), {"requests": counter})())

@@ -18,8 +18,8 @@ from autoscaling.policy import ScalingRules
 from autoscaling.schedule import Schedule
 from engine.errors import InvalidInputError
 from serve_app import routing
-from serve_app.app import error_body, error_response
 from serve_app.args import AppArgs, SecurityArgs
+from serve_app.errors import error_body, error_response
 from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
 from serve_app.routing import CPU_DECODER, ENCODER, GPU_DECODER, DecoderRouter, choose_decoder
 
@@ -246,7 +246,8 @@ def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch
 
     import ray.serve
 
-    from serve_app.app import HEALTH_MAX_AGE_S, TTSIngress
+    from serve_app.app import TTSIngress
+    from serve_app.health_routes import HEALTH_MAX_AGE_S
 
     reads = 0
 

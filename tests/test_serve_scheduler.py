@@ -22,9 +22,9 @@ from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import SynthesisRequest
 from engine.runtime.segment import EncodedSegment
 from engine.voices.registry import EVERYONE
-from serve_app.app import engine_error
 from serve_app.args import DecoderArgs
 from serve_app.audio import PCM_MAX
+from serve_app.errors import engine_error
 
 APP = "scheduler"
 BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; the 29-token sentence at 100 per token ~660

@@ -18,8 +18,8 @@ from serve_testing import running_app, wait_until
 from test_voice_registry import wav_bytes
 
 from engine.voices.registry import EVERYONE, Caller
-from serve_app.app import error_body
 from serve_app.args import SecurityArgs
+from serve_app.errors import error_body
 from serve_app.guard import load_keys
 from serve_app.tenancy import (
     KeyTenancy,

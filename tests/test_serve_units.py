@@ -18,9 +18,11 @@ from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
 from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.voices.speaker_bank import DUMMY_VOICES
-from serve_app.app import check_streams, error_payload, mapped_voice, openai_mode
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir
+from serve_app.errors import error_payload
+from serve_app.openai_routes import openai_mode
+from serve_app.synthesis import check_streams, mapped_voice
 
 
 def test_cpu_replica_runs_fp32_unless_told_otherwise() -> None:

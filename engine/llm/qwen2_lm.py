@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.llm.generation import GenerationRequest, generate_tokens
-from engine.llm.transformer_lm import SOS, TASK_ID
 from engine.llm.sampling import SamplingOptions, sampling_from_yaml
+from engine.llm.transformer_lm import SOS, TASK_ID
 from engine.loading.yaml_config import ObjectSpec, expect_class
 from engine.nn.conformer import KVCache, attention_mask
 from engine.nn.layers import Linear, length_mask, softmax_fp32

@@ -1,0 +1,97 @@
+"""The ingress's errors: the types it raises, OpenAI's error shape, and the HTTP status each exception gets."""
+
+import logging
+import math
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+from engine.errors import CosyVoiceError, UnavailableError
+
+logger = logging.getLogger("ray.serve")
+
+
+class UnknownModelError(CosyVoiceError):
+    http_status = 404
+
+
+DEFAULT_RETRY_AFTER_S = 1.0  # where Serve gives none (a lost replica, no backpressure_config)
+
+
+class ServiceUnavailableError(UnavailableError):
+    """A full queue (backpressure) or a lost replica: answered 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = DEFAULT_RETRY_AFTER_S if retry_after_s is None else retry_after_s
+
+
+class UploadTooLargeError(CosyVoiceError):
+    """A voice upload over `limits.max_prompt_audio_bytes`."""
+
+    http_status = 413
+
+
+# Raised by deployment handles; Serve answers the first two itself in plain text unless they are translated.
+SERVE_UNAVAILABLE = (BackPressureError, DeploymentUnavailableError)
+
+
+def unavailable_error(exc: BaseException) -> ServiceUnavailableError | None:
+    """The 503 for Serve's overload and replica-failure errors, None for anything else."""
+    if isinstance(exc, BackPressureError):
+        return ServiceUnavailableError(f"the server is at capacity ({exc.message}); retry later", exc.retry_after_s)
+    if isinstance(exc, DeploymentUnavailableError):
+        return ServiceUnavailableError(f"no replica can take the request ({exc.message}); retry later")
+    if isinstance(exc, RayActorError):
+        return ServiceUnavailableError("a replica failed while serving this request; retry")
+    return None
+
+
+def error_body(status: int, message: str, code: str) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+
+
+def engine_error(exc: BaseException) -> CosyVoiceError | None:
+    """The engine error behind `exc`, looking through Ray's wrapping of errors raised in other replicas."""
+    while isinstance(exc, RayTaskError):
+        exc = exc.cause
+    return exc if isinstance(exc, CosyVoiceError) else unavailable_error(exc)
+
+
+def error_payload(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI-shaped body) for an exception. A 500 says only "internal error" and the request id,
+    never what failed inside: that goes to the log line, with the same id and the traceback."""
+    error = engine_error(exc)
+    status = 500 if error is None else error.http_status
+    code = "internal_error" if error is None else type(error).__name__  # a class name tells no internals
+    if status == 500:
+        logger.error("internal error", exc_info=exc, extra={"request_id": request_id})
+        return 500, error_body(500, f"internal error (request id {request_id})", code)
+    assert error is not None
+    message = error.message if status < 500 else f"{error.message} (request id {request_id})"
+    return status, error_body(status, message, code)
+
+
+def error_response(exc: BaseException, request_id: str) -> JSONResponse:
+    status, body = error_payload(exc, request_id)
+    error = engine_error(exc)
+    headers = None
+    if isinstance(error, UnavailableError):  # the engine's (a failed decoder loop) has no retry_after_s of its own
+        retry_after_s = getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S)
+        headers = {"Retry-After": str(max(0, math.ceil(retry_after_s)))}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for item in exc.errors():
+        if item["type"] == "json_invalid":
+            return f"malformed JSON body: {item.get('ctx', {}).get('error', item['msg'])}"
+        where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {item['msg']}" if where else item["msg"])
+    return "invalid request: " + "; ".join(parts)

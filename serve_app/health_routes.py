@@ -1,0 +1,48 @@
+"""The try-it page, `/healthz` and `/v1/models`."""
+
+import logging
+import time
+from typing import Any
+
+from fastapi.responses import FileResponse, JSONResponse
+from ray import serve
+
+from serve_app.api import STATIC_DIR, api
+from serve_app.ingress_base import IngressBase
+
+logger = logging.getLogger("ray.serve")
+
+HEALTH_MAX_AGE_S = 1.0
+
+
+class HealthRoutes(IngressBase):
+    @api.get("/", include_in_schema=False)
+    async def page(self) -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html")
+
+    @api.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        """200 while the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503.
+
+        From the router's view, re-read when older than `HEALTH_MAX_AGE_S` (so a probe sees a replica's death within
+        about a second: the view counts only replicas whose actor is alive), else the view it has.
+        """
+        try:
+            await self.router.refresh_if_older(serve.get_replica_context().app_name, HEALTH_MAX_AGE_S)
+        except Exception as exc:  # the last view stands
+            logger.warning("could not re-read the replica counts for /healthz: %s", exc)
+        ready = self.router.ready()
+        polled_at = self.router.polled_at
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "running_replicas": self.router.running,
+            "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
+            "warnings": list(self.serving_warnings),  # e.g. serving beyond loopback without API keys
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        """The served model, then its aliases (openai.model_aliases): `model` may be any of them."""
+        data = [{"id": name, "object": "model", "owned_by": "cosyvoice-serve"} for name in self.model_names]
+        return {"object": "list", "data": data}

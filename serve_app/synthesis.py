@@ -1,0 +1,238 @@
+"""The synthesis path both speech endpoints share: a request is checked, encoded by the `Encoder` deployment (CPU)
+and decoded by the `Decoder` deployment: short texts sentence-parallel through its batched whole-utterance path,
+long texts and streaming requests sentence by sentence through its batched streaming path, which starts on the first
+sentence while the encoder encodes the others. The audio goes out whole, streamed, or as OpenAI's SSE events."""
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from engine.errors import InvalidInputError, UnknownVoiceError
+from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
+from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
+from engine.runtime.segment import EncodedSegment
+from engine.voices.registry import is_voice_id
+from observability.http import SynthesisTimer, endpoint_of, request_id_of
+from serve_app.audio import AudioFormat, StreamEncoder, audio_format, encode_audio, stream_encoder
+from serve_app.errors import SERVE_UNAVAILABLE, error_payload, unavailable_error
+from serve_app.guard import check_voice_name
+from serve_app.ingress_base import IngressBase
+from serve_app.tenancy import caller_of
+
+logger = logging.getLogger("ray.serve")
+
+Mode = Literal["whole", "stream", "sse"]
+Chunk = np.ndarray | None  # the first audio chunk of a stream, None when the stream had no audio
+SSE_MEDIA_TYPE = "text/event-stream"
+REROUTE_BACKOFF_S = 1.0  # between two tries of a stream whose decoder replica was lost (Serve replaces it in ~10 s)
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def iter_once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def encoded_stream(
+    encoder: StreamEncoder, first: Chunk, rest: AsyncIterator[np.ndarray], request_id: str
+) -> AsyncIterator[bytes]:
+    """The response bytes of an audio stream: each decoded chunk through the format's encoder, as it arrives.
+    A failure after the status line aborts the connection, so the client sees a broken stream, not a short file."""
+    try:
+        pending = encoder.encode(first) if first is not None else b""
+        async for chunk in rest:
+            data = pending + encoder.encode(chunk)
+            pending = b""
+            if data:
+                yield data
+        data = pending + encoder.finish()
+        if data:
+            yield data
+    except Exception:
+        logger.error("the stream failed after its first chunk", exc_info=True, extra={"request_id": request_id})
+        raise
+
+
+def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
+    """A built-in speaker or registered voice as is; an OpenAI voice name (a key of `table`, the app args'
+    `openai.voices`) as the voice it stands for, which must be a built-in speaker or a registered voice id."""
+    if voice in built_in or voice not in table:
+        return voice
+    target = table[voice]
+    if target not in built_in and not is_voice_id(target):
+        raise UnknownVoiceError(
+            f"voice {voice!r} stands for {target!r} (openai.voices), which this model does not have; its voices: "
+            f"{', '.join(built_in) or 'none'}"
+        )
+    return target
+
+
+def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
+    """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
+    support = info["instructions"]  # the model family's answer (engine.families)
+    if support == "none":
+        raise InvalidInputError(
+            f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {INSTRUCT_MODEL_MARK} models "
+            "and CosyVoice2 or later models (with a registered voice) can"
+        )
+    if support == "registered_voices" and voice in info["voices"]:
+        raise InvalidInputError(
+            f"{info['family']} follows instructions in a registered (cloned) voice only: register one with POST "
+            f"/v1/voices and use its id instead of the built-in speaker {voice!r}"
+        )
+
+
+def streams_at(info: dict[str, Any], speed: float) -> bool:
+    """Whether the model's family streams a request at `speed` (CosyVoice3, as the official code, at 1.0 only)."""
+    return info["streaming"] and (speed == 1.0 or info["streaming_speed"])
+
+
+def check_streams(info: dict[str, Any], speed: float) -> None:
+    """InvalidInputError (400) for a streamed request that the model's family cannot stream (at this speed)."""
+    if not info["streaming"]:
+        raise InvalidInputError(f"{info['family']} models cannot stream yet: send the request with stream false")
+    if not streams_at(info, speed):
+        raise InvalidInputError(
+            f"{info['family']} streams at speed 1.0 only, as the official code: send speed 1.0, or the request "
+            "with stream false"
+        )
+
+
+class Synthesis(IngressBase):
+    async def resolve_voice(self, voice: str) -> str:
+        return mapped_voice(voice, self.openai.voices, (await self.model_info())["voices"])
+
+    async def respond(self, request: SynthesisRequest, format_name: str, mode: Mode, http: Request) -> Response:
+        """Validate, encode, decode along the path the request calls for, and encode the audio."""
+        request_id = request_id_of(http.scope)
+        if not request.text.strip():
+            raise InvalidInputError("the input text is empty")
+        if len(request.text) > self.limits.max_input_chars:
+            raise InvalidInputError(
+                f"the input text has {len(request.text)} characters; the limit is {self.limits.max_input_chars}"
+            )
+        check_voice_name(request.voice)
+        fmt = audio_format(format_name, streaming=mode == "stream")
+        info = await self.model_info()
+        if mode == "stream":
+            check_streams(info, request.speed)
+        if request.instruct_text is not None:
+            check_follows_instructions(info, request.voice)
+        request = request.validated()
+        caller = caller_of(http.scope)
+        sample_rate = info["sample_rate"]
+        streams = streams_at(info, request.speed)
+        # whole, or sse of a format (or model, at this speed) that cannot stream: one event, at the end
+        whole = mode == "whole" or not (fmt.streamable and streams)
+        if whole and not (len(request.text) > self.limits.long_text_chars and streams):
+            segments: list[EncodedSegment] = await self.call(
+                partial(self.encoder.encode.remote, request, request_id, caller)
+            )
+            timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
+            logger.info("synthesis of %d segment(s), %s", len(segments), mode, extra={"request_id": request_id})
+            decoder = self.router.handle()
+            decoded = (self.call(partial(decoder.synthesize.remote, s, request_id)) for s in segments)
+            return self.whole_response(np.concatenate(await asyncio.gather(*decoded)), fmt, mode, timer, request_id)
+
+        # The streaming path: the first sentence decodes while the encoder encodes the others.
+        first, plan = await self.call(partial(self.encoder.encode_first.remote, request, request_id, caller))
+        timer = SynthesisTimer(endpoint_of(http.scope), mode, sample_rate)
+        logger.info("synthesis of %d segment(s), %s", plan.num_segments, mode, extra={"request_id": request_id})
+        if whole:
+            audio = np.concatenate([chunk async for chunk in self.stream_audio(first, plan, request_id)])
+            return self.whole_response(audio, fmt, mode, timer, request_id)
+        chunks = timer.measure(self.stream_audio(first, plan, request_id))
+        first_chunk = await anext(chunks, None)  # errors up to the first chunk still get their HTTP status
+        encoded = encoded_stream(stream_encoder(fmt.name, sample_rate), first_chunk, chunks, request_id)
+        if mode == "sse":
+            return StreamingResponse(self.sse_body(encoded, request_id), media_type=SSE_MEDIA_TYPE)
+        return StreamingResponse(encoded, media_type=fmt.media_type)
+
+    def whole_response(
+        self, audio: np.ndarray, fmt: AudioFormat, mode: Mode, timer: SynthesisTimer, request_id: str
+    ) -> Response:
+        """The whole file, in the body or (sse) in one event."""
+        body = encode_audio(audio, timer.sample_rate, fmt.name)
+        timer.audio(audio)
+        timer.done()
+        if mode == "sse":
+            return StreamingResponse(self.sse_body(iter_once(body), request_id), media_type=SSE_MEDIA_TYPE)
+        return Response(body, media_type=fmt.media_type)
+
+    async def stream_audio(
+        self, first: list[EncodedSegment], plan: EncodingPlan, request_id: str
+    ) -> AsyncIterator[np.ndarray]:
+        """Audio chunks of the plan's sentences in order, through the decoder's streaming path (which ends the request
+        at its ceilings: `limits.max_stream_s`, `limits.max_audio_s`): `first` (its first sentences, encoded) at once,
+        the others as the encoder encodes them meanwhile."""
+        loop = asyncio.get_running_loop()
+        reroute_until = loop.time() + self.limits.reroute_s
+        rest = response = None
+        try:
+            later = []
+            if len(first) < plan.num_segments:
+                rest = self.encoder.encode_planned.remote(plan, len(first), request_id)
+                # An ObjectRef, which the decoder awaits: a DeploymentResponse passes only as a top-level argument,
+                # which Serve resolves before the call.
+                later = [await rest._to_object_ref()]
+            lost = False  # a decoder replica was lost under this stream before its first audio
+            while True:
+                # All sentences in one call: the decoder pipelines them (the next one generates while this one
+                # vocodes).
+                response = self.router.handle().stream.options(stream=True).remote(first, request_id, later)
+                started = False
+                try:
+                    async for chunk in response:
+                        started = True
+                        yield chunk
+                    return
+                except (RayActorError, *SERVE_UNAVAILABLE) as exc:
+                    # A stream that sent nothing yet lost nothing but time: it goes again, to another replica or
+                    # the replacement (whose queue the other re-sent streams may fill for a while), until
+                    # `limits.reroute_s`; one that has sent audio cannot be resumed. A full queue at the first try
+                    # is overload: 503 at once.
+                    overload = isinstance(exc, BackPressureError) and not lost
+                    if started or overload or loop.time() >= reroute_until:
+                        raise unavailable_error(exc) from exc
+                    lost = True
+                    logger.warning(
+                        "the decoder replica was lost before this stream's first audio (%s); sending it again",
+                        type(exc).__name__,
+                        extra={"request_id": request_id},
+                    )
+                    await asyncio.sleep(REROUTE_BACKOFF_S)
+        except SERVE_UNAVAILABLE as exc:
+            raise unavailable_error(exc) from exc
+        finally:  # no-ops for finished calls; they stop the decoder's and the encoder's work if the client left
+            for call in (response, rest):
+                if call is not None:
+                    # Cancelling a call that failed re-raises its error (Serve's BackPressureError: a plain-text 503),
+                    # which would replace the translated one on its way out.
+                    with contextlib.suppress(Exception):
+                        call.cancel()
+
+    @staticmethod
+    async def sse_body(encoded: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
+        """OpenAI's speech events: the file's bytes in base64 `speech.audio.delta` events, then `speech.audio.done`;
+        a failure mid-stream ends it with an `error` event."""
+        try:
+            async for data in encoded:
+                yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        except Exception as exc:
+            _, body = error_payload(exc, request_id)
+            yield sse_event({"type": "error", **body})
+            return
+        yield sse_event({"type": "speech.audio.done"})

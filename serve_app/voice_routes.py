@@ -1,0 +1,66 @@
+"""`/v1/voices`: the model's speakers and the registered (cloned) voices; registering and deleting one."""
+
+from functools import partial
+from typing import Annotated, Any
+
+from fastapi import File, Form, Request, UploadFile
+
+from deployments.encoder import VoiceCloningNotConfiguredError
+from engine.errors import UnknownVoiceError
+from serve_app.api import api
+from serve_app.audio import FORMATS
+from serve_app.errors import UploadTooLargeError
+from serve_app.ingress_base import VOICES_PATH, IngressBase
+from serve_app.tenancy import caller_of
+
+
+class VoiceRoutes(IngressBase):
+    @api.get(VOICES_PATH)
+    async def voices(self, http: Request) -> dict[str, Any]:
+        """Built-in speakers (`voices`), registered voices (`registered_voices`: records with their ids; with API
+        keys, the key's own and the shared ones), the voice each OpenAI voice name stands for (`openai_voices`), and
+        what the model and server can do."""
+        info = await self.model_info()
+        registered = await self.call(partial(self.encoder.list_voices.remote, caller_of(http.scope)))
+        return {
+            "voices": info["voices"],
+            "sample_rate": info["sample_rate"],
+            "formats": sorted(FORMATS),
+            "stream_formats": [name for name, fmt in FORMATS.items() if fmt.streamable],
+            "registered_voices": registered,
+            "openai_voices": self.openai.voices,
+            "voice_cloning": info["voice_cloning"],
+            "instructions": info["instructions"],
+        }
+
+    @api.post(VOICES_PATH, status_code=201)
+    async def register_voice(
+        self,
+        file: Annotated[
+            UploadFile,
+            File(
+                description="a 1-30 s mono or stereo recording of the voice at 16, 22.05, 24, 32, 44.1 or 48 kHz "
+                "(wav, flac, ogg, mp3)"
+            ),
+        ],
+        transcript: Annotated[str, Form(description="what the recording says")],
+        http: Request,
+        name: Annotated[str | None, Form(description="a display name")] = None,
+        shared: Annotated[bool, Form(description="usable by every API key (admin keys only)")] = False,
+    ) -> dict[str, Any]:
+        """Clone a voice from a short recording and its transcript; the returned `id` is usable as `voice` (with API
+        keys, by this key only, unless an admin key makes it `shared`)."""
+        if not (await self.model_info())["voice_cloning"]:
+            raise VoiceCloningNotConfiguredError()
+        limit = self.limits.max_prompt_audio_bytes
+        audio = await file.read(limit + 1)  # the size is checked before anything decodes the file
+        if len(audio) > limit:
+            raise UploadTooLargeError(f"the audio file is larger than the limit of {limit} bytes")
+        caller = caller_of(http.scope)
+        return await self.call(partial(self.encoder.register_voice.remote, audio, transcript, name, caller, shared))
+
+    @api.delete(VOICES_PATH + "/{voice_id}")
+    async def delete_voice(self, voice_id: str, http: Request) -> dict[str, Any]:
+        if not await self.call(partial(self.encoder.delete_voice.remote, voice_id, caller_of(http.scope))):
+            raise UnknownVoiceError(f"no registered voice has the id {voice_id!r}")
+        return {"id": voice_id, "object": "voice", "deleted": True}
