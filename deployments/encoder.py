@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ray import serve
 
@@ -14,10 +14,8 @@ from engine.loading.loader import load_model
 from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
+from engine.voices.registry import Caller, VoiceRegistry
 from observability import STRUCTURED_LOGGING
-
-if TYPE_CHECKING:
-    from engine.voices.registry import Caller, VoiceRegistry
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,9 +59,6 @@ class Encoder:
         self.cloner: VoiceCloner | None = None
         self.registry: VoiceRegistry | None = None
         if voice_cloning is not None:
-            # Imported here: the serve_app package imports the ingress, which imports this module.
-            from engine.voices.registry import VoiceRegistry
-
             config = loaded.config
             self.cloner = VoiceCloner.from_model_dir(
                 Path(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size

@@ -15,13 +15,16 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+from torch import nn
 
 from engine.families import families
 from engine.flow.causal import CausalMaskedDiffWithXvec
 from engine.flow.masked_diff import MaskedDiffWithXvec
 from engine.llm.qwen2_lm import Qwen2LM
 from engine.llm.transformer_lm import TransformerLM
+from engine.loading.checkpoint import load_strict, read_state_dict
 from engine.loading.loader import load_module
+from engine.loading.yaml_config import load_model_yaml
 from engine.vocoder.hift import HiFTGenerator
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -181,3 +184,27 @@ def kit_hift(conformance_kit: Path) -> HiFTGenerator:
 def _single_thread_determinism() -> None:
     # The kits were recorded with one intra-op thread; the float32 tolerances assume it.
     torch.set_num_threads(1)
+
+
+V3_YAML = "cosyvoice3.yaml"
+
+
+def v3_kit_dir() -> Path:
+    """The CosyVoice3 kit (conftest's `version_kit`); skips the caller when $COSYVOICE_CONFORMANCE_KIT names
+    another version's kit."""
+    return version_kit(3)
+
+
+def v3_kit_cases(kit: Path) -> dict[str, list[dict[str, Any]]]:
+    return torch.load(kit / "cases.pt", weights_only=True)
+
+
+def v3_yaml(kit: Path) -> dict[str, Any]:
+    return load_model_yaml(kit / "model" / V3_YAML)
+
+
+def strictly_loaded(module: nn.Module, kit: Path, name: str) -> nn.Module:
+    """`module` with `<kit>/model/<name>.pt` loaded strictly, in eval mode without gradients."""
+    path = kit / "model" / f"{name}.pt"
+    load_strict(module, read_state_dict(path), path)
+    return module.eval().requires_grad_(False)

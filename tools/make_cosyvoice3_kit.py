@@ -9,7 +9,7 @@ this project's environment::
 ``--official`` is a checkout of FunAudioLLM/CosyVoice with its Matcha-TTS submodule under
 ``third_party/Matcha-TTS``. The official modules are imported from there at run time; nothing of them
 is copied into this repository. ``--qwen-tokenizer`` names Qwen2 tokenizer files to copy into
-``model/CosyVoice-BlankEN`` (the kit's come from ``tests/tokenizer_files.py`` with ``qwen2_ids=True``).
+``model/CosyVoice-BlankEN`` (the kit's come from ``tests/engine/conftest.py`` with ``qwen2_ids=True``).
 
 Without ``--out/cases.pt`` the script writes ``model/`` (laid out like an official CosyVoice3 directory) and
 ``cases.pt`` with every group. With it, the kit is extended in place: its model files and its groups are kept

@@ -1,0 +1,186 @@
+"""The decoder loop's playback-deadline policy (engine.runtime.playback, engine.runtime.scheduler) on the tiny
+models, driven by a fake clock: who is admitted first, preemption with equal audio, no starvation, fcfs kept,
+underruns counted."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from engine.errors import CosyVoiceError
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, PlaybackClock
+from engine.runtime.scheduler import Scheduler, Ticket
+from engine.runtime.segment import EncodedSegment
+from tests.engine.conftest import Collected, step_until
+
+TWO_SENTENCES = "This is a much longer request that keeps the decoder busy for a while. " * 8
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def tiny() -> CosyVoice:
+    return CosyVoice.load("tiny")
+
+
+def _segments(tts: CosyVoice, text: str, seed: int, ratio: float) -> list[EncodedSegment]:
+    """Sentences that speak exactly `ratio` tokens per text token (every stop id masked until then)."""
+    sampling = SamplingOptions(
+        seed=seed, min_token_text_ratio=ratio, max_token_text_ratio=ratio, mask_all_stop_ids_before_min_len=True
+    )
+    return tts.encoder.encode(SynthesisRequest(text, tts.voices[0], sampling=sampling))
+
+
+def _run(scheduler: Scheduler) -> None:
+    step_until(scheduler, lambda: not scheduler.has_work, limit=3000)
+
+
+def _admission_order(scheduler: Scheduler, tickets: dict[str, Ticket]) -> list[str]:
+    """Run to the end, noting which request's sentence was admitted at each step."""
+    order: list[str] = []
+    admitted = {name: t.admitted for name, t in tickets.items()}
+    while scheduler.has_work:
+        scheduler.step()
+        for name, ticket in tickets.items():
+            order += [name] * (ticket.admitted - admitted[name])
+            admitted[name] = ticket.admitted
+    return order
+
+
+def _stream_with_audio_and_its_next_sentence_waiting(
+    tts: CosyVoice, policy: DeadlinePolicy | FcfsPolicy, clock: FakeClock
+) -> tuple[Scheduler, Ticket]:
+    """A two-sentence stream on a one-slot loop, its first sentence's tokens all made and some audio handed on."""
+    scheduler = Scheduler(tts.decoder, max_live=1, policy=policy, clock=clock)
+    segments = _segments(tts, TWO_SENTENCES, 1, 4.0)
+    assert len(segments) == 2
+    stream = scheduler.submit(segments, streaming=True, sink=Collected())
+    step_until(
+        scheduler, lambda: stream.sentences[0].tokens_done and stream.playback.first_audio_at is not None, limit=3000
+    )
+    return scheduler, stream
+
+
+ORDERS = [(DeadlinePolicy(), ["new", "stream"]), (FcfsPolicy(), ["stream", "new"])]
+
+
+@pytest.mark.parametrize(("policy", "expected"), ORDERS)
+def test_a_new_request_goes_before_a_stream_with_slack_but_fcfs_keeps_the_running_one_first(
+    tiny: CosyVoice, policy: DeadlinePolicy | FcfsPolicy, expected: list[str]
+) -> None:
+    clock = FakeClock()  # frozen: the stream's listener is as far ahead as all its audio
+    scheduler, stream = _stream_with_audio_and_its_next_sentence_waiting(tiny, policy, clock)
+    assert stream.playback.audio_s > policy_deadline_gap(policy)
+    new = scheduler.submit(_segments(tiny, "Hi there.", 2, 4.0), streaming=True, sink=Collected())
+    assert _admission_order(scheduler, {"stream": stream, "new": new}) == expected
+
+
+def policy_deadline_gap(policy: DeadlinePolicy | FcfsPolicy) -> float:
+    return policy.target_first_audio_s if isinstance(policy, DeadlinePolicy) else 0.0
+
+
+def test_a_stream_whose_listener_runs_out_first_goes_before_a_new_request(tiny: CosyVoice) -> None:
+    clock = FakeClock()
+    # the newcomer may wait long for its first audio: the stream's listener runs out well before that
+    policy = DeadlinePolicy(target_first_audio_s=1000.0)
+    scheduler, stream = _stream_with_audio_and_its_next_sentence_waiting(tiny, policy, clock)
+    new = scheduler.submit(_segments(tiny, "Hi there.", 2, 4.0), streaming=True, sink=Collected())
+    assert _admission_order(scheduler, {"stream": stream, "new": new}) == ["stream", "new"]
+
+
+MODELS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
+
+
+@pytest.mark.parametrize("keep_cache", [True, False], ids=["kv-kept", "recomputed"])
+@pytest.mark.parametrize("model", MODELS)
+def test_a_preempted_stream_resumes_with_the_audio_it_has_unpreempted(model: str, keep_cache: bool) -> None:
+    tts = CosyVoice.load(model)
+    text = "A long stream that is far ahead of its listener."
+    [probe_segment] = _segments(tts, text, 1, 1.0)
+    [long] = _segments(tts, text, 1, 1000 / probe_segment.text_len)  # 1000 tokens: 20 s (v1) or 40 s of speech
+    [short] = _segments(tts, "Hi there.", 2, 4.0)
+    alone = Collected()
+    _run_alone = Scheduler(tts.decoder, max_live=1)
+    _run_alone.submit([long], streaming=True, sink=alone)
+    _run(_run_alone)
+
+    clock = FakeClock()  # frozen: the long stream's slack grows with every chunk
+    probe = Scheduler(tts.decoder, max_live=1)
+    budget = None if keep_cache else probe.memory_estimate(long) + probe.memory_estimate(short) - 1
+    scheduler = Scheduler(tts.decoder, max_live=1, memory_budget_bytes=budget, clock=clock)
+    preempted, newcomer = Collected(), Collected()
+    ticket = scheduler.submit([long], streaming=True, sink=preempted)
+    step_until(scheduler, lambda: ticket.playback.audio_s > 3.5, limit=3000)  # its deadline 2.5 s past the newcomer's
+    assert not ticket.sentences[0].tokens_done
+    scheduler.submit([short], streaming=True, sink=newcomer)
+    scheduler.step()
+    assert scheduler.stats.preempted == 1 and ticket.sentences[0].cache_kept is keep_cache
+    _run(scheduler)
+    assert scheduler.stats.resumed == 1 and newcomer.ended
+    assert preempted.audio.shape == alone.audio.shape
+    np.testing.assert_allclose(preempted.audio, alone.audio, atol=1e-4)
+
+
+def test_no_request_starves_under_a_stream_of_arrivals(tiny: CosyVoice) -> None:
+    clock = FakeClock()
+    scheduler = Scheduler(tiny.decoder, max_live=2, policy=DeadlinePolicy(), clock=clock)
+    sinks: list[Collected] = []
+    texts = [TWO_SENTENCES, "Hi.", "A whole sentence of middling length.", "Hello there."]
+    for step in range(400):
+        clock.now += 0.05
+        if step % 10 == 0 and len(sinks) < 24:
+            sink = Collected()
+            index = len(sinks)
+            segments = _segments(tiny, texts[index % len(texts)], index, 3.0)
+            scheduler.submit(segments, streaming=index % 3 != 2, sink=sink)
+            sinks.append(sink)
+        scheduler.step()
+    _run(scheduler)
+    assert len(sinks) == 24 and all(sink.ended and sink.audio.size for sink in sinks)
+    assert scheduler.stats.preempted > 0  # the policy did pause streams for newcomers
+
+
+def test_an_underrun_is_counted_and_reported_at_the_end(tiny: CosyVoice) -> None:
+    clock = FakeClock()
+    ended: list[tuple[Ticket, CosyVoiceError | None]] = []
+    scheduler = Scheduler(tiny.decoder, max_live=1, clock=clock, on_request_end=lambda t, e: ended.append((t, e)))
+    [segment] = _segments(tiny, "A stream whose listener outruns the decoder.", 1, 30.0)
+    ticket = scheduler.submit([segment], streaming=True, sink=Collected())
+    step_until(scheduler, lambda: ticket.playback.first_audio_at is not None, limit=3000)
+    delivered = ticket.playback.audio_s
+    clock.now += delivered + 5.0  # the listener played everything and waited 5 s more
+    _run(scheduler)
+    playback = ticket.playback
+    assert playback.underruns >= 1 and playback.min_slack_s < -4.0
+    assert ended == [(ticket, None)] and playback.first_audio_s == 0.0
+
+
+def test_the_playback_clock() -> None:
+    clock = PlaybackClock(arrived_at=10.0, estimated_audio_s=3.0)
+    assert clock.slack(10.5) == math.inf and clock.first_audio_s is None
+    clock.deliver(2.0, now=10.5)  # first audio half a second after arrival
+    assert clock.first_audio_s == 0.5 and clock.slack(11.0) == 1.5
+    clock.deliver(1.0, now=12.0)  # 0.5 s to spare
+    clock.deliver(1.0, now=14.0)  # due at 13.5: an underrun
+    assert clock.underruns == 1 and clock.min_slack_s == -0.5 and clock.audio_s == 4.0
+    policy = DeadlinePolicy(target_first_audio_s=1.0, whole_deadline_factor=2.0)
+
+    class Request:
+        def __init__(self, streaming: bool, playback: PlaybackClock) -> None:
+            self.streaming, self.playback = streaming, playback
+
+    assert policy.deadline(Request(True, clock)) == 10.5 + 4.0  # its listener runs out then
+    assert policy.deadline(Request(True, PlaybackClock(10.0, 3.0))) == 11.0  # first audio due
+    assert policy.deadline(Request(False, PlaybackClock(10.0, 3.0))) == 16.0  # whole: 2 x its estimated 3 s
+    with pytest.raises(ValueError, match="target_first_audio_s"):
+        DeadlinePolicy(target_first_audio_s=math.nan)

@@ -1,0 +1,118 @@
+"""Shared helpers of the serving tests: the real application on one small local Ray (Serve on a free 127.0.0.1
+port), the CLI server, and audio files: reading responses back (every format but pcm through FFmpeg, PyAV) and
+writing small uploads that decode to much more audio."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import av
+import httpx
+import numpy as np
+import ray
+import soundfile as sf
+from ray import serve
+
+from benchmarks.http_bench import free_port
+from serve_app import build_app
+
+OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than the tiny model needs
+READY_TIMEOUT_S = 60.0
+CLI_START_TIMEOUT_S = 300.0  # `cosyvoice-serve run`: Ray, three deployments and the model loads, on 2 shared CPUs
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.25) -> None:
+    """Poll `condition()` until it is true; fail (never hang) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)
+
+
+def wait_until_healthy(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait for /healthz to answer 200, as a load balancer's readiness probe would: `serve.run` returns once the
+    replicas run, but the ingress's polled view of them may still be one poll interval old."""
+    healthy = lambda: httpx.get(f"{base_url}/healthz", timeout=10).status_code == 200  # noqa: E731
+    wait_until(healthy, timeout_s, "/healthz to answer 200", interval_s=0.1)
+
+
+@contextmanager
+def running_app(app_args: dict[str, Any], app_name: str, host: str = "127.0.0.1", **ray_options: Any) -> Iterator[str]:
+    """`build_app(app_args)` served at route "/" on a 2-CPU Ray, HTTP on `host` (a loopback address); yields the
+    base URL, shuts both down after."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a new local Ray would otherwise want a token
+    # address="local": a new Ray of our own, even while another process runs a cluster on this machine.
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=OBJECT_STORE_BYTES,
+        log_to_driver=False,
+        **ray_options,
+    )
+    try:
+        port = free_port()
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(app_args), name=app_name, route_prefix="/")
+        base_url = f"http://{host}:{port}"
+        wait_until_healthy(base_url)
+        yield base_url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def answers_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_cli_server(checkout: Path, home: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`cosyvoice-serve run` of the code in `checkout`, in a process of its own, for a user whose home is `home` ->
+    (process, URL) once its /healthz answers 200. Fails, the process killed, if it exits first or is not healthy
+    within CLI_START_TIMEOUT_S."""
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
+    env |= {"HOME": str(home), "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "serve_app.cli", "run", "--port", str(port)]
+    process = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + CLI_START_TIMEOUT_S
+    while not answers_healthy(url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            output = process.communicate()[0].decode()[-3000:]
+            raise AssertionError(f"the server did not come up (exit code {process.returncode}): {output}")
+        time.sleep(2)
+    return process, url
+
+
+def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:
+    """A wav, flac, mp3, opus or aac file -> (float32 mono samples, sample rate)."""
+    with av.open(io.BytesIO(data)) as container:
+        rate = container.streams.audio[0].rate
+        frames = [frame.to_ndarray() for frame in container.decode(audio=0)]
+    samples = np.concatenate([frame.reshape(-1) if frame.shape[0] == 1 else frame[0] for frame in frames])
+    if samples.dtype.kind in "iu":
+        samples = samples / np.iinfo(samples.dtype).max
+    return samples.astype(np.float32), rate
+
+
+def constant_flac(seconds: float, channels: int, sample_rate: int = 16000) -> bytes:
+    """A FLAC file of a constant signal: it compresses to almost nothing (600 s x 8 channels: ~80 KB)."""
+    buffer = io.BytesIO()
+    block = np.full((1 << 20, channels), 0.25, dtype=np.float32)
+    with sf.SoundFile(buffer, "w", sample_rate, channels, format="FLAC", subtype="PCM_16") as sound:
+        for start in range(0, int(seconds * sample_rate), len(block)):
+            sound.write(block[: int(seconds * sample_rate) - start])
+    return buffer.getvalue()

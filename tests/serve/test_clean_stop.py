@@ -1,0 +1,58 @@
+"""`cosyvoice-serve run` stops cleanly on SIGTERM, the signal containers and systemd stop services with: a stream
+running at that moment completes whole, then Serve and Ray shut down and the process exits 0."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.conftest import start_cli_server
+
+REPO = Path(__file__).resolve().parents[2]
+STOP_TIMEOUT_S = 120
+# ~30 s of speech: the stream is still running when the signal comes
+BODY = {
+    "text": "A stream that is running when the server is told to stop.",
+    "format": "pcm",
+    "stream": True,
+    "seed": 7,
+    "sampling": {"min_token_text_ratio": 100, "max_token_text_ratio": 100},
+}
+
+
+def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> None:
+    process, url = start_cli_server(REPO, tmp_path)
+    try:
+        expected = httpx.post(f"{url}/v1/tts", json=BODY, timeout=300).content  # seeded: the same bytes again
+        assert len(expected) > 0
+
+        received: list[bytes] = []
+        first_bytes = threading.Event()
+
+        def listen() -> None:
+            with httpx.stream("POST", f"{url}/v1/tts", json=BODY, timeout=300) as response:
+                assert response.status_code == 200
+                for piece in response.iter_raw():
+                    received.append(piece)
+                    first_bytes.set()
+
+        listener = threading.Thread(target=listen)
+        listener.start()
+        assert first_bytes.wait(120), "no audio before the signal"
+        process.send_signal(signal.SIGTERM)
+        listener.join(STOP_TIMEOUT_S)
+        assert not listener.is_alive()
+        assert b"".join(received) == expected  # the stream ran to its end, though the server was stopping
+        assert process.wait(STOP_TIMEOUT_S) == 0
+        output = process.stdout.read().decode()
+        assert "stopping" in output and "stopped" in output, output[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/healthz", timeout=5)  # nothing listens any more

@@ -1,0 +1,151 @@
+"""Hostile and random requests against a local Serve of the tiny app: never a 5xx, never a broken stream, never a
+failed decoder loop, and a stream running beside them completes whole.
+
+Hypothesis draws both request bodies (native `/v1/tts` and OpenAI's `/v1/audio/speech`) with non-finite and extreme
+numbers, huge integers, odd and long strings and unknown values, sent as raw JSON (Python's parser takes NaN,
+Infinity and integers of any length, as a client may send them). Derandomized, so a CI run replays the same cases.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ray import serve
+
+from serve_app.audio import FORMATS
+from tests.serve.conftest import running_app
+
+APP = "fuzz"
+MAX_INPUT_CHARS = 200
+MAX_AUDIO_S = 3.0  # every accepted request is short: the fuzz run stays quick on CPU
+EXAMPLES = 80
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    args = {
+        "model": "tiny",
+        "ingress": {"num_cpus": 0.25},
+        "encoder": {"num_cpus": 0.25},
+        "decoder": {"num_cpus": 0.5, "max_batch_size": 4},
+        "limits": {"max_input_chars": MAX_INPUT_CHARS, "max_audio_s": MAX_AUDIO_S, "max_stream_s": 60},
+    }
+    with running_app(args, APP) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        yield http
+
+
+def _decoder_stats() -> dict[str, Any]:
+    return serve.get_deployment_handle("Decoder", APP).batch_stats.remote().result(timeout_s=60)
+
+
+numbers = st.one_of(
+    st.floats(min_value=0, max_value=1),  # often valid, so that requests reach the decoder too
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(10**60), max_value=10**60),
+    st.sampled_from([0, 1, 2, -1, 0.5, 2**63, 2**64, 1e308, -1e-308, 100000]),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=5),
+)
+texts = st.one_of(
+    st.sampled_from(["Hi.", "Hello there, how are you today?", "One. Two! Three?"]),
+    st.text(max_size=60),  # any unicode, lone surrogates included
+    st.text(alphabet="aeiou .,!?", min_size=1, max_size=MAX_INPUT_CHARS + 20),
+    st.sampled_from(["", "   ", "<|endofprompt|>", "\x00", "[breath]", "a" * 10_000, "😀" * 50]),
+    numbers,
+)
+voices = st.one_of(st.sampled_from(["dummy_female", "dummy_male", "alloy", "voice_0123456789ab", "../x"]), texts)
+formats = st.one_of(st.sampled_from(sorted(FORMATS)), texts)
+sampling = st.one_of(
+    st.dictionaries(
+        st.sampled_from(
+            ["greedy", "top_p", "top_k", "win_size", "tau_r", "min_token_text_ratio", "max_token_text_ratio", "x"]
+        ),
+        numbers,
+    ),
+    numbers,
+)
+tts_bodies = st.fixed_dictionaries(
+    {"text": texts},
+    optional={
+        "voice": voices,
+        "format": formats,
+        "stream": st.one_of(st.booleans(), numbers),
+        "seed": numbers,
+        "speed": numbers,
+        "sampling": sampling,
+        "instruct_text": texts,
+        "cross_lingual": st.one_of(st.booleans(), numbers),
+    },
+)
+speech_bodies = st.fixed_dictionaries(
+    {"model": st.one_of(st.sampled_from(["tiny", "tts-1"]), texts), "input": texts, "voice": voices},
+    optional={
+        "response_format": formats,
+        "speed": numbers,
+        "stream_format": st.one_of(st.sampled_from(["audio", "sse"]), texts),
+        "instructions": texts,
+    },
+)
+requests = st.one_of(st.tuples(st.just("/v1/tts"), tts_bodies), st.tuples(st.just("/v1/audio/speech"), speech_bodies))
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(request=requests)
+def test_no_request_gets_a_5xx_breaks_a_stream_or_the_decoder_loop(
+    client: httpx.Client, request: tuple[str, dict[str, Any]]
+) -> None:
+    path, body = request
+    raw = json.dumps(body, allow_nan=True).encode()
+    with client.stream("POST", path, content=raw, headers={"content-type": "application/json"}) as response:
+        data = response.read()  # a stream cut after its status line raises here
+    assert response.status_code < 500, (path, body, data[:300])
+    if response.status_code >= 400:
+        assert json.loads(data)["error"]["message"]
+    stats = _decoder_stats()
+    assert stats["loop_failed"] is False and stats["request_faults"] == 0, (path, body)
+
+
+HOSTILE = [
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": NaN}}'),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"win_size": 1' + "0" * 400 + "}}"),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": 100000, "max_token_text_ratio": 100000}}'),
+    ("/v1/audio/speech", '{"model": "tiny", "input": "Hi.", "voice": "alloy", "speed": NaN}'),
+]
+
+
+def test_a_stream_beside_hostile_requests_completes_whole(client: httpx.Client) -> None:
+    body = {"text": "A stream that runs while others attack.", "format": "pcm", "stream": True, "seed": 3}
+    body["sampling"] = {"max_token_text_ratio": 5}  # within the app's MAX_AUDIO_S
+    alone = client.post("/v1/tts", json=body)
+    assert alone.status_code == 200 and alone.content
+
+    def attack(path_raw: tuple[str, str]) -> int:
+        path, raw = path_raw
+        return client.post(path, content=raw.encode(), headers={"content-type": "application/json"}).status_code
+
+    with ThreadPoolExecutor(len(HOSTILE) + 1) as pool:
+        streamed = pool.submit(client.post, "/v1/tts", json=body)
+        statuses = list(pool.map(attack, HOSTILE))
+        beside = streamed.result()
+    assert statuses == [400] * len(HOSTILE)
+    assert beside.status_code == 200 and beside.content == alone.content  # seeded: the same audio, byte for byte
+    assert _decoder_stats()["loop_failed"] is False

@@ -1,0 +1,94 @@
+"""Secure by default outside the app: `cosyvoice-serve run` keeps Ray's token auth on, and the cluster files run
+Ray with token auth, keep its dashboard off public interfaces and give the ingress its API keys."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from serve_app import cli
+from serve_app.args import AppArgs
+from serve_app.guard import is_loopback
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS_FILE = "~/.cosyvoice/api_keys"
+CPU_NODE = "cpu_node"  # the custom resource of the nodes that run the ingress
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_run_leaves_ray_token_auth_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    seen: dict[str, object] = {}
+
+    def fake_init(**kwargs: object) -> None:
+        seen["auth_mode"] = os.environ.get("RAY_AUTH_MODE")
+        seen["address"] = kwargs.get("address")
+        raise _Stop
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    options = cli.parser().parse_args(["run", "--voice-models-dir", "/nonexistent"])  # no voices dir to make
+    with pytest.raises(_Stop):
+        options.handler(options)
+    # Unset: Ray 2.60 turns token auth on for the new local cluster it starts.
+    assert seen == {"auth_mode": None, "address": "local"}
+
+
+def _profile_args(name: str) -> tuple[AppArgs, str]:
+    config = yaml.safe_load((ROOT / "configs" / name).read_text())
+    (application,) = config["applications"]
+    return AppArgs.model_validate(application["args"]), config["http_options"]["host"]
+
+
+def test_the_gpu_profile_reads_its_keys_from_the_variable_the_cluster_files_set() -> None:
+    args, host = _profile_args("gpu_cluster.yaml")
+    assert not is_loopback(host)
+    assert args.security.api_keys_env == "COSYVOICE_API_KEYS" and not args.security.api_keys  # no key in a file
+    env = args.security.api_keys_env
+
+    cluster = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    workers = [command for command in cluster["worker_start_ray_commands"] if "ray start" in command]
+    assert workers and all(f'{env}="$(cat {KEYS_FILE})"' in command for command in workers)
+    assert cluster["file_mounts"][KEYS_FILE] == KEYS_FILE
+
+    manifest = yaml.safe_load((ROOT / "kuberay" / "rayservice.yaml").read_text())
+    ingress_groups = [
+        group
+        for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        if CPU_NODE in group["rayStartParams"].get("resources", "")
+    ]
+    assert ingress_groups
+    for group in ingress_groups:
+        for container in group["template"]["spec"]["containers"]:
+            (variable,) = [item for item in container.get("env", []) if item["name"] == env]
+            assert variable["valueFrom"]["secretKeyRef"]["key"] == "keys"
+
+
+def test_the_launcher_runs_ray_with_token_auth_and_the_dashboard_on_localhost() -> None:
+    cluster = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    starts = [
+        command
+        for command in cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
+        if "ray start" in command
+    ]
+    assert len(starts) == 2 and all("RAY_AUTH_MODE=token" in command for command in starts)
+    assert not any("dashboard-host" in command for command in starts)  # ray start's default: localhost
+    assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"  # one token on every node
+
+
+def test_the_rayservice_turns_ray_token_auth_on() -> None:
+    manifest = yaml.safe_load((ROOT / "kuberay" / "rayservice.yaml").read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert "serviceType" not in cluster["headGroupSpec"]  # the head Service stays ClusterIP: no public dashboard
+
+
+def test_the_local_profile_serves_on_loopback() -> None:
+    _, host = _profile_args("local_cpu.yaml")
+    assert is_loopback(host)

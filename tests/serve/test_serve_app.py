@@ -1,0 +1,392 @@
+"""The whole application on a real (local, CPU) Ray Serve with the tiny model: every endpoint end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import socket
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from tests.serve.conftest import decode_audio_file
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from autoscaling.metrics import METRIC_NAMES  # noqa: E402
+from serve_app import build_app  # noqa: E402
+from serve_app.app import TTSIngress  # noqa: E402
+from serve_app.args import DEFAULT_OPENAI_VOICES, LimitsArgs  # noqa: E402
+from serve_app.audio import FORMATS  # noqa: E402
+from serve_app.cli import main as cli_main  # noqa: E402
+from tests.serve.conftest import wait_until_healthy  # noqa: E402
+
+APP_NAME = "tts-test"
+BROKEN_APP = "tts-broken"
+SECRET = "secret-internal-detail-/opt/model/state"
+MAX_INPUT_CHARS = 600
+LONG_TEXT_CHARS = 120
+# Dummy weights rarely emit EOS: a small token/text ratio keeps every decode short on 2 CPUs.
+SHORT = {"sampling": {"max_token_text_ratio": 3.0}}
+LONG_TEXT = " ".join(
+    f"This is sentence number {n} of a long text that the frontend has to split into several segments."
+    for n in range(1, 5)
+)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class BrokenStage:
+    """Stands for the encoder: every call fails with an exception whose text must never reach a client."""
+
+    def info(self) -> None:
+        raise RuntimeError(SECRET)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "model": "tiny",
+        "ingress": {"num_cpus": 0.25},
+        "encoder": {"num_cpus": 0.25},
+        # A long batch window so that concurrent requests provably share batches.
+        "decoder": {"num_cpus": 0.5, "max_batch_size": 4, "batch_wait_timeout_s": 0.5},
+        "limits": {"max_input_chars": MAX_INPUT_CHARS, "long_text_chars": LONG_TEXT_CHARS},
+    }
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    # An ingress whose other stages fail in unexpected ways, beside it, for the generic 500s.
+    broken = BrokenStage.bind()
+    serve.run(TTSIngress.bind(broken, broken, "broken", LimitsArgs()), name=BROKEN_APP, route_prefix="/broken")
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def info(client: httpx.Client) -> dict[str, Any]:
+    response = client.get("/v1/voices")
+    assert response.status_code == 200
+    return response.json()
+
+
+def _decode(data: bytes) -> tuple[np.ndarray, int]:
+    audio, rate = sf.read(io.BytesIO(data), dtype="float32")
+    assert audio.ndim == 1 and len(audio) > 0 and np.isfinite(audio).all()
+    return audio, rate
+
+
+def _batch_size_counts() -> Counter[int]:
+    stats = serve.get_deployment_handle("Decoder", APP_NAME).batch_stats.remote().result()
+    return Counter(stats["batch_size_counts"])
+
+
+def test_healthz_reports_both_stages_running(client: httpx.Client) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    running = response.json()["running_replicas"]
+    assert running["Encoder"] >= 1 and running["Decoder"] >= 1
+
+
+def test_models_and_voices(client: httpx.Client, info: dict[str, Any]) -> None:
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["tiny", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
+    assert info["voices"] and all(isinstance(v, str) for v in info["voices"])
+    assert info["sample_rate"] > 0 and set(info["formats"]) == set(FORMATS)
+    assert set(info["stream_formats"]) == set(FORMATS) - {"flac"}
+    assert info["openai_voices"] == DEFAULT_OPENAI_VOICES and set(info["openai_voices"].values()) <= set(info["voices"])
+    assert info["instructions"] == "none" and info["voice_cloning"] is False
+
+
+def test_native_tts_every_format(client: httpx.Client, info: dict[str, Any]) -> None:
+    for name in FORMATS:
+        body = {"text": "Hello there.", "voice": info["voices"][0], "format": name, "seed": 3, **SHORT}
+        response = client.post("/v1/tts", json=body)
+        assert response.status_code == 200, response.text
+        if name == "pcm":
+            assert len(response.content) > 0 and len(response.content) % 2 == 0
+            continue
+        _, rate = decode_audio_file(response.content)
+        assert rate == info["sample_rate"] or name == "opus"
+
+
+def test_native_tts_seed_reproducible(client: httpx.Client, info: dict[str, Any]) -> None:
+    body = {"text": "Same seed, same audio.", "voice": info["voices"][-1], "format": "pcm", "seed": 11, **SHORT}
+    first, second = (client.post("/v1/tts", json=body) for _ in range(2))
+    assert first.status_code == second.status_code == 200
+    assert first.content == second.content
+
+
+def test_stream_chunks_arrive_one_by_one(client: httpx.Client, info: dict[str, Any]) -> None:
+    body = {"text": LONG_TEXT, "voice": info["voices"][0], "format": "wav", "stream": True, "seed": 5, **SHORT}
+    pieces: list[bytes] = []
+    with client.stream("POST", "/v1/tts", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("audio/wav")
+        pieces.extend(piece for piece in response.iter_raw() if piece)
+    assert len(pieces) > 1, "the long text should arrive as several chunks"
+    _, rate = _decode(b"".join(pieces))
+    assert rate == info["sample_rate"]
+    # The same request without streaming (the long-text path) gives the same samples.
+    whole = client.post("/v1/tts", json={**body, "stream": False})
+    assert whole.status_code == 200
+    np.testing.assert_allclose(_decode(whole.content)[0], _decode(b"".join(pieces))[0], atol=1e-4)
+
+
+def test_concurrent_requests_share_batches(base_url: str, info: dict[str, Any]) -> None:
+    before = _batch_size_counts()
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            bodies = [
+                {"text": f"Request {i} says hi.", "voice": info["voices"][0], "seed": i, **SHORT} for i in range(4)
+            ]
+            return await asyncio.gather(*(http.post("/v1/tts", json=body) for body in bodies))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 4
+    for response in responses:
+        _decode(response.content)
+    new_batches = _batch_size_counts() - before
+    assert sum(size * count for size, count in new_batches.items()) >= 4
+    assert max(new_batches) > 1, f"no batch larger than 1 was formed: {dict(new_batches)}"
+
+
+def test_decoder_reports_autoscaling_numbers() -> None:
+    stats = serve.get_deployment_handle("Decoder", APP_NAME).record_autoscaling_stats.remote().result()
+    assert set(stats) == set(METRIC_NAMES)
+    assert all(isinstance(value, float) for value in stats.values())
+    assert 0.0 <= stats["utilization"] <= 1.0 and 0.0 <= stats["batch_fill"] <= 1.0
+
+
+def test_openai_client_round_trip(base_url: str, info: dict[str, Any]) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    speech = api.audio.speech.create(model="tiny", voice=info["voices"][0], input="Hi.", response_format="wav")
+    _, rate = _decode(speech.content)
+    assert rate == info["sample_rate"]
+    with api.audio.speech.with_streaming_response.create(
+        model="tiny", voice=info["voices"][1 % len(info["voices"])], input="Hi.", response_format="flac", speed=1.5
+    ) as response:
+        _decode(response.read())
+    with pytest.raises(openai.NotFoundError, match="unknown voice"):
+        api.audio.speech.create(model="tiny", voice="no-such-voice", input="Hi.")
+    with pytest.raises(openai.BadRequestError, match="speed"):
+        api.audio.speech.create(model="tiny", voice=info["voices"][0], input="Hi.", speed=4.0)
+    with pytest.raises(openai.NotFoundError, match=r"unknown model 'tts-2'.*'tiny', 'tts-1', 'tts-1-hd'"):
+        api.audio.speech.create(model="tts-2", voice=info["voices"][0], input="Hi.")
+
+
+def test_openai_code_runs_unchanged_with_model_and_voice_names(
+    base_url: str, info: dict[str, Any], tmp_path: Path
+) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    for model in ("tts-1", "tts-1-hd"):
+        speech = api.audio.speech.create(model=model, voice="alloy", input="Hi.", response_format="wav")
+        assert decode_audio_file(speech.content)[1] == info["sample_rate"]
+    # The README's migration snippet.
+    with api.audio.speech.with_streaming_response.create(
+        model="gpt-4o-mini-tts", voice="coral", input="Hello from CosyVoice.", response_format="mp3"
+    ) as response:
+        response.stream_to_file(tmp_path / "hello.mp3")
+    assert decode_audio_file((tmp_path / "hello.mp3").read_bytes())[1] == info["sample_rate"]
+
+
+def test_an_openai_voice_name_is_the_voice_it_maps_to(client: httpx.Client) -> None:
+    for name, voice in (("alloy", DEFAULT_OPENAI_VOICES["alloy"]), ("onyx", DEFAULT_OPENAI_VOICES["onyx"])):
+        bodies = [{"text": "Mapped.", "voice": v, "format": "pcm", "seed": 4, **SHORT} for v in (name, voice)]
+        mapped, direct = (client.post("/v1/tts", json=body) for body in bodies)
+        assert mapped.status_code == direct.status_code == 200
+        assert mapped.content == direct.content
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+@pytest.mark.parametrize("response_format", sorted(FORMATS))
+def test_every_format_and_stream_format_through_the_openai_client(
+    base_url: str, info: dict[str, Any], response_format: str, stream_format: str
+) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    with api.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="nova", input="Hi.", response_format=response_format, stream_format=stream_format
+    ) as response:
+        media_type = response.headers["content-type"]
+        body = b"".join(response.iter_bytes())
+    if stream_format == "sse":
+        assert media_type.startswith("text/event-stream")
+        events = [json.loads(line[len("data: ") :]) for line in body.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == {"type": "speech.audio.done"}
+        assert events[:-1] and all(event["type"] == "speech.audio.delta" for event in events[:-1])
+        data = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
+        if not FORMATS[response_format].streamable:
+            assert len(events) == 2  # the whole file in one delta, once synthesis ends
+    else:
+        assert media_type == FORMATS[response_format].media_type
+        data = body
+    if response_format == "pcm":
+        assert len(data) > 0 and len(data) % 2 == 0
+        return
+    audio, rate = decode_audio_file(data)
+    assert rate == info["sample_rate"] or response_format == "opus"
+    assert len(audio) > 0 and np.isfinite(audio).all()
+
+
+def test_the_openai_streaming_response_gives_more_than_one_chunk(base_url: str, info: dict[str, Any]) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    # About 8 text tokens: up to 160 speech tokens, past the first 120-token chunk of the v1 stream.
+    with api.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="echo", input="Streaming in more than one chunk.", response_format="mp3"
+    ) as response:
+        chunks = [chunk for chunk in response.iter_bytes() if chunk]
+    assert len(chunks) > 1, "the body arrived in one piece: it was not streamed"
+    assert len(decode_audio_file(b"".join(chunks))[0]) > 0
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_instructions_to_a_model_that_cannot_follow_them_are_a_400(base_url: str, stream_format: str) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="cannot follow instructions"):
+        api.audio.speech.create(
+            model="tts-1", voice="alloy", input="Hi.", instructions="Speak softly.", stream_format=stream_format
+        )
+
+
+def test_native_instruct_text_to_a_model_that_cannot_follow_it_is_a_400(client: httpx.Client) -> None:
+    for stream in (False, True):
+        body = {"text": "Hi.", "instruct_text": "Speak softly.", "stream": stream}
+        response = client.post("/v1/tts", json=body)
+        assert response.status_code == 400 and "cannot follow instructions" in response.json()["error"]["message"]
+
+
+def test_an_internal_failure_reaches_the_client_as_a_generic_500(client: httpx.Client) -> None:
+    request_id = "forced-failure-1"
+    for method, path, body in (("GET", "/broken/v1/voices", None), ("POST", "/broken/v1/tts", {"text": "Hi."})):
+        response = client.request(method, path, json=body, headers={"X-Request-ID": request_id})
+        assert response.status_code == 500
+        assert response.json()["error"] == {
+            "message": f"internal error (request id {request_id})",
+            "type": "server_error",
+            "code": "internal_error",
+            "param": None,
+        }
+        assert SECRET not in response.text and "RuntimeError" not in response.text
+        assert response.headers["x-request-id"] == request_id
+    # The ingress's log line carries the same id and the traceback.
+    logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    lines = [
+        json.loads(line)
+        for log in logs_dir.glob(f"replica_{BROKEN_APP}_TTSIngress_*.log")
+        for line in log.read_text().splitlines()
+        if line.startswith("{")
+    ]
+    failures = [line for line in lines if line.get("request_id") == request_id and line["message"] == "internal error"]
+    assert failures and all("Traceback" in line["exc_text"] and SECRET in line["exc_text"] for line in failures)
+
+
+def test_openai_sse_stream(client: httpx.Client, info: dict[str, Any]) -> None:
+    body = {
+        "model": "tiny",
+        "input": "Hi.",
+        "voice": info["voices"][0],
+        "response_format": "pcm",
+        "stream_format": "sse",
+    }
+    with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: ") :]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == {"type": "speech.audio.done"}
+    deltas = events[:-1]
+    assert deltas and all(e["type"] == "speech.audio.delta" for e in deltas)
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert len(pcm) > 0 and len(pcm) % 2 == 0
+
+
+BAD_REQUESTS = [
+    ("empty input", {"text": "   "}, 400, "empty"),
+    ("too long", {"text": "x" * (MAX_INPUT_CHARS + 1)}, 400, "limit"),
+    ("unknown voice", {"text": "Hi.", "voice": "no-such-voice"}, 404, "unknown voice"),
+    ("bad format", {"text": "Hi.", "format": "ogg"}, 400, "ogg"),
+    ("unstreamable format", {"text": "Hi.", "format": "flac", "stream": True}, 400, "streamed"),
+    ("speed too high", {"text": "Hi.", "speed": 3.0}, 400, "speed"),
+    ("speed too low", {"text": "Hi.", "speed": 0.1}, 400, "speed"),
+    ("bad sampling", {"text": "Hi.", "sampling": {"top_p": 2.0}}, 400, "top_p"),
+    ("unknown field", {"text": "Hi.", "temperature": 0.3}, 400, "temperature"),
+    ("missing text", {"voice": "x"}, 400, "text"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_a_json_error(client: httpx.Client, body: dict[str, Any], status: int, needle: str) -> None:
+    response = client.post("/v1/tts", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert needle in error["message"] and error["type"] == "invalid_request_error"
+
+
+HOSTILE_NUMBERS = [  # raw JSON: Python's parser takes NaN and Infinity, and integers of any length
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": NaN}}', "sampling.min_token_text_ratio"),
+    ("/v1/tts", '{"text": "Hi.", "speed": Infinity}', "speed"),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"win_size": 1' + "0" * 400 + "}}", "sampling.win_size"),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"top_k": 100000}}', "sampling.top_k"),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"max_token_text_ratio": 100000}}', "sampling.max_token_text_ratio"),
+    ("/v1/tts", '{"text": "Hi.", "seed": 1' + "0" * 30 + "}", "seed"),
+    ("/v1/audio/speech", '{"model": "tiny", "input": "Hi.", "voice": "alloy", "speed": -Infinity}', "speed"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "field"), HOSTILE_NUMBERS, ids=[h[2] for h in HOSTILE_NUMBERS])
+def test_non_finite_or_unbounded_numbers_get_a_400_naming_the_field(
+    client: httpx.Client, path: str, raw: str, field: str
+) -> None:
+    response = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert f"{field}:" in response.json()["error"]["message"]
+
+
+def test_malformed_json_gets_a_json_error(client: httpx.Client) -> None:
+    for path in ("/v1/tts", "/v1/audio/speech"):
+        response = client.post(path, content=b'{"text": "Hi.",', headers={"content-type": "application/json"})
+        assert response.status_code == 400
+        assert "malformed JSON" in response.json()["error"]["message"]
+
+
+def test_unknown_route_is_a_json_404(client: httpx.Client) -> None:
+    response = client.get("/v1/nothing-here")
+    assert response.status_code == 404 and response.json()["error"]["message"]
+
+
+def test_cli_say(base_url: str, tmp_path: Any, info: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.wav"
+    assert cli_main(["say", "Hi.", "-o", str(out), "--url", base_url, "--seed", "1"]) == 0
+    _, rate = _decode(out.read_bytes())
+    assert rate == info["sample_rate"]
+    assert cli_main(["say", "Hi.", "-o", str(tmp_path / "x.wav"), "--url", base_url, "--voice", "nobody"]) == 1
+    assert "unknown voice" in capsys.readouterr().err

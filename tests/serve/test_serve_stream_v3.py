@@ -1,0 +1,76 @@
+"""CosyVoice3 streaming through the served app (Ray Serve, CPU): `POST /v1/tts` with `stream: true` and OpenAI's
+streamed `/v1/audio/speech`, and the speed rule (streamed at 1.0 only; OpenAI answers another speed whole).
+
+Served model: the v3 kit's model dir, whose greedy LLM gives a known token count; its text holds `<|endofprompt|>`,
+so it is taken as written (no system prompt added) and the engine's stream can be compared with the served one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from tests.serve.conftest import running_app
+
+APP = "v3-stream"
+KIT_MODEL = Path(__file__).parents[1] / "fixtures" / "cosyvoice3-tiny" / "model"
+TEXT = "Hi<|endofprompt|>a b c"  # greedy on the kit's LLM: 84 tokens at 12 per text token, 3 chunks
+VOICE = "spk3_a"
+GREEDY = {"greedy": True, "min_token_text_ratio": 1.0, "max_token_text_ratio": 12.0}
+HOP = 480
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    args = {
+        "model": str(KIT_MODEL),
+        "ingress": {"num_cpus": 0.1},
+        "encoder": {"num_cpus": 0.1},
+        "decoder": {"num_cpus": 0.2},
+    }
+    with running_app(args, APP) as url, httpx.Client(base_url=url, timeout=300) as http:
+        yield http
+
+
+def pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768
+
+
+def test_native_tts_streams_the_engine_s_chunks(client: httpx.Client) -> None:
+    body = {"text": TEXT, "voice": VOICE, "format": "pcm", "stream": True, "seed": 1, "sampling": GREEDY}
+    pieces: list[bytes] = []
+    with client.stream("POST", "/v1/tts", json=body) as response:
+        assert response.status_code == 200, response.read()
+        pieces.extend(piece for piece in response.iter_raw() if piece)
+    assert len(pieces) > 1, "the three chunks should arrive as more than one piece"
+    served = pcm(b"".join(pieces))
+    tts = CosyVoice.load(str(KIT_MODEL))
+    sampling = SamplingOptions(seed=1, **GREEDY)
+    segments = tts.encoder.encode(SynthesisRequest(TEXT, VOICE, sampling=sampling))
+    local = np.concatenate([out[0] for out in tts.decoder.open_stream(segments) if out[0] is not None])
+    assert len(served) == len(local) == 2 * 84 * HOP
+    np.testing.assert_allclose(served, local, atol=1e-4, rtol=0)  # int16 rounding: measured 2.2e-5
+
+
+def test_openai_speech_streams_at_speed_1_and_is_sent_whole_at_another(client: httpx.Client) -> None:
+    body = {"model": KIT_MODEL.name, "input": TEXT, "voice": VOICE, "response_format": "pcm"}
+    with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        assert response.status_code == 200, response.read()
+        assert "content-length" not in response.headers  # a streamed body
+        streamed = b"".join(response.iter_bytes())
+    assert len(streamed) % (2 * HOP) == 0  # whole frames of 16-bit samples (the sampled length varies)
+    whole = client.post("/v1/audio/speech", json={**body, "speed": 1.5})
+    assert whole.status_code == 200 and int(whole.headers["content-length"]) == len(whole.content)
+
+
+def test_native_streaming_at_another_speed_is_a_400(client: httpx.Client) -> None:
+    body = {"text": TEXT, "voice": VOICE, "format": "pcm", "stream": True, "speed": 1.5}
+    response = client.post("/v1/tts", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("CosyVoice3 streams at speed 1.0 only")

@@ -1,0 +1,361 @@
+"""Tenancy with API keys on: owner ids, the per-key limit on requests in flight (`serve_app.tenancy`, as plain ASGI,
+no Ray), then on a real Serve app (tiny model, voice cloning, two keys and an admin key): each key sees, uses and
+deletes only its own voices and the shared ones, and a key over its limit gets 429 without starving the others
+or leaking a slot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.voices.registry import EVERYONE, Caller
+from serve_app.args import SecurityArgs
+from serve_app.errors import error_body
+from serve_app.guard import load_keys
+from serve_app.tenancy import (
+    KeyTenancy,
+    TenancySettings,
+    caller_of,
+    configure_tenancy,
+    owner_id,
+)
+from tests.serve.conftest import running_app, wait_until
+from tests.serve.test_voice_registry import wav_bytes
+
+ALICE = "alice-key-5c1f0e27b9d34a68"
+BOB = "bob-key-9e3d41a7c2b85f06"
+ADMIN = "admin-key-1b7e93c05f2d48a6"
+LIMIT = 2
+VOICES_PER_KEY = 2
+RETRY_AFTER_S = 3
+
+
+def test_owner_ids_are_stable_distinct_and_hide_the_key() -> None:
+    alice = owner_id(ALICE.encode())
+    assert alice == owner_id(ALICE.encode()) and alice != owner_id(BOB.encode())
+    assert len(alice) == 32 and int(alice, 16) >= 0
+    assert ALICE not in alice and ALICE.encode().hex() not in alice
+
+
+def test_admin_keys_from_config_and_environment() -> None:
+    security = SecurityArgs(admin_keys=("from-config",), admin_keys_env="TEST_ADMIN_KEYS")
+    assert load_keys(security.admin_keys, security.admin_keys_env, {"TEST_ADMIN_KEYS": " env-1, ,env-2 "}) == (
+        b"from-config",
+        b"env-1",
+        b"env-2",
+    )
+    assert SecurityArgs().admin_keys_env == "COSYVOICE_ADMIN_KEYS"
+    assert "from-config" not in repr(security)
+
+
+# --- the middleware, as plain ASGI ------------------------------------------------------------------------
+
+
+class App:
+    """An ASGI app that records each request's caller and, per request, answers, streams until released, or fails."""
+
+    def __init__(self) -> None:
+        self.callers: list[Caller | None] = []
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.callers.append(scope.get("state", {}).get("caller"))
+        behaviour = scope["path"]
+        if behaviour == "/fail":
+            raise RuntimeError("the endpoint failed")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if behaviour == "/stream":  # the first chunk, then the rest once released
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            self.started.set()
+            await self.release.wait()
+        await send({"type": "http.response.body", "body": b"done"})
+
+
+def scope_for(path: str, key: str | None) -> dict[str, Any]:
+    headers = [] if key is None else [(b"authorization", f"Bearer {key}".encode())]
+    return {"type": "http", "method": "POST", "path": path, "headers": headers}
+
+
+async def call(middleware: KeyTenancy, path: str, key: str | None) -> list[dict[str, Any]]:
+    """The messages `middleware` sends for one request."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await middleware(scope_for(path, key), receive, send)
+    return sent
+
+
+@pytest.fixture
+def tenancy() -> Iterator[tuple[KeyTenancy, App]]:
+    app = App()
+    configure_tenancy(TenancySettings(True, (ADMIN.encode(),), LIMIT, RETRY_AFTER_S))
+    yield KeyTenancy(app, error_body), app
+    configure_tenancy(None)
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_the_caller_is_on_the_scope() -> None:
+    app = App()
+    middleware = KeyTenancy(app, error_body)
+
+    async def requests() -> None:
+        configure_tenancy(TenancySettings(True, (ADMIN.encode(),), LIMIT, RETRY_AFTER_S))
+        for key in (ALICE, ADMIN, None):  # None: an open path (the guard lets only those through without a key)
+            await call(middleware, "/ok", key)
+        configure_tenancy(TenancySettings(False, (), LIMIT, RETRY_AFTER_S))
+        await call(middleware, "/ok", None)
+
+    try:
+        _run(requests())
+    finally:
+        configure_tenancy(None)
+    assert app.callers == [
+        Caller(owner_id(ALICE.encode()), admin=False),
+        Caller(owner_id(ADMIN.encode()), admin=True),
+        None,
+        EVERYONE,
+    ]
+    with pytest.raises(KeyError):  # no caller: the endpoints fail rather than see every voice
+        caller_of({"state": {}})
+
+
+def test_a_key_over_its_limit_gets_429_others_do_not(tenancy: tuple[KeyTenancy, App]) -> None:
+    middleware, app = tenancy
+    alice = owner_id(ALICE.encode())
+
+    async def scenario() -> tuple[list[Any], ...]:
+        streams = [asyncio.create_task(call(middleware, "/stream", ALICE)) for _ in range(LIMIT)]
+        while middleware.slots.held(alice) < LIMIT:
+            await asyncio.sleep(0.01)
+        over = await call(middleware, "/ok", ALICE)
+        other = await call(middleware, "/ok", BOB)
+        held_while_streaming = middleware.slots.held(alice)
+        app.release.set()
+        done = await asyncio.gather(*streams)
+        return over, other, [held_while_streaming], done
+
+    over, other, [held_while_streaming], done = _run(scenario())
+    start, body = over
+    assert start["status"] == 429
+    assert dict(start["headers"])[b"retry-after"] == str(RETRY_AFTER_S).encode()
+    error = json.loads(body["body"])["error"]
+    assert set(error) == {"message", "type", "code", "param"} and error["code"] == "rate_limit_exceeded"
+    assert f"{LIMIT} requests in flight" in error["message"]
+    assert other[0]["status"] == 200
+    assert held_while_streaming == LIMIT, "a stream holds its slot until its last chunk"
+    assert all(messages[-1]["body"] == b"done" for messages in done)
+    assert middleware.slots.held(alice) == 0
+
+
+def test_failed_and_cancelled_requests_free_their_slots(tenancy: tuple[KeyTenancy, App]) -> None:
+    middleware, app = tenancy
+    alice = owner_id(ALICE.encode())
+
+    async def scenario() -> list[int]:
+        for _ in range(LIMIT + 1):
+            with pytest.raises(RuntimeError, match="the endpoint failed"):
+                await call(middleware, "/fail", ALICE)
+        after_failures = middleware.slots.held(alice)
+        stream = asyncio.create_task(call(middleware, "/stream", ALICE))
+        await app.started.wait()
+        during_stream = middleware.slots.held(alice)
+        stream.cancel()  # what Serve does when the client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await stream
+        return [after_failures, during_stream, middleware.slots.held(alice)]
+
+    assert _run(scenario()) == [0, 1, 0]
+    assert _run(call(middleware, "/ok", ALICE))[0]["status"] == 200
+
+
+def test_no_limit_when_none_or_keys_off() -> None:
+    async def many(settings: TenancySettings, key: str | None) -> list[int]:
+        configure_tenancy(settings)
+        app = App()
+        middleware = KeyTenancy(app, error_body)
+        streams = [asyncio.create_task(call(middleware, "/stream", key)) for _ in range(LIMIT + 2)]
+        while len(app.callers) < len(streams):
+            await asyncio.sleep(0.01)
+        app.release.set()
+        return [messages[0]["status"] for messages in await asyncio.gather(*streams)]
+
+    try:
+        assert _run(many(TenancySettings(True, (), None, RETRY_AFTER_S), ALICE)) == [200] * (LIMIT + 2)
+        assert _run(many(TenancySettings(False, (), LIMIT, RETRY_AFTER_S), None)) == [200] * (LIMIT + 2)
+    finally:
+        configure_tenancy(None)
+
+
+# --- on a real Serve app ----------------------------------------------------------------------------------
+
+SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights rarely stop by themselves
+# One sentence forced to ~58 s of speech: a stream that lasts far longer than the test holds it.
+LONG_TEXT = (
+    "One long sentence keeps the decoder busy, and it goes on and on with many more words in it so that it "
+    "lasts a long while."
+)
+FORCED_LENGTH = {"min_token_text_ratio": 100.0, "max_token_text_ratio": 100.0}
+LONG_STREAM = {"format": "pcm", "stream": True, "sampling": FORCED_LENGTH}
+UNKNOWN_VOICE = "voice_0123456789ab"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    voices_dir = tmp_path_factory.mktemp("tenancy") / "voices"
+    args = {
+        "model": "tiny",
+        "ingress": {"num_cpus": 0.1},
+        "encoder": {"num_cpus": 0.1},
+        "decoder": {"num_cpus": 0.3},
+        "voices_dir": str(voices_dir),  # the cloning models: those the tiny preset ships
+        "limits": {
+            "max_concurrent_requests_per_key": LIMIT,
+            "retry_after_s": RETRY_AFTER_S,
+            "max_voices_per_key": VOICES_PER_KEY,
+        },
+        "security": {"api_keys": [ALICE, BOB], "admin_keys": [ADMIN]},
+    }
+    with running_app(args, "tenancy") as url:
+        yield url, voices_dir
+
+
+@pytest.fixture(scope="module")
+def clients(served: tuple[str, Path]) -> Iterator[dict[str, httpx.Client]]:
+    base_url, _ = served
+    with ExitStack() as stack:
+        yield {
+            name: stack.enter_context(
+                httpx.Client(base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {key}"})
+            )
+            for name, key in (("alice", ALICE), ("bob", BOB), ("admin", ADMIN))
+        }
+
+
+def upload(client: httpx.Client, **form: str) -> httpx.Response:
+    files = {"file": ("prompt.wav", wav_bytes(2.0), "audio/wav")}
+    return client.post("/v1/voices", files=files, data={"transcript": "Hello there.", **form})
+
+
+def registered_ids(client: httpx.Client) -> list[str]:
+    response = client.get("/v1/voices")
+    assert response.status_code == 200, response.text
+    return [record["id"] for record in response.json()["registered_voices"]]
+
+
+def speak(client: httpx.Client, voice: str) -> httpx.Response:
+    return client.post("/v1/tts", json={"text": "In this voice.", "voice": voice, "format": "wav", **SHORT})
+
+
+def assert_error(response: httpx.Response, status: int, needle: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] and set(error) == {"message", "type", "code", "param"}, error
+    return error
+
+
+def test_a_voice_is_its_keys_alone(served: tuple[str, Path], clients: dict[str, httpx.Client]) -> None:
+    base_url, voices_dir = served
+    alice, bob, admin = clients["alice"], clients["bob"], clients["admin"]
+    response = upload(alice, name="alice's")
+    assert response.status_code == 201, response.text
+    record = response.json()
+    voice = record["id"]
+    assert record["shared"] is False and "owner" not in record
+    stored = (voices_dir / f"{voice}.json").read_text()
+    assert json.loads(stored)["owner"] == owner_id(ALICE.encode()) and ALICE not in stored  # never the key itself
+
+    assert voice in registered_ids(alice) and voice in registered_ids(admin)
+    assert voice not in registered_ids(bob)
+    # To another key the voice does not exist: the answers of an id nobody registered.
+    unknown = assert_error(speak(bob, UNKNOWN_VOICE), 404, "unknown voice")["message"]
+    assert assert_error(speak(bob, voice), 404, "unknown voice")["message"] == unknown.replace(UNKNOWN_VOICE, voice)
+    speech = {"model": "tiny", "input": "Hi.", "voice": voice, "response_format": "pcm"}
+    assert_error(bob.post("/v1/audio/speech", json=speech), 404, "unknown voice")
+    assert_error(bob.delete(f"/v1/voices/{voice}"), 404, "no registered voice")
+    assert httpx.delete(f"{base_url}/v1/voices/{voice}", timeout=30).status_code == 401  # no key at all
+
+    assert speak(alice, voice).status_code == 200
+    assert speak(admin, voice).status_code == 200  # an admin key uses every voice...
+    assert admin.delete(f"/v1/voices/{voice}").status_code == 200  # ...and deletes it
+    assert voice not in registered_ids(alice)
+    assert_error(speak(alice, voice), 404, "unknown voice")
+
+    own = upload(alice).json()["id"]
+    assert alice.delete(f"/v1/voices/{own}").status_code == 200
+
+
+def test_shared_voices_are_everyones_and_only_admins_delete_them(
+    served: tuple[str, Path], clients: dict[str, httpx.Client]
+) -> None:
+    _, voices_dir = served
+    alice, bob, admin = clients["alice"], clients["bob"], clients["admin"]
+    assert_error(upload(alice, shared="true"), 403, "only an admin key")
+    response = upload(admin, name="house voice", shared="true")
+    assert response.status_code == 201 and response.json()["shared"] is True, response.text
+    voice = response.json()["id"]
+    # As an operator's file of the older format would be: no owner field at all.
+    record_path = voices_dir / f"{voice}.json"
+    record = json.loads(record_path.read_text())
+    del record["owner"]
+    record_path.write_text(json.dumps(record))
+    for client in (alice, bob):
+        assert voice in registered_ids(client)
+        assert speak(client, voice).status_code == 200
+        assert_error(client.delete(f"/v1/voices/{voice}"), 403, "only an admin key may delete it")
+    assert admin.delete(f"/v1/voices/{voice}").status_code == 200
+    assert voice not in registered_ids(alice)
+
+
+def test_one_key_cannot_fill_the_registry(clients: dict[str, httpx.Client]) -> None:
+    alice, bob = clients["alice"], clients["bob"]
+    added: dict[str, list[str]] = {"alice": [], "bob": []}
+    for _ in range(VOICES_PER_KEY):
+        response = upload(alice)
+        assert response.status_code == 201, response.text
+        added["alice"].append(response.json()["id"])
+    assert_error(upload(alice), 409, f"this API key has registered {VOICES_PER_KEY} voices")
+    response = upload(bob)
+    assert response.status_code == 201, response.text
+    added["bob"].append(response.json()["id"])
+    for name, voices in added.items():
+        for voice in voices:
+            assert clients[name].delete(f"/v1/voices/{voice}").status_code == 200
+
+
+def test_a_key_over_its_limit_gets_429_and_every_slot_comes_back(clients: dict[str, httpx.Client]) -> None:
+    alice, bob = clients["alice"], clients["bob"]
+    short = {"text": "Hi.", "voice": "dummy_female", "format": "pcm", **SHORT}
+    long = {"text": LONG_TEXT, "voice": "dummy_female", **LONG_STREAM}
+    with ExitStack() as streams:
+        pieces = []
+        for _ in range(LIMIT):
+            response = streams.enter_context(alice.stream("POST", "/v1/tts", json=long))
+            assert response.status_code == 200, response.read()
+            pieces.append(response.iter_raw())  # held: dropping a half-read iterator would close the response
+            assert next(pieces[-1])
+        over = alice.post("/v1/tts", json=short)
+        error = assert_error(over, 429, f"{LIMIT} requests in flight")
+        assert over.headers["retry-after"] == str(RETRY_AFTER_S) and error["code"] == "rate_limit_exceeded"
+        assert bob.post("/v1/tts", json=short).status_code == 200  # another key is not held back
+    # The streams' clients left: their slots come free.
+    wait_until(lambda: alice.post("/v1/tts", json=short).status_code == 200, 30, "a slot freed by a disconnect")
+    for _ in range(LIMIT + 1):  # failed requests give their slots back too
+        assert_error(speak(alice, UNKNOWN_VOICE), 404, "unknown voice")
+    statuses = [alice.post("/v1/tts", json=short).status_code for _ in range(LIMIT + 1)]
+    assert statuses == [200] * (LIMIT + 1)
