@@ -2,7 +2,8 @@
 # The GPU check, prepared to run in under 10 minutes on one GPU machine (every figure the median of 3 repeats):
 #   1. the engine on CUDA in fp16 with the real-size dummy model (benchmarks.gpu_check): finite outputs,
 #      peak memory, RTF at batch 1, 4 and 16, first-chunk time of a 20 s utterance;
-#   2. benchmarks.compare at 1, 4 and 16 clients on a local Serve whose decoder replica has a GPU fraction;
+#   2. benchmarks.compare at 1, 4 and 16 clients on a local Serve whose decoder replica has a GPU fraction (its
+#      `decoder_replica` stats: the `auto` memory budget against the peak device memory under load);
 #   3. benchmarks.streams on such a Serve, once per decoder policy (fcfs, deadline): Poisson streams at 3 rates,
 #      6 each, and the 7 long + 1 late short scenario twice (the idle time to first audio 3 times), its long
 #      texts 2 sentences instead of the 8 to fit the step's time.

@@ -34,6 +34,7 @@ from engine.errors import (
 )
 from engine.loading.loader import load_model
 from engine.nn.precision import FALLBACKS
+from engine.runtime.memory import device_memory_budget
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
 from engine.runtime.scheduler import Output, Scheduler, Ticket
@@ -100,7 +101,7 @@ class Decoder:
         dtype: str,
         max_batch_size: int,
         batch_wait_timeout_s: float,
-        memory_budget_gb: float | None = None,
+        memory_budget_gb: float | str | None = "auto",
         max_concurrent_batches: int = 2,
         gpu_fraction: float | None = None,
         max_vocode_batch: int | None = None,
@@ -116,10 +117,11 @@ class Decoder:
             # starve each other (the allocator raises OOM in this replica instead).
             torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
+        self.gpu_fraction = gpu_fraction
         self.scheduler = Scheduler(
             self.stage,
             max_live=max_batch_size,
-            memory_budget_bytes=_gib(memory_budget_gb),
+            memory_budget_bytes=self._budget_bytes(memory_budget_gb),
             max_vocode_batch=max_vocode_batch,
             max_audio_s=max_audio_s,
             max_request_s=max_request_s,
@@ -164,12 +166,21 @@ class Decoder:
     def admission_wait_s(self) -> float:
         return self.batch_wait_timeout_s if self._loop_is_busy else 0.0
 
+    def _budget_bytes(self, memory_budget_gb: float | str | None) -> int | None:
+        """The loop's memory budget: `auto` from the device share (engine.runtime.memory.device_memory_budget)."""
+        if memory_budget_gb == "auto":
+            budget = device_memory_budget(self.device, self.gpu_fraction)
+            if budget is not None:
+                logger.info("memory budget auto: %.2f GiB for requests", budget / 2**30)
+            return budget
+        return None if memory_budget_gb is None else int(float(memory_budget_gb) * 2**30)
+
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """`user_config` keys (all optional): max_batch_size, batch_wait_timeout_s, memory_budget_gb."""
         if "batch_wait_timeout_s" in user_config:
             self.set_batch_wait_timeout_s(float(user_config["batch_wait_timeout_s"]))
         if "memory_budget_gb" in user_config:
-            self.scheduler.memory_budget_bytes = _gib(float(user_config["memory_budget_gb"]))
+            self.scheduler.memory_budget_bytes = self._budget_bytes(user_config["memory_budget_gb"])
         if "max_batch_size" in user_config:
             self.set_max_batch_size(int(user_config["max_batch_size"]))
 
@@ -348,6 +359,7 @@ class Decoder:
             "queued": self.scheduler.queued,
             "awaiting_sentences": self.scheduler.awaiting_sentences,
             "live_bytes": self.scheduler.live_bytes,
+            "memory_budget_bytes": self.scheduler.memory_budget_bytes,
             "device_peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self._gpu else None,
         }
 
@@ -370,7 +382,3 @@ def scheduling_policy(settings: dict[str, Any]) -> SchedulingPolicy:
     settings = dict(settings)
     name = settings.pop("policy", "deadline")
     return FcfsPolicy() if name == "fcfs" else DeadlinePolicy(**settings)
-
-
-def _gib(size_gb: float | None) -> int | None:
-    return None if size_gb is None else int(size_gb * 2**30)

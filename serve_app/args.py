@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -113,11 +113,12 @@ class DecoderArgs(_Strict):
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="default: 2 x max_batch_size x max_concurrent_batches (batches must be able to fill)"
     )
-    memory_budget_gb: float | None = Field(
-        None,
-        gt=0,
+    memory_budget_gb: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
+        "auto",
         description="device memory a replica's live requests may use for activations, each counted by its own "
-        "length; a request that needs more than all of it is refused with 413",
+        "length; a request that needs more than all of it is refused with 413. auto: on a GPU, the replica's share "
+        "of the card (num_gpus) less its weights and a reserve (a tenth, at least 256 MiB); on CPU no byte bound "
+        "(max_batch_size bounds it). None: no byte bound",
     )
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
 

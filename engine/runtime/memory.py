@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.families.base import ModelConfig
 
 _SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
+# What a replica's share keeps beside its weights and its requests' estimates: cuBLAS workspaces, the vocoding lanes'
+# streams, allocator rounding. A tenth of the share, at least this much.
+_RESERVE_FRACTION = 0.1
+_MIN_RESERVE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -49,3 +55,28 @@ def estimate_request_memory(
     # as the rate doubles); three resblocks' outputs and the source branch live at once: ~4 such tensors, fp32
     vocoder = 4 * (hift.base_channels // 2) * samples // hift.upsample_rates[0] * 4
     return MemoryEstimate(kv_cache_bytes=kv_cache, flow_bytes=flow_bytes, vocoder_bytes=vocoder)
+
+
+def memory_budget_for(share_bytes: int, weights_bytes: int) -> int:
+    """The bytes a decoder's live requests may hold in a device share of `share_bytes` that already holds
+    `weights_bytes` of weights: the rest less a reserve. ValueError, naming the sizes, when nothing is left."""
+    reserve = max(_MIN_RESERVE_BYTES, int(share_bytes * _RESERVE_FRACTION))
+    budget = share_bytes - weights_bytes - reserve
+    if budget <= 0:
+        raise ValueError(
+            f"the decoder's device share of {share_bytes / 2**30:.2f} GiB holds {weights_bytes / 2**30:.2f} GiB of "
+            f"weights and a {reserve / 2**30:.2f} GiB reserve: nothing is left for requests; give the replica a "
+            "larger GPU fraction, a smaller dtype, or an explicit memory budget"
+        )
+    return budget
+
+
+def device_memory_budget(device: torch.device, share: float | None) -> int | None:
+    """The `auto` memory budget of a decoder whose weights are loaded on `device`. On CUDA: `share` (the replica's
+    GPU fraction, its allocator's cap; None or 1: the whole card) of the card's memory, less the weights and a
+    reserve. On CPU None: host memory is not what bounds a CPU decoder, its cores are (`max_batch_size`)."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = share if share is not None and 0 < share < 1 else 1.0
+    return memory_budget_for(int(total * fraction), torch.cuda.memory_allocated(device))
