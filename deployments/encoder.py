@@ -129,6 +129,7 @@ class Encoder:
             "streaming_speed": family.streaming is not None and family.streaming.streams_speed,
             "voices": self.stage.voices,
             "sample_rate": self.stage.sample_rate,
+            "speech_tokens_per_s": self.stage.model.config.speech_token_rate,
             "voice_cloning": self.cloner is not None,
         }
 

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 
 from engine.errors import CosyVoiceError
 from observability.http import RequestObservability
-from serve_app.errors import error_body, error_response, validation_message
+from serve_app.errors import error_body, error_response, validation_message, validation_param
 from serve_app.guard import RequestGuard
 from serve_app.tenancy import KeyTenancy
 
@@ -24,7 +24,8 @@ api.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 @api.exception_handler(RequestValidationError)
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(error_body(400, validation_message(exc), "invalid_request"), status_code=400)
+    body = error_body(400, validation_message(exc), "invalid_request", validation_param(exc))
+    return JSONResponse(body, status_code=400)
 
 
 @api.exception_handler(HTTPException)

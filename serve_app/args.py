@@ -303,7 +303,21 @@ class SecurityArgs(_Strict):
 
 # OpenAI's speech voices. The presets' built-in speakers are dummy_female and dummy_male: OpenAI's voices split
 # between them by the register OpenAI describes (an official model dir names its own speakers in `openai.voices`).
-OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
+OPENAI_VOICE_NAMES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "coral",
+    "echo",
+    "fable",
+    "onyx",
+    "nova",
+    "sage",
+    "shimmer",
+    "verse",
+    "marin",
+    "cedar",
+)
 DEFAULT_OPENAI_VOICES = {
     "alloy": "dummy_female",
     "ash": "dummy_male",
@@ -316,6 +330,8 @@ DEFAULT_OPENAI_VOICES = {
     "sage": "dummy_female",
     "shimmer": "dummy_female",
     "verse": "dummy_male",
+    "marin": "dummy_female",
+    "cedar": "dummy_male",
 }
 DEFAULT_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 

@@ -40,20 +40,24 @@ SERVE_UNAVAILABLE = (BackPressureError, DeploymentUnavailableError)
 
 
 def unavailable_error(exc: BaseException) -> ServiceUnavailableError | None:
-    """The 503 for Serve's overload and replica-failure errors, None for anything else."""
+    """The 503 for Serve's overload and replica-failure errors, None for anything else. Its message is ours; Serve's
+    own text (queue sizes, replica names) goes to the log only."""
     if isinstance(exc, BackPressureError):
-        return ServiceUnavailableError(f"the server is at capacity ({exc.message}); retry later", exc.retry_after_s)
-    if isinstance(exc, DeploymentUnavailableError):
-        return ServiceUnavailableError(f"no replica can take the request ({exc.message}); retry later")
-    if isinstance(exc, RayActorError):
-        return ServiceUnavailableError("a replica failed while serving this request; retry")
-    return None
+        error = ServiceUnavailableError("the server is at capacity; retry later", exc.retry_after_s)
+    elif isinstance(exc, DeploymentUnavailableError):
+        error = ServiceUnavailableError("no replica can take the request; retry later")
+    elif isinstance(exc, RayActorError):
+        error = ServiceUnavailableError("a replica failed while serving this request; retry")
+    else:
+        return None
+    logger.warning("%s: %s", error.message, exc)
+    return error
 
 
-def error_body(status: int, message: str, code: str) -> dict[str, Any]:
-    """OpenAI's error shape."""
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape; `param` names the request field at fault, where one is."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
 def engine_error(exc: BaseException) -> CosyVoiceError | None:
@@ -87,11 +91,23 @@ def error_response(exc: BaseException, request_id: str) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _field_of(item: dict[str, Any]) -> str:
+    return ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+
+
+def validation_param(exc: RequestValidationError) -> str | None:
+    """The field of the first validation error (OpenAI's `param`); None for a body that is not JSON."""
+    errors = exc.errors()
+    if not errors or errors[0]["type"] == "json_invalid":
+        return None
+    return _field_of(errors[0]) or None
+
+
 def validation_message(exc: RequestValidationError) -> str:
     parts = []
     for item in exc.errors():
         if item["type"] == "json_invalid":
             return f"malformed JSON body: {item.get('ctx', {}).get('error', item['msg'])}"
-        where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+        where = _field_of(item)
         parts.append(f"{where}: {item['msg']}" if where else item["msg"])
     return "invalid request: " + "; ".join(parts)

@@ -27,7 +27,11 @@ class VoiceRef(_Body):
 
 
 class SpeechRequest(_Body):
-    """OpenAI's `audio.speech.create` body."""
+    """OpenAI's `audio.speech.create` body. Fields this server does not know are taken and ignored (the route logs
+    each name once), so a newer OpenAI client that sends one more field keeps working; the native body stays
+    strict, where a misspelt option must not silently do nothing."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     input: str

@@ -125,6 +125,11 @@ class ModelConfig:
             tokens += 1
         return tokens
 
+    @property
+    def speech_token_rate(self) -> int:
+        """Speech tokens per second of audio: 50 for CosyVoice v1, 25 for CosyVoice2 and 3."""
+        return round(self.speech_tokens_for(100.0) / 100)
+
     @classmethod
     def from_yaml_file(cls, path: Path) -> ModelConfig:
         tree = load_model_yaml(path)

@@ -40,8 +40,10 @@ def estimate_request_memory(
     prompt_speech_tokens: int = 0,
     max_token_text_ratio: float = 20.0,
     dtype_bytes: int = 2,
+    speed: float = 1.0,
 ) -> MemoryEstimate:
-    """Peak bytes of one request of `text_tokens` target text tokens, decoded with weights of `dtype_bytes`."""
+    """Peak bytes of one request of `text_tokens` target text tokens, decoded with weights of `dtype_bytes`; a speed
+    below 1 stretches the mel before the vocoder, which then makes that much more audio."""
     max_speech = int(text_tokens * max_token_text_ratio)
     sequence = 2 + prompt_text_tokens + text_tokens + prompt_speech_tokens + max_speech  # + sos, task id
     kv_cache = sequence * config.llm.kv_cache_bytes_per_position(dtype_bytes)
@@ -50,7 +52,7 @@ def estimate_request_memory(
     flow_bytes = config.flow.activation_bytes(frames, dtype_bytes)
 
     hift = config.hift
-    samples = frames * hift.hop
+    samples = int(frames / min(speed, 1.0)) * hift.hop
     # after the first upsampling every stage holds about base_channels * samples / hop values (channels halve
     # as the rate doubles); three resblocks' outputs and the source branch live at once: ~4 such tensors, fp32
     vocoder = 4 * (hift.base_channels // 2) * samples // hift.upsample_rates[0] * 4

@@ -29,7 +29,7 @@ from engine.text.frontend import ENDOFPROMPT
 if TYPE_CHECKING:
     from engine.voices.cloning import VoicePrompt
 
-MIN_SPEED, MAX_SPEED = 0.5, 2.0
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range; the mel is stretched by 1 / speed
 # Sizes a decoder takes in one segment, checked before any of it is computed. The encoder's own inputs stay far below:
 # a sentence of `limits.max_input_chars` text, a voice prompt of at most `limits.max_prompt_audio_s` (30 s: 1500
 # speech tokens at 50 per second, 2600 mel frames).

@@ -272,6 +272,7 @@ class Scheduler:
             prompt_speech_tokens=max(len(segment.llm_prompt_speech_tokens), len(segment.flow_prompt_speech_tokens)),
             max_token_text_ratio=segment.sampling.max_token_text_ratio,
             dtype_bytes=model.dtype.itemsize,
+            speed=segment.speed,
         ).total_bytes
 
     def check_fits(self, segments: list[EncodedSegment]) -> list[int]:

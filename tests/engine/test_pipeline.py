@@ -101,7 +101,8 @@ def test_instruct_text_drops_the_llm_speaker_embedding(tts: CosyVoice) -> None:
         ({"text": "   "}, InvalidInputError, "empty"),
         ({"text": "x" * 3000}, InvalidInputError, "limit"),
         ({"voice": "nobody"}, UnknownVoiceError, "nobody"),
-        ({"speed": 3.0}, InvalidInputError, "speed"),
+        ({"speed": 4.5}, InvalidInputError, "speed"),
+        ({"speed": 0.2}, InvalidInputError, "speed"),
         ({"instruct_text": " "}, InvalidInputError, "instruct_text"),
     ],
 )

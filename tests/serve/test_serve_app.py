@@ -200,7 +200,7 @@ def test_openai_client_round_trip(base_url: str, info: dict[str, Any]) -> None:
     with pytest.raises(openai.NotFoundError, match="unknown voice"):
         api.audio.speech.create(model="tiny", voice="no-such-voice", input="Hi.")
     with pytest.raises(openai.BadRequestError, match="speed"):
-        api.audio.speech.create(model="tiny", voice=info["voices"][0], input="Hi.", speed=4.0)
+        api.audio.speech.create(model="tiny", voice=info["voices"][0], input="Hi.", speed=4.5)
     with pytest.raises(openai.NotFoundError, match=r"unknown model 'tts-2'.*'tiny', 'tts-1', 'tts-1-hd'"):
         api.audio.speech.create(model="tts-2", voice=info["voices"][0], input="Hi.")
 
@@ -218,6 +218,28 @@ def test_openai_code_runs_unchanged_with_model_and_voice_names(
     ) as response:
         response.stream_to_file(tmp_path / "hello.mp3")
     assert decode_audio_file((tmp_path / "hello.mp3").read_bytes())[1] == info["sample_rate"]
+
+
+def test_current_openai_names_speed_range_and_fields_work_unchanged(base_url: str, info: dict[str, Any]) -> None:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
+    for model, voice in (("gpt-4o-mini-tts-2025-12-15", "marin"), ("tts-1-1106", "cedar"), ("tts-1-hd-1106", "alloy")):
+        speech = api.audio.speech.create(model=model, voice=voice, input="Hi.", response_format="wav")
+        assert _decode(speech.content)[1] == info["sample_rate"]
+    # OpenAI's speed range, an empty instruction (absent), and a field a newer client may send
+    for speed in (0.25, 4.0):
+        api.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="wav", speed=speed)
+    api.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="wav", instructions="")
+    api.audio.speech.create(
+        model="tts-1", voice="alloy", input="Hi.", response_format="wav", extra_body={"a_future_field": {"x": 1}}
+    )
+    with pytest.raises(openai.NotFoundError, match="unknown model 'tts-1-20251215'"):
+        api.audio.speech.create(model="tts-1-20251215", voice="alloy", input="Hi.")
+
+
+def test_a_validation_error_names_its_param(client: httpx.Client) -> None:
+    body = {"model": "tts-1", "input": "Hi.", "voice": "alloy", "speed": 9}
+    error = client.post("/v1/audio/speech", json=body).json()["error"]
+    assert error["param"] == "speed" and "speed:" in error["message"]
 
 
 def test_an_openai_voice_name_is_the_voice_it_maps_to(client: httpx.Client) -> None:
@@ -242,7 +264,7 @@ def test_every_format_and_stream_format_through_the_openai_client(
     if stream_format == "sse":
         assert media_type.startswith("text/event-stream")
         events = [json.loads(line[len("data: ") :]) for line in body.decode().splitlines() if line.startswith("data: ")]
-        assert events[-1] == {"type": "speech.audio.done"}
+        assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
         assert events[:-1] and all(event["type"] == "speech.audio.delta" for event in events[:-1])
         data = b"".join(base64.b64decode(event["audio"]) for event in events[:-1])
         if not FORMATS[response_format].streamable:
@@ -322,11 +344,17 @@ def test_openai_sse_stream(client: httpx.Client, info: dict[str, Any]) -> None:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[len("data: ") :]) for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == {"type": "speech.audio.done"}
+    done = events[-1]
+    assert done["type"] == "speech.audio.done"
     deltas = events[:-1]
     assert deltas and all(e["type"] == "speech.audio.delta" for e in deltas)
     pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
     assert len(pcm) > 0 and len(pcm) % 2 == 0
+    # OpenAI's schema requires usage: the text tokens read, the audio in speech tokens (50 a second for v1)
+    usage = done["usage"]
+    assert usage["input_tokens"] > 0
+    assert usage["output_tokens"] == round(len(pcm) / 2 / info["sample_rate"] * 50)
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
 BAD_REQUESTS = [
@@ -335,7 +363,7 @@ BAD_REQUESTS = [
     ("unknown voice", {"text": "Hi.", "voice": "no-such-voice"}, 404, "unknown voice"),
     ("bad format", {"text": "Hi.", "format": "ogg"}, 400, "ogg"),
     ("unstreamable format", {"text": "Hi.", "format": "flac", "stream": True}, 400, "streamed"),
-    ("speed too high", {"text": "Hi.", "speed": 3.0}, 400, "speed"),
+    ("speed too high", {"text": "Hi.", "speed": 4.5}, 400, "speed"),
     ("speed too low", {"text": "Hi.", "speed": 0.1}, 400, "speed"),
     ("bad sampling", {"text": "Hi.", "sampling": {"top_p": 2.0}}, 400, "top_p"),
     ("unknown field", {"text": "Hi.", "temperature": 0.3}, 400, "temperature"),

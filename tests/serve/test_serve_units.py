@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
+from ray.serve.exceptions import BackPressureError
 
 from deployments.decoder import resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
@@ -20,9 +21,9 @@ from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.voices.speaker_bank import DUMMY_VOICES
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir
-from serve_app.errors import error_payload
-from serve_app.openai_routes import openai_mode
-from serve_app.synthesis import check_streams, mapped_voice
+from serve_app.errors import error_payload, unavailable_error
+from serve_app.openai_routes import openai_mode, served_model
+from serve_app.synthesis import check_streams, mapped_voice, speech_usage
 
 
 def test_cpu_replica_runs_fp32_unless_told_otherwise() -> None:
@@ -225,3 +226,42 @@ def test_a_stream_whose_later_sentences_fail_ends_with_the_encoders_error_or_a_5
     bug = RuntimeError("a bug in the encoder")
     failed = later_sentences_error(RayTaskError("encode_planned", "traceback", bug))
     assert isinstance(failed, RequestFailedError) and failed.__cause__ is not None  # logged by the decoder, a 500
+
+
+ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+@pytest.mark.parametrize(
+    ("name", "stands_for"),
+    [
+        ("tiny", "tiny"),
+        ("tts-1-hd", "tts-1-hd"),
+        ("gpt-4o-mini-tts-2025-12-15", "gpt-4o-mini-tts"),
+        ("tts-1-1106", "tts-1"),
+        ("tts-1-hd-1106", "tts-1-hd"),
+        ("tiny-1106", None),  # the served model's own name takes no snapshot suffix: it names no OpenAI model
+        ("tts-1-11060", None),
+        ("tts-2", None),
+        ("gpt-4o-mini-tts-2025-12", None),
+    ],
+)
+def test_an_alias_with_a_snapshot_suffix_is_that_alias(name: str, stands_for: str | None) -> None:
+    assert served_model(name, "tiny", ALIASES) == stands_for
+
+
+def test_speech_usage_counts_text_tokens_and_the_audio_in_speech_tokens() -> None:
+    assert speech_usage(12, 2.0, 25) == {"input_tokens": 12, "output_tokens": 50, "total_tokens": 62}
+
+
+def test_a_503_says_our_message_and_logs_serves_text(caplog: pytest.LogCaptureFixture) -> None:
+    serve_text = BackPressureError(num_queued_requests=64, max_queued_requests=64)
+    serve_logger = logging.getLogger("ray.serve")  # Serve's logger does not propagate to the root one
+    serve_logger.addHandler(caplog.handler)
+    try:
+        status, body = error_payload(serve_text, "req-9")
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    assert status == 503
+    assert body["error"]["message"] == "the server is at capacity; retry later (request id req-9)"
+    assert "64" in caplog.text  # Serve's own words stay in the log
+    assert unavailable_error(ValueError("not Serve's")) is None
