@@ -289,19 +289,17 @@ async def late_arrival_probe(
 
 
 async def openai_first_byte(
-    client: httpx.AsyncClient, model_name: str, voice: str, text: str, sample_rate: int, repeats: int
+    client: httpx.AsyncClient, model_name: str, voice: str, text: str, repeats: int
 ) -> dict[str, Any]:
     """`openai_request` `repeats` times -> the median of each figure, with its spread."""
-    runs = [await openai_request(client, model_name, voice, text, sample_rate) for _ in range(repeats)]
+    runs = [await openai_request(client, model_name, voice, text) for _ in range(repeats)]
     result: dict[str, Any] = {}
     for name in ("first_byte_s", "total_s", "audio_s", "fraction"):
         result |= Timing(tuple(run[name] for run in runs)).fields(name)
     return result
 
 
-async def openai_request(
-    client: httpx.AsyncClient, model_name: str, voice: str, text: str, sample_rate: int
-) -> dict[str, Any]:
+async def openai_request(client: httpx.AsyncClient, model_name: str, voice: str, text: str) -> dict[str, Any]:
     """`POST /v1/audio/speech` (pcm, default stream_format): seconds to the first byte (the last, without any
     audio) and the last byte."""
     body = {"model": model_name, "input": text, "voice": voice, "response_format": "pcm"}
@@ -309,6 +307,7 @@ async def openai_request(
     first, size = None, 0
     async with client.stream("POST", "/v1/audio/speech", json=body) as response:
         response.raise_for_status()
+        sample_rate = int(response.headers["x-sample-rate"])  # OpenAI's 24 kHz, whatever the model's rate
         async for piece in response.aiter_bytes():
             if piece and first is None:
                 first = time.perf_counter() - started
@@ -328,9 +327,7 @@ async def ours_run(url: str, workload: Workload, rates: tuple[float, ...], opena
         sample_rate = int(info["sample_rate"])
         poisson = [await poisson_level(client, workload, rate, sample_rate) for rate in rates]
         late = await late_arrival(client, workload, sample_rate)
-        openai = await openai_first_byte(
-            client, model_name, info["voices"][0], openai_text, sample_rate, workload.repeats
-        )
+        openai = await openai_first_byte(client, model_name, info["voices"][0], openai_text, workload.repeats)
     return {"closed": closed, "poisson": poisson, "late_arrival": late, "openai": openai}
 
 

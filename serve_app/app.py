@@ -144,6 +144,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         args.limits,
         security=args.security,
         openai=args.openai,
+        audio=args.audio,
         decoder_cpu=decoder_cpu,
         routing_poll_s=fallback.poll_interval_s,
         gpu_rules=gpu_rules,

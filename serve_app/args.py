@@ -356,6 +356,20 @@ class OpenAIArgs(_Strict):
         return self
 
 
+class AudioArgs(_Strict):
+    """The bit rates of the lossy formats, chosen for clean speech at 22-24 kHz mono: mp3 at the 160 kbit/s MPEG-2
+    maximum at those rates, aac and opus where speech has no audible artefacts."""
+
+    mp3_kbps: int = Field(160, ge=32, le=160, description="mp3 (MPEG-2 layer III at 22.05/24 kHz: 160 at most)")
+    aac_kbps: int = Field(96, ge=16, le=256)
+    opus_kbps: int = Field(64, ge=6, le=256)
+
+    def bit_rate(self, format_name: str) -> int | None:
+        """Bits per second of a lossy format; None for the lossless ones."""
+        kbps = {"mp3": self.mp3_kbps, "aac": self.aac_kbps, "opus": self.opus_kbps}.get(format_name)
+        return None if kbps is None else kbps * 1000
+
+
 def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> None:
     """A preset, or a path without '..' that resolves inside one of `allowed_roots` (when given)."""
     if model in PRESETS:
@@ -386,6 +400,7 @@ class AppArgs(_Strict):
     scheduler: SchedulerArgs = SchedulerArgs()
     security: SecurityArgs = SecurityArgs()
     openai: OpenAIArgs = OpenAIArgs()
+    audio: AudioArgs = AudioArgs()
     voices_dir: str | None = Field(
         None, description="where registered (cloned) voices are kept, shared by the encoder replicas; None: cloning off"
     )

@@ -6,6 +6,9 @@
   they stream too: each chunk of samples comes back as the bytes the encoder has completed so far.
 * flac is written whole by libsndfile and cannot stream: its header holds the length and a checksum of the whole
   signal.
+* A whole wav has its true sizes; a streamed one the open-ended header (sizes 0xFFFFFFFF: read to the end).
+* mp3, aac and opus are encoded at explicit bit rates (the app args' `audio` section); `StreamResampler` brings
+  the model's rate to the rate a client asked for (OpenAI's 24 kHz), chunk by chunk.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ try:
 except ImportError:  # mp3, opus and aac are then not offered
     av = None
 
+OPENAI_SAMPLE_RATE = 24000  # OpenAI's speech endpoint answers at this rate in every format (its pcm: raw 24 kHz)
 # libopus encodes at these rates only; other rates are resampled to the next one up.
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
 # Ogg holds pages back until they span this long (FFmpeg's default is 1 s, which would delay a stream by that).
@@ -133,9 +137,10 @@ class _ByteSink:
 
 
 class CodecStreamEncoder:
-    """An FFmpeg encoder and muxer (PyAV) fed chunk by chunk, in the encoder's fixed frame size."""
+    """An FFmpeg encoder and muxer (PyAV) fed chunk by chunk, in the encoder's fixed frame size; `bit_rate` in bits
+    per second (None: the encoder's default)."""
 
-    def __init__(self, fmt: AudioFormat, sample_rate: int) -> None:
+    def __init__(self, fmt: AudioFormat, sample_rate: int, bit_rate: int | None = None) -> None:
         if fmt.codec is None or av is None:
             raise InvalidInputError(f"audio format {fmt.name!r} is not an encoded format")
         encoder, muxer = fmt.codec
@@ -148,6 +153,8 @@ class CodecStreamEncoder:
         self.container = av.open(self.sink, mode="w", format=muxer, options=options)
         self.stream = self.container.add_stream(encoder, rate=rate, layout="mono")
         context = self.stream.codec_context
+        if bit_rate is not None:
+            context.bit_rate = bit_rate
         context.open()
         self.frame_size = context.frame_size
         self.time_base = Fraction(1, rate)
@@ -185,19 +192,74 @@ class CodecStreamEncoder:
         self.container.mux(self.stream.encode(frame))
 
 
-def stream_encoder(format_name: str, sample_rate: int) -> StreamEncoder:
-    """The encoder of a stream in the named format; InvalidInputError if the format cannot stream."""
+class StreamResampler:
+    """Float32 mono audio from one rate to another, chunk by chunk (FFmpeg's resampler keeps the filter state
+    between chunks, so the chunks join as the whole signal would)."""
+
+    def __init__(self, from_rate: int, to_rate: int) -> None:
+        self.from_rate = from_rate
+        self.resampler = av.AudioResampler(format="flt", layout="mono", rate=to_rate)
+
+    def resample(self, audio: np.ndarray) -> np.ndarray:
+        samples = np.ascontiguousarray(audio, dtype=np.float32)
+        if not samples.size:
+            return samples
+        frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+        frame.sample_rate = self.from_rate
+        return self._samples(self.resampler.resample(frame))
+
+    def finish(self) -> np.ndarray:
+        """The samples the filter still holds; call once, after the last chunk."""
+        return self._samples(self.resampler.resample(None))
+
+    @staticmethod
+    def _samples(frames: list[av.AudioFrame]) -> np.ndarray:
+        arrays = [frame.to_ndarray().reshape(-1) for frame in frames]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.float32)
+
+
+class ResampledStreamEncoder:
+    """A stream encoder fed at another rate than its own: each chunk is resampled first."""
+
+    def __init__(self, encoder: StreamEncoder, resampler: StreamResampler) -> None:
+        self.encoder = encoder
+        self.resampler = resampler
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        return self.encoder.encode(self.resampler.resample(audio))
+
+    def finish(self) -> bytes:
+        return self.encoder.encode(self.resampler.finish()) + self.encoder.finish()
+
+
+def resample(audio: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """A whole signal at another rate (itself when the rates agree)."""
+    if from_rate == to_rate:
+        return audio
+    resampler = StreamResampler(from_rate, to_rate)
+    return np.concatenate([resampler.resample(audio), resampler.finish()])
+
+
+def stream_encoder(
+    format_name: str, sample_rate: int, bit_rate: int | None = None, input_rate: int | None = None
+) -> StreamEncoder:
+    """The encoder of a stream in the named format at `sample_rate`, fed chunks at `input_rate` (default the same);
+    InvalidInputError if the format cannot stream."""
     fmt = audio_format(format_name, streaming=True)
     if fmt.codec is not None:
-        return CodecStreamEncoder(fmt, sample_rate)
-    return PcmStreamEncoder(streaming_wav_header(sample_rate) if fmt.name == "wav" else b"")
+        encoder: StreamEncoder = CodecStreamEncoder(fmt, sample_rate, bit_rate)
+    else:
+        encoder = PcmStreamEncoder(streaming_wav_header(sample_rate) if fmt.name == "wav" else b"")
+    if input_rate is None or input_rate == sample_rate:
+        return encoder
+    return ResampledStreamEncoder(encoder, StreamResampler(input_rate, sample_rate))
 
 
-def encode_audio(audio: np.ndarray, sample_rate: int, format_name: str) -> bytes:
-    """A complete file of `audio` (float32 [N], mono) in the named format."""
+def encode_audio(audio: np.ndarray, sample_rate: int, format_name: str, bit_rate: int | None = None) -> bytes:
+    """A complete file of `audio` (float32 [N], mono) in the named format (true sizes in its header)."""
     fmt = audio_format(format_name)
     if fmt.soundfile_format is None:  # pcm and the encoded formats: one stream over the whole signal
-        encoder = stream_encoder(fmt.name, sample_rate)
+        encoder = stream_encoder(fmt.name, sample_rate, bit_rate)
         return encoder.encode(audio) + encoder.finish()
     major, subtype = fmt.soundfile_format
     buffer = io.BytesIO()

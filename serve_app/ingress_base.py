@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from autoscaling.policy import ScalingRules
-from serve_app.args import LimitsArgs, OpenAIArgs, SecurityArgs
+from serve_app.args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.errors import SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import (
     BodyTimeouts,
@@ -55,6 +55,7 @@ class IngressBase:
         limits: LimitsArgs,
         security: SecurityArgs | None = None,
         openai: OpenAIArgs | None = None,
+        audio: AudioArgs | None = None,
         decoder_cpu: DeploymentHandle | None = None,
         routing_poll_s: float = 2.0,
         gpu_rules: ScalingRules | None = None,
@@ -62,6 +63,7 @@ class IngressBase:
         self.encoder = encoder
         self.model_name = model_name
         self.openai = openai or OpenAIArgs()
+        self.audio = audio or AudioArgs()
         self.model_names = (model_name, *(alias for alias in self.openai.model_aliases if alias != model_name))
         self.limits = limits
         self._info: dict[str, Any] | None = None

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from engine.runtime.pipeline import SynthesisRequest
 from serve_app.api import api
-from serve_app.audio import audio_format
+from serve_app.audio import OPENAI_SAMPLE_RATE, audio_format
 from serve_app.errors import UnknownModelError
 from serve_app.schemas import SpeechRequest
 from serve_app.synthesis import Mode, Synthesis, streams_at
@@ -71,4 +71,4 @@ class OpenAIRoutes(Synthesis):
             speed=body.speed,
         )
         mode = openai_mode(body.stream_format, body.response_format, await self.model_info(), body.speed)
-        return await self.respond(request, body.response_format, mode, http)
+        return await self.respond(request, body.response_format, mode, http, output_rate=OPENAI_SAMPLE_RATE)

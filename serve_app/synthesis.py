@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
 from engine.runtime.segment import EncodedSegment
 from engine.voices.registry import is_voice_id
 from observability.http import SynthesisTimer, endpoint_of, request_id_of
-from serve_app.audio import AudioFormat, StreamEncoder, audio_format, encode_audio, stream_encoder
+from serve_app.audio import AudioFormat, StreamEncoder, audio_format, encode_audio, resample, stream_encoder
 from serve_app.errors import SERVE_UNAVAILABLE, error_payload, unavailable_error
 from serve_app.guard import check_voice_name
 from serve_app.ingress_base import IngressBase
@@ -64,6 +65,27 @@ async def encoded_stream(
     except Exception:
         logger.error("the stream failed after its first chunk", exc_info=True, extra={"request_id": request_id})
         raise
+
+
+@dataclass(frozen=True)
+class OutputAudio:
+    """How a response's audio is written: its format, the model's rate and the rate sent, the format's bit rate."""
+
+    format: AudioFormat
+    model_rate: int
+    rate: int
+    bit_rate: int | None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Sample-Rate": str(self.rate)}
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        """A whole file (true sizes in a wav header)."""
+        return encode_audio(resample(audio, self.model_rate, self.rate), self.rate, self.format.name, self.bit_rate)
+
+    def stream_encoder(self) -> StreamEncoder:
+        return stream_encoder(self.format.name, self.rate, self.bit_rate, input_rate=self.model_rate)
 
 
 def speech_usage(input_tokens: int, audio_s: float, speech_tokens_per_s: int) -> dict[str, int]:
@@ -123,8 +145,11 @@ class Synthesis(IngressBase):
     async def resolve_voice(self, voice: str) -> str:
         return mapped_voice(voice, self.openai.voices, (await self.model_info())["voices"])
 
-    async def respond(self, request: SynthesisRequest, format_name: str, mode: Mode, http: Request) -> Response:
-        """Validate, encode, decode along the path the request calls for, and encode the audio."""
+    async def respond(
+        self, request: SynthesisRequest, format_name: str, mode: Mode, http: Request, output_rate: int | None = None
+    ) -> Response:
+        """Validate, encode, decode along the path the request calls for, and encode the audio at `output_rate`
+        (None: the model's rate), which the `X-Sample-Rate` header says."""
         request_id = request_id_of(http.scope)
         if not request.text.strip():
             raise InvalidInputError("the input text is empty")
@@ -142,6 +167,7 @@ class Synthesis(IngressBase):
         request = request.validated()
         caller = caller_of(http.scope)
         sample_rate = info["sample_rate"]
+        output = OutputAudio(fmt, sample_rate, output_rate or sample_rate, self.audio.bit_rate(fmt.name))
         streams = streams_at(info, request.speed)
         # whole, or sse of a format (or model, at this speed) that cannot stream: one event, at the end
         whole = mode == "whole" or not (fmt.streamable and streams)
@@ -155,7 +181,7 @@ class Synthesis(IngressBase):
             decoded = (self.call(partial(decoder.synthesize.remote, s, request_id)) for s in segments)
             audio = np.concatenate(await asyncio.gather(*decoded))
             input_tokens = sum(segment.text_len for segment in segments)
-            return self.whole_response(audio, fmt, mode, timer, request_id, input_tokens)
+            return self.whole_response(audio, output, mode, timer, request_id, input_tokens)
 
         # The streaming path: the first sentence decodes while the encoder encodes the others.
         first, plan = await self.call(partial(self.encoder.encode_first.remote, request, request_id, caller))
@@ -164,14 +190,15 @@ class Synthesis(IngressBase):
         input_tokens = sum(len(text.text) for text in plan.texts)
         if whole:
             audio = np.concatenate([chunk async for chunk in self.stream_audio(first, plan, request_id)])
-            return self.whole_response(audio, fmt, mode, timer, request_id, input_tokens)
+            return self.whole_response(audio, output, mode, timer, request_id, input_tokens)
         chunks = timer.measure(self.stream_audio(first, plan, request_id))
         first_chunk = await anext(chunks, None)  # errors up to the first chunk still get their HTTP status
-        encoded = encoded_stream(stream_encoder(fmt.name, sample_rate), first_chunk, chunks, request_id)
+        encoded = encoded_stream(output.stream_encoder(), first_chunk, chunks, request_id)
         if mode == "sse":
             usage = partial(self.usage_of, timer, input_tokens)
-            return StreamingResponse(self.sse_body(encoded, request_id, usage), media_type=SSE_MEDIA_TYPE)
-        return StreamingResponse(encoded, media_type=fmt.media_type)
+            body = self.sse_body(encoded, request_id, usage)
+            return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=output.headers)
+        return StreamingResponse(encoded, media_type=fmt.media_type, headers=output.headers)
 
     def usage_of(self, timer: SynthesisTimer, input_tokens: int) -> dict[str, int]:
         """The usage of a synthesis whose audio the timer counted."""
@@ -179,16 +206,23 @@ class Synthesis(IngressBase):
         return speech_usage(input_tokens, timer.samples / timer.sample_rate, self._info["speech_tokens_per_s"])
 
     def whole_response(
-        self, audio: np.ndarray, fmt: AudioFormat, mode: Mode, timer: SynthesisTimer, request_id: str, input_tokens: int
+        self,
+        audio: np.ndarray,
+        output: OutputAudio,
+        mode: Mode,
+        timer: SynthesisTimer,
+        request_id: str,
+        input_tokens: int,
     ) -> Response:
         """The whole file, in the body or (sse) in one event."""
-        body = encode_audio(audio, timer.sample_rate, fmt.name)
+        body = output.encode(audio)
         timer.audio(audio)
         timer.done()
         if mode == "sse":
             usage = partial(self.usage_of, timer, input_tokens)
-            return StreamingResponse(self.sse_body(iter_once(body), request_id, usage), media_type=SSE_MEDIA_TYPE)
-        return Response(body, media_type=fmt.media_type)
+            sse = self.sse_body(iter_once(body), request_id, usage)
+            return StreamingResponse(sse, media_type=SSE_MEDIA_TYPE, headers=output.headers)
+        return Response(body, media_type=output.format.media_type, headers=output.headers)
 
     async def stream_audio(
         self, first: list[EncodedSegment], plan: EncodingPlan, request_id: str

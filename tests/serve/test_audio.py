@@ -4,6 +4,7 @@ before the signal ends."""
 from __future__ import annotations
 
 import io
+import wave
 
 import numpy as np
 import pytest
@@ -12,11 +13,14 @@ import soundfile as sf
 from engine.errors import InvalidInputError
 from serve_app.audio import (
     FORMATS,
+    OPENAI_SAMPLE_RATE,
     OPUS_SAMPLE_RATES,
     PCM_MAX,
     STREAM_FORMATS,
+    StreamResampler,
     audio_format,
     encode_audio,
+    resample,
     stream_encoder,
     to_pcm16,
 )
@@ -94,3 +98,46 @@ def test_unknown_and_unstreamable_formats_are_invalid_input() -> None:
     with pytest.raises(InvalidInputError, match="cannot be streamed"):
         stream_encoder("flac", SAMPLE_RATE)
     assert audio_format("aac").media_type == "audio/aac"
+
+
+def _peak_hz(audio: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(audio))
+    return float(np.fft.rfftfreq(len(audio), 1 / rate)[np.argmax(spectrum)])
+
+
+def test_resampling_keeps_pitch_and_length_and_chunks_join_as_the_whole(tone: np.ndarray) -> None:
+    whole = resample(tone, SAMPLE_RATE, OPENAI_SAMPLE_RATE)
+    assert abs(len(whole) - OPENAI_SAMPLE_RATE) <= 64  # one second stays one second
+    assert abs(_peak_hz(whole, OPENAI_SAMPLE_RATE) - 440) <= 1.0
+    resampler = StreamResampler(SAMPLE_RATE, OPENAI_SAMPLE_RATE)
+    chunks = [resampler.resample(chunk) for chunk in np.array_split(tone, 7)] + [resampler.finish()]
+    np.testing.assert_allclose(np.concatenate(chunks), whole, atol=1e-6)
+    assert resample(tone, SAMPLE_RATE, SAMPLE_RATE) is tone
+
+
+def test_a_resampled_stream_decodes_at_the_rate_asked(tone: np.ndarray) -> None:
+    encoder = stream_encoder("wav", OPENAI_SAMPLE_RATE, input_rate=SAMPLE_RATE)
+    data = b"".join(encoder.encode(chunk) for chunk in np.array_split(tone, 5)) + encoder.finish()
+    audio, rate = decode_audio_file(data)
+    assert rate == OPENAI_SAMPLE_RATE and abs(len(audio) - OPENAI_SAMPLE_RATE) <= 64
+
+
+@pytest.mark.parametrize(("name", "bit_rate"), [("mp3", 160_000), ("aac", 96_000), ("opus", 64_000)])
+def test_lossy_formats_are_encoded_at_their_bit_rate(name: str, bit_rate: int) -> None:
+    t = np.arange(4 * OPENAI_SAMPLE_RATE) / OPENAI_SAMPLE_RATE  # 4 s: container overhead is small beside the audio
+    signal = (0.3 * np.sin(2 * np.pi * 220 * t) + 0.05 * np.random.default_rng(0).standard_normal(len(t))).astype(
+        np.float32
+    )
+    data = encode_audio(signal, OPENAI_SAMPLE_RATE, name, bit_rate)
+    measured = len(data) * 8 / 4.0
+    assert 0.75 * bit_rate <= measured <= 1.25 * bit_rate, measured  # the size the bit rate gives, give or take
+    low = encode_audio(signal, OPENAI_SAMPLE_RATE, name, bit_rate // 2)
+    assert len(low) < 0.75 * len(data)
+
+
+def test_a_whole_wav_has_its_true_sizes_and_a_streamed_one_the_open_header(tone: np.ndarray) -> None:
+    with wave.open(io.BytesIO(encode_audio(tone, SAMPLE_RATE, "wav"))) as whole:
+        assert whole.getnframes() == len(tone)
+    encoder = stream_encoder("wav", SAMPLE_RATE)
+    streamed = encoder.encode(tone) + encoder.finish()
+    assert streamed[4:8] == b"\xff\xff\xff\xff"  # RIFF size unknown: read to the end

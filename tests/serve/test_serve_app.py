@@ -28,7 +28,7 @@ from autoscaling.metrics import METRIC_NAMES  # noqa: E402
 from serve_app import build_app  # noqa: E402
 from serve_app.app import TTSIngress  # noqa: E402
 from serve_app.args import DEFAULT_OPENAI_VOICES, LimitsArgs  # noqa: E402
-from serve_app.audio import FORMATS  # noqa: E402
+from serve_app.audio import FORMATS, OPENAI_SAMPLE_RATE  # noqa: E402
 from serve_app.cli import main as cli_main  # noqa: E402
 from tests.serve.conftest import wait_until_healthy  # noqa: E402
 
@@ -132,6 +132,7 @@ def test_native_tts_every_format(client: httpx.Client, info: dict[str, Any]) -> 
         body = {"text": "Hello there.", "voice": info["voices"][0], "format": name, "seed": 3, **SHORT}
         response = client.post("/v1/tts", json=body)
         assert response.status_code == 200, response.text
+        assert response.headers["x-sample-rate"] == str(info["sample_rate"])  # the native API keeps the model's rate
         if name == "pcm":
             assert len(response.content) > 0 and len(response.content) % 2 == 0
             continue
@@ -192,7 +193,7 @@ def test_openai_client_round_trip(base_url: str, info: dict[str, Any]) -> None:
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
     speech = api.audio.speech.create(model="tiny", voice=info["voices"][0], input="Hi.", response_format="wav")
     _, rate = _decode(speech.content)
-    assert rate == info["sample_rate"]
+    assert rate == OPENAI_SAMPLE_RATE != info["sample_rate"]  # OpenAI's rate, from the tiny v1 model's 22050 Hz
     with api.audio.speech.with_streaming_response.create(
         model="tiny", voice=info["voices"][1 % len(info["voices"])], input="Hi.", response_format="flac", speed=1.5
     ) as response:
@@ -211,20 +212,20 @@ def test_openai_code_runs_unchanged_with_model_and_voice_names(
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
     for model in ("tts-1", "tts-1-hd"):
         speech = api.audio.speech.create(model=model, voice="alloy", input="Hi.", response_format="wav")
-        assert decode_audio_file(speech.content)[1] == info["sample_rate"]
+        assert decode_audio_file(speech.content)[1] == OPENAI_SAMPLE_RATE
     # The README's migration snippet.
     with api.audio.speech.with_streaming_response.create(
         model="gpt-4o-mini-tts", voice="coral", input="Hello from CosyVoice.", response_format="mp3"
     ) as response:
         response.stream_to_file(tmp_path / "hello.mp3")
-    assert decode_audio_file((tmp_path / "hello.mp3").read_bytes())[1] == info["sample_rate"]
+    assert decode_audio_file((tmp_path / "hello.mp3").read_bytes())[1] == OPENAI_SAMPLE_RATE
 
 
 def test_current_openai_names_speed_range_and_fields_work_unchanged(base_url: str, info: dict[str, Any]) -> None:
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
     for model, voice in (("gpt-4o-mini-tts-2025-12-15", "marin"), ("tts-1-1106", "cedar"), ("tts-1-hd-1106", "alloy")):
         speech = api.audio.speech.create(model=model, voice=voice, input="Hi.", response_format="wav")
-        assert _decode(speech.content)[1] == info["sample_rate"]
+        assert _decode(speech.content)[1] == OPENAI_SAMPLE_RATE
     # OpenAI's speed range, an empty instruction (absent), and a field a newer client may send
     for speed in (0.25, 4.0):
         api.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", response_format="wav", speed=speed)
@@ -276,7 +277,8 @@ def test_every_format_and_stream_format_through_the_openai_client(
         assert len(data) > 0 and len(data) % 2 == 0
         return
     audio, rate = decode_audio_file(data)
-    assert rate == info["sample_rate"] or response_format == "opus"
+    assert rate == OPENAI_SAMPLE_RATE or response_format == "opus"  # Opus decoders give 48 kHz
+    assert response.headers["x-sample-rate"] == str(OPENAI_SAMPLE_RATE)
     assert len(audio) > 0 and np.isfinite(audio).all()
 
 
@@ -353,7 +355,8 @@ def test_openai_sse_stream(client: httpx.Client, info: dict[str, Any]) -> None:
     # OpenAI's schema requires usage: the text tokens read, the audio in speech tokens (50 a second for v1)
     usage = done["usage"]
     assert usage["input_tokens"] > 0
-    assert usage["output_tokens"] == round(len(pcm) / 2 / info["sample_rate"] * 50)
+    # the pcm is OpenAI's raw 24 kHz; resampling keeps the length within a few samples
+    assert abs(usage["output_tokens"] - len(pcm) / 2 / OPENAI_SAMPLE_RATE * 50) <= 1
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
