@@ -22,7 +22,7 @@ import numpy as np
 import ray
 import torch
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, TaskCancelledError
 
 from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
 from engine.errors import (
@@ -70,13 +70,14 @@ class _Slot:
 
 def later_sentences_error(exc: Exception) -> CosyVoiceError:
     """The error that ends a request whose later sentences did not come: the encoder's own error (looking through
-    Ray's wrapping), 503 for a lost encoder replica or a cancelled call, else a `RequestFailedError` (500)."""
+    Ray's wrapping), 503 for a lost encoder replica (or its result, lost with its node) or a cancelled call, else a
+    `RequestFailedError` (500)."""
     cause: BaseException = exc
     while isinstance(cause, RayTaskError):
         cause = cause.cause
     if isinstance(cause, CosyVoiceError):
         return cause
-    if isinstance(cause, (RayActorError, TaskCancelledError)):
+    if isinstance(cause, (RayActorError, ObjectLostError, TaskCancelledError)):
         return UnavailableError("the encoder failed while encoding this request's later sentences; retry")
     return as_request_error(exc)
 

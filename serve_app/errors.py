@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from engine.errors import CosyVoiceError, UnavailableError
@@ -37,6 +37,10 @@ class UploadTooLargeError(CosyVoiceError):
 
 # Raised by deployment handles; Serve answers the first two itself in plain text unless they are translated.
 SERVE_UNAVAILABLE = (BackPressureError, DeploymentUnavailableError)
+# A replica lost (its process, or its whole node): the call fails with RayActorError, or, with a node, a result the
+# replica had already made but that lived in that node's object store cannot be fetched any more (ObjectLostError:
+# ObjectReconstructionFailedError, OwnerDiedError, ...). The call is seeded: sent again, it gives the same result.
+REPLICA_LOST = (RayActorError, ObjectLostError)
 
 
 def unavailable_error(exc: BaseException) -> ServiceUnavailableError | None:
@@ -46,7 +50,7 @@ def unavailable_error(exc: BaseException) -> ServiceUnavailableError | None:
         error = ServiceUnavailableError("the server is at capacity; retry later", exc.retry_after_s)
     elif isinstance(exc, DeploymentUnavailableError):
         error = ServiceUnavailableError("no replica can take the request; retry later")
-    elif isinstance(exc, RayActorError):
+    elif isinstance(exc, REPLICA_LOST):
         error = ServiceUnavailableError("a replica failed while serving this request; retry")
     else:
         return None

@@ -6,12 +6,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ray import serve
-from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from autoscaling.policy import ScalingRules
 from serve_app.args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
-from serve_app.errors import SERVE_UNAVAILABLE, unavailable_error
+from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import (
     BodyTimeouts,
     GuardSettings,
@@ -105,13 +104,14 @@ class IngressBase:
 
     @staticmethod
     async def call(make_call: Callable[[], Awaitable[Any]]) -> Any:
-        """Await a call to another deployment, retried once if its replica died (decodes are seeded, so the
-        retry gives the same audio); Serve's overload errors become JSON 503s."""
+        """Await a call to another deployment, retried once if its replica died or its result was lost with the
+        replica's node (decodes are seeded, so the retry gives the same audio); Serve's overload errors become JSON
+        503s."""
         try:
             try:
                 return await make_call()
-            except RayActorError as exc:
+            except REPLICA_LOST as exc:
                 logger.warning("a replica died during a call (%s); retrying it once", type(exc).__name__)
                 return await make_call()
-        except SERVE_UNAVAILABLE as exc:
+        except (*REPLICA_LOST, *SERVE_UNAVAILABLE) as exc:  # the retry failed too, or overload: 503
             raise unavailable_error(exc) from exc

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from engine.errors import InvalidInputError, UnknownVoiceError
@@ -26,7 +25,7 @@ from engine.runtime.segment import EncodedSegment
 from engine.voices.registry import is_voice_id
 from observability.http import SynthesisTimer, endpoint_of, request_id_of
 from serve_app.audio import AudioFormat, StreamEncoder, audio_format, encode_audio, resample, stream_encoder
-from serve_app.errors import SERVE_UNAVAILABLE, error_payload, unavailable_error
+from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, error_payload, unavailable_error
 from serve_app.guard import check_voice_name
 from serve_app.ingress_base import IngressBase
 from serve_app.tenancy import caller_of
@@ -251,8 +250,9 @@ class Synthesis(IngressBase):
                         started = True
                         yield chunk
                     return
-                except (RayActorError, *SERVE_UNAVAILABLE) as exc:
-                    # A stream that sent nothing yet lost nothing but time: it goes again, to another replica or
+                except (*REPLICA_LOST, *SERVE_UNAVAILABLE) as exc:
+                    # A lost replica (or, with its node, the chunks it had made): a stream that sent nothing yet lost
+                    # nothing but time: it goes again, to another replica or
                     # the replacement (whose queue the other re-sent streams may fill for a while), until
                     # `limits.reroute_s`; one that has sent audio cannot be resumed. A full queue at the first try
                     # is overload: 503 at once.

@@ -11,7 +11,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from pydantic import ValidationError
-from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
+from ray.exceptions import (
+    ObjectReconstructionFailedError,
+    RayActorError,
+    RayTaskError,
+    TaskCancelledError,
+)
 from ray.serve.exceptions import BackPressureError
 
 from deployments.decoder import resolve_device_and_dtype
@@ -221,7 +226,7 @@ def test_a_stream_whose_later_sentences_fail_ends_with_the_encoders_error_or_a_5
 
     refused = InvalidInputError("the text is too long")
     assert later_sentences_error(RayTaskError("encode_planned", "traceback", refused)) is refused
-    for lost in (RayActorError(), TaskCancelledError()):
+    for lost in (RayActorError(), TaskCancelledError(), _lost_with_its_node()):
         assert isinstance(later_sentences_error(lost), UnavailableError)
     bug = RuntimeError("a bug in the encoder")
     failed = later_sentences_error(RayTaskError("encode_planned", "traceback", bug))
@@ -265,3 +270,64 @@ def test_a_503_says_our_message_and_logs_serves_text(caplog: pytest.LogCaptureFi
     assert body["error"]["message"] == "the server is at capacity; retry later (request id req-9)"
     assert "64" in caplog.text  # Serve's own words stay in the log
     assert unavailable_error(ValueError("not Serve's")) is None
+def _lost_with_its_node() -> ObjectReconstructionFailedError:
+    """What awaiting a result raises once the node that held it is gone (an ObjectLostError)."""
+    return ObjectReconstructionFailedError("ab" * 28, None, "")
+
+
+class _FailingCall(_FakeCall):
+    """A streamed call that fails before its first chunk."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def __anext__(self) -> np.ndarray:
+        raise self.error
+
+
+def test_a_stream_whose_first_chunks_were_lost_with_the_decoders_node_is_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node lost under a stream: the decoder's chunks that lived in its object store cannot be fetched
+    (ObjectReconstructionFailedError, not a RayActorError); a stream that sent nothing yet goes again."""
+    from serve_app import synthesis
+    from serve_app.app import TTSIngress
+
+    monkeypatch.setattr(synthesis, "REROUTE_BACKOFF_S", 0.0)
+    calls = [_FailingCall(_lost_with_its_node()), _FakeCall([np.ones(4, np.float32)] * 2)]
+    tried = []
+
+    def stream_remote(first: list[str], request_id: str, later: list[str]) -> _FakeCall:
+        tried.append(first)
+        return calls[len(tried) - 1]
+
+    decoder = SimpleNamespace(stream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=stream_remote)))
+    ingress = SimpleNamespace(router=SimpleNamespace(handle=lambda: decoder), limits=LimitsArgs())
+
+    async def all_chunks() -> list[np.ndarray]:
+        plan = SimpleNamespace(num_segments=1)
+        return [c async for c in TTSIngress.func_or_class.stream_audio(ingress, ["first sentence"], plan, "req-1")]
+
+    assert len(asyncio.run(all_chunks())) == 2
+    assert tried == [["first sentence"]] * 2
+
+
+def test_a_call_whose_result_was_lost_with_its_node_is_retried_once_then_503() -> None:
+    from serve_app.errors import ServiceUnavailableError
+    from serve_app.ingress_base import IngressBase
+
+    outcomes: list[Exception | str] = [_lost_with_its_node(), "audio"]
+
+    async def make_call() -> str:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert asyncio.run(IngressBase.call(make_call)) == "audio"
+    outcomes[:] = [_lost_with_its_node(), _lost_with_its_node()]
+    with pytest.raises(ServiceUnavailableError, match="a replica failed"):
+        asyncio.run(IngressBase.call(make_call))
+    status, body = error_payload(_lost_with_its_node(), "req-1")
+    assert status == 503 and "replica failed" in body["error"]["message"]
