@@ -270,6 +270,8 @@ def test_a_503_says_our_message_and_logs_serves_text(caplog: pytest.LogCaptureFi
     assert body["error"]["message"] == "the server is at capacity; retry later (request id req-9)"
     assert "64" in caplog.text  # Serve's own words stay in the log
     assert unavailable_error(ValueError("not Serve's")) is None
+
+
 def _lost_with_its_node() -> ObjectReconstructionFailedError:
     """What awaiting a result raises once the node that held it is gone (an ObjectLostError)."""
     return ObjectReconstructionFailedError("ab" * 28, None, "")
