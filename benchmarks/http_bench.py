@@ -207,9 +207,15 @@ async def run_level(
     return summarize(mode, concurrency, [await once() for _ in range(workload.repeats)])
 
 
-async def run_sweep(url: str, workload: Workload) -> list[LevelResult]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer header of a server with API keys; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def run_sweep(url: str, workload: Workload, api_key: str | None = None) -> list[LevelResult]:
     limits = httpx.Limits(max_connections=max(workload.concurrencies) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=workload.timeout_s, limits=limits) as client:
+    headers = auth_headers(api_key)
+    async with httpx.AsyncClient(base_url=url, timeout=workload.timeout_s, limits=limits, headers=headers) as client:
         voices = await client.get("/v1/voices")
         voices.raise_for_status()
         sample_rate = int(voices.json()["sample_rate"])
@@ -239,7 +245,7 @@ def local_server(model: str = "tiny", app_args: dict[str, Any] | None = None) ->
     import ray
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.ingress import build_app
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local single-user cluster
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -312,11 +318,14 @@ def print_table(results: list[LevelResult]) -> None:
         )
 
 
-def bench(url: str | None, workload: Workload, out_dir: Path, model: str = "tiny") -> dict[str, Any]:
-    """Run the sweep against `url`, or against a local app started for the run when `url` is None."""
+def bench(
+    url: str | None, workload: Workload, out_dir: Path, model: str = "tiny", api_key: str | None = None
+) -> dict[str, Any]:
+    """Run the sweep against `url` (with `api_key` where it has API keys), or against a local app started for the
+    run when `url` is None."""
     if url is None:
         with local_server(model) as local_url:
             return bench(local_url, workload, out_dir)
-    results = asyncio.run(run_sweep(url, workload))
+    results = asyncio.run(run_sweep(url, workload, api_key))
     print_table(results)
     return write_report(url, workload, results, out_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -19,10 +20,12 @@ from typing import Any
 import httpx
 import yaml
 
+from benchmarks.http_bench import auth_headers
 from benchmarks.timing import add_repeat_options
-from engine.voices.cloning import CAMPPLUS_FILE
+from engine.voices.spec import CAMPPLUS_FILE
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+API_KEY_ENV = "COSYVOICE_API_KEY"  # the key `say` and `bench` send to a server with API keys
 
 
 def read_serve_config(path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -85,8 +88,8 @@ def run(options: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import SHUTDOWN_MARGIN_S, build_app
     from serve_app.args import AppArgs
+    from serve_app.ingress import SHUTDOWN_MARGIN_S, build_app
 
     application, http_options = read_serve_config(options.config)
     args = dict(application.get("args") or {})
@@ -98,11 +101,15 @@ def run(options: argparse.Namespace) -> int:
     args = with_default_voices_dir(args)
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
+    for what, number, option in (("port", port, "--port"), ("metrics port", options.metrics_port, "--metrics-port")):
+        if number is not None and port_in_use(host, number):
+            print(f"error: {what} {number} is in use on {host}; pass {option} with a free one", file=sys.stderr)
+            return 2
     for warning in startup_warnings(args, host):
         print(f"warning: {warning}", file=sys.stderr)
     # Our own Ray, not a cluster another process started. Its ports listen on every interface whatever the node
     # address (Ray 2.60), so its token auth stays on: a new local cluster gets a token (~/.ray/auth_token).
-    ray.init(address="local", include_dashboard=False)
+    ray.init(address="local", include_dashboard=False, _metrics_export_port=options.metrics_port)
     serve.start(http_options={"host": host, "port": port})
     name = application.get("name", "cosyvoice")
     serve.run(build_app(args), name=name, route_prefix=application.get("route_prefix", "/"))
@@ -110,6 +117,7 @@ def run(options: argparse.Namespace) -> int:
     print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
     print(f'  cosyvoice-serve say "Hello from CosyVoice." -o out.wav --url {url}')
     print(f"  curl {url}/v1/voices")
+    print(f"metrics (Prometheus): http://{host}:{metrics_port()}/metrics")
     if args.get("voices_dir"):
         print(f"registered voices are kept in {args['voices_dir']}")
     # SIGTERM (containers, systemd) stops the server as Ctrl-C does: drained, then Serve and Ray shut down, exit 0.
@@ -126,6 +134,23 @@ def run(options: argparse.Namespace) -> int:
         ray.shutdown()
     print("stopped", flush=True)
     return 0
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something already listens on `port` (checked before Ray starts, which would fail 20 s later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def metrics_port() -> int:
+    """The port of this node's Prometheus metrics (Ray's agent serves every replica's metrics there)."""
+    import ray
+
+    return int(ray.nodes()[0]["MetricsExportPort"])
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -154,9 +179,10 @@ def say(options: argparse.Namespace) -> int:
     for key in ("voice", "instruct_text", "seed", "speed"):
         if getattr(options, key) is not None:
             body[key] = getattr(options, key)
+    headers = auth_headers(options.api_key)
     try:
         with (
-            httpx.Client(base_url=options.url, timeout=options.timeout) as client,
+            httpx.Client(base_url=options.url, timeout=options.timeout, headers=headers) as client,
             client.stream("POST", "/v1/tts", json=body) as response,
         ):
             if response.status_code != 200:
@@ -190,10 +216,18 @@ def bench(options: argparse.Namespace) -> int:
         repeats=options.repeats,
         warmup=options.warmup,
     )
-    report = run_bench(options.url, workload, options.out, model=options.model)
+    report = run_bench(options.url, workload, options.out, model=options.model, api_key=options.api_key)
     errors = sum(result["errors"] for result in report["results"])
     print(f"wrote {options.out / 'bench.json'} and {', '.join(report['plots'])}; {errors} error(s)")
     return 0 if errors == 0 else 1
+
+
+def add_api_key_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"sent as a bearer token to a server with API keys (default: ${API_KEY_ENV})",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -224,6 +258,9 @@ def parser() -> argparse.ArgumentParser:
     )
     run_parser.add_argument("--host", default=None)
     run_parser.add_argument("--port", type=int, default=None)
+    run_parser.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus metrics port (default: one Ray picks, printed)"
+    )
     run_parser.set_defaults(handler=run)
 
     say_parser = commands.add_parser("say", help="synthesise text through a running server")
@@ -237,6 +274,7 @@ def parser() -> argparse.ArgumentParser:
     say_parser.add_argument("--seed", type=int, default=None)
     say_parser.add_argument("--speed", type=float, default=None)
     say_parser.add_argument("--timeout", type=float, default=300.0)
+    add_api_key_option(say_parser)
     say_parser.set_defaults(handler=say)
 
     bench_parser = commands.add_parser("bench", help="HTTP load benchmark: concurrency sweep, whole and streaming")
@@ -251,6 +289,7 @@ def parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     add_repeat_options(bench_parser)
     bench_parser.add_argument("--out", type=Path, default=Path("out/bench"))
+    add_api_key_option(bench_parser)
     bench_parser.set_defaults(handler=bench)
     return main_parser
 

@@ -21,7 +21,7 @@ from ray.serve.deployment import deployment_to_schema
 from ray.serve.schema import ServeDeploySchema
 from ray.serve.scripts import ServeDeploySchemaDumper
 
-from serve_app.app import build_app
+from serve_app.ingress import build_app
 
 BUILDER = "serve_app:build_app"
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.families import ModelFamily, families
-from engine.voices.spec import MEL_BINS, PromptMelConfig
+from engine.voices.spec import CAMPPLUS_FILE, MEL_BINS, PromptMelConfig
 
 MIN_PROMPT_SECONDS = 1.0
 MAX_PROMPT_SECONDS = 30.0  # the official speech tokenizer refuses longer audio
@@ -47,7 +47,6 @@ MAX_PROMPT_CHANNELS = 2
 MAX_RESAMPLE_KERNEL = 1 << 20
 FEATURE_SAMPLE_RATE = 16000  # rate of the embedding and speech-token features
 EMBEDDING_DIM = 192
-CAMPPLUS_FILE = "campplus.onnx"
 
 _WHISPER_MELS = 128
 _WHISPER_N_FFT = 400

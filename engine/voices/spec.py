@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MEL_BINS = 80
+CAMPPLUS_FILE = "campplus.onnx"  # the speaker-embedding model every family clones with
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,7 @@ def test_healthz_carries_the_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.serve
 
     from serve_app import routing
-    from serve_app.app import TTSIngress
+    from serve_app.ingress import TTSIngress
     from serve_app.routing import ENCODER, GPU_DECODER, DecoderRouter
 
     async def running(app_name: str, names) -> dict[str, int]:

@@ -246,8 +246,8 @@ def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch
 
     import ray.serve
 
-    from serve_app.app import TTSIngress
     from serve_app.health_routes import HEALTH_MAX_AGE_S
+    from serve_app.ingress import TTSIngress
 
     reads = 0
 

@@ -17,6 +17,8 @@ import pytest
 
 from engine.voices.registry import EVERYONE, Caller
 from serve_app.args import SecurityArgs
+from serve_app.cli import API_KEY_ENV
+from serve_app.cli import main as cli_main
 from serve_app.errors import error_body
 from serve_app.guard import load_keys
 from serve_app.tenancy import (
@@ -359,3 +361,17 @@ def test_a_key_over_its_limit_gets_429_and_every_slot_comes_back(clients: dict[s
         assert_error(speak(alice, UNKNOWN_VOICE), 404, "unknown voice")
     statuses = [alice.post("/v1/tts", json=short).status_code for _ in range(LIMIT + 1)]
     assert statuses == [200] * (LIMIT + 1)
+
+
+def test_cli_say_sends_the_api_key_from_its_option_or_the_environment(
+    served: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base_url, _ = served
+    out = tmp_path / "out.wav"
+    say = ["say", "Hi.", "-o", str(out), "--url", base_url, "--seed", "1"]
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert cli_main(say) == 1 and "error 401" in capsys.readouterr().err
+    assert cli_main([*say, "--api-key", ALICE]) == 0 and out.stat().st_size > 0
+    monkeypatch.setenv(API_KEY_ENV, BOB)
+    out.unlink()
+    assert cli_main(say) == 0 and out.stat().st_size > 0

@@ -196,7 +196,7 @@ class _FakeCall:
 def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders_call_for_the_rest(
     sentences: int,
 ) -> None:
-    from serve_app.app import TTSIngress
+    from serve_app.ingress import TTSIngress
 
     rest, stream, sent = _FakeCall(), _FakeCall([np.ones(4, np.float32)] * 2), {}
     encoder = SimpleNamespace(encode_planned=SimpleNamespace(remote=lambda plan, start, request_id: rest))
@@ -294,7 +294,7 @@ def test_a_stream_whose_first_chunks_were_lost_with_the_decoders_node_is_sent_ag
     """A node lost under a stream: the decoder's chunks that lived in its object store cannot be fetched
     (ObjectReconstructionFailedError, not a RayActorError); a stream that sent nothing yet goes again."""
     from serve_app import synthesis
-    from serve_app.app import TTSIngress
+    from serve_app.ingress import TTSIngress
 
     monkeypatch.setattr(synthesis, "REROUTE_BACKOFF_S", 0.0)
     calls = [_FailingCall(_lost_with_its_node()), _FakeCall([np.ones(4, np.float32)] * 2)]
