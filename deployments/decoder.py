@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from observability import STRUCTURED_LOGGING
 from observability.metrics import DecoderMetrics
 
 logger = logging.getLogger("ray.serve")
+
+GAUGE_REFRESH_S = 5.0  # well inside the time Ray keeps a gauge it was not given again
 
 
 @dataclass(eq=False)
@@ -136,7 +139,10 @@ class Decoder:
         self._gpu = gpu
         self.metrics = DecoderMetrics()
         FALLBACKS.add_listener(self.metrics.record_precision_fallback)
-        self.metrics.utilization_from_busy_time.set(0 if sampler is not None else 1)
+        self._utilization_from_busy_time = 0 if sampler is not None else 1
+        # Ray exports a gauge only while it is set again and again: one that stays unset drops out of the scrape
+        # (about 30 s after the last request here), so dashboards would read "No data" instead of an idle 0.
+        threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
         # Built per replica so that max_concurrent_batches comes from the app's arguments. The loop starts idle:
         # the queue waits for no batch to fill until the loop is busy (`_loop_busy`).
         self._admit = serve.batch(
@@ -313,7 +319,13 @@ class Decoder:
         playback = ticket.playback
         self.metrics.record_playback(ticket.streaming, playback.first_audio_s, playback.underruns, playback.min_slack_s)
 
+    def _refresh_gauges(self) -> None:
+        while True:
+            self._publish_load()
+            time.sleep(GAUGE_REFRESH_S)
+
     def _publish_load(self) -> None:
+        self.metrics.utilization_from_busy_time.set(self._utilization_from_busy_time)
         self.metrics.queue_depth.set(self.load.waiting)
         self.metrics.ongoing.set(self.load.ongoing)
         allocated, reserved = self._gpu.memory_bytes() if self._gpu is not None else (0, 0)

@@ -34,7 +34,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ErrorBody = Callable[[int, str, str], dict[str, Any]]
 
 # Probes, and the try-it page with its script and style (no data in them; the page asks for a key itself).
-OPEN_PATHS = frozenset({"/healthz", "/"})
+OPEN_PATHS = frozenset({"/healthz", "/", "/favicon.ico"})
 OPEN_PREFIXES = ("/static/",)
 MAX_VOICE_NAME_CHARS = 128
 

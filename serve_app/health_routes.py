@@ -20,6 +20,10 @@ class HealthRoutes(IngressBase):
     async def page(self) -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
+    @api.get("/favicon.ico", include_in_schema=False)
+    async def favicon(self) -> FileResponse:
+        return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml")
+
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
         """200 while the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503.

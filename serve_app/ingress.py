@@ -25,10 +25,14 @@ from serve_app.routing import CPU_DECODER
 from serve_app.voice_routes import VoiceRoutes
 
 
-@serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)
-@serve.ingress(api)
-class TTSIngress(HealthRoutes, VoiceRoutes, OpenAIRoutes, NativeRoutes):
+class IngressRoutes(HealthRoutes, VoiceRoutes, OpenAIRoutes, NativeRoutes):
     """The HTTP ingress: every route group on one replica (Serve finds inherited routes through the class's MRO)."""
+
+
+# The routes' class is a module attribute of its own (the deployment is not a class): a replica unpickling the
+# deployment then imports this module, whose `serve.ingress` binds each route's `self` in that process too. The
+# serve_app package builds nothing on import (the CLI must start at once), so nothing else would.
+TTSIngress = serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)(serve.ingress(api)(IngressRoutes))
 
 
 def queue_bound(max_queued_requests: int | None) -> int:

@@ -44,7 +44,7 @@ def serve_http_host() -> str | None:
 
 class IngressBase:
     """The ingress replica's state; the route groups (health, voices, OpenAI, native) are its subclasses, and
-    `serve_app.ingress.TTSIngress` is all of them."""
+    `serve_app.ingress.IngressRoutes` is all of them."""
 
     def __init__(
         self,

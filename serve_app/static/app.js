@@ -4,7 +4,7 @@
 // kept in local storage and sent as a bearer token. URLs are relative so that the page also works under a
 // route prefix ending in "/".
 
-const PLAYABLE_FORMATS = ["wav", "pcm"]; // the formats this page decodes itself, piece by piece
+const PIECEWISE_FORMATS = ["wav", "pcm"]; // decoded here piece by piece; the others by the browser, once received
 const KEY_STORAGE = "cosyvoice-api-key";
 const BYTES_PER_SAMPLE = 2; // the stream is 16-bit little-endian mono
 const PCM_SCALE = 32768;
@@ -159,8 +159,8 @@ class Player {
 
 // --- waveform ------------------------------------------------------------------------------------------
 
-// Draws the received audio as it arrives: one min/max bar per block of samples, squeezed to the canvas width
-// once it fills it, scaled to the loudest sample so far (quiet audio stays visible).
+// Draws the received audio as it arrives: one min/max bar per block of samples, the blocks so far spread over the
+// whole canvas width (short or long), scaled to the loudest sample so far (quiet audio stays visible).
 class Waveform {
   static BLOCK_SAMPLES = 256;
 
@@ -211,13 +211,14 @@ class Waveform {
     const context = this.canvas.getContext("2d");
     context.clearRect(0, 0, width, height);
     context.fillStyle = "#1e88e5";
-    const step = width / Math.max(this.peaks.length, width);
+    const step = width / Math.max(this.peaks.length, 1);
     const middle = height / 2;
     const scale = middle / Math.max(this.loudest, 1e-4);
     this.peaks.forEach(([low, high], index) => {
       context.fillRect(index * step, middle - high * scale, Math.max(step, 1), Math.max(1, (high - low) * scale));
     });
     this.canvas.dataset.drawnSamples = String(this.peaks.length === 0 ? 0 : this.samples);
+    this.canvas.dataset.drawnWidth = String(this.peaks.length === 0 ? 0 : Math.round(this.peaks.length * step));
   }
 }
 
@@ -317,6 +318,7 @@ async function loadVoices() {
     const response = await api("v1/voices");
     if (!response.ok) throw new Error(await apiErrorMessage(response));
     serverInfo = await response.json();
+    updateInstructMode();
     fillVoices(serverInfo);
     fillFormats();
     byId("cloning-off").hidden = serverInfo.voice_cloning;
@@ -331,16 +333,28 @@ async function loadVoices() {
   }
 }
 
-// The formats the page can play; with streaming on, those the server can also stream.
+// Every format the server writes; with streaming on, those it can stream (all but flac). wav and pcm play as they
+// arrive; the encoded ones once the whole file is in (the browser decodes them).
 function fillFormats() {
   const choices = byId("stream").checked ? serverInfo.stream_formats : serverInfo.formats;
   const select = byId("format");
   const previous = select.value;
-  fillSelect(select, PLAYABLE_FORMATS.filter((name) => choices.includes(name)), { pcm: "pcm (raw 16-bit mono)" });
+  const labels = { pcm: "pcm (raw 16-bit mono)" };
+  for (const name of choices) if (!PIECEWISE_FORMATS.includes(name)) labels[name] = `${name} (plays once received)`;
+  const piecewise = PIECEWISE_FORMATS.filter((name) => choices.includes(name));
+  fillSelect(select, [...piecewise, ...choices.filter((name) => !piecewise.includes(name))], labels);
   if (previous && [...select.options].some((item) => item.value === previous)) select.value = previous;
 }
 
 const isRegisteredVoice = (voice) => serverInfo?.registered_voices.some((record) => record.id === voice);
+
+// Instruct mode only where the model follows instructions; the hint says why it is off.
+function updateInstructMode() {
+  const instructOption = byId("mode").querySelector('option[value="instruct"]');
+  instructOption.disabled = serverInfo.instructions === "none";
+  instructOption.textContent = instructOption.disabled ? "instruct (this model follows no instructions)" : "instruct";
+  if (instructOption.disabled && byId("mode").value === "instruct") byId("mode").value = "zero-shot";
+}
 
 // What the chosen mode means with the chosen voice, and the instruction field for instruct mode.
 function updateModeHint() {
@@ -453,6 +467,9 @@ async function speak(event) {
       if (chunk.done) break;
       pieces.push(chunk.value);
       byteCount += chunk.value.length;
+      byId("received").dataset.bytes = String(byteCount);
+      byId("received").textContent = `${byteCount.toLocaleString()} bytes`;
+      if (!PIECEWISE_FORMATS.includes(format)) continue; // decoded once the whole file is in
       const samples = decoder.push(chunk.value);
       if (samples.length > 0 && sampleCount === 0) {
         byId("ttfa").textContent = `${Math.round(performance.now() - started)} ms`;
@@ -461,10 +478,19 @@ async function speak(event) {
       sampleCount += samples.length;
       player.push(samples, decoder.sampleRate);
       waveform.push(samples);
-      byId("received").dataset.bytes = String(byteCount);
-      byId("received").textContent = `${byteCount.toLocaleString()} bytes`;
       byId("duration").textContent = `${(sampleCount / decoder.sampleRate).toFixed(2)} s`;
       showPlayback(player);
+    }
+    if (!PIECEWISE_FORMATS.includes(format)) {
+      const decoded = await decodeFile(concatBytes(pieces), format);
+      decoder.sampleRate = decoded.sampleRate;
+      const samples = decoded.getChannelData(0);
+      byId("ttfa").textContent = `${Math.round(performance.now() - started)} ms`;
+      setStatus("streaming", "playing…");
+      sampleCount = samples.length;
+      player.push(samples, decoded.sampleRate);
+      waveform.push(samples);
+      byId("duration").textContent = `${(sampleCount / decoded.sampleRate).toFixed(2)} s`;
     }
     player.flush(decoder.sampleRate);
     waveform.finish();
@@ -480,6 +506,16 @@ async function speak(event) {
     if (!isCurrent()) return; // replaced by a newer request, or stopped
     showError(error.message);
     setStatus("error");
+  }
+}
+
+// A whole mp3, opus, aac or flac file -> an AudioBuffer at the file's rate, decoded by the browser.
+async function decodeFile(bytes, format) {
+  const context = new OfflineAudioContext(1, 1, serverInfo.sample_rate);
+  try {
+    return await context.decodeAudioData(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.length));
+  } catch (error) {
+    throw new Error(`this browser cannot decode ${format}; the file can still be downloaded (${error.message})`);
   }
 }
 

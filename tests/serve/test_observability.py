@@ -28,6 +28,7 @@ from tests.serve.conftest import running_app  # noqa: E402
 APP_NAME = "observability-test"
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # keeps dummy-weight decodes short on 2 CPUs
 POLL_S = 60.0  # Ray exports metrics every few seconds, and replica logs land in files
+IDLE_SCRAPE_GAP_S = 40.0
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +305,17 @@ def test_each_request_is_counted_once_with_the_status_its_client_got_and_a_cut_s
         ("503", "complete"),  # a lost replica: the client's 503, not the 500 the middleware saw before
         ("200", "aborted"),
     ]
+
+
+def test_decoder_gauges_stay_in_the_scrape_while_idle(client: httpx.Client, server: tuple[str, int]) -> None:
+    assert client.get("/v1/voices").status_code == 200  # no synthesis: the decoder only idles
+    gauges = (metrics.DECODER_QUEUE_DEPTH, metrics.DECODER_ONGOING, metrics.UTILIZATION_FROM_BUSY_TIME)
+
+    def idle_gauges() -> list[Any] | None:
+        samples = _samples(server[1])
+        present = all(any(s.name == "ray_" + name and s.value == 0 for s in samples) for name in gauges[:2])
+        return samples if present and any(s.name == "ray_" + gauges[2] for s in samples) else None
+
+    poll(idle_gauges, "the idle decoder's gauges")
+    time.sleep(IDLE_SCRAPE_GAP_S)  # past the ~30 s after which a gauge that is not set again leaves the scrape
+    assert idle_gauges() is not None, "a decoder gauge left the scrape while the replica idled"

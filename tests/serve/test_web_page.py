@@ -167,6 +167,9 @@ def test_page_and_assets_are_served_without_a_key(base_url: str) -> None:
     assert "v1/tts" in script.text
     style = client.get("/static/style.css")
     assert style.status_code == 200 and style.headers["content-type"].startswith("text/css")
+    for icon in ("/favicon.ico", "/static/favicon.svg"):  # browsers ask for /favicon.ico unless told otherwise
+        response = client.get(icon)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("image/svg+xml")
     missing = client.get("/static/no-such-file.js")
     assert missing.status_code == 404 and missing.json()["error"]["message"]
 
@@ -176,7 +179,11 @@ def test_pickers_are_filled_from_the_api(page: Any, info: dict[str, Any]) -> Non
     voices = page.eval_on_selector_all("#voice optgroup[label=built-in] option", "options => options.map(o => o.value)")
     assert voices == info["voices"]
     formats = page.eval_on_selector_all("#format option", "options => options.map(o => o.value)")
-    assert formats == [name for name in ("wav", "pcm") if name in info["formats"]]
+    assert set(formats) == set(info["stream_formats"]) and formats[:2] == ["wav", "pcm"]  # streaming: no flac
+    page.uncheck("#stream")
+    formats = page.eval_on_selector_all("#format option", "options => options.map(o => o.value)")
+    assert set(formats) == set(info["formats"]) and "flac" in formats
+    page.check("#stream")
     assert page.is_enabled("#speak") and page.is_checked("#stream")
 
 
@@ -216,8 +223,10 @@ def test_speak_streams_plays_and_offers_the_audio(page: Any, info: dict[str, Any
 
 
 def _assert_waveform_drawn(page: Any, samples: int) -> None:
-    """The canvas shows every received sample, and has ink on it."""
+    """The canvas shows every received sample across its whole width, and has ink on it."""
     assert int(page.get_attribute("#waveform", "data-drawn-samples")) == samples
+    width = int(page.get_attribute("#waveform", "width"))
+    assert abs(int(page.get_attribute("#waveform", "data-drawn-width")) - width) <= 1
     inked = page.evaluate(
         """() => {
             const canvas = document.getElementById('waveform');
@@ -303,12 +312,22 @@ def test_register_a_voice_recorded_from_the_microphone(page: Any, client: httpx.
     assert client.delete(f"/v1/voices/{voice_id}").status_code == 200
 
 
-def test_instruct_mode_on_a_model_without_instructions_shows_the_400(page: Any) -> None:
-    page.select_option("#mode", "instruct")
-    assert page.is_visible("#instruct")
-    page.fill("#instruct", "Speak softly.")
-    assert _speak(page, "Hi.") == "error"
-    assert "cannot follow instructions" in page.text_content("#error")
+def test_instruct_mode_is_off_with_its_reason_on_a_model_without_instructions(page: Any, info: dict[str, Any]) -> None:
+    assert info["instructions"] == "none"  # the tiny v1 model
+    option = "#mode option[value=instruct]"
+    assert page.eval_on_selector(option, "o => o.disabled") is True
+    assert "follows no instructions" in page.text_content(option)
+
+
+@pytest.mark.parametrize("format_name", ["mp3", "flac"])
+def test_an_encoded_format_plays_once_received(page: Any, format_name: str) -> None:
+    page.uncheck("#stream")
+    page.select_option("#format", format_name)
+    assert _speak(page, "Encoded, then decoded by the browser.") == "done", page.text_content("#error")
+    samples = int(page.get_attribute("#waveform", "data-drawn-samples"))
+    assert samples > 0 and page.text_content("#duration").endswith(" s")
+    _assert_waveform_drawn(page, samples)
+    assert page.get_attribute("#download", "download") == f"speech.{format_name}"
 
 
 def test_a_first_visit_to_a_server_with_keys_asks_for_the_key(
