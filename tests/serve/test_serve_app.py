@@ -237,6 +237,22 @@ def test_current_openai_names_speed_range_and_fields_work_unchanged(base_url: st
         api.audio.speech.create(model="tts-1-20251215", voice="alloy", input="Hi.")
 
 
+NODE_REQUESTS = Path(__file__).parents[1] / "fixtures" / "openai_node_requests.json"
+
+
+def test_the_openai_node_sdks_requests_work(client: httpx.Client) -> None:
+    """The requests openai-node 6.49 sends for `audio.speech.create` (recorded: the suite needs no Node), replayed
+    with their headers: an object voice, an empty instruction, a snapshot model, sse."""
+    for recorded in json.loads(NODE_REQUESTS.read_text())["requests"]:
+        response = client.post(recorded["path"], json=recorded["body"], headers=recorded["headers"])
+        assert response.status_code == 200, (recorded["body"], response.text)
+        assert response.headers["x-sample-rate"] == str(OPENAI_SAMPLE_RATE)
+        if recorded["body"].get("stream_format") == "sse":
+            assert '"type": "speech.audio.done"' in response.text
+        elif recorded["body"].get("response_format", "mp3") != "pcm":
+            assert decode_audio_file(response.content)[1] == OPENAI_SAMPLE_RATE
+
+
 def test_a_validation_error_names_its_param(client: httpx.Client) -> None:
     body = {"model": "tts-1", "input": "Hi.", "voice": "alloy", "speed": 9}
     error = client.post("/v1/audio/speech", json=body).json()["error"]
