@@ -262,3 +262,25 @@ def test_a_v3_request_is_admitted_by_its_memory_estimate_and_decoded_in_the_loop
         loop.step()
     [audio, end] = outputs
     assert end is None and isinstance(audio, np.ndarray) and np.isfinite(audio).all() and len(audio) > 0
+
+
+LONG_TEXT = " ".join(f"Sentence number {n} of a long text keeps the voice it started with." for n in range(1, 7))
+
+
+@pytest.mark.parametrize("mode", [{}, {"cross_lingual": True}, {"instruct_text": "Speak calmly."}], ids=str)
+def test_every_sentence_of_a_long_text_gets_the_same_voice_and_one_seed_stream(
+    tiny: CosyVoice, cloned: VoicePrompt, mode: dict[str, Any]
+) -> None:
+    request = SynthesisRequest(LONG_TEXT, "voice", sampling=SamplingOptions(seed=41), **mode)
+    segments = tiny.encoder.encode(request, cloned)
+    assert len(segments) > 1  # the text is long enough to be split
+    first = segments[0]
+    for index, segment in enumerate(segments):
+        for field in ("flow_embedding", "llm_prompt_speech_tokens", "flow_prompt_speech_tokens", "prompt_feat"):
+            np.testing.assert_array_equal(getattr(segment, field), getattr(first, field), err_msg=field)
+        if first.llm_embedding is None:
+            assert segment.llm_embedding is None
+        else:
+            np.testing.assert_array_equal(segment.llm_embedding, first.llm_embedding)
+        assert segment.sampling.seed == 41 + index  # one stream: the request's seed, then one per sentence
+        assert (segment.segment_index, segment.num_segments) == (index, len(segments))
