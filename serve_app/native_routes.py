@@ -3,6 +3,7 @@
 from fastapi import Request
 from fastapi.responses import Response
 
+from engine.errors import InvalidInputError
 from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import SynthesisRequest
 from serve_app.api import api
@@ -11,9 +12,19 @@ from serve_app.synthesis import Synthesis
 
 
 class NativeRoutes(Synthesis):
+    async def default_voice(self) -> str:
+        """The model's first built-in speaker; InvalidInputError for a model that has none (CosyVoice3's official
+        models: every voice is a registered one)."""
+        speakers = (await self.model_info())["voices"]
+        if not speakers:
+            raise InvalidInputError(
+                "this model has no built-in speakers: pass `voice`, the id of a registered voice (POST /v1/voices)"
+            )
+        return speakers[0]
+
     @api.post("/v1/tts")
     async def tts(self, body: TTSRequest, http: Request) -> Response:
-        voice = await self.resolve_voice(body.voice) if body.voice else (await self.model_info())["voices"][0]
+        voice = await self.resolve_voice(body.voice) if body.voice else await self.default_voice()
         sampling = SamplingOptions(**body.sampling.model_dump(exclude_none=True), seed=body.seed)
         request = SynthesisRequest(
             text=body.text,

@@ -333,3 +333,18 @@ def test_a_call_whose_result_was_lost_with_its_node_is_retried_once_then_503() -
         asyncio.run(IngressBase.call(make_call))
     status, body = error_payload(_lost_with_its_node(), "req-1")
     assert status == 503 and "replica failed" in body["error"]["message"]
+
+
+def test_a_request_without_voice_to_a_model_without_speakers_is_a_400() -> None:
+    from serve_app.ingress import TTSIngress
+
+    def ingress_with(speakers: list[str]) -> SimpleNamespace:
+        async def model_info() -> dict[str, list[str]]:
+            return {"voices": speakers}
+
+        return SimpleNamespace(model_info=model_info)
+
+    default_voice = TTSIngress.func_or_class.default_voice
+    assert asyncio.run(default_voice(ingress_with(["dummy_female"]))) == "dummy_female"
+    with pytest.raises(InvalidInputError, match="no built-in speakers: pass `voice`"):
+        asyncio.run(default_voice(ingress_with([])))  # CosyVoice3's official models: registered voices only
