@@ -3,6 +3,7 @@
 cosyvoice-serve run [--model DIR|PRESET] [--config FILE]   start a local Ray and the app (tiny model by default)
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
 cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
+cosyvoice-serve voices add FILE --transcript TEXT | list | rm ID   registered voices of a running server
 """
 
 from __future__ import annotations
@@ -174,6 +175,51 @@ def drain(app_name: str, timeout_s: float) -> bool:
     return False
 
 
+def error_message(response: httpx.Response) -> str:
+    """An API error's message (OpenAI's shape), else the body's text."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text
+
+
+def voices(options: argparse.Namespace) -> int:
+    """`voices add` registers a recording, `voices list` prints the voices, `voices rm` deletes one."""
+    try:
+        with httpx.Client(base_url=options.url, timeout=options.timeout, headers=auth_headers(options.api_key)) as http:
+            if options.action == "add":
+                try:
+                    audio = options.file.read_bytes()
+                except OSError as exc:
+                    print(f"error: cannot read {options.file}: {exc.strerror}", file=sys.stderr)
+                    return 1
+                form = {"transcript": options.transcript, "shared": str(options.shared).lower()}
+                if options.name is not None:
+                    form["name"] = options.name
+                response = http.post("/v1/voices", data=form, files={"file": (options.file.name, audio)})
+            elif options.action == "list":
+                response = http.get("/v1/voices")
+            else:
+                response = http.delete(f"/v1/voices/{options.voice_id}")
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach {options.url}: {exc}", file=sys.stderr)
+        return 1
+    if response.status_code not in (200, 201):
+        print(f"error {response.status_code}: {error_message(response)}", file=sys.stderr)
+        return 1
+    body = response.json()
+    if options.action == "add":
+        print(f"registered {body['id']} ({body['name']}, {body['duration_s']:.1f} s); use it as the voice")
+    elif options.action == "list":
+        print("built-in: " + (", ".join(body["voices"]) or "none"))
+        for record in body["registered_voices"]:
+            shared = ", shared" if record.get("shared") else ""
+            print(f"{record['id']}  {record['name']} ({record['duration_s']:.1f} s{shared}): {record['transcript']}")
+    else:
+        print(f"deleted {body['id']}")
+    return 0
+
+
 def say(options: argparse.Namespace) -> int:
     body: dict[str, Any] = {"text": options.text, "format": options.format, "stream": options.stream}
     for key in ("voice", "instruct_text", "seed", "speed"):
@@ -187,11 +233,7 @@ def say(options: argparse.Namespace) -> int:
         ):
             if response.status_code != 200:
                 response.read()
-                try:
-                    message = response.json()["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    message = response.text
-                print(f"error {response.status_code}: {message}", file=sys.stderr)
+                print(f"error {response.status_code}: {error_message(response)}", file=sys.stderr)
                 return 1
             with open(options.output, "wb") as out:
                 for piece in response.iter_bytes():
@@ -291,6 +333,22 @@ def parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--out", type=Path, default=Path("out/bench"))
     add_api_key_option(bench_parser)
     bench_parser.set_defaults(handler=bench)
+
+    voices_parser = commands.add_parser("voices", help="register, list and delete the voices of a running server")
+    actions = voices_parser.add_subparsers(dest="action", required=True)
+    add_parser = actions.add_parser("add", help="clone a voice from a 1-30 s recording and its transcript")
+    add_parser.add_argument("file", type=Path, help="wav, flac, ogg or mp3")
+    add_parser.add_argument("--transcript", required=True, help="what the recording says")
+    add_parser.add_argument("--name", default=None, help="a display name")
+    add_parser.add_argument("--shared", action="store_true", help="usable by every API key (admin keys only)")
+    actions.add_parser("list", help="the built-in speakers and the registered voices")
+    rm_parser = actions.add_parser("rm", help="delete a registered voice")
+    rm_parser.add_argument("voice_id")
+    for action in actions.choices.values():
+        action.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}")
+        action.add_argument("--timeout", type=float, default=120.0)
+        add_api_key_option(action)
+    voices_parser.set_defaults(handler=voices)
     return main_parser
 
 

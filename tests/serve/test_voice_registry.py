@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from engine.voices.registry import (
     is_voice_id,
 )
 from serve_app import build_app
+from serve_app.cli import main as cli_main
 from serve_app.guard import check_voice_name
 from tests.serve.conftest import constant_flac, running_app
 
@@ -418,3 +420,22 @@ def test_a_v2_cloned_voice_in_zero_shot_cross_lingual_and_instruct2(client: http
         builtin = client.post("/v2/v1/audio/speech", json={**speech, "voice": "alloy", "stream_format": stream_format})
         assert_error(builtin, 400, "registered (cloned) voice only")
     assert client.get("/v2/v1/voices").json()["instructions"] == "registered_voices"
+
+
+def test_the_voices_command_adds_lists_and_removes(
+    base_url: str, client: httpx.Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recording = tmp_path / "me.wav"
+    recording.write_bytes(wav_bytes(2.0))
+    url = ["--url", base_url]
+    assert cli_main(["voices", "add", str(recording), "--transcript", "Hello there.", "--name", "cli", *url]) == 0
+    voice_id = re.search(r"registered (voice_[0-9a-f]{12}) \(cli, 2\.0 s\)", capsys.readouterr().out).group(1)
+    assert voice_id in registered_ids(client)
+    assert cli_main(["voices", "list", *url]) == 0
+    assert f"{voice_id}  cli (2.0 s, shared): Hello there." in capsys.readouterr().out  # no API keys: all shared
+    assert cli_main(["voices", "rm", voice_id, *url]) == 0
+    assert voice_id not in registered_ids(client)
+    assert cli_main(["voices", "rm", voice_id, *url]) == 1
+    assert "error 404" in capsys.readouterr().err
+    assert cli_main(["voices", "add", str(tmp_path / "missing.wav"), "--transcript", "x", *url]) == 1
+    assert "cannot read" in capsys.readouterr().err
