@@ -4,12 +4,9 @@ long texts and streaming requests sentence by sentence through its batched strea
 sentence while the encoder encodes the others. The audio goes out whole, streamed, or as OpenAI's SSE events."""
 
 import asyncio
-import base64
 import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, Literal
 
@@ -24,75 +21,17 @@ from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
 from engine.runtime.segment import EncodedSegment
 from engine.voices.registry import is_voice_id
 from observability.http import SynthesisTimer, endpoint_of, request_id_of
-from serve_app.audio import AudioFormat, StreamEncoder, audio_format, encode_audio, resample, stream_encoder
-from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, error_payload, unavailable_error
+from serve_app.audio import audio_format
+from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import check_voice_name
 from serve_app.ingress_base import IngressBase
+from serve_app.responses import SSE_MEDIA_TYPE, OutputAudio, encoded_stream, iter_once, speech_usage, sse_body
 from serve_app.tenancy import caller_of
 
 logger = logging.getLogger("ray.serve")
 
 Mode = Literal["whole", "stream", "sse"]
-Chunk = np.ndarray | None  # the first audio chunk of a stream, None when the stream had no audio
-SSE_MEDIA_TYPE = "text/event-stream"
 REROUTE_BACKOFF_S = 1.0  # between two tries of a stream whose decoder replica was lost (Serve replaces it in ~10 s)
-
-
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload)}\n\n".encode()
-
-
-async def iter_once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
-async def encoded_stream(
-    encoder: StreamEncoder, first: Chunk, rest: AsyncIterator[np.ndarray], request_id: str
-) -> AsyncIterator[bytes]:
-    """The response bytes of an audio stream: each decoded chunk through the format's encoder, as it arrives.
-    A failure after the status line aborts the connection, so the client sees a broken stream, not a short file."""
-    try:
-        pending = encoder.encode(first) if first is not None else b""
-        async for chunk in rest:
-            data = pending + encoder.encode(chunk)
-            pending = b""
-            if data:
-                yield data
-        data = pending + encoder.finish()
-        if data:
-            yield data
-    except Exception:
-        logger.error("the stream failed after its first chunk", exc_info=True, extra={"request_id": request_id})
-        raise
-
-
-@dataclass(frozen=True)
-class OutputAudio:
-    """How a response's audio is written: its format, the model's rate and the rate sent, the format's bit rate."""
-
-    format: AudioFormat
-    model_rate: int
-    rate: int
-    bit_rate: int | None
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"X-Sample-Rate": str(self.rate)}
-
-    def encode(self, audio: np.ndarray) -> bytes:
-        """A whole file (true sizes in a wav header)."""
-        return encode_audio(resample(audio, self.model_rate, self.rate), self.rate, self.format.name, self.bit_rate)
-
-    def stream_encoder(self) -> StreamEncoder:
-        return stream_encoder(self.format.name, self.rate, self.bit_rate, input_rate=self.model_rate)
-
-
-def speech_usage(input_tokens: int, audio_s: float, speech_tokens_per_s: int) -> dict[str, int]:
-    """OpenAI's `usage` of a `speech.audio.done` event: the text tokens the model read (the input's own, without
-    prompts or instructions) and the audio's length in the model's speech tokens (50 a second for v1, 25 for
-    CosyVoice2 and 3)."""
-    output_tokens = round(audio_s * speech_tokens_per_s)
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
 
 
 def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
@@ -195,7 +134,7 @@ class Synthesis(IngressBase):
         encoded = encoded_stream(output.stream_encoder(), first_chunk, chunks, request_id)
         if mode == "sse":
             usage = partial(self.usage_of, timer, input_tokens)
-            body = self.sse_body(encoded, request_id, usage)
+            body = sse_body(encoded, request_id, usage)
             return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=output.headers)
         return StreamingResponse(encoded, media_type=fmt.media_type, headers=output.headers)
 
@@ -219,7 +158,7 @@ class Synthesis(IngressBase):
         timer.done()
         if mode == "sse":
             usage = partial(self.usage_of, timer, input_tokens)
-            sse = self.sse_body(iter_once(body), request_id, usage)
+            sse = sse_body(iter_once(body), request_id, usage)
             return StreamingResponse(sse, media_type=SSE_MEDIA_TYPE, headers=output.headers)
         return Response(body, media_type=output.format.media_type, headers=output.headers)
 
@@ -275,18 +214,3 @@ class Synthesis(IngressBase):
                     # which would replace the translated one on its way out.
                     with contextlib.suppress(Exception):
                         call.cancel()
-
-    @staticmethod
-    async def sse_body(
-        encoded: AsyncIterator[bytes], request_id: str, usage: Callable[[], dict[str, int]]
-    ) -> AsyncIterator[bytes]:
-        """OpenAI's speech events: the file's bytes in base64 `speech.audio.delta` events, then `speech.audio.done`
-        with the request's `usage`; a failure mid-stream ends it with an `error` event."""
-        try:
-            async for data in encoded:
-                yield sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-        except Exception as exc:
-            _, body = error_payload(exc, request_id)
-            yield sse_event({"type": "error", **body})
-            return
-        yield sse_event({"type": "speech.audio.done", "usage": usage()})

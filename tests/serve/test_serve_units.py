@@ -28,7 +28,8 @@ from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir
 from serve_app.errors import error_payload, unavailable_error
 from serve_app.openai_routes import openai_mode, served_model
-from serve_app.synthesis import check_streams, mapped_voice, speech_usage
+from serve_app.responses import speech_usage
+from serve_app.synthesis import check_streams, mapped_voice
 
 
 def test_cpu_replica_runs_fp32_unless_told_otherwise() -> None:
