@@ -39,7 +39,7 @@ class VoiceCloningNotConfiguredError(CosyVoiceError):
 class VoiceCloningConfig:
     """Where the cloning models and the registered voices are, and what an uploaded prompt recording may be."""
 
-    voices_dir: str
+    voices_dir: str  # a local directory or an object-store URL (s3://bucket/prefix)
     models_dir: str
     max_voices: int
     max_voices_per_key: int | None
@@ -64,7 +64,7 @@ class Encoder:
                 Path(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size
             )
             self.registry = VoiceRegistry(
-                Path(voice_cloning.voices_dir), voice_cloning.max_voices, voice_cloning.max_voices_per_key
+                voice_cloning.voices_dir, voice_cloning.max_voices, voice_cloning.max_voices_per_key
             )
 
     def encode(self, request: SynthesisRequest, request_id: str, caller: Caller) -> list[EncodedSegment]:

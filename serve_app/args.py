@@ -402,7 +402,10 @@ class AppArgs(_Strict):
     openai: OpenAIArgs = OpenAIArgs()
     audio: AudioArgs = AudioArgs()
     voices_dir: str | None = Field(
-        None, description="where registered (cloned) voices are kept, shared by the encoder replicas; None: cloning off"
+        None,
+        description="where registered (cloned) voices are kept, shared by the encoder replicas: a directory, or an "
+        "object-store URL such as s3://bucket/prefix (the s3 extra; credentials and endpoint from the AWS_* "
+        "environment of the replicas); None: cloning off",
     )
     voice_models_dir: str | None = Field(
         None,

@@ -15,6 +15,7 @@ from autoscaling.policy import cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, VoiceCloningConfig
 from engine.voices.cloning import PromptAudioLimits
+from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
 from serve_app.api import api
 from serve_app.args import AppArgs
@@ -45,9 +46,10 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
     models_dir = args.voice_models_path
     if args.voices_dir is None or models_dir is None:  # AppArgs refuses voices_dir without models
         return None
-    # Absolute paths: the replicas need not share the caller's working directory.
+    # Absolute paths: the replicas need not share the caller's working directory (a URL stays as it is).
+    voices_dir = args.voices_dir if is_store_url(args.voices_dir) else str(Path(args.voices_dir).resolve())
     return VoiceCloningConfig(
-        voices_dir=str(Path(args.voices_dir).resolve()),
+        voices_dir=voices_dir,
         models_dir=str(models_dir.resolve()),
         max_voices=args.limits.max_voices,
         max_voices_per_key=args.limits.max_voices_per_key,
