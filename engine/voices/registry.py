@@ -18,6 +18,7 @@ uses it, only an admin key deletes it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -103,6 +104,14 @@ class VoiceRecord:
 def is_voice_id(value: str) -> bool:
     """Whether `value` has the shape of a registered voice's id (the only names that ever reach the disk)."""
     return VOICE_ID_PATTERN.fullmatch(value) is not None
+
+
+def provisioned_voice_id(name: str) -> str:
+    """The registry id of a voice provisioned at deploy under the operator's `name`: the name itself when it has the
+    shape of a voice id, else one derived from it (the same name, the same id, on every replica and every start)."""
+    if is_voice_id(name):
+        return name
+    return f"voice_{hashlib.sha256(f'provisioned:{name}'.encode()).hexdigest()[:12]}"
 
 
 def display_name(name: str | None, voice_id: str) -> str:
