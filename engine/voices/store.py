@@ -37,6 +37,10 @@ LOCK_LEASE_S = 30.0  # an add or delete holds the lock for a listing and a few s
 LOCK_WAIT_S = 60.0  # past this, the registry answers 503 (the store is too slow or too contended)
 
 
+class VoiceStoreError(CosyVoiceError):
+    """The voices store cannot be opened (a URL whose filesystem package is missing)."""
+
+
 class VoiceStoreBusyError(CosyVoiceError):
     """The voice store's lock could not be taken in time."""
 
@@ -123,7 +127,12 @@ class ObjectStore:
         }  # each replica its own client, of the current environment
         if url.startswith(("s3://", "s3a://")):
             options["use_listings_cache"] = False
-        self.fs, root = fsspec.core.url_to_fs(url, **options)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
+        except ImportError as error:  # fsspec names the package it lacks (s3fs for s3://)
+            raise VoiceStoreError(
+                f"voices_dir {url}: {error} (for s3://: pip install 'cosyvoice-serve[s3]' on every node)"
+            ) from None
         self.root = root.rstrip("/")
         self.location = url
         self.lease_s = lease_s
