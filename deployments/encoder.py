@@ -142,6 +142,10 @@ class Encoder:
         """Register a provisioned voice unless the registry has it already from the same recording, transcript and
         model family (replicas that start together clone it at most once each, and store it once)."""
         assert self.cloner is not None and self.registry is not None
+        if len(voice.transcript) > self.max_text_chars:
+            raise InvalidInputError(
+                f"provisioned voice {voice.name!r}: the transcript must have at most {self.max_text_chars} characters"
+            )
         try:
             audio = read_voice_file(voice.file)
         except (OSError, ValueError) as error:

@@ -388,7 +388,7 @@ class ProvisionedVoiceArgs(_Strict):
         description="the operator's name for it; its registry id is this when it has the shape voice_<12 hex>, else "
         "one derived from it (GET /v1/voices shows it)",
     )
-    name: str | None = Field(None, description="its display name (default: id)")
+    name: str | None = Field(None, min_length=1, max_length=64, description="its display name (default: id)")
     openai_name: str | None = Field(
         None, min_length=1, description="the OpenAI voice name (alloy, ash, ...) that stands for it in openai.voices"
     )

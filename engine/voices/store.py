@@ -70,6 +70,13 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
 class LocalStore:
     """Voices in a local directory (created if missing)."""
 
@@ -99,7 +106,7 @@ class LocalStore:
 
     def write(self, name: str, data: bytes) -> None:
         """Replace the object whole: a reader sees the old bytes or the new ones."""
-        write_atomically(self.path(name), lambda path: path.write_bytes(data))
+        write_atomically(self.path(name), lambda path: _write_synced(path, data))
 
     def remove(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
