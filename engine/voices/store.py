@@ -144,7 +144,10 @@ class ObjectStore:
         self.location = url
         self.lease_s = lease_s
         self.wait_s = wait_s
-        self.fs.makedirs(self.root, exist_ok=True)  # a no-op on object stores; a bucket must exist
+        try:  # at start, where a wrong bucket, endpoint or credential is the operator's to see
+            self.names("voice_*.json")
+        except Exception as error:  # whatever the filesystem package raises for it
+            raise VoiceStoreError(f"voices_dir {url} cannot be listed (the bucket must exist): {error}") from error
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"

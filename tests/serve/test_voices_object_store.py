@@ -15,7 +15,7 @@ import s3fs
 from engine.errors import UnknownVoiceError
 from engine.voices.cloning import VoicePrompt
 from engine.voices.registry import EVERYONE, VoiceRegistry, VoiceRegistryFullError
-from engine.voices.store import LOCK_NAME, ObjectStore, VoiceStoreBusyError
+from engine.voices.store import LOCK_NAME, ObjectStore, VoiceStoreBusyError, VoiceStoreError
 from tests.serve.conftest import s3_server
 from tests.serve.test_voice_registry import ALICE, BOB, assert_same_prompt, make_prompt
 
@@ -133,3 +133,8 @@ def test_provisioning_is_idempotent(location: str) -> None:
     assert {json.dumps(record.as_dict()) for record in records} == {json.dumps(records[0].as_dict())}
     assert len(clones) == 1 and [record.id for record in replicas[2].records(BOB)] == ["voice_00000000000b"]
     assert records[0].source == "digest" and "source" not in records[0].shown() and records[0].shown()["shared"]
+
+
+def test_a_missing_bucket_stops_the_replica_at_start(bucket: str) -> None:
+    with pytest.raises(VoiceStoreError, match="s3://no-such-bucket/voices cannot be listed"):
+        VoiceRegistry("s3://no-such-bucket/voices")
