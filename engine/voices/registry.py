@@ -166,6 +166,11 @@ class VoiceRegistry:
         except FileNotFoundError:  # deleted, possibly by another replica
             return None
 
+    def _read_records(self, voice_ids: list[str]) -> list[VoiceRecord]:
+        """The records of those of `voice_ids` that still exist (read together: concurrently on an object store)."""
+        found = self.store.read_many([f"{voice_id}.json" for voice_id in voice_ids])
+        return [VoiceRecord(**json.loads(data)) for data in found.values()]
+
     def _load_prompt(self, voice_id: str) -> VoicePrompt:
         """The stored prompt; FileNotFoundError when it is gone."""
         if isinstance(self.store, LocalStore):
@@ -216,8 +221,7 @@ class VoiceRegistry:
                     f"the voice registry is full ({self.max_voices} voices); delete one (DELETE /v1/voices/<id>) first"
                 )
             if record.owner is not None and self.max_voices_per_key is not None:
-                records = (self._read_record(existing_id) for existing_id in voice_ids)
-                owned = sum(1 for existing in records if existing is not None and existing.owner == record.owner)
+                owned = sum(1 for existing in self._read_records(voice_ids) if existing.owner == record.owner)
                 if owned >= self.max_voices_per_key:
                     raise VoiceRegistryFullError(
                         f"this API key has registered {owned} voices, the limit; delete one (DELETE /v1/voices/<id>) "
@@ -275,8 +279,7 @@ class VoiceRegistry:
     def records(self, caller: Caller) -> list[VoiceRecord]:
         """Every registered voice `caller` sees, oldest first, ties by id (read from the store: it includes other
         replicas' voices)."""
-        records = [record for voice_id in self._voice_ids() if (record := self._read_record(voice_id)) is not None]
-        visible = [record for record in records if caller.sees(record.owner)]
+        visible = [record for record in self._read_records(self._voice_ids()) if caller.sees(record.owner)]
         return sorted(visible, key=lambda record: (record.created_at, record.id))
 
     def delete(self, voice_id: str, caller: Caller) -> bool:
