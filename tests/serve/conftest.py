@@ -87,6 +87,7 @@ def s3_server(bucket: str = "voices") -> Iterator[str]:
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    httpx.post(f"http://127.0.0.1:{port}/moto-api/reset", timeout=10)  # moto keeps its state per process, not server
     saved = {key: os.environ.get(key) for key in (*S3_ENV, "AWS_ENDPOINT_URL_S3")}
     os.environ.update(S3_ENV, AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{port}")
     try:

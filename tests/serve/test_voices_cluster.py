@@ -79,7 +79,7 @@ def urls() -> Iterator[tuple[str, str]]:
             serve.run(build_app(app_args("node_b", bucket)), name="b", route_prefix="/b")
             base = f"http://127.0.0.1:{port}"
             for prefix in ("/a", "/b"):
-                wait_until_healthy(base + prefix)
+                wait_until_healthy(base + prefix, timeout_s=120.0)  # two apps on 2 shared cores
             yield base + "/a", base + "/b"
         finally:
             serve.shutdown()
