@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderS
 from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
 from engine.voices.registry import Caller, VoiceRegistry
+from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
 
 logger = logging.getLogger("ray.serve")
@@ -36,14 +38,36 @@ class VoiceCloningNotConfiguredError(CosyVoiceError):
 
 
 @dataclass(frozen=True)
+class ProvisionedVoice:
+    """A voice the operator provisions at deploy (app args `voices`): a recording (a path every encoder node reads,
+    or an object-store URL), its transcript, and the registry id and display name it gets."""
+
+    file: str
+    transcript: str
+    voice_id: str
+    name: str
+
+
+@dataclass(frozen=True)
 class VoiceCloningConfig:
     """Where the cloning models and the registered voices are, and what an uploaded prompt recording may be."""
 
-    voices_dir: str
+    voices_dir: str  # a local directory or an object-store URL (s3://bucket/prefix)
     models_dir: str
     max_voices: int
     max_voices_per_key: int | None
     prompt_audio: PromptAudioLimits
+    voices: tuple[ProvisionedVoice, ...] = ()  # registered at start-up, idempotently
+
+
+def read_voice_file(location: str) -> bytes:
+    """The bytes of a provisioned voice's recording: a local path or an object-store URL."""
+    if is_store_url(location):
+        import fsspec
+
+        with fsspec.open(location, "rb", skip_instance_cache=True) as file:
+            return file.read()
+    return Path(location.removeprefix("file://")).read_bytes()
 
 
 @serve.deployment(name="Encoder", ray_actor_options={"num_gpus": 0}, logging_config=STRUCTURED_LOGGING)
@@ -64,8 +88,10 @@ class Encoder:
                 Path(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size
             )
             self.registry = VoiceRegistry(
-                Path(voice_cloning.voices_dir), voice_cloning.max_voices, voice_cloning.max_voices_per_key
+                voice_cloning.voices_dir, voice_cloning.max_voices, voice_cloning.max_voices_per_key
             )
+            for voice in voice_cloning.voices:
+                self.provision(voice)
 
     def encode(self, request: SynthesisRequest, request_id: str, caller: Caller) -> list[EncodedSegment]:
         """One encoded segment per sentence, in order (engine errors propagate to the caller); a registered voice
@@ -111,6 +137,32 @@ class Encoder:
         duration_s = len(waveform) / sample_rate
         prompt = self.cloner.clone(waveform, sample_rate, transcript)
         return self.registry.add(prompt, name, duration_s, caller, shared).shown()
+
+    def provision(self, voice: ProvisionedVoice) -> None:
+        """Register a provisioned voice unless the registry has it already from the same recording, transcript and
+        model family (replicas that start together clone it at most once each, and store it once)."""
+        assert self.cloner is not None and self.registry is not None
+        if len(voice.transcript) > self.max_text_chars:
+            raise InvalidInputError(
+                f"provisioned voice {voice.name!r}: the transcript must have at most {self.max_text_chars} characters"
+            )
+        try:
+            audio = read_voice_file(voice.file)
+        except (OSError, ValueError) as error:
+            raise CosyVoiceError(f"provisioned voice {voice.name!r}: cannot read {voice.file}: {error}") from error
+        family = self.cloner.family.name
+        source = hashlib.sha256(b"\0".join((audio, voice.transcript.encode(), family.encode()))).hexdigest()
+
+        def clone() -> tuple[VoicePrompt, float]:
+            try:
+                waveform, sample_rate = decode_prompt_audio(audio)
+            except InvalidInputError as error:
+                raise InvalidInputError(f"provisioned voice {voice.name!r} ({voice.file}): {error.message}") from None
+            assert self.cloner is not None
+            return self.cloner.clone(waveform, sample_rate, voice.transcript), len(waveform) / sample_rate
+
+        record = self.registry.provision(voice.voice_id, voice.name, source, clone)
+        logger.info("provisioned voice %s is %s", voice.name, record.id)
 
     def list_voices(self, caller: Caller) -> list[dict[str, Any]]:
         return [] if self.registry is None else [record.shown() for record in self.registry.records(caller)]

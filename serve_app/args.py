@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from autoscaling.policy import ScalingRules, decoder_autoscaling_config
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
 from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
+from engine.voices.registry import provisioned_voice_id
+from engine.voices.store import is_store_url
 
 
 class _Strict(BaseModel):
@@ -370,6 +372,40 @@ class AudioArgs(_Strict):
         return None if kbps is None else kbps * 1000
 
 
+class ProvisionedVoiceArgs(_Strict):
+    """A voice registered at start-up (idempotently: the same id on every start and every replica is one voice),
+    shared by every API key, outside `limits.max_voices_per_key`; only an admin key deletes it (the next start
+    registers it again)."""
+
+    file: str = Field(
+        min_length=1,
+        description="the recording (1-30 s, wav/flac/ogg/mp3, 16-48 kHz): a path every encoder node can read (the "
+        "model volume) or an object-store URL (s3://bucket/key)",
+    )
+    transcript: str = Field(min_length=1, description="what the recording says")
+    id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="the operator's name for it; its registry id is this when it has the shape voice_<12 hex>, else "
+        "one derived from it (GET /v1/voices shows it)",
+    )
+    name: str | None = Field(None, min_length=1, max_length=64, description="its display name (default: id)")
+    openai_name: str | None = Field(
+        None, min_length=1, description="the OpenAI voice name (alloy, ash, ...) that stands for it in openai.voices"
+    )
+
+    @property
+    def voice_id(self) -> str:
+        return provisioned_voice_id(self.id)
+
+    @model_validator(mode="after")
+    def _readable_path(self) -> ProvisionedVoiceArgs:
+        if not is_store_url(self.file) and ".." in Path(self.file).parts:
+            raise ValueError(f"voice file path {self.file!r} must not contain '..'")
+        if not self.transcript.strip():
+            raise ValueError("a provisioned voice needs a transcript")
+        return self
+
+
 def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> None:
     """A preset, or a path without '..' that resolves inside one of `allowed_roots` (when given)."""
     if model in PRESETS:
@@ -402,7 +438,15 @@ class AppArgs(_Strict):
     openai: OpenAIArgs = OpenAIArgs()
     audio: AudioArgs = AudioArgs()
     voices_dir: str | None = Field(
-        None, description="where registered (cloned) voices are kept, shared by the encoder replicas; None: cloning off"
+        None,
+        description="where registered (cloned) voices are kept, shared by the encoder replicas: a directory, or an "
+        "object-store URL such as s3://bucket/prefix (the s3 extra; credentials and endpoint from the AWS_* "
+        "environment of the replicas); None: cloning off",
+    )
+    voices: tuple[ProvisionedVoiceArgs, ...] = Field(
+        (),
+        description="voices registered at start-up (needs voices_dir), e.g. the voice behind OpenAI's alloy on a model "
+        "without built-in speakers (CosyVoice3)",
     )
     voice_models_dir: str | None = Field(
         None,
@@ -426,6 +470,24 @@ class AppArgs(_Strict):
         if self.voice_models_dir is not None:
             check_model_source(self.voice_models_dir, self.security.allowed_model_roots)
         return self
+
+    @model_validator(mode="after")
+    def _provisioned_voices(self) -> AppArgs:
+        if self.voices and self.voices_dir is None:
+            raise ValueError("voices (provisioned at start-up) need voices_dir: where registered voices are kept")
+        ids = [voice.voice_id for voice in self.voices]
+        if len(set(ids)) != len(ids):
+            raise ValueError("voices: two provisioned voices have the same id")
+        names = [voice.openai_name for voice in self.voices if voice.openai_name is not None]
+        if len(set(names)) != len(names):
+            raise ValueError("voices: two provisioned voices have the same openai_name")
+        return self
+
+    @property
+    def openai_voices(self) -> dict[str, str]:
+        """`openai.voices` with each provisioned voice's `openai_name` standing for it (over the table's entry)."""
+        provisioned = {voice.openai_name: voice.voice_id for voice in self.voices if voice.openai_name is not None}
+        return self.openai.voices | provisioned
 
     @property
     def voice_models_path(self) -> Path | None:

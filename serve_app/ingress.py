@@ -13,8 +13,9 @@ from ray.serve import Application
 
 from autoscaling.policy import cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
-from deployments.encoder import Encoder, VoiceCloningConfig
+from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
 from engine.voices.cloning import PromptAudioLimits
+from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
 from serve_app.api import api
 from serve_app.args import AppArgs
@@ -45,9 +46,10 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
     models_dir = args.voice_models_path
     if args.voices_dir is None or models_dir is None:  # AppArgs refuses voices_dir without models
         return None
-    # Absolute paths: the replicas need not share the caller's working directory.
+    # Absolute paths: the replicas need not share the caller's working directory (a URL stays as it is).
+    voices_dir = args.voices_dir if is_store_url(args.voices_dir) else str(Path(args.voices_dir).resolve())
     return VoiceCloningConfig(
-        voices_dir=str(Path(args.voices_dir).resolve()),
+        voices_dir=voices_dir,
         models_dir=str(models_dir.resolve()),
         max_voices=args.limits.max_voices,
         max_voices_per_key=args.limits.max_voices_per_key,
@@ -56,6 +58,15 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
             max_seconds=args.limits.max_prompt_audio_s,
             max_channels=args.limits.max_prompt_audio_channels,
             sample_rates=args.limits.prompt_audio_sample_rates,
+        ),
+        voices=tuple(
+            ProvisionedVoice(
+                file=voice.file if is_store_url(voice.file) else str(Path(voice.file).resolve()),
+                transcript=voice.transcript.strip(),
+                voice_id=voice.voice_id,
+                name=voice.name or voice.id,
+            )
+            for voice in args.voices
         ),
     )
 
@@ -147,7 +158,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         args.served_model_name or Path(args.model).name,
         args.limits,
         security=args.security,
-        openai=args.openai,
+        openai=args.openai.model_copy(update={"voices": args.openai_voices}),
         audio=args.audio,
         decoder_cpu=decoder_cpu,
         routing_poll_s=fallback.poll_interval_s,

@@ -34,11 +34,24 @@ Mode = Literal["whole", "stream", "sse"]
 REROUTE_BACKOFF_S = 1.0  # between two tries of a stream whose decoder replica was lost (Serve replaces it in ~10 s)
 
 
+def openai_voice_table(table: dict[str, str], built_in: list[str]) -> dict[str, str]:
+    """The OpenAI voice names the served model answers (`/v1/voices` shows them): the app args' table (with the
+    voices provisioned at deploy) for a model with built-in speakers; for one without (CosyVoice3), only the names
+    that stand for a registered voice id, such as a provisioned voice's `openai_name`."""
+    return dict(table) if built_in else {name: target for name, target in table.items() if is_voice_id(target)}
+
+
 def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
     """A built-in speaker or registered voice as is; an OpenAI voice name (a key of `table`, the app args'
     `openai.voices`) as the voice it stands for, which must be a built-in speaker or a registered voice id."""
     if voice in built_in or voice not in table:
         return voice
+    if voice not in openai_voice_table(table, built_in):
+        raise UnknownVoiceError(
+            f"voice {voice!r} is an OpenAI voice name, and this model has no built-in speakers: it stands for a voice "
+            "only where the server provisions one for it (app args voices, with openai_name) or openai.voices maps it "
+            "to a registered voice id; use a registered voice's id (GET /v1/voices)"
+        )
     target = table[voice]
     if target not in built_in and not is_voice_id(target):
         raise UnknownVoiceError(

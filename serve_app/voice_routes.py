@@ -11,6 +11,7 @@ from serve_app.api import api
 from serve_app.audio import FORMATS
 from serve_app.errors import UploadTooLargeError
 from serve_app.ingress_base import VOICES_PATH, IngressBase
+from serve_app.synthesis import openai_voice_table
 from serve_app.tenancy import caller_of
 
 
@@ -28,7 +29,7 @@ class VoiceRoutes(IngressBase):
             "formats": sorted(FORMATS),
             "stream_formats": [name for name, fmt in FORMATS.items() if fmt.streamable],
             "registered_voices": registered,
-            "openai_voices": self.openai.voices,
+            "openai_voices": openai_voice_table(self.openai.voices, info["voices"]),
             "voice_cloning": info["voice_cloning"],
             "instructions": info["instructions"],
         }

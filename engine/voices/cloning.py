@@ -252,22 +252,28 @@ class VoicePrompt:
             f"a {self.family} prompt is made at {family_rate} Hz, not {self.sample_rate!r}",
         )
 
+    def to_bytes(self) -> bytes:
+        """The prompt as an npz file (no pickles)."""
+        buffer = io.BytesIO()
+        np.savez(
+            buffer,
+            allow_pickle=False,
+            transcript=np.array(self.transcript, dtype=np.str_),
+            embedding=self.embedding,
+            speech_tokens=self.speech_tokens,
+            speech_feat=self.speech_feat,
+            sample_rate=np.array(self.sample_rate, dtype=np.int64),
+            family=np.array(self.family, dtype=np.str_),
+        )
+        return buffer.getvalue()
+
     def save(self, path: Path) -> None:
         """Write an npz (no pickles) atomically: a temporary file beside `path`, then a rename over it."""
         path = Path(path)
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(descriptor, "wb") as file:
-                np.savez(
-                    file,
-                    allow_pickle=False,
-                    transcript=np.array(self.transcript, dtype=np.str_),
-                    embedding=self.embedding,
-                    speech_tokens=self.speech_tokens,
-                    speech_feat=self.speech_feat,
-                    sample_rate=np.array(self.sample_rate, dtype=np.int64),
-                    family=np.array(self.family, dtype=np.str_),
-                )
+                file.write(self.to_bytes())
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, path)
@@ -277,7 +283,16 @@ class VoicePrompt:
     @classmethod
     def load(cls, path: Path) -> VoicePrompt:
         """Read a file written by `save`; InvalidInputError if it is corrupt, FileNotFoundError if it is missing."""
-        arrays = _read_npz(Path(path))
+        return cls._from_arrays(_read_npz(Path(path), str(path)), str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> VoicePrompt:
+        """Read the bytes of a file written by `save` (`name`: what error messages call it); InvalidInputError if
+        they are corrupt."""
+        return cls._from_arrays(_read_npz(io.BytesIO(data), name), name)
+
+    @classmethod
+    def _from_arrays(cls, arrays: dict[str, np.ndarray], path: str) -> VoicePrompt:
         transcript, sample_rate = arrays["transcript"], arrays["sample_rate"]
         _invalid_unless(transcript.shape == () and transcript.dtype.kind == "U", f"{path}: corrupt transcript")
         _invalid_unless(sample_rate.shape == () and sample_rate.dtype.kind in "iu", f"{path}: corrupt sample_rate")
@@ -294,7 +309,7 @@ class VoicePrompt:
             raise InvalidInputError(f"{path}: corrupt voice prompt: {error.message}") from None
 
 
-def _family_of(arrays: dict[str, np.ndarray], path: Path) -> str:
+def _family_of(arrays: dict[str, np.ndarray], path: str) -> str:
     """The family a prompt file was made for: its `family`, or in a file written before that was recorded, the
     family of its `version` (1 or 2: no other family could clone then)."""
     family = arrays.get(_FAMILY_ARRAY)
@@ -318,11 +333,12 @@ def _is_array(value: object, dtype: type, shape: tuple[int | None, ...]) -> bool
     )
 
 
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    """The voice prompt arrays of an npz file; InvalidInputError for anything but a complete, pickle-free npz."""
+def _read_npz(source: Path | io.BytesIO, path: str) -> dict[str, np.ndarray]:
+    """The voice prompt arrays of an npz file (`path`: its name in messages); InvalidInputError for anything but a
+    complete, pickle-free npz."""
     corrupt = (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error)
     try:
-        archive = np.load(path, allow_pickle=False)
+        archive = np.load(source, allow_pickle=False)
     except FileNotFoundError:
         raise
     except corrupt as error:

@@ -1,34 +1,38 @@
-"""Registered (cloned) voices: `VoicePrompt`s kept on disk under ids like `voice_0123456789ab`.
+"""Registered (cloned) voices: `VoicePrompt`s kept in a store under ids like `voice_0123456789ab`.
 
-Each voice is two files in one directory: `<id>.npz` (the prompt) and `<id>.json` (its record). The record
-is written last and removed first, so a voice exists exactly while its record does. Every file is written
-to a temporary name and renamed into place, so a reader never sees half a file. Several encoder replicas
-may share the directory: a voice one of them added is found by the others (a cache miss looks on disk), and
-one it deleted is gone for all of them (every lookup checks that the record still exists).
+Each voice is two objects in one store (engine.voices.store: a local directory, or an object store such as
+`s3://bucket/prefix`): `<id>.npz` (the prompt) and `<id>.json` (its record). The prompt is written first and the
+record last, the record removed first and the prompt after, so a voice exists exactly while its record does; a
+reader reads the record first. Each object is replaced whole (a rename on disk, one PUT on an object store), so a
+reader never sees half of one. Several encoder replicas may share the store: a voice one of them added is found by
+the others (a cache miss looks in the store), and one it deleted is gone for all of them (every lookup checks the
+record's version: its mtime on disk, its ETag on an object store; a cached prompt whose record changed is read
+again). Adds and deletes hold the store's lock, so the bounds hold across replicas (on an object store the lock is
+a lease: docs/security.md says what that leaves open).
 
 With API keys on, a voice belongs to the key that registered it (its record holds the key's owner id, never the
 key): other keys neither see, use nor delete it. A record without an owner (made with keys off, by an admin as
-shared, or written before owners existed) is shared: every key sees and uses it, only an admin key deletes it.
+shared, provisioned by the operator at deploy, or written before owners existed) is shared: every key sees and
+uses it, only an admin key deletes it.
 """
 
 from __future__ import annotations
 
-import fcntl
+import hashlib
 import json
 import logging
-import os
 import re
 import secrets
 import time
 import unicodedata
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.errors import CosyVoiceError, InvalidInputError, UnknownVoiceError
 from engine.voices.cloning import VoicePrompt
+from engine.voices.store import LocalStore, ObjectStore, open_store
 
 logger = logging.getLogger("ray.serve")
 
@@ -80,14 +84,19 @@ class VoiceRecord:
     duration_s: float
     created_at: int  # unix seconds, as in OpenAI's objects
     owner: str | None = None  # the owner id of the key that registered it; None: shared (and every older record)
+    source: str | None = None  # a voice provisioned at deploy: the digest of its audio and transcript
 
     def as_dict(self) -> dict[str, Any]:
-        """The record as stored."""
-        return asdict(self)
+        """The record as stored (`source` only where there is one)."""
+        stored = asdict(self)
+        if stored["source"] is None:
+            del stored["source"]
+        return stored
 
     def shown(self) -> dict[str, Any]:
         """The record as the API shows it: whether it is shared instead of whose it is."""
         shown = self.as_dict()
+        shown.pop("source", None)
         shown["shared"] = shown.pop("owner") is None
         return shown
 
@@ -95,6 +104,14 @@ class VoiceRecord:
 def is_voice_id(value: str) -> bool:
     """Whether `value` has the shape of a registered voice's id (the only names that ever reach the disk)."""
     return VOICE_ID_PATTERN.fullmatch(value) is not None
+
+
+def provisioned_voice_id(name: str) -> str:
+    """The registry id of a voice provisioned at deploy under the operator's `name`: the name itself when it has the
+    shape of a voice id, else one derived from it (the same name, the same id, on every replica and every start)."""
+    if is_voice_id(name):
+        return name
+    return f"voice_{hashlib.sha256(f'provisioned:{name}'.encode()).hexdigest()[:12]}"
 
 
 def display_name(name: str | None, voice_id: str) -> str:
@@ -109,71 +126,77 @@ def display_name(name: str | None, voice_id: str) -> str:
     return name
 
 
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """`write` a temporary file beside `path` (same suffix, so savers that append one do not), then rename it."""
-    temporary = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+@dataclass
+class _Cached:
+    """What a replica keeps of a voice: the version of the record it read, the owner, the prompt once loaded."""
+
+    version: str
+    owner: str | None
+    prompt: VoicePrompt | None = None
 
 
 class VoiceRegistry:
-    """Voice id -> `VoicePrompt`, persisted under `directory`, at most `max_voices` of them and `max_voices_per_key`
-    of one key's (None: no bound per key; shared voices count only towards `max_voices`)."""
+    """Voice id -> `VoicePrompt`, persisted under `location` (a directory, or an object-store URL such as
+    `s3://bucket/prefix`), at most `max_voices` of them and `max_voices_per_key` of one key's (None: no bound per
+    key; shared voices count only towards `max_voices`)."""
 
     def __init__(
         self,
-        directory: Path,
+        location: Path | str,
         max_voices: int = DEFAULT_MAX_VOICES,
         max_voices_per_key: int | None = DEFAULT_MAX_VOICES_PER_KEY,
     ) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.store: LocalStore | ObjectStore = open_store(location)
         self.max_voices = max_voices
         self.max_voices_per_key = max_voices_per_key
-        self._prompts: dict[str, VoicePrompt] = {}
-        self._owners: dict[str, str | None] = {}  # an id's owner never changes (ids are never reused)
+        self._cache: dict[str, _Cached] = {}
 
-    def _record_path(self, voice_id: str) -> Path:
-        return self.directory / f"{voice_id}.json"
-
-    def _prompt_path(self, voice_id: str) -> Path:
-        return self.directory / f"{voice_id}.npz"
-
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """Serialises adds and deletes across threads and processes (replicas) that share the directory."""
-        with open(self.directory / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    @property
+    def location(self) -> str:
+        return self.store.location
 
     def _voice_ids(self) -> list[str]:
-        return sorted(path.stem for path in self.directory.glob("voice_*.json") if is_voice_id(path.stem))
+        return sorted(
+            stem for name in self.store.names("voice_*.json") if is_voice_id(stem := name.removesuffix(".json"))
+        )
 
     def _read_record(self, voice_id: str) -> VoiceRecord | None:
         try:
-            return VoiceRecord(**json.loads(self._record_path(voice_id).read_text()))
+            return VoiceRecord(**json.loads(self.store.read(f"{voice_id}.json")))
         except FileNotFoundError:  # deleted, possibly by another replica
             return None
 
-    def _visible(self, voice_id: str, caller: Caller) -> bool:
-        """Whether the voice exists (its record, checked on every call: another replica may have deleted it) and
-        `caller` sees it; its owner is read once."""
-        if not self._record_path(voice_id).exists():
-            self._prompts.pop(voice_id, None)
-            self._owners.pop(voice_id, None)
-            return False
-        if voice_id not in self._owners:
+    def _read_records(self, voice_ids: list[str]) -> list[VoiceRecord]:
+        """The records of those of `voice_ids` that still exist (read together: concurrently on an object store)."""
+        found = self.store.read_many([f"{voice_id}.json" for voice_id in voice_ids])
+        return [VoiceRecord(**json.loads(data)) for data in found.values()]
+
+    def _load_prompt(self, voice_id: str) -> VoicePrompt:
+        """The stored prompt; FileNotFoundError when it is gone."""
+        if isinstance(self.store, LocalStore):
+            return VoicePrompt.load(self.store.path(f"{voice_id}.npz"))
+        return VoicePrompt.from_bytes(self.store.read(f"{voice_id}.npz"), f"{self.location}/{voice_id}.npz")
+
+    def _write(self, prompt: VoicePrompt, record: VoiceRecord) -> None:
+        """The prompt first, the record last: the voice exists once its record does, whole."""
+        self.store.write(f"{record.id}.npz", prompt.to_bytes())
+        self.store.write(f"{record.id}.json", json.dumps(record.as_dict()).encode())
+
+    def _current(self, voice_id: str) -> _Cached | None:
+        """The cache entry of a voice that exists, checked against its record's version on every call (another
+        replica may have deleted or replaced it); None when it does not exist."""
+        version = self.store.version(f"{voice_id}.json")
+        if version is None:
+            self._cache.pop(voice_id, None)
+            return None
+        cached = self._cache.get(voice_id)
+        if cached is None or cached.version != version:
             record = self._read_record(voice_id)
             if record is None:  # deleted since the check
-                return False
-            self._owners[voice_id] = record.owner
-        return caller.sees(self._owners[voice_id])
+                self._cache.pop(voice_id, None)
+                return None
+            cached = self._cache[voice_id] = _Cached(version, record.owner)
+        return cached
 
     def add(
         self, prompt: VoicePrompt, name: str | None, duration_s: float, caller: Caller, shared: bool = False
@@ -191,25 +214,50 @@ class VoiceRegistry:
             created_at=int(time.time()),
             owner=None if shared else caller.owner,
         )
-        with self._exclusive():
+        with self.store.exclusive():
             voice_ids = self._voice_ids()
             if len(voice_ids) >= self.max_voices:
                 raise VoiceRegistryFullError(
                     f"the voice registry is full ({self.max_voices} voices); delete one (DELETE /v1/voices/<id>) first"
                 )
             if record.owner is not None and self.max_voices_per_key is not None:
-                records = (self._read_record(existing_id) for existing_id in voice_ids)
-                owned = sum(1 for existing in records if existing is not None and existing.owner == record.owner)
+                owned = sum(1 for existing in self._read_records(voice_ids) if existing.owner == record.owner)
                 if owned >= self.max_voices_per_key:
                     raise VoiceRegistryFullError(
                         f"this API key has registered {owned} voices, the limit; delete one (DELETE /v1/voices/<id>) "
                         "first"
                     )
-            write_atomically(self._prompt_path(voice_id), prompt.save)
-            write_atomically(self._record_path(voice_id), lambda path: path.write_text(json.dumps(record.as_dict())))
-        self._prompts[voice_id] = prompt
-        self._owners[voice_id] = record.owner
+            self._write(prompt, record)
         logger.info("registered voice %s (%.1f s of prompt audio)", voice_id, record.duration_s)
+        return record
+
+    def provision(
+        self, voice_id: str, name: str | None, source: str, clone: Callable[[], tuple[VoicePrompt, float]]
+    ) -> VoiceRecord:
+        """A voice the operator provisions at deploy, under its fixed id, shared, outside the bounds: registered
+        once whatever the number of replicas that start together (the same `source`, a digest of its audio and
+        transcript, is the same voice: nothing is cloned), replaced when its source changed. `clone()` makes the
+        prompt and gives its duration."""
+        if not is_voice_id(voice_id):
+            raise InvalidInputError(f"invalid provisioned voice id {voice_id!r}")
+        existing = self._read_record(voice_id)
+        if existing is not None and existing.source == source:
+            return existing
+        prompt, duration_s = clone()  # outside the lock: it takes a while
+        record = VoiceRecord(
+            id=voice_id,
+            name=display_name(name, voice_id),
+            transcript=prompt.transcript,
+            duration_s=round(duration_s, 3),
+            created_at=int(time.time()),
+            source=source,
+        )
+        with self.store.exclusive():
+            existing = self._read_record(voice_id)
+            if existing is not None and existing.source == source:  # another replica was first
+                return existing
+            self._write(prompt, record)
+        logger.info("provisioned voice %s (%s)", voice_id, "replaced" if existing is not None else "new")
         return record
 
     def get(self, voice_id: str, caller: Caller) -> VoicePrompt:
@@ -218,22 +266,20 @@ class VoiceRegistry:
         unknown = UnknownVoiceError(
             f"unknown voice {voice_id!r}: neither a built-in speaker nor a registered voice (GET /v1/voices lists both)"
         )
-        if not is_voice_id(voice_id) or not self._visible(voice_id, caller):
+        cached = self._current(voice_id) if is_voice_id(voice_id) else None
+        if cached is None or not caller.sees(cached.owner):
             raise unknown
-        prompt = self._prompts.get(voice_id)
-        if prompt is None:
+        if cached.prompt is None:
             try:
-                prompt = VoicePrompt.load(self._prompt_path(voice_id))
+                cached.prompt = self._load_prompt(voice_id)
             except FileNotFoundError:  # deleted between the check and the load
                 raise unknown from None
-            self._prompts[voice_id] = prompt
-        return prompt
+        return cached.prompt
 
     def records(self, caller: Caller) -> list[VoiceRecord]:
-        """Every registered voice `caller` sees, oldest first, ties by id (read from disk: it includes other
+        """Every registered voice `caller` sees, oldest first, ties by id (read from the store: it includes other
         replicas' voices)."""
-        records = [record for voice_id in self._voice_ids() if (record := self._read_record(voice_id)) is not None]
-        visible = [record for record in records if caller.sees(record.owner)]
+        visible = [record for record in self._read_records(self._voice_ids()) if caller.sees(record.owner)]
         return sorted(visible, key=lambda record: (record.created_at, record.id))
 
     def delete(self, voice_id: str, caller: Caller) -> bool:
@@ -241,15 +287,14 @@ class VoiceRegistry:
         admin key may delete it (a shared voice)."""
         if not is_voice_id(voice_id):
             return False
-        with self._exclusive():
+        with self.store.exclusive():
             record = self._read_record(voice_id)
             if record is None or not caller.sees(record.owner):
                 return False
             if not caller.may_delete(record.owner):
                 raise VoiceForbiddenError(f"voice {voice_id!r} is shared: only an admin key may delete it")
-            self._prompts.pop(voice_id, None)
-            self._owners.pop(voice_id, None)
-            self._record_path(voice_id).unlink()
-            self._prompt_path(voice_id).unlink(missing_ok=True)
+            self._cache.pop(voice_id, None)
+            self.store.remove(f"{voice_id}.json")  # the record first: from here the voice does not exist
+            self.store.remove(f"{voice_id}.npz")
         logger.info("deleted voice %s", voice_id)
         return True

@@ -70,6 +70,38 @@ def running_app(app_args: dict[str, Any], app_name: str, host: str = "127.0.0.1"
         ray.shutdown()
 
 
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+@contextmanager
+def s3_server(bucket: str = "voices") -> Iterator[str]:
+    """A real S3-protocol server (moto's server mode, over HTTP on a free 127.0.0.1 port) with one empty `bucket`;
+    yields the bucket's URL (`s3://voices`). The environment points S3 clients at it while it runs (set it before a
+    Ray starts: its workers inherit it), as an operator's would at an S3-compatible store."""
+    import logging
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    httpx.post(f"http://127.0.0.1:{port}/moto-api/reset", timeout=10)  # moto keeps its state per process, not server
+    saved = {key: os.environ.get(key) for key in (*S3_ENV, "AWS_ENDPOINT_URL_S3")}
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{port}")
+    try:
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
+        yield f"s3://{bucket}"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
 def answers_healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
