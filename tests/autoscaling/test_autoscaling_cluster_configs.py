@@ -57,7 +57,16 @@ def test_kuberay_serve_config_is_the_gpu_profile() -> None:
     assert yaml.safe_load(load_manifest()["spec"]["serveConfigV2"]) == gpu_profile()
 
 
-@pytest.mark.parametrize("config", ["configs/gpu_cluster.yaml", "configs/serve_config.yaml", "kuberay/rayservice.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "configs/gpu_cluster.yaml",
+        "configs/gpu_cluster_cosyvoice2.yaml",
+        "configs/gpu_cluster_v1_sft.yaml",
+        "configs/serve_config.yaml",
+        "kuberay/rayservice.yaml",
+    ],
+)
 def test_the_gpu_fraction_is_the_same_everywhere(config: str) -> None:
     text = (ROOT / config).read_text()
     serve_config = yaml.safe_load(text)
@@ -90,7 +99,7 @@ def test_cluster_nodes_fit_the_decoders_and_keep_cpu_replicas_off_gpus() -> None
 
 def test_cluster_setup_installs_nvml_and_downloads_the_model() -> None:
     commands = " ".join(load_cluster()["setup_commands"])
-    assert "[text,gpu]" in commands  # the `gpu` extra is nvidia-ml-py
+    assert "[text,gpu,s3]" in commands  # `gpu`: nvidia-ml-py; `s3`: the profile's voices_dir on S3
     assert profile_args().model in commands  # the dir the app args load is what the setup fills
 
 

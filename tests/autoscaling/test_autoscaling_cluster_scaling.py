@@ -45,6 +45,7 @@ def profile_args(schedule: dict[str, Any], fallback: bool) -> dict[str, Any]:
     (application,) = yaml.safe_load(PROFILE.read_text())["applications"]
     args = deepcopy(application["args"])
     args["model"] = "tiny"
+    args.pop("voices_dir")  # the profile's S3 store: this test clones no voice
     args["ingress"].update(num_replicas=1, num_cpus=0.1)
     args["encoder"].update(num_cpus=0.2, int8=False, autoscaling={"min_replicas": 1, "max_replicas": 1})
     decoder = args["decoder"]

@@ -63,11 +63,31 @@ def test_serve_config_is_the_gpu_profile_spelled_out() -> None:
 def test_gpu_cluster_profile() -> None:
     (application,) = _load("gpu_cluster.yaml")["applications"]
     args = AppArgs.model_validate(application["args"])
-    assert args.decoder.dtype == "float16" and 0 < args.decoder.num_gpus < 1
+    # Fun-CosyVoice3-0.5B: each module's dtype chosen at load (bfloat16 LLM and flow), voices in a shared store
+    assert args.model.endswith("Fun-CosyVoice3-0.5B") and args.decoder.dtype == "auto" and 0 < args.decoder.num_gpus < 1
+    assert args.voices_dir is not None and args.voices_dir.startswith("s3://")
     assert args.decoder.max_batch_size == 4
     assert args.decoder.ongoing_requests_limit >= args.decoder.max_batch_size
     rules = args.decoder.autoscaling.scaling_rules()
     assert rules.lowest_floor() == 0 and args.decoder_cpu.enabled  # a night at 0 GPUs, served by the fallback
+
+
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [
+        ("gpu_cluster_cosyvoice2.yaml", "/models/CosyVoice2-0.5B"),
+        ("gpu_cluster_v1_sft.yaml", "/models/CosyVoice-300M-SFT"),
+    ],
+)
+def test_the_alternative_profiles_are_the_gpu_profile_with_another_model(name: str, model: str) -> None:
+    (application,) = _load(name)["applications"]
+    (profile,) = _load("gpu_cluster.yaml")["applications"]
+    args, profile_args = application["args"], dict(profile["args"])
+    assert args["model"] == model and args["decoder"]["dtype"] == "float16"
+    for key in ("model", "voices_dir"):
+        profile_args.pop(key)
+    args = {key: value for key, value in args.items() if key != "model"}
+    assert args == {**profile_args, "decoder": {**profile_args["decoder"], "dtype": "float16"}}
 
 
 def test_local_cpu_profile_needs_no_gpu() -> None:
