@@ -2,7 +2,8 @@
 S3-protocol server the test starts (moto's server mode over HTTP on 127.0.0.1), which the replicas reach through
 s3fs with the AWS_* environment, as on a real cluster.
 
-Two copies of the app on `cosyvoice3-tiny` share `voices_dir: s3://voices/registry`: "a" (route /a) with its
+Two copies of the cluster profile's app (configs/gpu_cluster.yaml: Fun-CosyVoice3-0.5B, voices on S3), its model
+swapped for `cosyvoice3-tiny`, share `voices_dir: s3://voices/registry`: "a" (route /a) with its
 ingress and encoder on the head node, "b" (route /b) with its ingress and encoder on the worker. Both provision the
 voice behind `alloy` from a recording in the bucket. A voice registered through one is spoken through the other;
 deleted through the other, it is a 404 on both.
@@ -13,6 +14,9 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterator
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -20,6 +24,7 @@ import pytest
 import ray
 import s3fs
 import soundfile as sf
+import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
@@ -31,6 +36,7 @@ from tests.serve.conftest import OBJECT_STORE_BYTES, s3_server, wait_until_healt
 
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}
 NARRATOR = provisioned_voice_id("narrator")
+PROFILE = Path(__file__).resolve().parents[2] / "configs" / "gpu_cluster.yaml"
 
 
 def wav_bytes(seconds: float = 2.0, sample_rate: int = 16000, hz: float = 180.0) -> bytes:
@@ -40,23 +46,28 @@ def wav_bytes(seconds: float = 2.0, sample_rate: int = 16000, hz: float = 180.0)
     return buffer.getvalue()
 
 
-def app_args(node: str, bucket: str) -> dict:
+def app_args(node: str, bucket: str) -> dict[str, Any]:
+    """configs/gpu_cluster.yaml's app (Fun-CosyVoice3-0.5B, voices on S3) with the tiny v3 model and this test's
+    bucket, sized for 2 cores: one replica of each stage, the ingress and the encoder on `node`, the decoder on CPU."""
+    (application,) = yaml.safe_load(PROFILE.read_text())["applications"]
+    args = deepcopy(application["args"])
+    assert args["model"].endswith("Fun-CosyVoice3-0.5B") and args["voices_dir"].startswith("s3://")
     on_node = {"num_cpus": 0.1, "resources": {node: 1}}
-    return {
-        "model": "cosyvoice3-tiny",
-        "ingress": on_node,
-        "encoder": on_node,
-        "decoder": {"num_cpus": 0.3},
-        "voices_dir": f"{bucket}/registry",
-        "voices": [
-            {
-                "file": f"{bucket}/recordings/narrator.wav",
-                "transcript": "Hello there.",
-                "id": "narrator",
-                "openai_name": "alloy",
-            }
-        ],
-    }
+    args.update(model="cosyvoice3-tiny", voices_dir=f"{bucket}/registry")
+    args["voices"] = [
+        {
+            "file": f"{bucket}/recordings/narrator.wav",
+            "transcript": "Hello there.",
+            "id": "narrator",
+            "openai_name": "alloy",
+        }
+    ]
+    args["ingress"].update(num_replicas=1, **on_node)
+    args["encoder"].update(int8=False, autoscaling={"min_replicas": 1, "max_replicas": 1}, **on_node)
+    args["decoder"].update(num_gpus=0, num_cpus=0.3, dtype="float32")
+    del args["decoder"]["autoscaling"]  # one replica, whatever the hour of the profile's schedule
+    args["decoder_cpu"]["enabled"] = False
+    return args
 
 
 @pytest.fixture(scope="module")
