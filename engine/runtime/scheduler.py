@@ -31,7 +31,8 @@ ready starts as soon as its lane is free. A new request's first chunk does not w
 (its lane is free unless another first chunk is being made). The lanes never work on the same stream; the
 loop thread only adds streams (a new stream has no tokens for a running emit), stops them, and releases one
 once no job works on it. The threads share the device: on CPU, its cores (the loop thread keeps half the
-torch threads, each lane the other half, at least one each); on CUDA, each lane has a CUDA stream of its own.
+torch threads, each lane the other half, at least one each); on CUDA, each lane has a CUDA stream of its own (a stream
+state that moves from one lane to the other goes through `engine.runtime.handoff`).
 A step with nothing to generate waits for a job or a new request instead of spinning.
 Outputs go to each request's `sink`, in sentence order: audio arrays (a streaming request's chunks, a
 whole request's sentences), then None at the end, or a `CosyVoiceError` that ends the request.
@@ -71,6 +72,7 @@ from engine.errors import (
     isolate_failures,
 )
 from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
+from engine.runtime.handoff import hand_over, take_over
 from engine.runtime.memory import estimate_request_memory
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
@@ -691,9 +693,16 @@ class Scheduler:
     @staticmethod
     @torch.inference_mode()
     def _emit(streams: DecodeStream, events: list[TokenEvent], chosen: list[Any]) -> list[Any]:
-        """A lane: record the streams' waiting tokens, emit the chunks they complete -> [(stream, audio or error)]."""
-        streams.record(events)
-        return streams.emit(chosen)
+        """A lane: record the streams' waiting tokens, emit the chunks they complete -> [(stream, audio or error)].
+        The states may have been written on the other lane's CUDA stream: taken over first, handed over after
+        (engine.runtime.handoff)."""
+        for state in chosen:
+            take_over(state)
+        try:
+            streams.record(events)
+            return streams.emit(chosen)
+        finally:
+            hand_over(chosen, streams.decoder.model.decoder_device)
 
     @torch.inference_mode()
     def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | CosyVoiceError]:
