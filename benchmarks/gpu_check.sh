@@ -259,8 +259,8 @@ else
 fi
 check=("$python" -m benchmarks.gpu_check --device "$device")
 if ((quick)); then
-  precision_args=(--seconds 0.25 --families v1 v3)
-  engine_args=(--seconds 0.25 --stream-seconds 1 --repeats 1 --warmup 0)
+  precision_args=(--seconds 0.25 --families v3 v1)
+  engine_args=(--seconds 0.25 --stream-seconds 0.5 --repeats 1 --warmup 0)
   replica_args=(--requests 4 --loop-timeout-s 30)
 else
   precision_args=() engine_args=() replica_args=()

@@ -15,11 +15,17 @@ makes the current stream wait for it and marks every CUDA tensor of the state as
 (`Tensor.record_stream`), so that the allocator does not reuse their memory until the current stream's work queued
 before the free is done, whichever thread drops them. The loop thread never reads a state's tensors: it only drops
 them (`DecodeStream.release`), after the job that used them is over. On CPU both are no-ops.
+
+The LLM's state (the token generator's KV cache) lives on the loop thread's stream, the device's default stream. A
+lane changes it too: a stream whose chunk is not finite is stopped from the lane, which drops its generator row
+(the cache is sliced). So every generator call runs its kernels `on_stream(loop_stream(device))`, in order with the
+LLM steps, whichever thread makes it (`engine.runtime.scheduler._SharedGenerator`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -63,3 +69,13 @@ def hand_over(states: Iterable[Any], device: torch.device | None = None) -> None
     event.record(torch.cuda.current_stream(device))
     for state in states:
         state.written = event
+
+
+def loop_stream(device: torch.device) -> Any:
+    """The CUDA stream the loop thread issues the LLM's kernels on (the device's default stream); None on CPU."""
+    return torch.cuda.default_stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream: Any) -> AbstractContextManager[Any]:
+    """Issue this thread's kernels on `stream` for the block (nothing to do for None: CPU)."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)

@@ -20,7 +20,7 @@ from engine.llm.sampling import SamplingOptions
 from engine.runtime import handoff
 from engine.runtime import scheduler as scheduler_module
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
-from engine.runtime.scheduler import FIRST, MAIN, Scheduler
+from engine.runtime.scheduler import FIRST, MAIN, Scheduler, _SharedGenerator
 from engine.vocoder.causal_hift import VocoderStream
 from tests.engine.conftest import Collected, step_until
 
@@ -117,3 +117,35 @@ def test_every_state_a_lane_works_on_was_taken_over_by_that_lane_in_that_job(
             held[thread].discard(state)
     # the case the helper is for: one state, chunks on both lanes
     assert any(lanes == {f"vocoder-{FIRST}", f"vocoder-{MAIN}"} for lanes in lanes_of_state.values()), lanes_of_state
+
+
+def test_every_generator_call_runs_on_the_loop_stream_whichever_thread_makes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop_stream = object()
+    entered: list[tuple[str, object]] = []
+
+    class Recorded:
+        def __init__(self, stream: object) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            entered.append((threading.current_thread().name, self.stream))
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(scheduler_module, "loop_stream", lambda device: loop_stream)
+    monkeypatch.setattr(scheduler_module, "on_stream", Recorded)
+    generator = mock.MagicMock()
+    shared = _SharedGenerator(generator, torch.device("cpu"))
+    shared.add("request")
+    shared.step()
+    shared.pause(1, True)
+    shared.resume(1)
+    lane = threading.Thread(target=shared.cancel, args=(1,), name="vocoder-main_0")  # a lane stops a stream
+    lane.start()
+    lane.join()
+    assert [stream for _, stream in entered] == [loop_stream] * 5
+    assert entered[-1][0] == "vocoder-main_0"
+    generator.cancel.assert_called_once_with(1)
