@@ -21,11 +21,13 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates wget bash \
     && rm -rf /var/lib/apt/lists/*
 
-# The non-root user Ray runs as (Ubuntu's base image has `ubuntu` at uid 1000: it makes room), and the model volume.
+# The non-root user Ray runs as (Ubuntu's base image has `ubuntu` at uid 1000: it makes room), the model volume, and
+# the venv on PATH for login shells too (KubeRay starts Ray with `bash -lc`, and /etc/profile resets PATH).
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
     && useradd --create-home --uid 1000 --shell /bin/bash ray \
     && mkdir -p /models /opt/venv \
-    && chown ray:ray /models /opt/venv
+    && chown ray:ray /models /opt/venv \
+    && echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/cosyvoice-venv.sh
 USER ray
 WORKDIR /home/ray/cosyvoice-serve
 
