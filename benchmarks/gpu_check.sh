@@ -191,9 +191,9 @@ missing() { # sets engine_missing and serve_missing: the first import error of e
   lines=$("$python" - "$device" 2> /dev/null <<'PY'
 import importlib, sys
 
-groups = {"engine": ["benchmarks.gpu_check"], "serve": ["benchmarks.compare", "benchmarks.streams"]}
+groups = {"engine": ["benchmarks.gpu_check"], "serve": ["benchmarks.compare", "benchmarks.streams"], "nvml": []}
 if sys.argv[1] == "cuda":
-    groups["engine"].append("pynvml")  # the `gpu` extra: the replica part's NVML readings
+    groups["nvml"].append("pynvml")  # the `gpu` extra: the replica part's NVML readings (it runs without them)
 for modules in groups.values():
     error = "ok"
     for name in modules:
@@ -207,21 +207,24 @@ PY
   )
   engine_missing=$(sed -n 1p <<< "$lines")
   serve_missing=$(sed -n 2p <<< "$lines")
+  nvml_missing=$(sed -n 3p <<< "$lines")
   [[ -n "$engine_missing" ]] || engine_missing="the import check did not run"
   [[ -n "$serve_missing" ]] || serve_missing="the import check did not run"
   [[ "$engine_missing" == ok ]] && engine_missing=""
   [[ "$serve_missing" == ok ]] && serve_missing=""
+  [[ "$nvml_missing" == ok ]] && nvml_missing=""
+  return 0
 }
 missing
-if [[ -z "$engine_missing$serve_missing" ]]; then
+if [[ -z "$engine_missing$serve_missing$nvml_missing" ]]; then
   record install "not needed: every part's modules import"
   echo '{"needed": false}' > "$out/install.json"
 elif [[ "$device" == cpu || -n "${GPU_CHECK_NO_INSTALL:-}" ]]; then # never into a developer's or CI's environment
-  record install "skipped (--cpu or GPU_CHECK_NO_INSTALL): $engine_missing${serve_missing:+; $serve_missing}"
+  record install "skipped (--cpu or GPU_CHECK_NO_INSTALL): $engine_missing${serve_missing:+; $serve_missing}${nvml_missing:+; $nvml_missing}"
   echo '{"needed": true, "skipped": true}' > "$out/install.json"
   status=1
 else
-  before="$engine_missing${serve_missing:+; $serve_missing}"
+  before="$engine_missing${serve_missing:+; $serve_missing}${nvml_missing:+; $nvml_missing}"
   echo "missing: $before"
   "$python" - "$out/constraints.txt" <<'PY'
 import sys
@@ -243,12 +246,13 @@ PY
   [[ -n "$wheels" ]] && pip_args+=(--no-index --find-links "$wheels")
   run_part install 120 "$python" "${pip_args[@]}" -e ".[test,gpu]"
   missing
-  if [[ -n "$engine_missing" ]]; then # no Ray to be had (offline, say): the in-process parts' own few needs alone
+  if [[ -n "$engine_missing$nvml_missing" ]]; then # no Ray to be had (offline, say): the in-process parts' needs alone
     run_part install_engine 60 "$python" "${pip_args[@]}" numpy pyyaml tokenizers tiktoken inflect nvidia-ml-py
     missing
   fi
   "$python" -c "import json, sys; json.dump({'needed': True, 'missing_before': sys.argv[1], 'missing_after': sys.argv[2] or None, 'constraints': open(sys.argv[3]).read().split()}, open(sys.argv[4], 'w'), indent=2)" \
-    "$before" "$engine_missing${serve_missing:+; $serve_missing}" "$out/constraints.txt" "$out/install.json"
+    "$before" "$engine_missing${serve_missing:+; $serve_missing}${nvml_missing:+; $nvml_missing}" "$out/constraints.txt" \
+    "$out/install.json"
 fi
 
 # --- 2-4. the engine in process -----------------------------------------------------------------------------------
