@@ -514,6 +514,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="requests per level and Poisson rate (default: the profile's)")
     parser.add_argument("--rates", type=float, nargs="+", help="Poisson arrivals per second (default: the profile's)")
     parser.add_argument("--overhead-only", action="store_true", help="only the interleaved overhead measure")
+    dry_help = "check the arguments and write the workload as JSON; start nothing (gpu_check.sh --quick)"
+    parser.add_argument("--dry-run", action="store_true", help=dry_help)
     levels_help = "closed-loop client counts; the largest is the compared level"
     parser.add_argument("--clients", type=int, nargs="+", default=list(CLOSED_LOOP_CLIENTS), help=levels_help)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="in-process and baseline device")
@@ -531,6 +533,11 @@ def main() -> None:
     )
     workload = profile.workload(clients, options.repeats, options.warmup)
     options.out.parent.mkdir(parents=True, exist_ok=True)
+    if options.dry_run:
+        plan = {"dry_run": True, "model": options.model, "num_gpus": options.num_gpus, "workload": asdict(workload)}
+        options.out.write_text(json.dumps(plan, indent=2, default=str))
+        print(json.dumps(plan, default=str))
+        return
     if options.overhead_only:
         report = overhead_only(options.model, workload, options.device, options.num_gpus)
         options.out.write_text(json.dumps(report, indent=2))

@@ -1,17 +1,38 @@
-"""The engine part of `benchmarks/gpu_check.sh`: the decoder on one device (CUDA fp16 on a GPU machine).
+"""The in-process parts of `benchmarks/gpu_check.sh`, one per call (`--part`), each writing its own JSON:
 
-For batch sizes 1, 4 and 16 of fixed-length requests: whether every waveform is finite, the real-time factor
-(batch wall time / audio seconds of one request) and the peak device memory of that batch (what one replica
-needs for its weights plus that batch); then the first streamed chunk of a 20 s utterance. Each time is the
-median of `--repeats` runs after `--warmup` untimed ones, with `<key>_spread` beside it (`benchmarks.timing`).
+- `precision`: per family (v1, v2, v3 at their real sizes with seeded dummy weights; `--cpu`: the tiny presets) and
+  per stage, the float16, bfloat16 and `auto` (the profile's per-module choice: v3 gets a bfloat16 LLM and flow)
+  outputs against float32 on the same device and inputs: whether they are finite, their cosine to float32, and the
+  LLM's top-1 agreement. The LLM is teacher-forced over its prompt and a fixed token sequence (logits); the flow
+  gets those tokens (mel); the vocoder gets the float32 mel (audio). Fallbacks of the NaN guard (a non-finite
+  output recomputed in float32) are counted, so a stage that only looks finite through the guard shows.
+- `engine`: the decoder in the profile's dtype (`--dtype`, float16 on CUDA): for batch sizes 1, 4 and 16 of
+  fixed-length requests, whether every waveform is finite, the real-time factor (batch wall time / audio seconds
+  of one request) and the peak device memory; then the first streamed chunk of a long utterance. Each time is the
+  median of `--repeats` runs after `--warmup` untimed ones, with `<key>_spread` beside it (`benchmarks.timing`).
+- `replica`: one decoder replica in this process as `deployments.decoder` builds it: the allocator capped at
+  `--fraction` of the card (`set_per_process_memory_fraction`), the `auto` memory budget
+  (`engine.runtime.memory.device_memory_budget`), the decoder loop with its two lanes on their own CUDA streams,
+  under a mix of streaming and whole requests: the peak device memory against the budget and the cap, every
+  request's outcome, and NVML readings sampled meanwhile (nvidia-ml-py, the `gpu` extra).
 
-    python -m benchmarks.gpu_check --out out/gpu_check/engine.json [--device cuda] [--model dummy]
+    python -m benchmarks.gpu_check --part precision --out OUT/precision.json [--device cuda]
+    python -m benchmarks.gpu_check --part engine --out OUT/engine.json [--device cuda] [--model dummy]
+    python -m benchmarks.gpu_check --part replica --out OUT/replica.json [--device cuda] [--fraction 0.25]
+
+A part writes its JSON as it goes (a family, a batch size at a time), so one stopped by the script's time box still
+leaves what it measured, with `"complete": false`.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import resource
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +40,43 @@ import numpy as np
 import torch
 
 from benchmarks.batching_bench import measure_first_chunk
-from benchmarks.engine_bench import fixed_length_segments
+from benchmarks.engine_bench import benchmark_voice, fixed_length_segments
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure
+from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.nn.precision import FALLBACKS, decoder_dtypes
+from engine.runtime.memory import device_memory_budget
+from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
+
+FAMILIES = {  # family -> (preset on CUDA: real sizes, preset on CPU: tiny); v3 first: its bf16 is the open question
+    "v3": ("cosyvoice3-0.5b", "cosyvoice3-tiny"),
+    "v1": ("dummy", "tiny"),
+    "v2": ("cosyvoice2-0.5b", "cosyvoice2-tiny"),
+}
+REDUCED = ("float16", "bfloat16", "auto")
+
+
+class Report:
+    """A part's JSON, rewritten at every `update` (so a part stopped by its time box leaves what it had)."""
+
+    def __init__(self, path: Path, **fields: Any) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"complete": False, **fields}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+
+    def done(self) -> None:
+        self.update(complete=True)
+        print(json.dumps({k: v for k, v in self.data.items() if not isinstance(v, list | dict)}, indent=2))
 
 
 def _synchronize(device: str) -> None:
@@ -33,6 +86,136 @@ def _synchronize(device: str) -> None:
 
 def peak_memory_bytes(device: str) -> int | None:
     return torch.cuda.max_memory_allocated() if device == "cuda" else None
+
+
+def device_fields(device: str) -> dict[str, Any]:
+    if device != "cuda":
+        return {"device": "cpu", "device_name": "cpu"}
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "device": "cuda",
+        "device_name": torch.cuda.get_device_name(),
+        "device_memory_bytes": total,
+        "device_free_bytes_at_start": free,
+        "bf16_native": torch.cuda.is_bf16_supported(including_emulation=False),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+
+
+# --- precision ----------------------------------------------------------------------------------------------------
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """Cosine similarity of two tensors of one shape, in float64 (None when a shape differs or one is not finite)."""
+    a, b = a.detach().double().flatten().cpu(), b.detach().double().flatten().cpu()
+    if a.shape != b.shape or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    norms = float(a.norm() * b.norm())
+    return 1.0 if norms == 0 and float(a.norm()) == float(b.norm()) else float(a @ b) / norms if norms else 0.0
+
+
+@torch.inference_mode()
+def stage_outputs(model, segment: EncodedSegment, tokens: torch.Tensor, mel_in: torch.Tensor | None) -> dict:
+    """The LLM's logits teacher-forced over the prompt + `tokens`, the flow's mel of `tokens`, the vocoder's audio of
+    `mel_in` (default: that mel) for `model` (a LoadedModel whose modules may be cast)."""
+    decoder = SpeechDecoderStage(model)
+    llm = model.llm
+    [request] = decoder.generation_requests([segment])
+    prompt = llm.lm_input(request)
+    speech = llm.speech_embedding(tokens.to(prompt.device)).to(prompt.dtype)
+    x = torch.cat([prompt, speech])[None]
+    valid = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    hidden = llm.llm.forward_incremental(x, valid, llm.llm.new_cache(1, x.device))
+    logits = llm.llm_decoder(hidden).float()[0]
+    [mel] = model.flow.inference([decoder.flow_request(segment, decoder.flow_tokens(tokens))])
+    mel_in = mel if mel_in is None else mel_in
+    [wave] = model.hift.inference([mel_in.to(model.decoder_device, next(model.hift.parameters()).dtype)], seeds=[0])
+    _synchronize(model.decoder_device.type)
+    return {"llm": logits, "flow": mel.float(), "hift": wave.float()}
+
+
+def _cast(reference, name: str):
+    """A copy of `reference`'s decoder modules in dtype `name` (`auto`: the family's choice on this device)."""
+    dtypes = decoder_dtypes(name, reference.config.family.prefers_bfloat16, reference.decoder_device)
+    model = copy.copy(reference)
+    model.llm = copy.deepcopy(reference.llm).to(dtypes.llm)
+    model.flow = copy.deepcopy(reference.flow).to(dtypes.flow)
+    model.hift = copy.deepcopy(reference.hift).to(dtypes.hift)
+    model.dtype = dtypes.llm
+    return model, {"llm": str(dtypes.llm), "flow": str(dtypes.flow), "hift": str(dtypes.hift)}
+
+
+def precision_family(source: str, device: str, seconds: float) -> dict[str, Any]:
+    start = time.perf_counter()
+    reference = load_model(source, dtype="float32", device=device, cpu_packing=False)
+    encoder = TextEncoderStage(reference)
+    [segment] = fixed_length_segments(encoder, seconds)
+    with torch.inference_mode():
+        [tokens] = SpeechDecoderStage(reference).generate_tokens([segment])
+    if len(tokens) == 0:  # random weights may stop at once: a fixed draw instead, the same for every dtype
+        tokens = torch.randint(0, reference.llm.eos, (25,), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.cpu()
+    fp32 = stage_outputs(reference, segment, tokens, None)
+    row: dict[str, Any] = {"preset": source, "tokens": len(tokens), "float32_finite": _finite(fp32)}
+    for name in REDUCED:
+        counts = dict(FALLBACKS.counts)
+        model, dtypes = _cast(reference, name)
+        out = stage_outputs(model, segment, tokens, fp32["flow"])
+        stages = {}
+        for stage in ("llm", "flow", "hift"):
+            stages[stage] = {"dtype": dtypes[stage], "finite": bool(torch.isfinite(out[stage]).all())}
+            stages[stage]["cosine"] = cosine(out[stage], fp32[stage])
+        ref_top, top = fp32["llm"].argmax(-1), out["llm"].argmax(-1)
+        stages["llm"]["top1_agreement"] = float((ref_top == top).float().mean())
+        fallbacks = {
+            f"{k[0]}_{'recovered' if k[1] else 'failed'}": v - counts.get(k, 0) for k, v in FALLBACKS.counts.items()
+        }
+        row[name] = {**stages, "nan_guard_fallbacks": {k: v for k, v in fallbacks.items() if v}}
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    del reference
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _finite(outputs: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in outputs.values())
+
+
+def run_precision(options: argparse.Namespace) -> None:
+    report = Report(options.out, part="precision", **device_fields(options.device), families={})
+    worst: dict[str, float] = {}
+    for family in options.families:
+        cuda_preset, cpu_preset = FAMILIES[family]
+        try:
+            row = precision_family(
+                cuda_preset if options.device == "cuda" else cpu_preset, options.device, options.seconds
+            )
+        except Exception as exc:  # one family's failure leaves the others' results
+            row = {"error": f"{type(exc).__name__}: {exc}"}
+        report.data["families"][family] = row
+        for name in REDUCED:
+            for stage in ("llm", "flow", "hift"):
+                value = row.get(name, {}).get(stage, {}).get("cosine")
+                if value is not None:
+                    key = f"min_cosine_{name}_{stage}"
+                    worst[key] = min(worst.get(key, 1.0), value)
+        all_finite = all(
+            row.get(name, {}).get(stage, {}).get("finite", False)
+            for row in report.data["families"].values()
+            for name in REDUCED
+            for stage in ("llm", "flow", "hift")
+        )
+        report.update(all_finite=all_finite, **worst)
+        print(f"{family}: {json.dumps(row)[:400]}")
+    report.done()
+
+
+# --- engine ---------------------------------------------------------------------------------------------------------
 
 
 def measure_batch(
@@ -68,50 +251,243 @@ def measure_batch(
     }
 
 
+def run_engine(options: argparse.Namespace) -> None:
+    dtype = options.dtype or ("float16" if options.device == "cuda" else "float32")
+    model = load_model(options.model, dtype=dtype, device=options.device)
+    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
+    repeats, warmup = options.repeats, options.warmup
+    report = Report(
+        options.out,
+        part="engine",
+        **device_fields(options.device),
+        model=options.model,
+        dtype=dtype,
+        repeats=repeats,
+        warmup=warmup,
+        weights_bytes_on_device=peak_memory_bytes(options.device),
+        batches=[],
+    )
+    [segment] = fixed_length_segments(encoder, options.seconds)
+    for batch in options.batches:
+        row = measure_batch(decoder, segment, batch, options.seconds, repeats, warmup)
+        print(f"batch {row['batch']:2d}: RTF {row['rtf']:.3f}, finite {row['finite']}, peak {row['peak_memory_bytes']}")
+        report.data["batches"].append(row)
+        report.update(
+            all_finite=all(r["finite"] for r in report.data["batches"]),
+            **{f"rtf_b{batch}": row["rtf"], f"rtf_b{batch}_spread": row["rtf_spread"]},
+            **{f"peak_memory_bytes_b{batch}": row["peak_memory_bytes"]},
+        )
+    [long_segment] = fixed_length_segments(encoder, options.stream_seconds)
+    streaming = measure_first_chunk(decoder, long_segment, repeats, warmup)
+    seconds = f"{options.stream_seconds:g}s"
+    report.update(
+        **{
+            f"first_chunk_s_{seconds}": streaming["first_chunk_s"],
+            f"first_chunk_s_{seconds}_spread": streaming["first_chunk_s_spread"],
+            f"first_chunk_fraction_{seconds}": streaming["fraction"],
+            f"first_chunk_fraction_{seconds}_spread": streaming["fraction_spread"],
+        },
+        streaming=streaming,
+    )
+    report.done()
+
+
+# --- replica --------------------------------------------------------------------------------------------------------
+
+
+class NvmlSampler:
+    """NVML readings of the first GPU every `interval` s on a thread (nvidia-ml-py); `unavailable` says why not."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.samples: list[dict[str, float]] = []
+        self.static: dict[str, Any] = {}
+        self.unavailable: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(self._handle)
+            self.static = {
+                "name": name.decode() if isinstance(name, bytes) else name,
+                "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+                "memory_total_bytes": pynvml.nvmlDeviceGetMemoryInfo(self._handle).total,
+            }
+        except Exception as exc:  # no nvidia-ml-py, no driver, no GPU
+            self.unavailable = f"{type(exc).__name__}: {exc}"
+
+    def _read(self) -> dict[str, float]:
+        nvml, handle = self._nvml, self._handle
+        reading: dict[str, float] = {"t": time.monotonic()}
+        for key, read in (
+            ("memory_used_bytes", lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used),
+            ("gpu_util_percent", lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+            ("memory_util_percent", lambda: nvml.nvmlDeviceGetUtilizationRates(handle).memory),
+            ("power_w", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
+            ("temperature_c", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+            ("sm_clock_mhz", lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
+        ):
+            try:
+                reading[key] = float(read())
+            except Exception:  # a reading this device or driver does not give
+                continue
+        return reading
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.samples.append(self._read())
+
+    def __enter__(self) -> NvmlSampler:
+        if self.unavailable is None:
+            self.samples.append(self._read())
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.samples.append(self._read())
+
+    def summary(self) -> dict[str, Any]:
+        if self.unavailable is not None:
+            return {"unavailable": self.unavailable}
+        keys = sorted({k for s in self.samples for k in s} - {"t"})
+        return {
+            **self.static,
+            "samples": len(self.samples),
+            **{f"max_{k}": max(s[k] for s in self.samples if k in s) for k in keys},
+            **{f"mean_{k}": float(np.mean([s[k] for s in self.samples if k in s])) for k in keys},
+        }
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def replica_requests(encoder: TextEncoderStage, count: int) -> list[tuple[EncodedSegment, bool]]:
+    """`count` requests of growing length (1 to 4 sentences' worth of tokens), every other one streaming."""
+    voice = benchmark_voice(encoder.model)
+    texts = [
+        "Hello there.",
+        "A short sentence for the decoder loop.",
+        "A longer sentence, with a few clauses in it, that keeps the loop busy for a while longer than the others.",
+    ]
+    requests = []
+    for index in range(count):
+        sampling = SamplingOptions(seed=index, min_token_text_ratio=4, max_token_text_ratio=8)
+        request = SynthesisRequest(texts[index % len(texts)], voice, sampling=sampling)
+        [segment, *_] = encoder.encode(request)
+        requests.append((segment, index % 2 == 0))
+    return requests
+
+
+def run_replica(options: argparse.Namespace) -> None:
+    device = options.device
+    dtype = options.dtype or ("float16" if device == "cuda" else "float32")
+    fraction = options.fraction if device == "cuda" else None
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(fraction)  # as deployments.decoder does with its num_gpus
+        torch.cuda.reset_peak_memory_stats()
+    model = load_model(options.model, dtype=dtype, device=device)
+    weights = torch.cuda.memory_allocated() if device == "cuda" else None
+    budget = device_memory_budget(model.decoder_device, fraction)  # what `memory_budget_gb: auto` sets
+    cap = int(torch.cuda.get_device_properties(0).total_memory * fraction) if device == "cuda" else None
+    report = Report(
+        options.out,
+        part="replica",
+        **device_fields(device),
+        model=options.model,
+        dtype=dtype,
+        gpu_fraction=fraction,
+        weights_bytes=weights,
+        memory_budget_bytes=budget,
+        allocator_cap_bytes=cap,
+    )
+    encoder, stage = TextEncoderStage(model), SpeechDecoderStage(model)
+    requests = replica_requests(encoder, options.requests)
+    scheduler = Scheduler(stage, max_live=options.max_live, memory_budget_bytes=budget)
+    outputs: list[list[Any]] = [[] for _ in requests]
+    errors: list[str] = []
+    start = time.perf_counter()
+    with NvmlSampler() as nvml:
+        try:
+            for index, (segment, streaming) in enumerate(requests):
+                scheduler.submit([segment], streaming=streaming, sink=outputs[index].append)
+            deadline = time.monotonic() + options.loop_timeout_s
+            while scheduler.has_work and time.monotonic() < deadline:
+                scheduler.step()
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            _synchronize(device)
+    elapsed = time.perf_counter() - start
+    ended = [bool(out) and out[-1] is None for out in outputs]
+    failed = [_text(o) for out in outputs for o in out if isinstance(o, Exception)]
+    audio = [
+        np.concatenate([o for o in out if isinstance(o, np.ndarray) and o.size] or [np.zeros(0)]) for out in outputs
+    ]
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    report.update(
+        requests=len(requests),
+        streaming_requests=sum(s for _, s in requests),
+        all_ended=all(ended),
+        request_errors=failed,
+        loop_errors=errors,
+        all_finite=all(np.isfinite(a).all() and a.size > 0 for a in audio),
+        audio_seconds=float(sum(a.size for a in audio) / stage.sample_rate),
+        wall_s=round(elapsed, 3),
+        first_lane_chunks=scheduler.stats.first_lane_chunks,
+        llm_steps=scheduler.stats.llm_steps,
+        peak_memory_bytes=peak,
+        peak_reserved_bytes=torch.cuda.max_memory_reserved() if device == "cuda" else None,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # the loop's own use over the weights, against what the budget lets it have
+        peak_over_weights_bytes=None if peak is None else peak - weights,
+        peak_over_weights_vs_budget=None if peak is None or not budget else (peak - weights) / budget,
+        peak_within_cap=None if peak is None else peak <= cap,
+        nvml=nvml.summary(),
+    )
+    report.done()
+
+
+# --- command line -----------------------------------------------------------------------------------------------
+
+
+PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "precision": run_precision,
+    "engine": run_engine,
+    "replica": run_replica,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=sorted(PARTS), default="engine")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--model", default="dummy")
+    parser.add_argument("--model", default="dummy", help="engine and replica: the preset or model directory")
+    parser.add_argument("--dtype", help="engine and replica: the decoder dtype (default float16 on CUDA, else float32)")
+    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--seconds", type=float, default=2.0, help="audio per request of the batches")
+    parser.add_argument("--seconds", type=float, default=2.0, help="audio per request of the batches / precision")
     parser.add_argument("--stream-seconds", type=float, default=20.0)
+    parser.add_argument("--fraction", type=float, default=0.25, help="replica: its GPU fraction (every profile's)")
+    parser.add_argument("--requests", type=int, default=16, help="replica: requests submitted at once")
+    parser.add_argument("--max-live", type=int, default=8, help="replica: the loop's max_batch_size")
+    parser.add_argument("--loop-timeout-s", type=float, default=60.0, help="replica: the loop's longest run")
     add_repeat_options(parser)
     options = parser.parse_args()
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device")
-    dtype = "float16" if options.device == "cuda" else "float32"
-    model = load_model(options.model, dtype=dtype, device=options.device)
-    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
-    weights_bytes = peak_memory_bytes(options.device)
-    [segment] = fixed_length_segments(encoder, options.seconds)
-    repeats, warmup = options.repeats, options.warmup
-    rows = [measure_batch(decoder, segment, batch, options.seconds, repeats, warmup) for batch in options.batches]
-    for row in rows:
-        print(f"batch {row['batch']:2d}: RTF {row['rtf']:.3f}, finite {row['finite']}, peak {row['peak_memory_bytes']}")
-    [long_segment] = fixed_length_segments(encoder, options.stream_seconds)
-    streaming = measure_first_chunk(decoder, long_segment, repeats, warmup)
-    report = {
-        "device": options.device,
-        "device_name": torch.cuda.get_device_name() if options.device == "cuda" else "cpu",
-        "model": options.model,
-        "dtype": dtype,
-        "repeats": repeats,
-        "warmup": warmup,
-        "weights_bytes_on_device": weights_bytes,
-        "all_finite": all(row["finite"] for row in rows),
-        **{f"rtf_b{row['batch']}{suffix}": row[f"rtf{suffix}"] for row in rows for suffix in ("", "_spread")},
-        **{f"peak_memory_bytes_b{row['batch']}": row["peak_memory_bytes"] for row in rows},
-        "first_chunk_s_20s": streaming["first_chunk_s"],
-        "first_chunk_s_20s_spread": streaming["first_chunk_s_spread"],
-        "first_chunk_fraction_20s": streaming["fraction"],
-        "first_chunk_fraction_20s_spread": streaming["fraction_spread"],
-        "batches": rows,
-        "streaming_20s": streaming,
-    }
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: v for k, v in report.items() if not isinstance(v, list | dict)}, indent=2))
+    if not 0 < options.fraction <= 1:
+        parser.error("--fraction must be in (0, 1]")
+    PARTS[options.part](options)
 
 
 if __name__ == "__main__":

@@ -574,6 +574,8 @@ def main() -> None:
     drain_help = "after a rate's last arrival, streams still running this long later are cancelled (errors)"
     parser.add_argument("--drain-timeout-s", type=float, default=defaults.drain_timeout_s, help=drain_help)
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPU fraction of the decoder replica")
+    dry_help = "check the arguments and write the workload as JSON; start nothing (gpu_check.sh --quick)"
+    parser.add_argument("--dry-run", action="store_true", help=dry_help)
     add_repeat_options(parser)
     options = parser.parse_args()
     if any(rate <= 0 for rate in options.rates) or options.arrivals < 1 or options.long_sentences < 1:
@@ -594,8 +596,13 @@ def main() -> None:
         request_timeout_s=options.request_timeout_s,
         drain_timeout_s=options.drain_timeout_s,
     )
-    report = measure_policies(options.model, workload, options.num_gpus)
     options.out.parent.mkdir(parents=True, exist_ok=True)
+    if options.dry_run:
+        plan = {"dry_run": True, "model": options.model, "num_gpus": options.num_gpus, "workload": asdict(workload)}
+        options.out.write_text(json.dumps(plan, indent=2, default=str))
+        print(json.dumps(plan, default=str))
+        return
+    report = measure_policies(options.model, workload, options.num_gpus)
     options.out.write_text(json.dumps(report, indent=2))
     plot(report, options.out.with_suffix(".png"))
     print_table(report)

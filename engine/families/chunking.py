@@ -79,6 +79,7 @@ class StreamState:
     hift_source: Tensor | None = None  # [1, source_cache]
     hift_speech: Tensor | None = None  # [source_cache]
     vocoder: VocoderStream | None = None  # re-run: the causal vocoder's window of the mel so far
+    written: Any = None  # CUDA: the event after the last work on it (engine.runtime.handoff.hand_over)
 
     def checkpoint(self) -> dict[str, Any]:
         """What a chunk changes (its fields are replaced, never changed in place, but for the random generators'

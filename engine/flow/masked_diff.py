@@ -182,7 +182,7 @@ class FlowConditioning:
         """Official v1 `flow_cache` per request: [80, prompt + last 34 frames, 2] of (start noise, mu)."""
         caches = []
         for index, (start, prompt, length) in enumerate(zip(noise, self.prompt_frames, self.mel_lengths, strict=True)):
-            kept = [start.to(self.mu.dtype), self.mu[index, :, :length]]
+            kept = [start.to(self.mu.device, self.mu.dtype), self.mu[index, :, :length]]  # noise is drawn on the CPU
             tail = max(length - _FLOW_CACHE_TAIL_FRAMES, 0)
             caches.append(torch.stack([torch.cat([t[:, :prompt], t[:, tail:]], dim=1) for t in kept], dim=-1))
         return caches

@@ -31,7 +31,8 @@ ready starts as soon as its lane is free. A new request's first chunk does not w
 (its lane is free unless another first chunk is being made). The lanes never work on the same stream; the
 loop thread only adds streams (a new stream has no tokens for a running emit), stops them, and releases one
 once no job works on it. The threads share the device: on CPU, its cores (the loop thread keeps half the
-torch threads, each lane the other half, at least one each); on CUDA, each lane has a CUDA stream of its own.
+torch threads, each lane the other half, at least one each); on CUDA, each lane has a CUDA stream of its own (a stream
+state that moves from one lane to the other goes through `engine.runtime.handoff`).
 A step with nothing to generate waits for a job or a new request instead of spinning.
 Outputs go to each request's `sink`, in sentence order: audio arrays (a streaming request's chunks, a
 whole request's sentences), then None at the end, or a `CosyVoiceError` that ends the request.
@@ -71,6 +72,7 @@ from engine.errors import (
     isolate_failures,
 )
 from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
+from engine.runtime.handoff import hand_over, loop_stream, on_stream, take_over
 from engine.runtime.memory import estimate_request_memory
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
@@ -85,12 +87,15 @@ Sink = Callable[[Output], None]
 
 class _SharedGenerator:
     """The loop's token generator, locked: a lane may stop a stream (a non-finite chunk) while
-    the loop thread steps the generator."""
+    the loop thread steps the generator. Every call runs its kernels on the loop thread's CUDA stream, whichever
+    thread makes it, so a lane that drops a generator row slices the KV cache in order with the LLM steps
+    (engine.runtime.handoff)."""
 
-    def __init__(self, generator: TokenGenerator) -> None:
+    def __init__(self, generator: TokenGenerator, device: torch.device) -> None:
         self.generator = generator
         self.model = generator.model
         self._lock = threading.Lock()
+        self._stream = loop_stream(device)
 
     @property
     def active(self) -> int:
@@ -101,23 +106,23 @@ class _SharedGenerator:
         return self.generator.batch_size
 
     def add(self, request: GenerationRequest) -> int:
-        with self._lock:
+        with self._lock, on_stream(self._stream):
             return self.generator.add(request)
 
     def cancel(self, request_id: int) -> bool:
-        with self._lock:
+        with self._lock, on_stream(self._stream):
             return self.generator.cancel(request_id)
 
     def pause(self, request_id: int, keep_cache: bool) -> None:
-        with self._lock:
+        with self._lock, on_stream(self._stream):
             self.generator.pause(request_id, keep_cache)
 
     def resume(self, request_id: int) -> None:
-        with self._lock:
+        with self._lock, on_stream(self._stream):
             self.generator.resume(request_id)
 
     def step(self) -> list[TokenEvent]:
-        with self._lock:
+        with self._lock, on_stream(self._stream):
             return self.generator.step()
 
 
@@ -229,7 +234,7 @@ class Scheduler:
         # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
         cuda = stage.model.decoder_device.type == "cuda"
         self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
-        self.llm = _SharedGenerator(TokenGenerator(stage.model.llm))
+        self.llm = _SharedGenerator(TokenGenerator(stage.model.llm), stage.model.decoder_device)
         self.streams = DecodeStream(stage, [], llm=self.llm)
         self.stats = SchedulerStats()
         self._inbox: list[Ticket] = []
@@ -691,9 +696,16 @@ class Scheduler:
     @staticmethod
     @torch.inference_mode()
     def _emit(streams: DecodeStream, events: list[TokenEvent], chosen: list[Any]) -> list[Any]:
-        """A lane: record the streams' waiting tokens, emit the chunks they complete -> [(stream, audio or error)]."""
-        streams.record(events)
-        return streams.emit(chosen)
+        """A lane: record the streams' waiting tokens, emit the chunks they complete -> [(stream, audio or error)].
+        The states may have been written on the other lane's CUDA stream: taken over first, handed over after
+        (engine.runtime.handoff)."""
+        for state in chosen:
+            take_over(state)
+        try:
+            streams.record(events)
+            return streams.emit(chosen)
+        finally:
+            hand_over(chosen, streams.decoder.model.decoder_device)
 
     @torch.inference_mode()
     def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | CosyVoiceError]:

@@ -1,0 +1,81 @@
+"""Stream state that crosses CUDA streams: the one rule and the one helper (docs/scheduler.md, "CUDA streams").
+
+On CUDA each vocoding lane of the decoder loop issues its kernels on a CUDA stream of its own
+(`engine.runtime.scheduler`). A streaming sentence's state (`engine.families.chunking.StreamState`: the v1 flow cache,
+the v3 vocoder window, ...) is made by one lane's job and may be read, replaced and so freed by the other lane's next
+job. Two things can then go wrong, both silently:
+- the reading lane's kernels start before the writing lane's kernels that fill the tensor are done;
+- the caching allocator gives a freed tensor's memory back to the stream it was *allocated* on at once: when the
+  tensor is dropped while the other lane's kernels that read it are still queued, the first lane's next tensor can
+  take that memory and be written under them (a use-after-free no error reports).
+
+The rule: a lane works on a stream state only after `take_over(state)` on its own thread, and a lane's job ends with
+`hand_over(states)` for the states it worked on. `hand_over` records a CUDA event on the lane's stream; `take_over`
+makes the current stream wait for it and marks every CUDA tensor of the state as used on the current stream
+(`Tensor.record_stream`), so that the allocator does not reuse their memory until the current stream's work queued
+before the free is done, whichever thread drops them. The loop thread never reads a state's tensors: it only drops
+them (`DecodeStream.release`), after the job that used them is over. On CPU both are no-ops.
+
+The LLM's state (the token generator's KV cache) lives on the loop thread's stream, the device's default stream. A
+lane changes it too: a stream whose chunk is not finite is stopped from the lane, which drops its generator row
+(the cache is sliced). So every generator call runs its kernels `on_stream(loop_stream(device))`, in order with the
+LLM steps, whichever thread makes it (`engine.runtime.scheduler._SharedGenerator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def state_tensors(state: Any) -> Iterator[Tensor]:
+    """The tensors a stream state holds: its fields, and the fields of the objects it keeps (its vocoder stream)."""
+    for value in vars(state).values():
+        if isinstance(value, Tensor):
+            yield value
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.Generator | type):
+            yield from (v for v in vars(value).values() if isinstance(v, Tensor))
+
+
+def _current_stream(tensors: list[Tensor]) -> Any:
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    return None if device is None else torch.cuda.current_stream(device)
+
+
+def take_over(state: Any, stream: Any = None) -> None:
+    """The current thread's CUDA stream (or `stream`) takes over `state`: it waits for the work `hand_over` recorded
+    on the stream that last wrote it, and each CUDA tensor of the state is recorded as used on it."""
+    tensors = [t for t in state_tensors(state) if t.is_cuda]
+    stream = stream if stream is not None else _current_stream(tensors)
+    if stream is None:  # CPU, or nothing on the device yet
+        return
+    written = getattr(state, "written", None)
+    if written is not None:
+        stream.wait_event(written)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+
+
+def hand_over(states: Iterable[Any], device: torch.device | None = None) -> None:
+    """The end of a lane's work on `states` (device: the decoder's): an event on the current CUDA stream, which the
+    next `take_over` of each state waits for."""
+    if device is None or device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    for state in states:
+        state.written = event
+
+
+def loop_stream(device: torch.device) -> Any:
+    """The CUDA stream the loop thread issues the LLM's kernels on (the device's default stream); None on CPU."""
+    return torch.cuda.default_stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream: Any) -> AbstractContextManager[Any]:
+    """Issue this thread's kernels on `stream` for the block (nothing to do for None: CPU)."""
+    return nullcontext() if stream is None else torch.cuda.stream(stream)
