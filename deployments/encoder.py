@@ -124,10 +124,16 @@ class Encoder:
         return self.registry.get(voice, caller)
 
     def register_voice(
-        self, audio: bytes, transcript: str, name: str | None, caller: Caller, shared: bool = False
+        self,
+        audio: bytes,
+        transcript: str,
+        name: str | None,
+        caller: Caller,
+        shared: bool = False,
+        openai_name: str | None = None,
     ) -> dict[str, Any]:
         """Clone the voice of `audio` (a recording of `transcript`) and register it for `caller` (for every key:
-        `shared`, admin keys only); its record as the API shows it."""
+        `shared`, admin keys only), with the `openai_name` clients may send for it; its record as the API shows it."""
         if self.cloner is None or self.registry is None or self.voice_cloning is None:
             raise VoiceCloningNotConfiguredError()
         transcript = transcript.strip()
@@ -136,7 +142,11 @@ class Encoder:
         waveform, sample_rate = decode_prompt_audio(audio, self.voice_cloning.prompt_audio)
         duration_s = len(waveform) / sample_rate
         prompt = self.cloner.clone(waveform, sample_rate, transcript)
-        return self.registry.add(prompt, name, duration_s, caller, shared).shown()
+        return self.registry.add(prompt, name, duration_s, caller, shared, openai_name).shown()
+
+    def named_voice(self, openai_name: str, caller: Caller) -> str | None:
+        """The id of the newest voice `caller` sees that was registered with `openai_name`; None without one."""
+        return None if self.registry is None else self.registry.named(openai_name, caller)
 
     def provision(self, voice: ProvisionedVoice) -> None:
         """Register a provisioned voice unless the registry has it already from the same recording, transcript and

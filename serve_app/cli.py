@@ -194,8 +194,9 @@ def voices(options: argparse.Namespace) -> int:
                     print(f"error: cannot read {options.file}: {exc.strerror}", file=sys.stderr)
                     return 1
                 form = {"transcript": options.transcript, "shared": str(options.shared).lower()}
-                if options.name is not None:
-                    form["name"] = options.name
+                for field in ("name", "openai_name"):
+                    if getattr(options, field) is not None:
+                        form[field] = getattr(options, field)
                 response = http.post("/v1/voices", data=form, files={"file": (options.file.name, audio)})
             elif options.action == "list":
                 response = http.get("/v1/voices")
@@ -214,7 +215,9 @@ def voices(options: argparse.Namespace) -> int:
         print("built-in: " + (", ".join(body["voices"]) or "none"))
         for record in body["registered_voices"]:
             shared = ", shared" if record.get("shared") else ""
-            print(f"{record['id']}  {record['name']} ({record['duration_s']:.1f} s{shared}): {record['transcript']}")
+            openai_name = f", openai_name {record['openai_name']}" if record.get("openai_name") else ""
+            duration = f"{record['duration_s']:.1f} s"
+            print(f"{record['id']}  {record['name']} ({duration}{shared}{openai_name}): {record['transcript']}")
     else:
         print(f"deleted {body['id']}")
     return 0
@@ -341,6 +344,9 @@ def parser() -> argparse.ArgumentParser:
     add_parser.add_argument("--transcript", required=True, help="what the recording says")
     add_parser.add_argument("--name", default=None, help="a display name")
     add_parser.add_argument("--shared", action="store_true", help="usable by every API key (admin keys only)")
+    add_parser.add_argument(
+        "--openai-name", default=None, help="a name OpenAI clients may send as `voice` for it (e.g. narrator)"
+    )
     actions.add_parser("list", help="the built-in speakers and the registered voices")
     rm_parser = actions.add_parser("rm", help="delete a registered voice")
     rm_parser.add_argument("voice_id")

@@ -9,6 +9,7 @@ from engine.runtime.pipeline import SynthesisRequest
 from serve_app.api import api
 from serve_app.schemas import TTSRequest
 from serve_app.synthesis import Synthesis
+from serve_app.tenancy import caller_of
 
 
 class NativeRoutes(Synthesis):
@@ -24,7 +25,9 @@ class NativeRoutes(Synthesis):
 
     @api.post("/v1/tts")
     async def tts(self, body: TTSRequest, http: Request) -> Response:
-        voice = await self.resolve_voice(body.voice) if body.voice else await self.default_voice()
+        voice = (
+            await self.resolve_voice(body.voice, caller_of(http.scope)) if body.voice else await self.default_voice()
+        )
         sampling = SamplingOptions(**body.sampling.model_dump(exclude_none=True), seed=body.seed)
         request = SynthesisRequest(
             text=body.text,

@@ -13,6 +13,7 @@ from serve_app.audio import OPENAI_SAMPLE_RATE, audio_format
 from serve_app.errors import UnknownModelError
 from serve_app.schemas import SpeechRequest
 from serve_app.synthesis import Mode, Synthesis, streams_at
+from serve_app.tenancy import caller_of
 
 logger = logging.getLogger("ray.serve")
 
@@ -66,7 +67,7 @@ class OpenAIRoutes(Synthesis):
         instructions = body.instructions if body.instructions and body.instructions.strip() else None  # "": none
         request = SynthesisRequest(
             text=body.input,
-            voice=await self.resolve_voice(body.voice_id),
+            voice=await self.resolve_voice(body.voice_id, caller_of(http.scope)),
             instruct_text=instructions,
             speed=body.speed,
         )

@@ -19,7 +19,7 @@ from engine.errors import InvalidInputError, UnknownVoiceError
 from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
 from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
 from engine.runtime.segment import EncodedSegment
-from engine.voices.registry import is_voice_id
+from engine.voices.registry import Caller, is_voice_id
 from observability.http import SynthesisTimer, endpoint_of, request_id_of
 from serve_app.audio import audio_format
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
@@ -93,8 +93,19 @@ def check_streams(info: dict[str, Any], speed: float) -> None:
 
 
 class Synthesis(IngressBase):
-    async def resolve_voice(self, voice: str) -> str:
-        return mapped_voice(voice, self.openai.voices, (await self.model_info())["voices"])
+    async def resolve_voice(self, voice: str, caller: Caller) -> str:
+        """A built-in speaker or registered voice id as is; an OpenAI name through the app args' table, else the
+        newest voice `caller` sees that was registered with that `openai_name`."""
+        built_in = (await self.model_info())["voices"]
+        if (
+            voice not in built_in
+            and not is_voice_id(voice)
+            and voice not in openai_voice_table(self.openai.voices, built_in)
+        ):
+            named = await self.call(partial(self.encoder.named_voice.remote, voice, caller))
+            if named is not None:
+                return named
+        return mapped_voice(voice, self.openai.voices, built_in)
 
     async def respond(
         self, request: SynthesisRequest, format_name: str, mode: Mode, http: Request, output_rate: int | None = None

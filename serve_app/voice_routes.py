@@ -48,6 +48,9 @@ class VoiceRoutes(IngressBase):
         http: Request,
         name: Annotated[str | None, Form(description="a display name")] = None,
         shared: Annotated[bool, Form(description="usable by every API key (admin keys only)")] = False,
+        openai_name: Annotated[
+            str | None, Form(description="a name OpenAI clients may send as `voice` for it, e.g. narrator")
+        ] = None,
     ) -> dict[str, Any]:
         """Clone a voice from a short recording and its transcript; the returned `id` is usable as `voice` (with API
         keys, by this key only, unless an admin key makes it `shared`)."""
@@ -58,7 +61,8 @@ class VoiceRoutes(IngressBase):
         if len(audio) > limit:
             raise UploadTooLargeError(f"the audio file is larger than the limit of {limit} bytes")
         caller = caller_of(http.scope)
-        return await self.call(partial(self.encoder.register_voice.remote, audio, transcript, name, caller, shared))
+        register = partial(self.encoder.register_voice.remote, audio, transcript, name, caller, shared, openai_name)
+        return await self.call(register)
 
     @api.delete(VOICES_PATH + "/{voice_id}")
     async def delete_voice(self, voice_id: str, http: Request) -> dict[str, Any]:

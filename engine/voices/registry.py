@@ -37,6 +37,7 @@ from engine.voices.store import LocalStore, ObjectStore, open_store
 logger = logging.getLogger("ray.serve")
 
 VOICE_ID_PATTERN = re.compile(r"voice_[0-9a-f]{12}")
+OPENAI_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 MAX_VOICE_DISPLAY_NAME_CHARS = 64
 DEFAULT_MAX_VOICES = 100
 DEFAULT_MAX_VOICES_PER_KEY = 20
@@ -85,12 +86,14 @@ class VoiceRecord:
     created_at: int  # unix seconds, as in OpenAI's objects
     owner: str | None = None  # the owner id of the key that registered it; None: shared (and every older record)
     source: str | None = None  # a voice provisioned at deploy: the digest of its audio and transcript
+    openai_name: str | None = None  # a name OpenAI clients may send as `voice` for it (registered with it)
 
     def as_dict(self) -> dict[str, Any]:
-        """The record as stored (`source` only where there is one)."""
+        """The record as stored (`source` and `openai_name` only where there are some)."""
         stored = asdict(self)
-        if stored["source"] is None:
-            del stored["source"]
+        for optional in ("source", "openai_name"):
+            if stored[optional] is None:
+                del stored[optional]
         return stored
 
     def shown(self) -> dict[str, Any]:
@@ -112,6 +115,17 @@ def provisioned_voice_id(name: str) -> str:
     if is_voice_id(name):
         return name
     return f"voice_{hashlib.sha256(f'provisioned:{name}'.encode()).hexdigest()[:12]}"
+
+
+def checked_openai_name(name: str | None) -> str | None:
+    """A voice name as OpenAI clients send it (`alloy`, `narrator-2`): lowercase, at most 32 characters; None: none."""
+    if name is None or not name.strip():
+        return None
+    if OPENAI_NAME_PATTERN.fullmatch(name) is None or is_voice_id(name):
+        raise InvalidInputError(
+            "invalid openai_name: a lowercase letter, then up to 31 lowercase letters, digits, '-' or '_'"
+        )
+    return name
 
 
 def display_name(name: str | None, voice_id: str) -> str:
@@ -199,10 +213,17 @@ class VoiceRegistry:
         return cached
 
     def add(
-        self, prompt: VoicePrompt, name: str | None, duration_s: float, caller: Caller, shared: bool = False
+        self,
+        prompt: VoicePrompt,
+        name: str | None,
+        duration_s: float,
+        caller: Caller,
+        shared: bool = False,
+        openai_name: str | None = None,
     ) -> VoiceRecord:
-        """Store `prompt` under a new id, owned by `caller` (or by nobody: `shared`, an admin's choice);
-        VoiceRegistryFullError when `max_voices` are registered, or `max_voices_per_key` of the owner's."""
+        """Store `prompt` under a new id, owned by `caller` (or by nobody: `shared`, an admin's choice), with the
+        `openai_name` clients may send for it; VoiceRegistryFullError when `max_voices` are registered, or
+        `max_voices_per_key` of the owner's."""
         if shared and not caller.admin:
             raise VoiceForbiddenError("only an admin key may register a shared voice")
         voice_id = f"voice_{secrets.token_hex(6)}"
@@ -213,6 +234,7 @@ class VoiceRegistry:
             duration_s=round(duration_s, 3),
             created_at=int(time.time()),
             owner=None if shared else caller.owner,
+            openai_name=checked_openai_name(openai_name),
         )
         with self.store.exclusive():
             voice_ids = self._voice_ids()
@@ -281,6 +303,11 @@ class VoiceRegistry:
         replicas' voices)."""
         visible = [record for record in self._read_records(self._voice_ids()) if caller.sees(record.owner)]
         return sorted(visible, key=lambda record: (record.created_at, record.id))
+
+    def named(self, openai_name: str, caller: Caller) -> str | None:
+        """The id of the newest voice `caller` sees that was registered with `openai_name`; None when there is none."""
+        matches = [record for record in self.records(caller) if record.openai_name == openai_name]
+        return max(matches, key=lambda record: record.created_at).id if matches else None
 
     def delete(self, voice_id: str, caller: Caller) -> bool:
         """Remove a voice; False when `caller` sees no such voice, VoiceForbiddenError when it sees it but only an

@@ -20,6 +20,7 @@ from ray import serve
 
 from engine.errors import InvalidInputError, UnknownVoiceError
 from engine.families import COSYVOICE1
+from engine.voices import registry as registry_module
 from engine.voices.cloning import VoicePrompt
 from engine.voices.registry import (
     EVERYONE,
@@ -205,6 +206,24 @@ def test_a_voice_belongs_to_the_key_that_registered_it(tmp_path: Path) -> None:
     assert registry.delete(record.id, ADMIN) and registry.records(ALICE) == []
     own = registry.add(make_prompt(1), None, duration_s=1.0, caller=ALICE)
     assert registry.delete(own.id, ALICE)
+
+
+def test_an_openai_name_finds_the_newest_voice_its_caller_sees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = VoiceRegistry(tmp_path)
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(registry_module.time, "time", lambda: next(clock))  # distinct creation times
+    older = registry.add(make_prompt(1), None, duration_s=1.0, caller=ALICE, openai_name="narrator")
+    newer = registry.add(make_prompt(2), None, duration_s=1.0, caller=ALICE, openai_name="narrator")
+    bobs = registry.add(make_prompt(3), None, duration_s=1.0, caller=BOB, openai_name="narrator")
+    assert registry.named("narrator", ALICE) == newer.id != older.id
+    assert registry.named("narrator", BOB) == bobs.id  # each key its own
+    assert registry.named("alloy", ALICE) is None
+    assert newer.shown()["openai_name"] == "narrator"
+    plain = registry.add(make_prompt(4), None, duration_s=1.0, caller=ALICE)
+    assert "openai_name" not in json.loads((tmp_path / f"{plain.id}.json").read_text())  # older records' shape
+    for bad in ("Narrator", "voice_0123456789ab", "x" * 33, "two words"):
+        with pytest.raises(InvalidInputError, match="invalid openai_name"):
+            registry.add(make_prompt(5), None, duration_s=1.0, caller=ALICE, openai_name=bad)
 
 
 def test_shared_voices_old_records_and_keys_off(tmp_path: Path) -> None:
@@ -433,6 +452,16 @@ def test_the_voices_command_adds_lists_and_removes(
     assert voice_id in registered_ids(client)
     assert cli_main(["voices", "list", *url]) == 0
     assert f"{voice_id}  cli (2.0 s, shared): Hello there." in capsys.readouterr().out  # no API keys: all shared
+    # an OpenAI client may call it by the openai_name it was registered with
+    add = ["voices", "add", str(recording), "--transcript", "Hello there.", "--openai-name", "narrator", *url]
+    assert cli_main(add) == 0
+    named_id = re.search(r"registered (voice_[0-9a-f]{12})", capsys.readouterr().out).group(1)
+    speech = {"model": "tiny", "input": "Hi.", "voice": "narrator", "response_format": "pcm"}
+    assert client.post("/v1/audio/speech", json=speech).status_code == 200
+    assert cli_main(["voices", "list", *url]) == 0
+    assert f"{named_id}  {named_id} (2.0 s, shared, openai_name narrator)" in capsys.readouterr().out
+    assert cli_main(["voices", "rm", named_id, *url]) == 0
+    assert client.post("/v1/audio/speech", json=speech).status_code == 404  # gone: an unknown voice again
     assert cli_main(["voices", "rm", voice_id, *url]) == 0
     assert voice_id not in registered_ids(client)
     assert cli_main(["voices", "rm", voice_id, *url]) == 1
