@@ -16,7 +16,7 @@ Quality, against float32: the LLM's greedy tokens (the fraction equal, position 
 with random weights the top logits are near ties, so this drops fast) and its first step's probabilities,
 the mel's and the waveform's cosine and max abs error, and the waveform of the chosen flow + vocoder together
 (`chain`). `--dtype` names the choice reported beside float32: `auto` (this CPU's pick) or any dtype the app takes.
-`--quality-only` skips the timing (a quick run on the tiny kits).
+`--quality-only` skips the timing (a quick run on the tiny kits); `--skip llm:bfloat16 ...` leaves variants untimed.
 """
 
 from __future__ import annotations
@@ -124,12 +124,19 @@ def load_variants(model_name: str) -> tuple[LoadedModel, dict[str, SpeechDecoder
     return fp32, stages
 
 
-def stage_calls(stages: dict[str, SpeechDecoderStage], segments, tokens, mel) -> dict[str, dict[str, Any]]:
-    """stage -> variant -> the zero-argument call that runs that stage of that variant on float32 inputs."""
-    return {
+def stage_calls(
+    stages: dict[str, SpeechDecoderStage], segments, tokens, mel, skip: tuple[str, ...] = ()
+) -> dict[str, dict[str, Any]]:
+    """stage -> variant -> the zero-argument call that runs that stage of that variant on float32 inputs (less the
+    'stage:variant' entries of `skip`)."""
+    calls = {
         "llm": {v: partial(stages[v].generate_tokens, segments) for v in STAGE_VARIANTS["llm"]},
         "flow": {v: partial(stages[v].tokens_to_mel, segments, tokens) for v in STAGE_VARIANTS["flow"]},
         "hift": {v: partial(stages[v].vocode, segments, mel) for v in STAGE_VARIANTS["hift"]},
+    }
+    return {
+        stage: {v: call for v, call in per_variant.items() if f"{stage}:{v}" not in skip}
+        for stage, per_variant in calls.items()
     }
 
 
@@ -210,6 +217,7 @@ def run(
     warmup: int,
     dtype: str = "auto",
     quality_only: bool = False,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     torch.set_num_threads(threads)
     fp32, stages = load_variants(model_name)
@@ -246,7 +254,7 @@ def run(
             return result
         timings = {
             stage: alternated(calls, repeats, warmup)
-            for stage, calls in stage_calls(stages, segments, tokens, mel).items()
+            for stage, calls in stage_calls(stages, segments, tokens, mel, skip).items()
         }
     rtf: dict[str, Any] = {}
     for stage, per_variant in timings.items():
@@ -277,8 +285,20 @@ def main() -> None:
     parser = bench_parser(__doc__, "cpu_bench.json", 5.0, "audio length to generate")
     parser.add_argument("--dtype", default="auto", help="the choice set beside float32: auto or a dtype")
     parser.add_argument("--quality-only", action="store_true", help="skip the timing")
+    parser.add_argument(
+        "--skip", nargs="*", default=(), help="stage:variant entries not to time (e.g. llm:bfloat16); quality stays"
+    )
     args = parser.parse_args()
-    result = run(args.model, args.seconds, args.threads, args.repeats, args.warmup, args.dtype, args.quality_only)
+    result = run(
+        args.model,
+        args.seconds,
+        args.threads,
+        args.repeats,
+        args.warmup,
+        args.dtype,
+        args.quality_only,
+        tuple(args.skip),
+    )
     write_json(result, Path(args.out))
     print(json.dumps(result, indent=2))
 

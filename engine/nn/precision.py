@@ -135,16 +135,19 @@ MIN_REDUCED_PRECISION_PARAMETERS = 16_000_000
 
 def cpu_auto_choice(caps: CpuCapabilities, sizes: dict[str, int]) -> DecoderDtypes:
     """`auto` on CPU, per stage, from the CPU's units and the stage's size (GEMM weights, `gemm_parameters`).
+    Measured with `benchmarks/cpu_bench.py` (docs/performance.md, "CPU precision per stage"; 2 threads of an AMD
+    EPYC with AVX512-BF16, no AMX, real-size dummies of v1, v2 and v3, each variant against float32 in one run):
 
     - flow: compute bound; with native bfloat16 (AMX or AVX512-BF16) bfloat16 weights and activations (norms,
-      softmax and the like stay float32: the thin layers); its mel stays within cosine 0.9999 of float32.
-    - vocoder: float32. In bfloat16 its waveform drifts far from float32's (random-weight kits and real-size
-      dummies: spectral cosine well below 0.999), so bfloat16 there is only taken when forced.
-    - LLM: at batch 1 bound by reading its weights; INT8 (dynamic, Linear layers) reads a quarter of float32's
-      bytes.
+      softmax and the like stay float32: the thin layers), 1.9x (v1) to 3.0x (v3) faster, its mel within cosine
+      0.99999 of float32. Without native bfloat16 the products are emulated: float32.
+    - LLM: at batch 1 bound by reading its weights; INT8 (dynamic, Linear layers, a quarter of float32's bytes) was
+      1.85-1.9x faster than the oneDNN-packed float32, bfloat16 slower than float32 (0.6-0.7x): INT8 on every CPU.
+    - vocoder: float32. bfloat16 ran 1.4x faster for v1 (SNR 46 dB against float32; v3's causal vocoder 38 dB) but
+      the vocoder is 7% of a float32 synthesis, and the v3 vocoder's sensitivity to bfloat16 is why the GPU path
+      keeps it out of bfloat16; `dtype: bfloat16` forces it.
     A stage below MIN_REDUCED_PRECISION_PARAMETERS stays float32: it is bound by per-operation overhead, where
-    reduced precision only adds casts (the tiny presets and kits). The figures behind each rule are in
-    docs/performance.md ("CPU precision per stage").
+    reduced precision only adds casts and quantize calls (the tiny presets and kits).
     """
     f32, bf16 = torch.float32, torch.bfloat16
     big = {stage: sizes.get(stage, 0) >= MIN_REDUCED_PRECISION_PARAMETERS for stage in ("llm", "flow", "hift")}
