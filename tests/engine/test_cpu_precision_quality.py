@@ -2,9 +2,10 @@
 real-size model (INT8 or bfloat16 LLM, bfloat16 flow) must stay close to float32, stage by stage, on float32 inputs.
 Runs where the CPU has native bfloat16 (AMX or AVX512-BF16); elsewhere bfloat16 is emulated and never chosen.
 
-No bound on the waveforms: the kits' random-weight vocoders are chaotic (rounding only their input mel to bfloat16
-moves the waveform to a spectral cosine of 0.90-0.97, `benchmarks.cpu_bench` reports it), so a waveform bound
-would measure that, not the precision; `auto` keeps the vocoder float32."""
+No bound on the waveforms: the kits' random-weight vocoders are chaotic (rounding only their float32 input mel to
+bfloat16 leaves a waveform at 6-13 dB SNR against float32's; `benchmarks.cpu_bench` reports it as
+`float32_on_rounded_mel`), so a waveform bound would measure that, not the precision. The real-size dummies' vocoders
+are not (38-46 dB in bfloat16); `auto` keeps the vocoder float32 all the same (docs/performance.md)."""
 
 from __future__ import annotations
 
