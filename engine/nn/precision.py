@@ -1,6 +1,7 @@
-"""Weight precision and layout: real fp16/bf16 casts, the decoder's default dtype per model version, the guard
-that recomputes a non-finite reduced-precision output in float32, INT8 dynamic quantization and oneDNN-packed
-float32 Linear layers (both for CPU)."""
+"""Weight precision and layout: real fp16/bf16 casts, the decoder's default dtype per model version and device
+(on CPU per stage, from the CPU's matrix units and the stage's size), the guard that recomputes a non-finite
+reduced-precision output in float32, INT8 dynamic quantization and oneDNN-packed float32 Linear layers (both for
+CPU)."""
 
 from __future__ import annotations
 
