@@ -143,7 +143,8 @@ def cpu_auto_choice(caps: CpuCapabilities, sizes: dict[str, int]) -> DecoderDtyp
       softmax and the like stay float32: the thin layers), 1.9x (v1) to 3.0x (v3) faster, its mel within cosine
       0.99999 of float32. Without native bfloat16 the products are emulated: float32.
     - LLM: at batch 1 bound by reading its weights; INT8 (dynamic, Linear layers, a quarter of float32's bytes) was
-      1.85-1.9x faster than the oneDNN-packed float32, bfloat16 slower than float32 (0.6-0.7x): INT8 on every CPU.
+      1.85-2.0x faster than the oneDNN-packed float32 (2.0x too on the AVX2-only machine of the issue 3
+      figures), bfloat16 slower than float32 (0.6-0.7x): INT8 on every CPU.
     - vocoder: float32. bfloat16 ran 1.4x faster for v1 (SNR 46 dB against float32; v3's causal vocoder 38 dB) but
       the vocoder is 7% of a float32 synthesis, and the v3 vocoder's sensitivity to bfloat16 is why the GPU path
       keeps it out of bfloat16; `dtype: bfloat16` forces it.
