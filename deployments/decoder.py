@@ -86,13 +86,11 @@ def later_sentences_error(exc: Exception) -> CosyVoiceError:
 
 
 def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
-    """cuda when the replica was given a GPU fraction and sees a GPU, else cpu; `auto` dtype: float32 on CPU, on a
-    GPU each module's, chosen at load for the model (engine.nn.precision.decoder_dtypes: float16; CosyVoice3
-    bfloat16)."""
+    """cuda when the replica was given a GPU fraction and sees a GPU, else cpu; `auto` stays `auto`: each module's
+    precision is chosen at load for the model and the device (engine.nn.precision.decoder_dtypes: on a GPU float16,
+    CosyVoice3 bfloat16; on CPU per stage from the CPU's units and the stage's size, `cpu_auto_choice`)."""
     device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-    if dtype != "auto":
-        return device, dtype
-    return device, "auto" if device == "cuda" else "float32"
+    return device, dtype
 
 
 @serve.deployment(name="Decoder", logging_config=STRUCTURED_LOGGING)
@@ -152,7 +150,15 @@ class Decoder:
         self._loop_is_busy = False
         self._loop_thread: threading.Thread | None = None
         self.set_max_batch_size(max_batch_size)
-        logger.info("Decoder on %s in %s, max batch %d", device, self.stage.model.dtype, max_batch_size)
+        precision = self.stage.model.precision
+        logger.info(
+            "Decoder on %s, precision %s (dtype %s: %s), max batch %d",
+            device,
+            precision.describe(),
+            dtype,
+            precision.reason or "as asked",
+            max_batch_size,
+        )
 
     # --- runtime tuning -------------------------------------------------------------------------
 
@@ -364,6 +370,8 @@ class Decoder:
             "cancelled": stats.cancelled,
             "request_faults": stats.request_faults,
             "policy": self.scheduler.policy.name,
+            "precision": self.stage.model.precision.describe(),
+            "precision_reason": self.stage.model.precision.reason,
             "preempted": stats.preempted,
             "resumed": stats.resumed,
             "over_limit": stats.over_limit,

@@ -92,7 +92,11 @@ class DecoderArgs(_Strict):
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPU fraction per replica; 0 runs on CPU")
     num_cpus: float = Field(0.5, gt=0)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto: float32 on CPU; on a GPU float16 (CosyVoice3: bfloat16 LLM and flow)"
+        "auto",
+        description="auto: on a GPU float16 (CosyVoice3: bfloat16 LLM and flow); on CPU per stage for the CPU and "
+        "the model (engine.nn.precision.cpu_auto_choice: INT8 LLM, bfloat16 flow with AMX or AVX512-BF16, float32 "
+        "vocoder; float32 throughout for the tiny models); the choice and why are logged at startup and in "
+        "batch_stats",
     )
     max_batch_size: int = Field(
         8,

@@ -128,7 +128,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     fallback = args.decoder_cpu
     decoder_cpu = None
     if fallback.enabled:
-        # The same Decoder class on CPU in fp32, scaled by its own policy (up while the GPU decoders may be at 0).
+        # The same Decoder class on CPU, each stage's precision chosen for the CPU (`auto`: bfloat16 flow where the
+        # CPU has native bfloat16, INT8 LLM; float32 for the tiny models), scaled by its own policy (up while the GPU
+        # decoders may be at 0).
         decoder_cpu = Decoder.options(
             name=CPU_DECODER,
             max_ongoing_requests=fallback.max_ongoing_requests,
@@ -140,7 +142,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         ).bind(
             args.model,
             use_gpu=False,
-            dtype="float32",
+            dtype="auto",
             max_batch_size=fallback.max_batch_size,
             batch_wait_timeout_s=fallback.batch_wait_timeout_s,
             **decoder_loop,

@@ -15,7 +15,7 @@ encoder-side text module and tokenizer used here.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 from engine.errors import CheckpointError
 from engine.families import MODULE_NAMES, ModelConfig, families
 from engine.loading.checkpoint import load_strict, read_state_dict
-from engine.nn.precision import decoder_dtypes, pack_linear_for_cpu, quantize_linear_int8
+from engine.nn.precision import DecoderDtypes, decoder_dtypes, module_sizes, pack_linear_for_cpu, quantize_linear_int8
 from engine.text.frontend import TextFrontend
 from engine.vocoder.hift import upgrade_legacy_weight_norm
 from engine.voices.speaker_bank import VoiceBank
@@ -68,6 +68,7 @@ class LoadedModel:
     dtype: torch.dtype  # the LLM's and the flow's (the vocoder's may differ: see engine.nn.precision.decoder_dtypes)
     decoder_device: torch.device
     text_device: torch.device
+    precision: DecoderDtypes | None = None  # each decoder module's precision, and why (`auto`)
 
 
 def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
@@ -140,8 +141,6 @@ def load_model(
     config = ModelConfig.from_yaml_file(config_path)
     model_dir = config_path.parent if fmt == "official" else None
     decoder_device = torch.device(device)
-    dtypes = decoder_dtypes(dtype, config.family.prefers_bfloat16, decoder_device)
-    torch_dtype = dtypes.llm
     cpu = torch.device("cpu")
 
     classes = config.family.modules
@@ -151,12 +150,21 @@ def load_model(
         llm = _build(classes["llm"](config.llm), model_dir, "llm.pt")
         flow = _build(classes["flow"](config.flow), model_dir, "flow.pt") if decoding else None
         hift = _build(classes["hift"](config.hift), model_dir, "hift.pt") if decoding else None
+    # `auto` on CPU weighs each module's size (engine.nn.precision.cpu_auto_choice)
+    sizes = module_sizes(llm, flow, hift) if decoding else None
+    dtypes = decoder_dtypes(dtype, config.family.prefers_bfloat16, decoder_device, sizes)
+    torch_dtype = dtypes.llm
+    # INT8 for the decoder LLM: asked for (`int8`, with the text encoder) or chosen by `auto` (the decoder's alone)
+    auto_int8 = dtypes.llm_int8 and not int8
+    int8_decoder = (int8 or dtypes.llm_int8) and decoder_device == cpu and torch_dtype == torch.float32
 
     text_llm = None
     if "encoder" in components:
         # One LLM copy serves both halves unless the decoder runs on another device or dtype.
-        separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32)
         text_llm = config.family.text_module(llm)
+        # (an INT8 decoder LLM chosen by `auto` leaves a text encoder with Linear layers, v1's, in float32)
+        has_linear = any(isinstance(m, nn.Linear) for m in text_llm.modules())
+        separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32 or (auto_int8 and has_linear))
         text_llm = copy.deepcopy(text_llm) if separate else text_llm
         if int8 and (separate or not decoding):
             quantize_linear_int8(text_llm)
@@ -164,10 +172,10 @@ def load_model(
             pack_linear_for_cpu(text_llm)
     decoder_llm = None
     if decoding:
-        if int8 and decoder_device == cpu and torch_dtype == torch.float32:
+        if int8_decoder:
             quantize_linear_int8(llm)
         decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
-        if cpu_packing and not int8:
+        if cpu_packing and not int8_decoder:
             pack_linear_for_cpu(decoder_llm)  # only float32 CPU layers are packed
         flow = flow.to(device=decoder_device, dtype=dtypes.flow)
         hift = hift.to(device=decoder_device, dtype=dtypes.hift)
@@ -191,4 +199,5 @@ def load_model(
         dtype=torch_dtype,
         decoder_device=decoder_device,
         text_device=cpu,
+        precision=replace(dtypes, llm_int8=int8_decoder) if decoding else None,
     )

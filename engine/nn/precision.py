@@ -1,14 +1,18 @@
-"""Weight precision and layout: real fp16/bf16 casts, the decoder's default dtype per model version, the guard
-that recomputes a non-finite reduced-precision output in float32, INT8 dynamic quantization and oneDNN-packed
-float32 Linear layers (both for CPU)."""
+"""Weight precision and layout: real fp16/bf16 casts, the decoder's default dtype per model version and device
+(on CPU per stage, from the CPU's matrix units and the stage's size), the guard that recomputes a non-finite
+reduced-precision output in float32, INT8 dynamic quantization and oneDNN-packed float32 Linear layers (both for
+CPU)."""
 
 from __future__ import annotations
 
 import logging
+import platform
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +25,7 @@ from engine.nn import layers
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 AUTO_DTYPE = "auto"
 
 
@@ -35,33 +40,166 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class DecoderDtypes:
-    """The dtype of each decoder module's weights."""
+    """The dtype of each decoder module's weights; `llm_int8`: the (float32, CPU) LLM's Linear layers dynamically
+    quantized to INT8; `reason`: why `auto` chose so (for the startup log and `/v1/models`)."""
 
     llm: torch.dtype
     flow: torch.dtype
     hift: torch.dtype
+    llm_int8: bool = False
+    reason: str = field(default="", compare=False)
+
+    def describe(self) -> dict[str, str]:
+        """{'llm': 'int8' / 'bfloat16' / ..., 'flow': ..., 'hift': ...}: what each decoder module runs in."""
+        names = {dtype: name for name, dtype in DTYPES.items()}
+        return {
+            "llm": "int8" if self.llm_int8 else names[self.llm],
+            "flow": names[self.flow],
+            "hift": names[self.hift],
+        }
 
 
-def decoder_dtypes(name: str, prefers_bfloat16: bool, device: torch.device) -> DecoderDtypes:
+CPU_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx_vnni", "avx2")
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    """The CPU's matrix and vector units that matter for the decoder's precision: the /proc/cpuinfo flags among
+    CPU_FLAGS, torch's own dispatch level (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2, AVX512,
+    ...) and the model name."""
+
+    flags: frozenset[str]
+    torch_capability: str = ""
+    model: str = ""
+
+    @property
+    def amx(self) -> bool:
+        return "amx_bf16" in self.flags
+
+    @property
+    def native_bfloat16(self) -> bool:
+        """bfloat16 products in hardware: AMX tiles or AVX512-BF16 dot products (oneDNN uses either)."""
+        return "amx_bf16" in self.flags or "avx512_bf16" in self.flags
+
+    def describe(self) -> str:
+        units = [flag for flag in CPU_FLAGS if flag in self.flags]
+        return f"{self.model or 'unknown CPU'} ({', '.join(units) or 'no AVX2'}; torch {self.torch_capability})"
+
+
+def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
+    """(the flags among CPU_FLAGS, the model name) of the first processor in a /proc/cpuinfo text."""
+    flags: set[str] = set()
+    model = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "flags" and not flags:
+            flags = set(value.split()) & set(CPU_FLAGS)
+        elif key == "model name" and not model:
+            model = value.strip()
+    return frozenset(flags), model
+
+
+@lru_cache(maxsize=1)
+def cpu_capabilities() -> CpuCapabilities:
+    """This machine's CPU (read once). Without /proc/cpuinfo (not Linux) no flags: `auto` stays float32."""
+    try:
+        flags, model = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        flags, model = frozenset(), platform.processor()
+    return CpuCapabilities(flags, torch.backends.cpu.get_cpu_capability(), model)
+
+
+def gemm_parameters(module: nn.Module | None) -> int:
+    """Weights of the module's Linear and convolution layers (embeddings and norms left out): what its compute
+    scales with, the size that says whether reduced precision pays for a stage (`cpu_auto_choice`)."""
+    if module is None:
+        return 0
+    kinds = (nn.Linear, nn.Conv1d, nn.ConvTranspose1d, nn.Conv2d, layers.PackedLinear)
+    total = 0
+    for child in module.modules():
+        if isinstance(child, layers.PackedLinear):
+            total += child.in_features * child.out_features
+        elif isinstance(child, kinds):
+            total += child.weight.numel()
+    return total
+
+
+def module_sizes(llm: nn.Module | None, flow: nn.Module | None, hift: nn.Module | None) -> dict[str, int]:
+    return {"llm": gemm_parameters(llm), "flow": gemm_parameters(flow), "hift": gemm_parameters(hift)}
+
+
+# Below this many GEMM weights a stage is bound by per-operation overhead, not by its products: reduced precision
+# only adds casts there (measured on the tiny presets and kits, docs/performance.md, "CPU precision").
+MIN_REDUCED_PRECISION_PARAMETERS = 16_000_000
+
+
+def cpu_auto_choice(caps: CpuCapabilities, sizes: dict[str, int]) -> DecoderDtypes:
+    """`auto` on CPU, per stage, from the CPU's units and the stage's size (GEMM weights, `gemm_parameters`).
+    Measured with `benchmarks/cpu_bench.py` (docs/performance.md, "CPU precision per stage"; 2 threads of an AMD
+    EPYC with AVX512-BF16, no AMX, real-size dummies of v1, v2 and v3, each variant against float32 in one run):
+
+    - flow: compute bound; with native bfloat16 (AMX or AVX512-BF16) bfloat16 weights and activations (norms,
+      softmax and the like stay float32: the thin layers), 1.9x (v1) to 3.0x (v3) faster, its mel within cosine
+      0.99999 of float32. Without native bfloat16 the products are emulated: float32.
+    - LLM: at batch 1 bound by reading its weights; INT8 (dynamic, Linear layers, a quarter of float32's bytes) was
+      1.85-2.0x faster than the oneDNN-packed float32 (2.0x too on the AVX2-only machine of the issue 3
+      figures), bfloat16 slower than float32 (0.6-0.7x): INT8 on every CPU.
+    - vocoder: float32. bfloat16 ran 1.4x faster for v1 (SNR 46 dB against float32; v3's causal vocoder 38 dB) but
+      the vocoder is 7% of a float32 synthesis, and the v3 vocoder's sensitivity to bfloat16 is why the GPU path
+      keeps it out of bfloat16; `dtype: bfloat16` forces it.
+    A stage below MIN_REDUCED_PRECISION_PARAMETERS stays float32: it is bound by per-operation overhead, where
+    reduced precision only adds casts and quantize calls (the tiny presets and kits).
+    """
+    f32, bf16 = torch.float32, torch.bfloat16
+    big = {stage: sizes.get(stage, 0) >= MIN_REDUCED_PRECISION_PARAMETERS for stage in ("llm", "flow", "hift")}
+    if not big["flow"]:
+        flow, why_flow = f32, "flow float32 (too small for bfloat16 to pay)"
+    elif caps.native_bfloat16:
+        unit = "AMX" if caps.amx else "AVX512-BF16"
+        flow, why_flow = bf16, f"flow bfloat16 (native on {unit})"
+    else:
+        flow, why_flow = f32, "flow float32 (no native bfloat16: neither AMX nor AVX512-BF16)"
+    llm_int8 = big["llm"]
+    why_llm = "LLM INT8 (batch-1 decode reads its weights)" if llm_int8 else "LLM float32 (too small for INT8 to pay)"
+    why = f"{why_llm}; {why_flow}; vocoder float32 (quality); CPU {caps.describe()}"
+    return DecoderDtypes(f32, flow, f32, llm_int8=llm_int8, reason=why)
+
+
+def decoder_dtypes(
+    name: str,
+    prefers_bfloat16: bool,
+    device: torch.device,
+    sizes: dict[str, int] | None = None,
+    cpu: CpuCapabilities | None = None,
+) -> DecoderDtypes:
     """The decoder modules' dtypes for a dtype name (see `parse_dtype`: all three in it) or `auto`.
 
-    `auto`: float32 on CPU; float16 on a GPU, except for a family that `prefers_bfloat16` (CosyVoice3) on a GPU with
-    native bfloat16: its DiT flow
-    overflows float16 (upstream issues report NaN audio from its float16 flow, the error growing layer by layer
-    rather than at one op), so the flow, and the LLM (a Qwen2, trained in bfloat16; the official vLLM path runs it
-    so), get bfloat16, which has float32's range. The vocoder keeps float16, whose 3 more mantissa bits matter
-    there (measured on random-weight CosyVoice3 vocoders, the kit's and a released-size one: bfloat16 weights give
-    ~18 dB less signal-to-error than float16; its overflow-prone ops run in float32 anyway). Without native
+    `auto` on CPU: `cpu_auto_choice` for this CPU (`cpu`, default the machine's) and the modules' `sizes`
+    (`module_sizes`; without them float32). On a GPU: float16, except for a family that `prefers_bfloat16`
+    (CosyVoice3) on a GPU with native bfloat16: its DiT flow overflows float16 (upstream issues report NaN audio
+    from its float16 flow, the error growing layer by layer rather than at one op), so the flow, and the LLM (a
+    Qwen2, trained in bfloat16; the official vLLM path runs it so), get bfloat16, which has float32's range. The
+    vocoder keeps float16, whose 3 more mantissa bits matter there (measured on random-weight CosyVoice3 vocoders,
+    the kit's and a released-size one: bfloat16 weights give ~18 dB less signal-to-error than float16; its
+    overflow-prone ops run in float32 anyway). Without native
     bfloat16, CosyVoice3 runs in float16 and the NaN guard recomputes what overflows.
     """
     if name != AUTO_DTYPE:
         dtype = parse_dtype(name)
         return DecoderDtypes(dtype, dtype, dtype)
+    if device.type == "cpu" and sizes is not None:
+        return cpu_auto_choice(cpu or cpu_capabilities(), sizes)
     if device.type != "cuda":
-        return DecoderDtypes(torch.float32, torch.float32, torch.float32)
+        return DecoderDtypes(torch.float32, torch.float32, torch.float32, reason="float32 (no sizes given)")
     if prefers_bfloat16 and torch.cuda.is_bf16_supported(including_emulation=False):
-        return DecoderDtypes(llm=torch.bfloat16, flow=torch.bfloat16, hift=torch.float16)
-    return DecoderDtypes(torch.float16, torch.float16, torch.float16)
+        return DecoderDtypes(
+            llm=torch.bfloat16,
+            flow=torch.bfloat16,
+            hift=torch.float16,
+            reason="GPU with native bfloat16, a family whose flow overflows float16",
+        )
+    return DecoderDtypes(torch.float16, torch.float16, torch.float16, reason="GPU: float16")
 
 
 FallbackListener = Callable[[str, bool], None]

@@ -32,8 +32,8 @@ from serve_app.responses import speech_usage
 from serve_app.synthesis import check_streams, mapped_voice
 
 
-def test_cpu_replica_runs_fp32_unless_told_otherwise() -> None:
-    assert resolve_device_and_dtype(use_gpu=False, dtype="auto") == ("cpu", "float32")
+def test_cpu_replica_keeps_the_dtype_asked_auto_chosen_at_load() -> None:
+    assert resolve_device_and_dtype(use_gpu=False, dtype="auto") == ("cpu", "auto")  # chosen at load (issue 27)
     assert resolve_device_and_dtype(use_gpu=False, dtype="bfloat16") == ("cpu", "bfloat16")
 
 
