@@ -8,6 +8,7 @@ import io
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import soundfile as sf
 from ray import serve
 
 from benchmarks.http_bench import free_port
+from engine.voices.registry import EVERYONE, VoiceRegistryFullError
 from serve_app import build_app
 
 OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than the tiny model needs
@@ -148,3 +150,23 @@ def constant_flac(seconds: float, channels: int, sample_rate: int = 16000) -> by
         for start in range(0, int(seconds * sample_rate), len(block)):
             sound.write(block[: int(seconds * sample_rate) - start])
     return buffer.getvalue()
+
+
+def concurrent_adds(registries: list[Any], prompt: Callable[[int], Any], attempts: int, timeout_s: float) -> list[str]:
+    """`attempts` registrations at once, spread over `registries` (replicas sharing one store): "added" or "full"
+    (VoiceRegistryFullError) for each."""
+    outcomes: list[str] = []
+
+    def add(index: int) -> None:
+        try:
+            registries[index % len(registries)].add(prompt(index), None, duration_s=1.0, caller=EVERYONE)
+            outcomes.append("added")
+        except VoiceRegistryFullError:
+            outcomes.append("full")
+
+    threads = [threading.Thread(target=add, args=(index,)) for index in range(attempts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s)
+    return outcomes

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from benchmarks.http_bench import free_port
 from serve_app.cli import API_KEY_ENV, parser
 from serve_app.cli import main as cli_main
 
@@ -16,12 +17,6 @@ def test_the_cli_imports_neither_torch_nor_ray() -> None:
     check = "import sys, serve_app.cli; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize("option", ["--port", "--metrics-port"])

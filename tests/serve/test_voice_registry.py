@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ from engine.voices.registry import (
 from serve_app import build_app
 from serve_app.cli import main as cli_main
 from serve_app.guard import check_voice_name
-from tests.serve.conftest import constant_flac, running_app
+from tests.serve.conftest import concurrent_adds, constant_flac, running_app
 
 TRAVERSAL_IDS = [
     "../outside",
@@ -159,20 +158,7 @@ def test_two_instances_share_one_directory(tmp_path: Path) -> None:
 
 def test_concurrent_adds_respect_the_cap(tmp_path: Path) -> None:
     registries = [VoiceRegistry(tmp_path, max_voices=5) for _ in range(2)]
-    outcomes: list[str] = []
-
-    def add(index: int) -> None:
-        try:
-            registries[index % 2].add(make_prompt(index), None, duration_s=1.0, caller=EVERYONE)
-            outcomes.append("added")
-        except VoiceRegistryFullError:
-            outcomes.append("full")
-
-    threads = [threading.Thread(target=add, args=(index,)) for index in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    outcomes = concurrent_adds(registries, make_prompt, attempts=8, timeout_s=30)
     assert sorted(outcomes) == ["added"] * 5 + ["full"] * 3
     assert len(registries[0].records(EVERYONE)) == 5
 

@@ -5,7 +5,6 @@ are two encoder replicas sharing the bucket. No Ray here (tests/serve/test_voice
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 
@@ -16,7 +15,7 @@ from engine.errors import UnknownVoiceError
 from engine.voices.cloning import VoicePrompt
 from engine.voices.registry import EVERYONE, VoiceRegistry, VoiceRegistryFullError
 from engine.voices.store import LOCK_NAME, ObjectStore, VoiceStoreBusyError, VoiceStoreError
-from tests.serve.conftest import s3_server
+from tests.serve.conftest import concurrent_adds, s3_server
 from tests.serve.test_voice_registry import ALICE, BOB, assert_same_prompt, make_prompt
 
 
@@ -79,20 +78,7 @@ def test_the_cache_is_revalidated_by_the_record_version(location: str, monkeypat
 
 def test_concurrent_adds_through_two_replicas_respect_the_cap(location: str) -> None:
     registries = [VoiceRegistry(location, max_voices=5) for _ in range(2)]
-    outcomes: list[str] = []
-
-    def add(index: int) -> None:
-        try:
-            registries[index % 2].add(make_prompt(index), None, duration_s=1.0, caller=EVERYONE)
-            outcomes.append("added")
-        except VoiceRegistryFullError:
-            outcomes.append("full")
-
-    threads = [threading.Thread(target=add, args=(index,)) for index in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    outcomes = concurrent_adds(registries, make_prompt, attempts=8, timeout_s=60)
     assert sorted(outcomes) == ["added"] * 5 + ["full"] * 3
     assert len(registries[1].records(EVERYONE)) == 5 and LOCK_NAME not in objects(location)
 
