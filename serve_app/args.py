@@ -123,8 +123,8 @@ class DecoderArgs(_Strict):
         "auto",
         description="device memory a replica's live requests may use for activations, each counted by its own "
         "length; a request that needs more than all of it is refused with 413. auto: on a GPU, the replica's share "
-        "of the card (num_gpus) less its weights and a reserve (a tenth, at least 256 MiB); on CPU no byte bound "
-        "(max_batch_size bounds it). None: no byte bound",
+        "of the card (num_gpus) less its weights and a reserve (a tenth, at least 256 MiB); on CPU what the "
+        "container's memory limit (else the host's memory) leaves at start, less the same reserve. None: no byte bound",
     )
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
 

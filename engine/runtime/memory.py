@@ -10,12 +10,13 @@ flow config's `mel_frames_of` and `activation_bytes`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine.families.base import ModelConfig
 
-_SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
+SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
 # What a replica's share keeps beside its weights and its requests' estimates: cuBLAS workspaces, the vocoding lanes'
 # streams, allocator rounding. A tenth of the share, at least this much.
 _RESERVE_FRACTION = 0.1
@@ -30,7 +31,7 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return int(_SAFETY_FACTOR * (self.kv_cache_bytes + self.flow_bytes + self.vocoder_bytes))
+        return int(SAFETY_FACTOR * (self.kv_cache_bytes + self.flow_bytes + self.vocoder_bytes))
 
 
 def estimate_request_memory(
@@ -59,16 +60,17 @@ def estimate_request_memory(
     return MemoryEstimate(kv_cache_bytes=kv_cache, flow_bytes=flow_bytes, vocoder_bytes=vocoder)
 
 
-def memory_budget_for(share_bytes: int, weights_bytes: int) -> int:
-    """The bytes a decoder's live requests may hold in a device share of `share_bytes` that already holds
-    `weights_bytes` of weights: the rest less a reserve. ValueError, naming the sizes, when nothing is left."""
+def memory_budget_for(share_bytes: int, used_bytes: int, where: str = "the decoder's device share") -> int:
+    """The bytes a decoder's live requests may hold in `share_bytes` of memory of which `used_bytes` (the weights,
+    on CPU everything the container holds) are taken: the rest less a reserve. ValueError, naming the sizes, when
+    nothing is left."""
     reserve = max(_MIN_RESERVE_BYTES, int(share_bytes * _RESERVE_FRACTION))
-    budget = share_bytes - weights_bytes - reserve
+    budget = share_bytes - used_bytes - reserve
     if budget <= 0:
         raise ValueError(
-            f"the decoder's device share of {share_bytes / 2**30:.2f} GiB holds {weights_bytes / 2**30:.2f} GiB of "
-            f"weights and a {reserve / 2**30:.2f} GiB reserve: nothing is left for requests; give the replica a "
-            "larger GPU fraction, a smaller dtype, or an explicit memory budget"
+            f"{where} of {share_bytes / 2**30:.2f} GiB holds {used_bytes / 2**30:.2f} GiB in use (weights "
+            f"included) and a {reserve / 2**30:.2f} GiB reserve: nothing is left for requests; give the replica "
+            "more memory (a larger GPU fraction or container limit), a smaller dtype, or an explicit memory budget"
         )
     return budget
 
@@ -76,9 +78,85 @@ def memory_budget_for(share_bytes: int, weights_bytes: int) -> int:
 def device_memory_budget(device: torch.device, share: float | None) -> int | None:
     """The `auto` memory budget of a decoder whose weights are loaded on `device`. On CUDA: `share` (the replica's
     GPU fraction, its allocator's cap; None or 1: the whole card) of the card's memory, less the weights and a
-    reserve. On CPU None: host memory is not what bounds a CPU decoder, its cores are (`max_batch_size`)."""
+    reserve. On CPU: what the process may still grow into (`host_memory`: its container's limit, else the host's
+    memory) less what is in use now (this replica's weights included) and a reserve; None where that cannot be read."""
     if device.type != "cuda":
-        return None
+        host = host_memory()
+        return None if host is None else memory_budget_for(*host, where="the memory this replica may use")
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = share if share is not None and 0 < share < 1 else 1.0
     return memory_budget_for(int(total * fraction), torch.cuda.memory_allocated(device))
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Where the memory of a process comes from: the cgroup filesystem and /proc/meminfo (paths, so tests can stand
+    in their own files)."""
+
+    cgroup_root: Path = Path("/sys/fs/cgroup")
+    proc_self_cgroup: Path = Path("/proc/self/cgroup")
+    meminfo: Path = Path("/proc/meminfo")
+
+    def limit_and_use(self) -> tuple[int, int] | None:
+        """(limit, in use) bytes: the tightest memory limit of this process's cgroup and its ancestors (v2
+        `memory.max`, v1 `memory.limit_in_bytes`) with that cgroup's working set (usage less the inactive file cache
+        the kernel reclaims first), capped by the host; with no limit, the host's MemTotal and what MemAvailable
+        leaves of it. None where neither can be read (not Linux)."""
+        host = self._host()
+        limited = self._cgroup_limit()
+        if limited is not None and (host is None or limited[0] < host[0]):
+            return limited
+        return host
+
+    def _host(self) -> tuple[int, int] | None:
+        try:
+            fields = dict(line.split(":", 1) for line in self.meminfo.read_text().splitlines() if ":" in line)
+            total, available = (int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "MemAvailable"))
+        except (OSError, KeyError, ValueError):
+            return None
+        return total, total - available
+
+    def _cgroup_limit(self) -> tuple[int, int] | None:
+        """The binding (lowest) limit on the path from this process's cgroup up to the root, with its use."""
+        tightest: tuple[int, int] | None = None
+        for directory, limit_file, usage_file, inactive_key in self._cgroup_dirs():
+            try:
+                text = (directory / limit_file).read_text().strip()
+                if text == "max":  # v2: no limit here
+                    continue
+                limit = int(text)
+                usage = int((directory / usage_file).read_text())
+                stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines())
+            except (OSError, ValueError):
+                continue
+            if tightest is None or limit < tightest[0]:
+                tightest = (limit, max(0, usage - int(stat.get(inactive_key, 0))))
+        return tightest
+
+    def _cgroup_dirs(self) -> list[tuple[Path, str, str, str]]:
+        """This process's memory cgroup directories, its own first, then each ancestor up to the mount's root (in a
+        container with its own cgroup namespace, the root is the container's)."""
+        try:
+            lines = self.proc_self_cgroup.read_text().splitlines()
+        except OSError:
+            return []
+        dirs = []
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # v2: one unified hierarchy
+                base, files = self.cgroup_root, ("memory.max", "memory.current", "inactive_file")
+            elif "memory" in controllers.split(","):
+                base, files = (
+                    self.cgroup_root / "memory",
+                    ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+                )
+            else:
+                continue
+            parts = Path(path).relative_to("/").parts
+            dirs += [(base.joinpath(*parts[:depth]), *files) for depth in range(len(parts), -1, -1)]
+        return dirs
+
+
+def host_memory() -> tuple[int, int] | None:
+    """(limit, in use) bytes of the memory this process may use: `HostMemory().limit_and_use()`."""
+    return HostMemory().limit_and_use()
