@@ -136,66 +136,19 @@ class Maker:
     # ---- llm_sampled ------------------------------------------------------------------------------------------
 
     def llm_sampled(self, text_tokens: int, ratio: tuple[float, float]) -> dict[str, Any]:
-        import cosyvoice.utils.common as common
-
         inputs = self.prompt(speech_tokens=6, text_tokens=4)
         text = int32(self.randint(self.text_vocab, text_tokens))
-        fallbacks: list[int] = []
-        fallback_draw = common.random_sampling
-
-        def recording_fallback(*args: Any) -> int:
-            fallbacks[-1] = 1
-            return fallback_draw(*args)
-
-        def counting_sampler(scores: torch.Tensor, decoded: list, sampling: int) -> int:
-            fallbacks.append(0)
-            return self.sampler(scores, decoded, sampling)
-
-        llm = self.model.llm
-        llm.sampling = counting_sampler
-        common.random_sampling = recording_fallback
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
-        try:
-            torch.manual_seed(seed)
-            tokens = list(
-                llm.inference(
-                    text=text,
-                    text_len=torch.tensor([text.shape[1]], dtype=torch.int32),
-                    prompt_text=inputs["prompt_text"],
-                    prompt_text_len=torch.tensor([inputs["prompt_text"].shape[1]], dtype=torch.int32),
-                    prompt_speech_token=inputs["prompt_speech_token"],
-                    prompt_speech_token_len=torch.tensor([inputs["prompt_speech_token"].shape[1]], dtype=torch.int32),
-                    embedding=inputs["embedding"],
-                    max_token_text_ratio=ratio[1],
-                    min_token_text_ratio=ratio[0],
-                )
-            )
-        finally:
-            llm.sampling = self.sampler
-            common.random_sampling = fallback_draw
-        keywords = self.sampler.keywords
-        return {
-            "name": "ras_sampled_zero_shot",
-            "function": f"cosyvoice.llm.llm.{type(llm).__name__}.inference",
-            "sampler": "the yaml's llm.sampling (ras_sampling) on the global torch RNG, seeded with `seed` first",
-            "seed": seed,
-            "text": text,
-            "text_len": torch.tensor([text.shape[1]], dtype=torch.int32),
-            "prompt_text": inputs["prompt_text"],
-            "prompt_text_len": torch.tensor([inputs["prompt_text"].shape[1]], dtype=torch.int32),
-            "prompt_speech_token": inputs["prompt_speech_token"],
-            "prompt_speech_token_len": torch.tensor([inputs["prompt_speech_token"].shape[1]], dtype=torch.int32),
-            "embedding": inputs["embedding"],
-            "min_token_text_ratio": float(ratio[0]),
-            "max_token_text_ratio": float(ratio[1]),
-            "top_p": float(keywords["top_p"]),
-            "top_k": int(keywords["top_k"]),
-            "win_size": int(keywords["win_size"]),
-            "tau_r": float(keywords["tau_r"]),
-            "out_tokens": torch.tensor(tokens, dtype=torch.int64),
-            "num_steps": len(fallbacks),
-            "step_fallback": torch.tensor(fallbacks, dtype=torch.int32),
-        }
+        return sampled_llm_case(
+            self.model.llm,
+            self.sampler,
+            seed,
+            text=text,
+            prompt_text=inputs["prompt_text"],
+            prompt_speech_token=inputs["prompt_speech_token"],
+            embedding=inputs["embedding"],
+            ratio=ratio,
+        )
 
     # ---- stream -----------------------------------------------------------------------------------------------
 
@@ -354,6 +307,83 @@ class Maker:
     def frontend_cases(self) -> list[dict[str, Any]]:
         frontend = official_text_frontend(self.configs)
         return [text_path_case(frontend, text) for text in FRONTEND_TEXTS]
+
+
+def sampled_llm_case(
+    llm: Any,
+    sampler: Any,
+    seed: int,
+    *,
+    text: torch.Tensor,
+    prompt_text: torch.Tensor,
+    prompt_speech_token: torch.Tensor,
+    embedding: torch.Tensor | None,
+    ratio: tuple[float, float],
+) -> dict[str, Any]:
+    """An `llm_sampled` case: one official `llm.inference` with the yaml's own sampler (`sampler`, a partial of
+    `ras_sampling`) after `torch.manual_seed(seed)`, recording per sampler call whether the fallback draw ran.
+    `embedding` None (CosyVoice3, which ignores it) passes an empty one and records none."""
+    import cosyvoice.utils.common as common
+
+    fallbacks: list[int] = []
+    fallback_draw = common.random_sampling
+
+    def recording_fallback(*args: Any) -> int:
+        fallbacks[-1] = 1
+        return fallback_draw(*args)
+
+    def counting_sampler(scores: torch.Tensor, decoded: list, sampling: int) -> int:
+        fallbacks.append(0)
+        return sampler(scores, decoded, sampling)
+
+    lengths = {
+        "text_len": torch.tensor([text.shape[1]], dtype=torch.int32),
+        "prompt_text_len": torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
+        "prompt_speech_token_len": torch.tensor([prompt_speech_token.shape[1]], dtype=torch.int32),
+    }
+    llm.sampling = counting_sampler
+    common.random_sampling = recording_fallback
+    try:
+        torch.manual_seed(seed)
+        tokens = list(
+            llm.inference(
+                text=text,
+                text_len=lengths["text_len"].clone(),
+                prompt_text=prompt_text,
+                prompt_text_len=lengths["prompt_text_len"],
+                prompt_speech_token=prompt_speech_token,
+                prompt_speech_token_len=lengths["prompt_speech_token_len"],
+                embedding=torch.zeros(0, 192) if embedding is None else embedding,
+                max_token_text_ratio=ratio[1],
+                min_token_text_ratio=ratio[0],
+            )
+        )
+    finally:
+        llm.sampling = sampler
+        common.random_sampling = fallback_draw
+    keywords = sampler.keywords
+    return {
+        "name": "ras_sampled_zero_shot",
+        "function": f"cosyvoice.llm.llm.{type(llm).__name__}.inference",
+        "sampler": "the yaml's llm.sampling (ras_sampling) on the global torch RNG, seeded with `seed` first",
+        "seed": seed,
+        "text": text,
+        "text_len": lengths["text_len"],
+        "prompt_text": prompt_text,
+        "prompt_text_len": lengths["prompt_text_len"],
+        "prompt_speech_token": prompt_speech_token,
+        "prompt_speech_token_len": lengths["prompt_speech_token_len"],
+        **({} if embedding is None else {"embedding": embedding}),
+        "min_token_text_ratio": float(ratio[0]),
+        "max_token_text_ratio": float(ratio[1]),
+        "top_p": float(keywords["top_p"]),
+        "top_k": int(keywords["top_k"]),
+        "win_size": int(keywords["win_size"]),
+        "tau_r": float(keywords["tau_r"]),
+        "out_tokens": torch.tensor(tokens, dtype=torch.int64),
+        "num_steps": len(fallbacks),
+        "step_fallback": torch.tensor(fallbacks, dtype=torch.int32),
+    }
 
 
 def official_text_frontend(configs: dict[str, Any]) -> Any:

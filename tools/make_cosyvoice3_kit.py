@@ -14,7 +14,8 @@ is copied into this repository. ``--qwen-tokenizer`` names Qwen2 tokenizer files
 Without ``--out/cases.pt`` the script writes ``model/`` (laid out like an official CosyVoice3 directory) and
 ``cases.pt`` with every group. With it, the kit is extended in place: its model files and its groups are kept
 as they are and the groups of MADE_GROUPS (``stream``: the official streaming loop; ``frontend``: the official
-text path) are added or replaced, computed on the kit's own files. The README next to them is written by hand
+text path; ``llm_sampled``: the LLM with the yaml's own sampler, recorded as the v1/v2 kits record it) are added or
+replaced, computed on the kit's own files. The README next to them is written by hand
 from what this prints.
 """
 
@@ -35,6 +36,7 @@ from make_conformance_kit import (  # the sibling tool, on sys.path when this ru
     copy_qwen_tokenizer,
     official_commit,
     official_text_frontend,
+    sampled_llm_case,
     sha256,
     text_path_case,
 )
@@ -46,11 +48,14 @@ ENDOFPROMPT = 151646  # the official LLM asserts this id is in the text, so the 
 QWEN_VOCAB = ENDOFPROMPT + 1
 EOS_SCALE = 0.9  # eos row scale: two LLM cases stop on eos, one runs to max_len
 QWEN_DIR = "CosyVoice-BlankEN"
-MADE_GROUPS = ("stream", "frontend")  # what extending a kit adds or replaces; the other groups are kept as they are
+# what extending a kit adds or replaces; the other groups are kept as they are
+MADE_GROUPS = ("stream", "frontend", "llm_sampled")
 # Inputs of the prompted stream case. With this seed its greedy LLM runs to max_len (8 text tokens x 12 = 96, found
 # by trying seeds); its 12 prompt tokens pad the first hop to 25 + 13, so hops of 38 and 50 (each + 3 look-ahead
 # tokens) and a short final chunk.
 STREAM_SEED = 2019
+# Inputs and RNG seed of the sampled LLM case (`llm_sampled`): a zero-shot prompt, the yaml's ras_sampling.
+SAMPLED_SEED = 2023
 FRONTEND_TEXTS = (
     "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。",
     "You are a helpful assistant. 请用广东话表达。<|endofprompt|>",
@@ -720,6 +725,29 @@ def stream_cases(model: Any, llm_cases: list[dict[str, Any]]) -> list[dict[str, 
     ]
 
 
+def llm_sampled_cases(model: Any) -> list[dict[str, Any]]:
+    """The official LLM with the yaml's own sampler (`ras_sampling`) on a zero-shot prompt, as the v1/v2 kits
+    record it (`sampled_llm_case`); the prompt text holds the <|endofprompt|> id the official LLM asserts."""
+    g = torch.Generator().manual_seed(SAMPLED_SEED)
+    system = torch.randint(0, 1000, (1, 3), generator=g, dtype=torch.int32)
+    prompt_text = torch.cat([system, torch.tensor([[ENDOFPROMPT]], dtype=torch.int32)], dim=1)
+    prompt_speech = torch.randint(0, SPEECH_TOKENS, (1, 6), generator=g, dtype=torch.int32)
+    text = torch.randint(0, 1000, (1, 6), generator=g, dtype=torch.int32)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+    sampler = model.llm.sampling
+    case = sampled_llm_case(
+        model.llm,
+        sampler,
+        seed,
+        text=text,
+        prompt_text=prompt_text,
+        prompt_speech_token=prompt_speech,
+        embedding=None,
+        ratio=(2.0, 10.0),
+    )
+    return [case]
+
+
 def frontend_cases(configs: dict[str, Any]) -> list[dict[str, Any]]:
     """The official text path of CosyVoice3 for FRONTEND_TEXTS, recorded as the v1/v2 tool records it (the
     tokenizer's `encode` is what `_extract_text_token` calls), plus whether markup skipped the normalisation."""
@@ -763,8 +791,10 @@ def main() -> None:
     cases = torch.load(cases_path, weights_only=True) if extending else reference_cases(model, args.official)
     check_fixed_draws(model, cases["hift"])
     cases = {group: value for group, value in cases.items() if group not in MADE_GROUPS}
+    sampled = llm_sampled_cases(model)  # first: the stream cases leave a greedy sampler on the model
     cases["stream"] = stream_cases(model, cases["llm"])
     cases["frontend"] = frontend_cases(configs)
+    cases["llm_sampled"] = sampled
     torch.save(cases, cases_path)
     print_summary(cases, args.out)
 
@@ -774,6 +804,11 @@ def print_summary(cases: dict[str, list[dict[str, Any]]], out: Path) -> None:
         print(
             f"llm {case['name']}: {len(case['out_tokens'])} tokens, stop {case['stop_reason']} "
             f"(min {case['min_len']}, max {case['max_len']}), smallest margin {case['step_top1_margin'].min():.3f}"
+        )
+    for case in cases["llm_sampled"]:
+        print(
+            f"llm_sampled {case['name']}: seed {case['seed']}, {len(case['out_tokens'])} tokens in "
+            f"{case['num_steps']} steps, {int(case['step_fallback'].sum())} fallback draws"
         )
     for case in cases["flow"]:
         print(
