@@ -15,7 +15,9 @@ Without ``--out/cases.pt`` the script writes ``model/`` (laid out like an offici
 ``cases.pt`` with every group. With it, the kit is extended in place: its model files and its groups are kept
 as they are and the groups of MADE_GROUPS (``stream``: the official streaming loop; ``frontend``: the official
 text path; ``llm_sampled``: the LLM with the yaml's own sampler, recorded as the v1/v2 kits record it) are added or
-replaced, computed on the kit's own files. The README next to them is written by hand
+replaced, computed on the kit's own files. The longer hift cases (HIFT_LONG_FRAMES) are added where missing, and
+every hift case without them gets the official HiFT's hidden tensors and their spread (as the v1/v2 tool does:
+``hidden_with_spread``). The README next to them is written by hand
 from what this prints.
 """
 
@@ -33,7 +35,11 @@ from typing import Any
 
 import torch
 from make_conformance_kit import (  # the sibling tool, on sys.path when this runs as a script
+    HIFT_LONG_FRAMES,
+    SPREAD_VARIANTS,
+    SPREAD_VIEW,
     copy_qwen_tokenizer,
+    hidden_with_spread,
     official_commit,
     official_text_frontend,
     sampled_llm_case,
@@ -54,6 +60,8 @@ MADE_GROUPS = ("stream", "frontend", "llm_sampled")
 # by trying seeds); its 12 prompt tokens pad the first hop to 25 + 13, so hops of 38 and 50 (each + 3 look-ahead
 # tokens) and a short final chunk.
 STREAM_SEED = 2019
+# Seed of the longer hift cases' random mels (HIFT_LONG_FRAMES; issue 33).
+HIFT_LONG_SEED = 2033
 # Inputs and RNG seed of the sampled LLM case (`llm_sampled`): a zero-shot prompt, the yaml's ras_sampling.
 SAMPLED_SEED = 2023
 FRONTEND_TEXTS = (
@@ -368,6 +376,55 @@ def hift_case(hift: nn.Module, name: str, mel: Tensor, finalize: bool) -> dict[s
         "voiced_fraction": float((f0 > sine.voiced_threshold).float().mean()),
         "clamped_fraction": float((speech.abs() >= hift.audio_limit).float().mean()),
     }
+
+
+def hift_long_cases(hift: nn.Module) -> list[dict[str, Any]]:
+    """`hift_case` on random mels of HIFT_LONG_FRAMES frames, finalize=True, without conv_post_out. Their noise is
+    a prefix of the one fixed buffer: stored as views of the longest case's, so `torch.save` writes it once."""
+    g = torch.Generator().manual_seed(HIFT_LONG_SEED)
+    mels = {frames: torch.randn(1, 80, frames, generator=g) * 2 - 4 for frames in HIFT_LONG_FRAMES}
+    cases = {frames: hift_case(hift, f"mel{frames}_long", mel, finalize=True) for frames, mel in mels.items()}
+    longest = cases[max(cases)]["source_noise"]
+    for case in cases.values():
+        del case["conv_post_out"]  # size: the recorded magnitude and phase hold it
+        noise = case["source_noise"]
+        assert torch.equal(noise, longest[:, : noise.shape[1]])
+        case["source_noise"] = longest[:, : noise.shape[1]]
+    return list(cases.values())
+
+
+def official_hift_hidden(hift: nn.Module, case: dict[str, Any]) -> dict[str, Tensor]:
+    """One official run over a recorded hift case: `m_source` on the recorded f0 (cast to float32, as inference()
+    does; its draws are the fixed buffers), `source_sine` and `source_linear` the input and output of its
+    l_linear; then `decode` of the recorded mel (without the f0 look-ahead when finalize=0) and source, with
+    `conv_pre_out`, `conv_post_out`, `magnitude` and `phase` (as `_istft` gets them) and `speech`."""
+    out: dict[str, Tensor] = {}
+    finalize = bool(case["finalize"])
+    mel = case["mel"] if finalize else case["mel"][:, :, : -hift.f0_predictor.condnet[0].causal_padding]
+    hooks = [
+        hift.m_source.l_linear.register_forward_hook(
+            lambda _m, i, o: out.update(source_sine=i[0].clone(), source_linear=o.clone())
+        ),
+        hift.conv_pre.register_forward_hook(lambda _m, _i, o: out.update(conv_pre_out=o.clone())),
+        hift.conv_post.register_forward_hook(lambda _m, _i, o: out.update(conv_post_out=o.clone())),
+    ]
+    istft = hift._istft
+
+    def recording_istft(magnitude: Tensor, phase: Tensor) -> Tensor:
+        out.update(magnitude=magnitude.clone(), phase=phase.clone())
+        return istft(magnitude, phase)
+
+    hift._istft = recording_istft
+    try:
+        with torch.inference_mode():
+            f0 = case["f0"].to(case["mel"].dtype)
+            out["source"] = hift.m_source(hift.f0_upsamp(f0[:, None]).transpose(1, 2))[0].transpose(1, 2)
+            out["speech"] = hift.decode(x=mel, s=case["source"], finalize=finalize)
+    finally:
+        del hift._istft
+        for hook in hooks:
+            hook.remove()
+    return out
 
 
 def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
@@ -789,7 +846,13 @@ def main() -> None:
         copy_qwen_tokenizer(args.qwen_tokenizer, model_dir)
     model, configs = load_official_model(model_dir)
     cases = torch.load(cases_path, weights_only=True) if extending else reference_cases(model, args.official)
+    # the longer hift cases (issue 33), added to a kit that lacks them; the kit's other cases stay as they are
+    names = {case["name"] for case in cases["hift"]}
+    cases["hift"] += [case for case in hift_long_cases(model.hift) if case["name"] not in names]
     check_fixed_draws(model, cases["hift"])
+    for case in cases["hift"]:  # the HiFT hidden tensors and their spread, on each case's own inputs
+        if "spread_speech" not in case:
+            case.update(hidden_with_spread(lambda case=case: official_hift_hidden(model.hift, case), case))
     cases = {group: value for group, value in cases.items() if group not in MADE_GROUPS}
     sampled = llm_sampled_cases(model)  # first: the stream cases leave a greedy sampler on the model
     cases["stream"] = stream_cases(model, cases["llm"])
@@ -820,6 +883,12 @@ def print_summary(cases: dict[str, list[dict[str, Any]]], out: Path) -> None:
             f"hift {case['name']}: speech {list(case['speech'].shape)}, voiced {case['voiced_fraction']:.2f}, "
             f"clamped {case['clamped_fraction']:.4f}, |speech| max {case['speech'].abs().max():.3f}"
         )
+    print(f"hift spread over {', '.join(SPREAD_VARIANTS)} ({SPREAD_VIEW}):")
+    keys = [key for key in cases["hift"][0] if key.startswith("spread_") and key != "spread_variants"]
+    print("| case | frames | " + " | ".join(key.removeprefix("spread_") for key in keys) + " |")
+    for case in cases["hift"]:
+        spreads = " | ".join(f"{case[key]:.1e}" for key in keys)
+        print(f"| {case['name']} | {case['mel'].shape[-1]} | {spreads} |")
     for case in cases["stream"]:
         chunks = [
             f"{len(case[f'chunk_{k}_tokens'])} tokens from {case[f'chunk_{k}_token_offset']}"
