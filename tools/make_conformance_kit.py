@@ -15,14 +15,20 @@ venv outside this repo that has the official dependencies, for example:
 `--model` is a model dir in the official layout (`cosyvoice.yaml` or `cosyvoice2.yaml`, `llm.pt`, `flow.pt`,
 `hift.pt`): an existing kit's weights or real ones. The kit is written to `--out` in the existing format:
 `model/` (copied unless it is `--out/model` already), `cases.pt` and `README.md`. When `--out/cases.pt` exists,
-its groups are kept and the groups made here are added or replaced, so a kit can be extended in place.
+its groups are kept and the groups made here are added, so a kit can be extended in place; groups and hift cases
+made here that the kit already has stay as they were recorded (another machine's rounding differs) unless
+`--remake` is given.
 
 Groups made here (every value a tensor, int, float or str; see the README section the tool writes):
 - `llm_sampled`: one `llm.inference` with the yaml's own sampler (`ras_sampling`) after `torch.manual_seed(seed)`:
   replayable with a generator seeded the same; `step_fallback` marks the steps whose draw fell back.
 - `stream`: the official streaming loop `model.tts(..., stream=True)` with greedy tokens; per chunk the tokens,
   the CFM start noise (v1), the vocoder input mel and source (after the cache overwrite) and the audio yielded.
-- `hift`: one more case, `HiFTGenerator.inference` with a non-empty `cache_source` and its random draws.
+- `hift`: one more case, `HiFTGenerator.inference` with a non-empty `cache_source` and its random draws; for v2
+  the longer cases `mel30_long`, `mel60_long`, `mel120_long` (random mels, draws recorded). Every hift case then
+  gets the official HiFT's hidden tensors in pipeline order (HIFT_INTERMEDIATES, recomputed on the case's own
+  inputs) and `spread_<tensor>`: how much the official code itself varies with two threads and with the native
+  convolution kernels, from which the parity tests take their tolerances (tests/parity/hift_pipeline.py).
 - `frontend` (v2, and v1 kits that have none): `text_normalize` with wetext + the yaml's tokenizer (v2: the Qwen2
   files of `model/CosyVoice-BlankEN`; `--qwen-tokenizer` copies tokenizer files there first).
 """
@@ -30,6 +36,7 @@ Groups made here (every value a tensor, int, float or str; see the README sectio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +44,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +54,16 @@ V1_YAML, V2_YAML = "cosyvoice.yaml", "cosyvoice2.yaml"
 QWEN_DIR = "CosyVoice-BlankEN"
 MADE_GROUPS = ("llm_sampled", "stream")
 HIFT_CACHE_CASE = "cache_source_from_stream"
+# Longer hift cases (mel frames) of the v2 kit (issue 33: a v2 divergence showed at 30 frames on another CPU).
+HIFT_LONG_FRAMES = (30, 60, 120)
+# Left out of the longer cases for size: `magnitude` and `phase` hold conv_post_out, the source holds s_stft.
+LONG_CASE_OMITTED = ("s_stft", "conv_post_out")
+# The official HiFT's hidden tensors recorded in every hift case, in pipeline order (see official_hift_hidden):
+# l_linear's input and output in the source module, then the magnitude and phase `_istft` gets.
+HIFT_INTERMEDIATES = ("source_sine", "source_linear", "magnitude", "phase")
+# Runs of the official code other than the one-thread default, whose differences from it are each tensor's spread.
+SPREAD_VARIANTS = ("threads2", "no_mkldnn")
+SPREAD_VIEW = "the log of `magnitude`, the others as they are"
 FRONTEND_TEXTS = (
     "Hello world, this is a streaming test.",
     "I have 3 apples and 25 pears.",
@@ -136,66 +154,19 @@ class Maker:
     # ---- llm_sampled ------------------------------------------------------------------------------------------
 
     def llm_sampled(self, text_tokens: int, ratio: tuple[float, float]) -> dict[str, Any]:
-        import cosyvoice.utils.common as common
-
         inputs = self.prompt(speech_tokens=6, text_tokens=4)
         text = int32(self.randint(self.text_vocab, text_tokens))
-        fallbacks: list[int] = []
-        fallback_draw = common.random_sampling
-
-        def recording_fallback(*args: Any) -> int:
-            fallbacks[-1] = 1
-            return fallback_draw(*args)
-
-        def counting_sampler(scores: torch.Tensor, decoded: list, sampling: int) -> int:
-            fallbacks.append(0)
-            return self.sampler(scores, decoded, sampling)
-
-        llm = self.model.llm
-        llm.sampling = counting_sampler
-        common.random_sampling = recording_fallback
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
-        try:
-            torch.manual_seed(seed)
-            tokens = list(
-                llm.inference(
-                    text=text,
-                    text_len=torch.tensor([text.shape[1]], dtype=torch.int32),
-                    prompt_text=inputs["prompt_text"],
-                    prompt_text_len=torch.tensor([inputs["prompt_text"].shape[1]], dtype=torch.int32),
-                    prompt_speech_token=inputs["prompt_speech_token"],
-                    prompt_speech_token_len=torch.tensor([inputs["prompt_speech_token"].shape[1]], dtype=torch.int32),
-                    embedding=inputs["embedding"],
-                    max_token_text_ratio=ratio[1],
-                    min_token_text_ratio=ratio[0],
-                )
-            )
-        finally:
-            llm.sampling = self.sampler
-            common.random_sampling = fallback_draw
-        keywords = self.sampler.keywords
-        return {
-            "name": "ras_sampled_zero_shot",
-            "function": f"cosyvoice.llm.llm.{type(llm).__name__}.inference",
-            "sampler": "the yaml's llm.sampling (ras_sampling) on the global torch RNG, seeded with `seed` first",
-            "seed": seed,
-            "text": text,
-            "text_len": torch.tensor([text.shape[1]], dtype=torch.int32),
-            "prompt_text": inputs["prompt_text"],
-            "prompt_text_len": torch.tensor([inputs["prompt_text"].shape[1]], dtype=torch.int32),
-            "prompt_speech_token": inputs["prompt_speech_token"],
-            "prompt_speech_token_len": torch.tensor([inputs["prompt_speech_token"].shape[1]], dtype=torch.int32),
-            "embedding": inputs["embedding"],
-            "min_token_text_ratio": float(ratio[0]),
-            "max_token_text_ratio": float(ratio[1]),
-            "top_p": float(keywords["top_p"]),
-            "top_k": int(keywords["top_k"]),
-            "win_size": int(keywords["win_size"]),
-            "tau_r": float(keywords["tau_r"]),
-            "out_tokens": torch.tensor(tokens, dtype=torch.int64),
-            "num_steps": len(fallbacks),
-            "step_fallback": torch.tensor(fallbacks, dtype=torch.int32),
-        }
+        return sampled_llm_case(
+            self.model.llm,
+            self.sampler,
+            seed,
+            text=text,
+            prompt_text=inputs["prompt_text"],
+            prompt_speech_token=inputs["prompt_speech_token"],
+            embedding=inputs["embedding"],
+            ratio=ratio,
+        )
 
     # ---- stream -----------------------------------------------------------------------------------------------
 
@@ -278,15 +249,37 @@ class Maker:
         case["out_tokens"] = torch.tensor(generated, dtype=torch.int64)
         return case
 
-    # ---- hift with a cache_source -----------------------------------------------------------------------------
+    # ---- hift cases with recorded draws -----------------------------------------------------------------------
 
     def hift_with_cache(self, stream_case: dict[str, Any]) -> dict[str, Any]:
-        from torch.distributions.uniform import Uniform
-
-        hift = self.model.hift
         cache_frames = 8 if self.version == 2 else 20  # the official HiFT cache of each version
         mel = stream_case["chunk_1_mel"][:, :, : 2 * cache_frames].contiguous()  # short: the kit stays small
         cache = stream_case["chunk_0_source"][:, :, -cache_frames * self.hop :]
+        return self.hift_recorded(
+            HIFT_CACHE_CASE,
+            mel,
+            cache,
+            e2e_source=f"mel = the head of chunk_1_mel of stream case {stream_case['name']}; "
+            "cache_source = the tail of its chunk_0_source",
+        )
+
+    def hift_long(self, frames: int) -> dict[str, Any]:
+        """A longer random-mel case (issue 33: a divergence showed at 30 frames), its own draws from `seed`."""
+        generator = torch.Generator().manual_seed(self.seed * 1000 + frames)
+        mel = torch.randn(1, 80, frames, generator=generator) * 2 - 6  # as the kit's first hift cases
+        torch.manual_seed(self.seed * 1000 + frames)
+        case = self.hift_recorded(f"mel{frames}_long", mel, torch.zeros(1, 1, 0))
+        for key in LONG_CASE_OMITTED:
+            del case[key]
+        return case
+
+    def hift_recorded(
+        self, name: str, mel: torch.Tensor, cache: torch.Tensor, e2e_source: str | None = None
+    ) -> dict[str, Any]:
+        """`HiFTGenerator.inference(mel, cache)` on the global RNG, its random draws and hidden tensors recorded."""
+        from torch.distributions.uniform import Uniform
+
+        hift = self.model.hift
         draws: list[tuple[str, torch.Tensor]] = []
         originals = {"rand": torch.rand, "randn_like": torch.randn_like, "sample": Uniform.sample}
 
@@ -330,7 +323,7 @@ class Maker:
             for hook in hooks:
                 hook.remove()
         case: dict[str, Any] = {
-            "name": HIFT_CACHE_CASE,
+            "name": name,
             "function": "cosyvoice.hifigan.generator.HiFTGenerator.inference",
             "mel": mel,
             "cache_source": cache.contiguous(),
@@ -342,18 +335,220 @@ class Maker:
             "audio_limit": 0.99,
             "voiced_fraction": float((f0 > 10).float().mean()),
             "rand_draw_order": ",".join(kind for kind, _ in draws),
-            "e2e_source": f"mel = the head of chunk_1_mel of stream case {stream_case['name']}; "
-            "cache_source = the tail of its chunk_0_source",
+            **({} if e2e_source is None else {"e2e_source": e2e_source}),
         }
         for k, (_, value) in enumerate(draws):
             case[f"rand_draw_{k}"] = value
         return case
+
+    def hift_intermediates(self, case: dict[str, Any]) -> dict[str, Any]:
+        """The official HiFT's hidden tensors of a recorded case (HIFT_INTERMEDIATES) and the spread of each.
+
+        Recomputed from the case's own inputs, so that they fit its recorded tensors whichever machine recorded
+        those: the source module on the recorded f0 with the recorded draws replayed (cases with draws), and
+        decode on the recorded mel and source. `spread_<key>`: the largest difference of a tensor over
+        SPREAD_VARIANTS (other thread counts and convolution kernels) from this one-thread default run.
+        """
+        return hidden_with_spread(lambda: official_hift_hidden(self.model.hift, case), case)
 
     # ---- v2 frontend ------------------------------------------------------------------------------------------
 
     def frontend_cases(self) -> list[dict[str, Any]]:
         frontend = official_text_frontend(self.configs)
         return [text_path_case(frontend, text) for text in FRONTEND_TEXTS]
+
+
+def sampled_llm_case(
+    llm: Any,
+    sampler: Any,
+    seed: int,
+    *,
+    text: torch.Tensor,
+    prompt_text: torch.Tensor,
+    prompt_speech_token: torch.Tensor,
+    embedding: torch.Tensor | None,
+    ratio: tuple[float, float],
+) -> dict[str, Any]:
+    """An `llm_sampled` case: one official `llm.inference` with the yaml's own sampler (`sampler`, a partial of
+    `ras_sampling`) after `torch.manual_seed(seed)`, recording per sampler call whether the fallback draw ran.
+    `embedding` None (CosyVoice3, which ignores it) passes an empty one and records none."""
+    import cosyvoice.utils.common as common
+
+    fallbacks: list[int] = []
+    fallback_draw = common.random_sampling
+
+    def recording_fallback(*args: Any) -> int:
+        fallbacks[-1] = 1
+        return fallback_draw(*args)
+
+    def counting_sampler(scores: torch.Tensor, decoded: list, sampling: int) -> int:
+        fallbacks.append(0)
+        return sampler(scores, decoded, sampling)
+
+    lengths = {
+        "text_len": torch.tensor([text.shape[1]], dtype=torch.int32),
+        "prompt_text_len": torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
+        "prompt_speech_token_len": torch.tensor([prompt_speech_token.shape[1]], dtype=torch.int32),
+    }
+    llm.sampling = counting_sampler
+    common.random_sampling = recording_fallback
+    try:
+        torch.manual_seed(seed)
+        tokens = list(
+            llm.inference(
+                text=text,
+                text_len=lengths["text_len"].clone(),
+                prompt_text=prompt_text,
+                prompt_text_len=lengths["prompt_text_len"],
+                prompt_speech_token=prompt_speech_token,
+                prompt_speech_token_len=lengths["prompt_speech_token_len"],
+                embedding=torch.zeros(0, 192) if embedding is None else embedding,
+                max_token_text_ratio=ratio[1],
+                min_token_text_ratio=ratio[0],
+            )
+        )
+    finally:
+        llm.sampling = sampler
+        common.random_sampling = fallback_draw
+    keywords = sampler.keywords
+    return {
+        "name": "ras_sampled_zero_shot",
+        "function": f"cosyvoice.llm.llm.{type(llm).__name__}.inference",
+        "sampler": "the yaml's llm.sampling (ras_sampling) on the global torch RNG, seeded with `seed` first",
+        "seed": seed,
+        "text": text,
+        "text_len": lengths["text_len"],
+        "prompt_text": prompt_text,
+        "prompt_text_len": lengths["prompt_text_len"],
+        "prompt_speech_token": prompt_speech_token,
+        "prompt_speech_token_len": lengths["prompt_speech_token_len"],
+        **({} if embedding is None else {"embedding": embedding}),
+        "min_token_text_ratio": float(ratio[0]),
+        "max_token_text_ratio": float(ratio[1]),
+        "top_p": float(keywords["top_p"]),
+        "top_k": int(keywords["top_k"]),
+        "win_size": int(keywords["win_size"]),
+        "tau_r": float(keywords["tau_r"]),
+        "out_tokens": torch.tensor(tokens, dtype=torch.int64),
+        "num_steps": len(fallbacks),
+        "step_fallback": torch.tensor(fallbacks, dtype=torch.int32),
+    }
+
+
+@contextlib.contextmanager
+def replay(draws: list[torch.Tensor]) -> Any:
+    """A context in which torch.rand, torch.randn_like and Uniform.sample return `draws` in order (each checked
+    against the shape asked for): the official random source re-run on recorded draws."""
+    from torch.distributions.uniform import Uniform
+
+    pending = list(draws)
+
+    def next_draw(shape: Any) -> torch.Tensor:
+        value = pending.pop(0)
+        assert tuple(value.shape) == tuple(shape), (tuple(value.shape), tuple(shape))
+        return value.clone()
+
+    def rand(*size: Any, **_kwargs: Any) -> torch.Tensor:
+        return next_draw(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+
+    def sample(self_: Any, sample_shape: Any = ()) -> torch.Tensor:
+        return next_draw(self_._extended_shape(torch.Size(sample_shape)))
+
+    originals = torch.rand, torch.randn_like, Uniform.sample
+    torch.rand, Uniform.sample = rand, sample
+    torch.randn_like = lambda like, **_kwargs: next_draw(like.shape)
+    try:
+        yield
+    finally:
+        torch.rand, torch.randn_like, Uniform.sample = originals
+    assert not pending, f"{len(pending)} recorded draws left unused"
+
+
+def official_hift_hidden(hift: Any, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One official run over a recorded hift case: with recorded draws, `m_source` on the recorded f0
+    (`source_sine`, `source_linear`: l_linear's input and output; `source`: after tanh and the cache overwrite);
+    then `decode(mel, recorded source)` (`conv_pre_out`, `s_stft`, `conv_post_out`, `magnitude` and `phase` as
+    `_istft` gets them, `speech`)."""
+    out: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        if case["rand_draw_order"]:
+            draws = [case[f"rand_draw_{k}"] for k in range(len(case["rand_draw_order"].split(",")))]
+            hook = hift.m_source.l_linear.register_forward_hook(
+                lambda _m, i, o: out.update(source_sine=i[0].clone(), source_linear=o.clone())
+            )
+            try:
+                with replay(draws):
+                    source = hift.m_source(hift.f0_upsamp(case["f0"][:, None]).transpose(1, 2))[0]
+            finally:
+                hook.remove()
+            source = source.transpose(1, 2)
+            source[:, :, : case["cache_source"].shape[2]] = case["cache_source"]
+            out["source"] = source
+        hooks = [
+            hift.conv_pre.register_forward_hook(lambda _m, _i, o: out.update(conv_pre_out=o.clone())),
+            hift.source_downs[0].register_forward_pre_hook(lambda _m, i: out.update(s_stft=i[0].clone())),
+            hift.conv_post.register_forward_hook(lambda _m, _i, o: out.update(conv_post_out=o.clone())),
+        ]
+        istft = hift._istft
+
+        def recording_istft(magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+            out.update(magnitude=magnitude.clone(), phase=phase.clone())
+            return istft(magnitude, phase)
+
+        hift._istft = recording_istft
+        try:
+            out["speech"] = hift.decode(x=case["mel"], s=case["source"])
+        finally:
+            del hift._istft
+            for hook in hooks:
+                hook.remove()
+    return out
+
+
+@contextlib.contextmanager
+def spread_variant(variant: str) -> Any:
+    """One of SPREAD_VARIANTS around a one-thread default run."""
+    if variant == "threads2":
+        torch.set_num_threads(2)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(1)
+    elif variant == "no_mkldnn":  # the native convolution kernels instead of oneDNN's
+        with torch.backends.mkldnn.flags(enabled=False):
+            yield
+    else:
+        raise ValueError(variant)
+
+
+def spread_view(key: str, value: torch.Tensor) -> torch.Tensor:
+    """What a spread and a parity test compare: the log of magnitudes (exp() of conv_post, up to e^5 and more),
+    everything else as it is."""
+    return value.double().log() if key == "magnitude" else value.double()
+
+
+def hidden_with_spread(run: Callable[[], dict[str, torch.Tensor]], case: dict[str, Any]) -> dict[str, Any]:
+    """The HIFT_INTERMEDIATES of `run()` (a one-thread default run of the official code over `case`) that `case`
+    lacks, and `spread_<key>` for every tensor the run gives: its largest difference (`spread_view`) over the runs
+    of SPREAD_VARIANTS. Checks that the run reproduces the case's recorded source and speech."""
+    reference = run()
+    variants = {}
+    for variant in SPREAD_VARIANTS:
+        with spread_variant(variant):
+            variants[variant] = run()
+    name = case["name"]
+    if "source" in reference:
+        gap = float((reference["source"] - case["source"]).abs().max())
+        assert gap < 1e-4, f"{name}: the source from the recorded draws is {gap} off the recorded one"
+    gap = float((reference["speech"][..., : case["speech"].shape[-1]] - case["speech"]).abs().max())
+    assert gap < 1e-3, f"{name}: decode of the recorded mel and source is {gap} off the recorded speech"
+    out: dict[str, Any] = {key: reference[key] for key in HIFT_INTERMEDIATES if key in reference and key not in case}
+    for key, value in reference.items():
+        out[f"spread_{key}"] = max(
+            float((spread_view(key, other[key]) - spread_view(key, value)).abs().max()) for other in variants.values()
+        )
+    out["spread_variants"] = ",".join(SPREAD_VARIANTS)
+    return out
 
 
 def official_text_frontend(configs: dict[str, Any]) -> Any:
@@ -405,7 +600,13 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}" if not isinstance(value, str) or len(value) < 60 else "str"
 
 
-def readme_section(made: dict[str, list[dict[str, Any]]], meta: dict[str, Any], out: Path, command: str) -> str:
+def readme_section(
+    made: dict[str, list[dict[str, Any]]],
+    hift_cases: list[dict[str, Any]],
+    meta: dict[str, Any],
+    out: Path,
+    command: str,
+) -> str:
     lines = [
         "",
         "## Groups made by tools/make_conformance_kit.py",
@@ -413,7 +614,9 @@ def readme_section(made: dict[str, list[dict[str, Any]]], meta: dict[str, Any], 
         f"Made by `{command}` with the official code at commit `{meta['official_commit']}`, torch "
         f"{meta['torch_version']}, {meta['num_threads']} thread, seed {meta['seed']}, on the weights in `model/`.",
         "They cover, where a list of what this kit does not cover precedes this section, its streaming loop, "
-        "`cache_source` and `ras_sampling` items (and the v2 front end); the files now are (superseding any "
+        "`cache_source` and `ras_sampling` items (and the v2 front end), and add the HiFT hidden tensors and their "
+        "spread to every hift case. Groups and cases the kit already had were kept as first recorded (a run on "
+        "another machine rounds differently) unless `--remake` was given. The files now are (superseding any "
         "checksum above):",
         "",
         "| file | bytes | sha256 |",
@@ -432,6 +635,17 @@ def readme_section(made: dict[str, list[dict[str, Any]]], meta: dict[str, Any], 
         "`chunk_k_speech` (the audio yielded), and in v1 `chunk_k_noise` (the CFM start noise after the flow cache "
         "overwrite). `out_tokens`: every token the LLM generated, in order.",
         f"* `hift` `{HIFT_CACHE_CASE}`: `HiFTGenerator.inference` with a non-empty `cache_source`, draws recorded.",
+        f"* `hift` `mel{{T}}_long` (v2, T in {', '.join(map(str, HIFT_LONG_FRAMES))}): `HiFTGenerator.inference` on a "
+        "random mel (N(-6, 2^2), its own seed), draws recorded; without "
+        f"{' and '.join(f'`{k}`' for k in LONG_CASE_OMITTED)} (size: `magnitude`/`phase` hold conv_post_out).",
+        "* every `hift` case: the official hidden tensors in pipeline order, recomputed on the case's own inputs "
+        "(the source module on the recorded f0 with the recorded draws replayed; `decode` on the recorded mel and "
+        "source): `source_sine` [1, L, harmonics + 1] and `source_linear` [1, L, 1] (the input and output of "
+        "`m_source.l_linear`, before tanh and any cache overwrite; cases with draws only), `magnitude` and `phase` "
+        "[1, n_fft/2 + 1, frames] (the arguments of `_istft`: exp of conv_post before the clip at 100, and sin). "
+        f"`spread_<tensor>`: the official code's own spread, the largest difference of that tensor ({SPREAD_VIEW}) "
+        f"between this one-thread run and each of the runs `spread_variants` ({', '.join(SPREAD_VARIANTS)}: two "
+        "intra-op threads; the native convolution kernels instead of oneDNN's).",
         "* `frontend`: `text_normalize` with wetext and the yaml's `get_tokenizer` (v2: the Qwen2 files in "
         "`model/CosyVoice-BlankEN`), when made by this tool.",
         "",
@@ -443,6 +657,17 @@ def readme_section(made: dict[str, list[dict[str, Any]]], meta: dict[str, Any], 
             name = case.get("name", case.get("text", "")[:30])
             summary = ", ".join(f"{k}: {describe(v)}" for k, v in case.items() if not k.startswith("chunk_"))
             lines.append(f"| {group} | {name} | {summary[:400]} |")
+    spread_keys = [key for key in hift_cases[0] if key.startswith("spread_") and key != "spread_variants"]
+    lines += [
+        "",
+        "The official code's spread per hift case (see above):",
+        "",
+        "| case | frames | " + " | ".join(key.removeprefix("spread_") for key in spread_keys) + " |",
+        "|---|---|" + "---|" * len(spread_keys),
+    ]
+    for case in hift_cases:
+        spreads = " | ".join(f"{case[key]:.1e}" if key in case else "-" for key in spread_keys)
+        lines.append(f"| {case['name']} | {case['mel'].shape[-1]} | {spreads} |")
     return "\n".join(lines) + "\n"
 
 
@@ -453,6 +678,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="the kit directory to write or extend")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--qwen-tokenizer", type=Path, help="v2: Qwen2 tokenizer files for model/CosyVoice-BlankEN")
+    parser.add_argument(
+        "--remake", action="store_true", help="replace the groups and cases made here that the kit already has"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     import_official(args.official.resolve())
@@ -495,24 +723,42 @@ def main() -> None:
         made["stream"] = [maker.stream("zero_shot_padded_first_hop", text_tokens=8, ratio=14.0, prompt_tokens=10)]
     if maker.version == 2 or not cases.get("frontend"):  # v1 kits made before this tool have their own
         made["frontend"] = maker.frontend_cases()
-    hift_case = maker.hift_with_cache(made["stream"][0])
-    cases["hift"] = [c for c in cases.get("hift", []) if c.get("name") != HIFT_CACHE_CASE] + [hift_case]
-    cases.update(made)
-    made["hift"] = [hift_case]
+    made_hift = [maker.hift_with_cache(made["stream"][0])]
+    if maker.version == 2:
+        made_hift += [maker.hift_long(frames) for frames in HIFT_LONG_FRAMES]
+    # What the kit has stays as recorded (another machine's rounding differs: see the README), unless --remake.
+    for group, made_cases in made.items():
+        if args.remake or not cases.get(group):
+            cases[group] = made_cases
+    kept_hift = {case["name"]: case for case in cases.get("hift", [])}
+    for case in made_hift:
+        if args.remake or case["name"] not in kept_hift:
+            kept_hift[case["name"]] = case
+    cases["hift"] = list(kept_hift.values())
+    for case in cases["hift"]:
+        if args.remake or "spread_speech" not in case:
+            case.update(maker.hift_intermediates(case))
     for group in cases.values():
         for case in group:
             for key, value in case.items():
                 if isinstance(value, torch.Tensor):
                     case[key] = value.detach().contiguous().clone()
     torch.save(cases, cases_path)
+    made_names = {case["name"] for case in made_hift}
+    made = {group: cases[group] for group in made} | {
+        "hift": [case for case in cases["hift"] if case["name"] in made_names]
+    }
     command = "python tools/make_conformance_kit.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        for k, v in vars(args).items()
+        if v is not None and v is not False
     )
     readme = out / "README.md"
     text = readme.read_text(encoding="utf-8") if readme.is_file() else f"# Conformance kit `{out.name}`\n"
     marker = "\n## Groups made by tools/make_conformance_kit.py"
     text = text.split(marker)[0].rstrip("\n") + "\n"
-    readme.write_text(text + readme_section(made, {**meta, "official_commit": commit}, out, command), encoding="utf-8")
+    section = readme_section(made, cases["hift"], {**meta, "official_commit": commit}, out, command)
+    readme.write_text(text + section, encoding="utf-8")
     print(json.dumps({group: len(c) for group, c in cases.items()}))
 
 

@@ -14,7 +14,10 @@ is copied into this repository. ``--qwen-tokenizer`` names Qwen2 tokenizer files
 Without ``--out/cases.pt`` the script writes ``model/`` (laid out like an official CosyVoice3 directory) and
 ``cases.pt`` with every group. With it, the kit is extended in place: its model files and its groups are kept
 as they are and the groups of MADE_GROUPS (``stream``: the official streaming loop; ``frontend``: the official
-text path) are added or replaced, computed on the kit's own files. The README next to them is written by hand
+text path; ``llm_sampled``: the LLM with the yaml's own sampler, recorded as the v1/v2 kits record it) are added or
+replaced, computed on the kit's own files. The longer hift cases (HIFT_LONG_FRAMES) are added where missing, and
+every hift case without them gets the official HiFT's hidden tensors and their spread (as the v1/v2 tool does:
+``hidden_with_spread``). The README next to them is written by hand
 from what this prints.
 """
 
@@ -32,9 +35,14 @@ from typing import Any
 
 import torch
 from make_conformance_kit import (  # the sibling tool, on sys.path when this runs as a script
+    HIFT_LONG_FRAMES,
+    SPREAD_VARIANTS,
+    SPREAD_VIEW,
     copy_qwen_tokenizer,
+    hidden_with_spread,
     official_commit,
     official_text_frontend,
+    sampled_llm_case,
     sha256,
     text_path_case,
 )
@@ -46,11 +54,16 @@ ENDOFPROMPT = 151646  # the official LLM asserts this id is in the text, so the 
 QWEN_VOCAB = ENDOFPROMPT + 1
 EOS_SCALE = 0.9  # eos row scale: two LLM cases stop on eos, one runs to max_len
 QWEN_DIR = "CosyVoice-BlankEN"
-MADE_GROUPS = ("stream", "frontend")  # what extending a kit adds or replaces; the other groups are kept as they are
+# what extending a kit adds or replaces; the other groups are kept as they are
+MADE_GROUPS = ("stream", "frontend", "llm_sampled")
 # Inputs of the prompted stream case. With this seed its greedy LLM runs to max_len (8 text tokens x 12 = 96, found
 # by trying seeds); its 12 prompt tokens pad the first hop to 25 + 13, so hops of 38 and 50 (each + 3 look-ahead
 # tokens) and a short final chunk.
 STREAM_SEED = 2019
+# Seed of the longer hift cases' random mels (HIFT_LONG_FRAMES; issue 33).
+HIFT_LONG_SEED = 2033
+# Inputs and RNG seed of the sampled LLM case (`llm_sampled`): a zero-shot prompt, the yaml's ras_sampling.
+SAMPLED_SEED = 2023
 FRONTEND_TEXTS = (
     "You are a helpful assistant.<|endofprompt|>希望你以后能够做的比我还好呦。",
     "You are a helpful assistant. 请用广东话表达。<|endofprompt|>",
@@ -363,6 +376,55 @@ def hift_case(hift: nn.Module, name: str, mel: Tensor, finalize: bool) -> dict[s
         "voiced_fraction": float((f0 > sine.voiced_threshold).float().mean()),
         "clamped_fraction": float((speech.abs() >= hift.audio_limit).float().mean()),
     }
+
+
+def hift_long_cases(hift: nn.Module) -> list[dict[str, Any]]:
+    """`hift_case` on random mels of HIFT_LONG_FRAMES frames, finalize=True, without conv_post_out. Their noise is
+    a prefix of the one fixed buffer: stored as views of the longest case's, so `torch.save` writes it once."""
+    g = torch.Generator().manual_seed(HIFT_LONG_SEED)
+    mels = {frames: torch.randn(1, 80, frames, generator=g) * 2 - 4 for frames in HIFT_LONG_FRAMES}
+    cases = {frames: hift_case(hift, f"mel{frames}_long", mel, finalize=True) for frames, mel in mels.items()}
+    longest = cases[max(cases)]["source_noise"]
+    for case in cases.values():
+        del case["conv_post_out"]  # size: the recorded magnitude and phase hold it
+        noise = case["source_noise"]
+        assert torch.equal(noise, longest[:, : noise.shape[1]])
+        case["source_noise"] = longest[:, : noise.shape[1]]
+    return list(cases.values())
+
+
+def official_hift_hidden(hift: nn.Module, case: dict[str, Any]) -> dict[str, Tensor]:
+    """One official run over a recorded hift case: `m_source` on the recorded f0 (cast to float32, as inference()
+    does; its draws are the fixed buffers), `source_sine` and `source_linear` the input and output of its
+    l_linear; then `decode` of the recorded mel (without the f0 look-ahead when finalize=0) and source, with
+    `conv_pre_out`, `conv_post_out`, `magnitude` and `phase` (as `_istft` gets them) and `speech`."""
+    out: dict[str, Tensor] = {}
+    finalize = bool(case["finalize"])
+    mel = case["mel"] if finalize else case["mel"][:, :, : -hift.f0_predictor.condnet[0].causal_padding]
+    hooks = [
+        hift.m_source.l_linear.register_forward_hook(
+            lambda _m, i, o: out.update(source_sine=i[0].clone(), source_linear=o.clone())
+        ),
+        hift.conv_pre.register_forward_hook(lambda _m, _i, o: out.update(conv_pre_out=o.clone())),
+        hift.conv_post.register_forward_hook(lambda _m, _i, o: out.update(conv_post_out=o.clone())),
+    ]
+    istft = hift._istft
+
+    def recording_istft(magnitude: Tensor, phase: Tensor) -> Tensor:
+        out.update(magnitude=magnitude.clone(), phase=phase.clone())
+        return istft(magnitude, phase)
+
+    hift._istft = recording_istft
+    try:
+        with torch.inference_mode():
+            f0 = case["f0"].to(case["mel"].dtype)
+            out["source"] = hift.m_source(hift.f0_upsamp(f0[:, None]).transpose(1, 2))[0].transpose(1, 2)
+            out["speech"] = hift.decode(x=mel, s=case["source"], finalize=finalize)
+    finally:
+        del hift._istft
+        for hook in hooks:
+            hook.remove()
+    return out
 
 
 def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
@@ -720,6 +782,29 @@ def stream_cases(model: Any, llm_cases: list[dict[str, Any]]) -> list[dict[str, 
     ]
 
 
+def llm_sampled_cases(model: Any) -> list[dict[str, Any]]:
+    """The official LLM with the yaml's own sampler (`ras_sampling`) on a zero-shot prompt, as the v1/v2 kits
+    record it (`sampled_llm_case`); the prompt text holds the <|endofprompt|> id the official LLM asserts."""
+    g = torch.Generator().manual_seed(SAMPLED_SEED)
+    system = torch.randint(0, 1000, (1, 3), generator=g, dtype=torch.int32)
+    prompt_text = torch.cat([system, torch.tensor([[ENDOFPROMPT]], dtype=torch.int32)], dim=1)
+    prompt_speech = torch.randint(0, SPEECH_TOKENS, (1, 6), generator=g, dtype=torch.int32)
+    text = torch.randint(0, 1000, (1, 6), generator=g, dtype=torch.int32)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+    sampler = model.llm.sampling
+    case = sampled_llm_case(
+        model.llm,
+        sampler,
+        seed,
+        text=text,
+        prompt_text=prompt_text,
+        prompt_speech_token=prompt_speech,
+        embedding=None,
+        ratio=(2.0, 10.0),
+    )
+    return [case]
+
+
 def frontend_cases(configs: dict[str, Any]) -> list[dict[str, Any]]:
     """The official text path of CosyVoice3 for FRONTEND_TEXTS, recorded as the v1/v2 tool records it (the
     tokenizer's `encode` is what `_extract_text_token` calls), plus whether markup skipped the normalisation."""
@@ -761,10 +846,18 @@ def main() -> None:
         copy_qwen_tokenizer(args.qwen_tokenizer, model_dir)
     model, configs = load_official_model(model_dir)
     cases = torch.load(cases_path, weights_only=True) if extending else reference_cases(model, args.official)
+    # the longer hift cases (issue 33), added to a kit that lacks them; the kit's other cases stay as they are
+    names = {case["name"] for case in cases["hift"]}
+    cases["hift"] += [case for case in hift_long_cases(model.hift) if case["name"] not in names]
     check_fixed_draws(model, cases["hift"])
+    for case in cases["hift"]:  # the HiFT hidden tensors and their spread, on each case's own inputs
+        if "spread_speech" not in case:
+            case.update(hidden_with_spread(lambda case=case: official_hift_hidden(model.hift, case), case))
     cases = {group: value for group, value in cases.items() if group not in MADE_GROUPS}
+    sampled = llm_sampled_cases(model)  # first: the stream cases leave a greedy sampler on the model
     cases["stream"] = stream_cases(model, cases["llm"])
     cases["frontend"] = frontend_cases(configs)
+    cases["llm_sampled"] = sampled
     torch.save(cases, cases_path)
     print_summary(cases, args.out)
 
@@ -774,6 +867,11 @@ def print_summary(cases: dict[str, list[dict[str, Any]]], out: Path) -> None:
         print(
             f"llm {case['name']}: {len(case['out_tokens'])} tokens, stop {case['stop_reason']} "
             f"(min {case['min_len']}, max {case['max_len']}), smallest margin {case['step_top1_margin'].min():.3f}"
+        )
+    for case in cases["llm_sampled"]:
+        print(
+            f"llm_sampled {case['name']}: seed {case['seed']}, {len(case['out_tokens'])} tokens in "
+            f"{case['num_steps']} steps, {int(case['step_fallback'].sum())} fallback draws"
         )
     for case in cases["flow"]:
         print(
@@ -785,6 +883,12 @@ def print_summary(cases: dict[str, list[dict[str, Any]]], out: Path) -> None:
             f"hift {case['name']}: speech {list(case['speech'].shape)}, voiced {case['voiced_fraction']:.2f}, "
             f"clamped {case['clamped_fraction']:.4f}, |speech| max {case['speech'].abs().max():.3f}"
         )
+    print(f"hift spread over {', '.join(SPREAD_VARIANTS)} ({SPREAD_VIEW}):")
+    keys = [key for key in cases["hift"][0] if key.startswith("spread_") and key != "spread_variants"]
+    print("| case | frames | " + " | ".join(key.removeprefix("spread_") for key in keys) + " |")
+    for case in cases["hift"]:
+        spreads = " | ".join(f"{case[key]:.1e}" for key in keys)
+        print(f"| {case['name']} | {case['mel'].shape[-1]} | {spreads} |")
     for case in cases["stream"]:
         chunks = [
             f"{len(case[f'chunk_{k}_tokens'])} tokens from {case[f'chunk_{k}_token_offset']}"

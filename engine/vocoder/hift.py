@@ -187,7 +187,8 @@ class Snake(nn.Module):
         alpha = self.alpha.float()[None, :, None]
         x32 = x.float()
         sine = torch.sin_(x32 * alpha)  # in place: the vocoder's widest tensors, one pass and buffer fewer
-        return torch.addcmul(x32, 1.0 / (alpha + _SNAKE_EPS), sine.mul_(sine)).to(x.dtype)
+        # the official x + (1 / alpha) * sin^2, product and sum rounded apart (addcmul's fused rounding differs)
+        return sine.mul_(sine).mul_(1.0 / (alpha + _SNAKE_EPS)).add_(x32).to(x.dtype)
 
 
 class ResBlock(nn.Module):
@@ -484,18 +485,22 @@ class HiFTGenerator(nn.Module):
         return torch.cat([spectrum.real, spectrum.imag], dim=1) * _length_mask(spectrum_lengths, frames, torch.float32)
 
     def _waveform(self, spectrum: Tensor, frame_lengths: Tensor) -> Tensor:
-        """conv_post output [B, n_fft + 2, F] -> waveform [B, istft_hop * (F - 1)], fp32, clamped, 0 past lengths.
-
-        torch.istft(center=True) of each item alone, written out so that the overlap-add normalisation
-        counts only the item's own frames.
-        """
-        n_fft, hop = self.config.n_fft, self.config.istft_hop
-        frames = spectrum.shape[-1]
+        """conv_post output [B, n_fft + 2, F] -> waveform [B, istft_hop * (F - 1)], fp32, clamped, 0 past lengths."""
         spectrum = spectrum.float()
+        bins = self.config.n_fft // 2 + 1
+        frame_mask = _length_mask(frame_lengths, spectrum.shape[-1], torch.float32)
+        magnitude = torch.exp(spectrum[:, :bins]) * frame_mask
+        return self._istft(magnitude, torch.sin(spectrum[:, bins:]), frame_lengths)
+
+    def _istft(self, magnitude: Tensor, phase: Tensor, frame_lengths: Tensor) -> Tensor:
+        """The official `_istft(magnitude, phase)` (magnitude clipped at 100, then torch.istft(center=True)) of each
+        item alone, written out so that the overlap-add normalisation counts only the item's own frames; then the
+        clamp to +-audio_limit. magnitude (0 past each item's frames), phase: [B, n_fft/2 + 1, F] fp32
+        -> [B, istft_hop * (F - 1)], 0 past lengths."""
+        n_fft, hop = self.config.n_fft, self.config.istft_hop
+        frames = magnitude.shape[-1]
         frame_mask = _length_mask(frame_lengths, frames, torch.float32)
-        bins = n_fft // 2 + 1
-        magnitude = torch.exp(spectrum[:, :bins]).clamp(max=_MAX_MAGNITUDE) * frame_mask
-        phase = torch.sin(spectrum[:, bins:])
+        magnitude = magnitude.clamp(max=_MAX_MAGNITUDE)
         window = self.stft_window.float()[None, :, None]
         segments = torch.fft.irfft(torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase)), n_fft, 1)
         fold = {"output_size": (1, n_fft + hop * (frames - 1)), "kernel_size": (1, n_fft), "stride": (1, hop)}

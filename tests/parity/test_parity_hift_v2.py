@@ -11,9 +11,12 @@ import torch.nn.functional as F
 
 from engine.vocoder.hift import HiFTGenerator, Sine2Draws, SineGen2
 from tests.conftest import kit_group
-from tests.parity.test_parity_hift import OFFICIAL_DRAW_ORDER, SPEECH_ATOL, assert_close, with_cache_source
+from tests.parity.test_parity_hift import OFFICIAL_DRAW_ORDER, assert_close, with_cache_source
 
 BATCH_ATOL = 1e-4
+# End to end from the mel, f0 included: the kit records no spread of the f0 predictor, whose rounding on another
+# machine (3e-5 Hz seen) moves the source phase, so this is the kit README's acceptance for v2 speech.
+INFERENCE_SPEECH_ATOL = 5e-4
 # batched and single-row float32 kernels may round differently (seen: 3e-8 on the source)
 ROUNDING_ATOL = 1e-6
 
@@ -61,7 +64,7 @@ def test_inference_with_recorded_draws_matches_official_speech(
         else:
             (speech,) = kit_hift_v2.inference([case["mel"][0]])
             speech = speech[None]
-        assert_close(speech, case["speech"], atol=SPEECH_ATOL[2], what=f"{case['name']} inference speech")
+        assert_close(speech, case["speech"], atol=INFERENCE_SPEECH_ATOL, what=f"{case['name']} inference speech")
 
 
 def test_draws_follow_the_official_sequence(kit_hift_v2: HiFTGenerator) -> None:

@@ -1,6 +1,7 @@
-"""Parity of the repetition-aware sampler with the official `ras_sampling`, on every `llm_sampled` kit case: the
-official LLM sampled on the global torch RNG seeded with the case's seed; ours with a generator seeded the same
-draws the same tokens (the same draws in the same order, and the same token excluded on a fallback)."""
+"""Parity of the repetition-aware sampler with the official `ras_sampling`, on every `llm_sampled` case of the v1,
+v2 and v3 kits: the official LLM sampled on the global torch RNG seeded with the case's seed; ours with a generator
+seeded the same draws the same tokens (the same draws in the same order, and the same token excluded on a
+fallback)."""
 
 from __future__ import annotations
 
