@@ -339,7 +339,9 @@ class _ReportingPolicy:
 class DecoderAutoscalingPolicy(_ReportingPolicy):
     """Serve policy class for the GPU (or CPU-only) decoder: `policy_kwargs` are `ScalingRules` fields, and
     `wake` (`WakeRule` fields) raises a 0 floor to 1 while the CPU fallback's policy marks it woken on `board`
-    (default: Ray's internal KV, read at most once a second)."""
+    (default: Ray's internal KV, read at most once a second). While woken replicas are busier than
+    `scale_down_utilization`, this policy renews the mark itself: the load that woke them now runs here, where
+    the fallback's policy no longer sees it, and draining it back to the fallback would wake them again."""
 
     def __init__(self, wake: Mapping[str, Any] | None = None, board: WakeBoard | None = None, **policy_kwargs: Any):
         self.rules = ScalingRules.from_kwargs(policy_kwargs)
@@ -353,10 +355,20 @@ class DecoderAutoscalingPolicy(_ReportingPolicy):
             self._read = (now, self.board.woken_until(app_name))
         return now < self._read[1]
 
+    def renew(self, app_name: str, now: float) -> None:
+        """Move the mark to `hold_s` from now (written at most once a second, like the fallback's)."""
+        assert self.wake is not None and self.board is not None and self._read is not None  # woken() ran
+        until = now + self.wake.hold_s
+        if until - self._read[1] >= 1.0:
+            self.board.wake(app_name, until)
+            self._read = (now, until)
+
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
         low, high = self.rules.bounds_at(now)
         woken = self.wake is not None and low == 0 and self.woken(ctx.app_name, now)
+        if woken and (mean_utilization(ctx) or 0.0) >= self.rules.scale_down_utilization:
+            self.renew(ctx.app_name, now)
         desired, state, reason = decide(ctx, self.rules, (1, max(1, high)) if woken else (low, high))
         if woken and reason == "bounds" and desired > ctx.target_num_replicas:
             reason = "wake"

@@ -386,6 +386,23 @@ def test_requests_queued_at_the_full_fallbacks_handles_wake_too() -> None:
     assert board.woken_until("test") == NOON + 301
 
 
+def test_a_woken_gpu_decoder_busy_with_the_night_load_holds_the_mark() -> None:
+    board = MemoryWakeBoard()
+    board.wake("test", NOON + 60)
+    gpu = DecoderAutoscalingPolicy(
+        wake=WakeRule(wait_s=1.0, hold_s=60.0).to_kwargs(), board=board, **NOON_NIGHT.to_kwargs()
+    )
+    target, state = 1, {}
+    for step in range(60):  # 5 minutes at 0.5 utilization (above scale_down_utilization 0.3): held throughout
+        now = NOON + 5 * step
+        target, state = gpu(make_context(now, target, 0.5, policy_state=state))
+        assert target == 1, step
+    assert board.woken_until("test") >= NOON + 295 + 60 - 1
+    for step in range(60, 90):  # idle: the mark runs out 60 s later, then the night floor takes it to 0
+        target, state = gpu(make_context(NOON + 5 * step, target, 0.0, policy_state=state))
+    assert target == 0
+
+
 def test_wake_leaves_other_floors_alone_and_needs_its_rule() -> None:
     board = MemoryWakeBoard()
     board.wake("test", NOON + 3600)
