@@ -23,9 +23,10 @@ Rules (`ScalingRules`, all configurable through `policy_kwargs`):
 Wake (`WakeRule`): where the schedule's floor is 0 and a CPU fallback carries the work, the fallback's policy
 marks the GPU decoder woken for `hold_s` whenever a fallback replica's oldest request without audio has waited
 more than `wait_s` (`first_audio_wait_s`, a lower bound of its time to first audio), or requests queue at its
-handles because every replica is full; while woken, the GPU
-decoder's floor is 1 and the ingress sends new work to it once it runs. The mark lives in a `WakeBoard` (Ray's
-internal KV in Serve), since a deployment's policy sees only its own deployment's metrics.
+handles because every replica is full; while woken, the GPU decoder's floor is 1 and the ingress sends new work
+to it once it runs, and the GPU decoder's policy renews the mark while its replicas are busy. The mark lives
+in a `WakeBoard` (Ray's internal KV in Serve), since a deployment's policy sees only its own deployment's
+metrics.
 """
 
 from __future__ import annotations
@@ -175,25 +176,45 @@ class MemoryWakeBoard:
 
 class RayWakeBoard:
     """Ray's internal KV (in the GCS): the controller, where both policies run, and the ingress replicas read
-    the same entry. (The policies cannot share memory: Serve unpickles each deployment's policy apart.)"""
+    the same entry. (The policies cannot share memory: Serve unpickles each deployment's policy apart.)
+    A failed read counts as "not woken" and a failed write is skipped (logged when failures start): the
+    policies and the ingress go on with the schedule alone rather than fail."""
 
     NAMESPACE = "cosyvoice_autoscaling"
+
+    def __init__(self) -> None:
+        self._failing = False
 
     @staticmethod
     def _key(app_name: str) -> bytes:
         return f"wake_until:{app_name}".encode()
 
+    def _failed(self, action: str, exc: Exception) -> None:
+        if not self._failing:
+            logger.warning("could not %s the GPU decoder's wake mark in Ray's KV: %s", action, exc)
+        self._failing = True
+
     def woken_until(self, app_name: str) -> float:
         from ray.experimental import internal_kv
 
-        value = internal_kv._internal_kv_get(self._key(app_name), namespace=self.NAMESPACE)
+        try:
+            value = internal_kv._internal_kv_get(self._key(app_name), namespace=self.NAMESPACE)
+        except Exception as exc:
+            self._failed("read", exc)
+            return 0.0
+        self._failing = False
         return float(value) if value else 0.0
 
     def wake(self, app_name: str, until: float) -> None:
         from ray.experimental import internal_kv
 
         key, value = self._key(app_name), repr(until).encode()
-        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=self.NAMESPACE)
+        try:
+            internal_kv._internal_kv_put(key, value, overwrite=True, namespace=self.NAMESPACE)
+        except Exception as exc:
+            self._failed("write", exc)
+            return
+        self._failing = False
 
 
 def first_audio_wait_s(ctx: Any) -> float:
@@ -419,8 +440,8 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
         return any(self.gpu_rules.bounds_at(t)[0] == 0 for t in checked)
 
     def mark_wake(self, ctx: Any, now: float) -> None:
-        """Mark the GPU decoder woken while this deployment's wait is past the rule's (the board is written at
-        most once a second: the mark moves on by at least that much)."""
+        """Mark the GPU decoder woken while this deployment's load passes the rule (the board is written at most
+        once a second: the mark moves on by at least that much)."""
         if self.wake is None or not self.wake.fires(ctx):
             return
         until = now + self.wake.hold_s
