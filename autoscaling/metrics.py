@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
 UTILIZATION = "utilization"
@@ -32,9 +32,21 @@ BATCH_FILL = "batch_fill"
 GPU_MEMORY_FRACTION = "gpu_memory_fraction"
 """Allocated / total GPU memory of the replica's device, 0 on CPU."""
 
+FIRST_AUDIO_WAIT_S = "first_audio_wait_s"
+"""Seconds the oldest request of the replica that has no audio yet has waited since it entered the replica
+(0 when none): a lower bound of its time to first audio, which grows as soon as the replica falls behind
+(requests wait for a live slot inside the replica's loop, after `queue_depth` has counted them out)."""
+
 logger = logging.getLogger("ray.serve")
 
-METRIC_NAMES: tuple[str, ...] = (UTILIZATION, QUEUE_DEPTH, ONGOING_REQUESTS, BATCH_FILL, GPU_MEMORY_FRACTION)
+METRIC_NAMES: tuple[str, ...] = (
+    UTILIZATION,
+    QUEUE_DEPTH,
+    ONGOING_REQUESTS,
+    BATCH_FILL,
+    GPU_MEMORY_FRACTION,
+    FIRST_AUDIO_WAIT_S,
+)
 
 
 def nvml_device_id(torch_index: int, torch_uuid: str | None, cuda_visible_devices: str | None) -> str | int:
@@ -187,10 +199,18 @@ class ReplicaLoadTracker:
         self._busy_since: float | None = None
         self._busy_intervals: deque[tuple[float, float]] = deque()
         self._batch_sizes: deque[tuple[float, int]] = deque()
+        self._without_audio: dict[Hashable, float] = {}  # request key -> when accepted, oldest first
 
-    def request_accepted(self) -> None:
+    def request_accepted(self, key: Hashable | None = None) -> None:
+        """A request entered the replica; with a `key`, it counts in `first_audio_wait_s` until `first_audio(key)`
+        or `request_finished(key=key)`."""
         self.waiting += 1
         self.ongoing += 1
+        if key is not None:
+            self._without_audio[key] = self._clock()
+
+    def first_audio(self, key: Hashable) -> None:
+        self._without_audio.pop(key, None)
 
     def record_batch(self, batch_size: int) -> None:
         """`batch_size` waiting requests entered a batch."""
@@ -225,11 +245,13 @@ class ReplicaLoadTracker:
     def batch_finished(self) -> None:
         self.busy_finished()
 
-    def request_finished(self, waiting: bool = False) -> None:
+    def request_finished(self, waiting: bool = False, key: Hashable | None = None) -> None:
         """A request left; `waiting`: it left before any batch took it (cancelled while queued)."""
         self.ongoing = max(0, self.ongoing - 1)
         if waiting:
             self.waiting = max(0, self.waiting - 1)
+        if key is not None:
+            self._without_audio.pop(key, None)
 
     def busy_fraction(self) -> float:
         now = self._clock()
@@ -250,6 +272,10 @@ class ReplicaLoadTracker:
         mean_size = sum(size for _, size in self._batch_sizes) / len(self._batch_sizes)
         return min(1.0, mean_size / self.max_batch_size)
 
+    def first_audio_wait_s(self) -> float:
+        """How long the oldest request without audio has waited (dicts keep insertion order: the first is oldest)."""
+        return self._clock() - next(iter(self._without_audio.values())) if self._without_audio else 0.0
+
     def utilization(self) -> float:
         """The sampler's mean since the last snapshot (NVML on a GPU), else the busy-time fraction."""
         sampled = self._sampler.take_mean() if self._sampler is not None else None
@@ -263,6 +289,7 @@ class ReplicaLoadTracker:
             ONGOING_REQUESTS: float(self.ongoing),
             BATCH_FILL: float(self.batch_fill()),
             GPU_MEMORY_FRACTION: float(self._gpu.memory_fraction()) if self._gpu is not None else 0.0,
+            FIRST_AUDIO_WAIT_S: float(self.first_audio_wait_s()),
         }
 
 

@@ -19,6 +19,14 @@ Rules (`ScalingRules`, all configurable through `policy_kwargs`):
   `queue_scale_up_factor` x the running replicas per step, so a queue that builds while replicas
   start (cold start, model load) does not jump to `max_replicas`;
 - the result is clipped to the bounds of the active schedule window (else `min_replicas`/`max_replicas`).
+
+Wake (`WakeRule`): where the schedule's floor is 0 and a CPU fallback carries the work, the fallback's policy
+marks the GPU decoder woken for `hold_s` whenever a fallback replica's oldest request without audio has waited
+more than `wait_s` (`first_audio_wait_s`, a lower bound of its time to first audio), or requests queue at its
+handles because every replica is full; while woken, the GPU decoder's floor is 1 and the ingress sends new work
+to it once it runs, and the GPU decoder's policy renews the mark while its replicas are busy. The mark lives
+in a `WakeBoard` (Ray's internal KV in Serve), since a deployment's policy sees only its own deployment's
+metrics.
 """
 
 from __future__ import annotations
@@ -28,9 +36,9 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
-from autoscaling.metrics import QUEUE_DEPTH, UTILIZATION
+from autoscaling.metrics import FIRST_AUDIO_WAIT_S, QUEUE_DEPTH, UTILIZATION
 from autoscaling.schedule import Schedule, ScheduleWindow
 from observability.metrics import AutoscalingMetrics
 
@@ -117,6 +125,102 @@ class ScalingRules:
     def highest_ceiling(self) -> int:
         window_ceilings = [w.max_replicas for w in self.schedule.windows if w.max_replicas is not None]
         return max([self.max_replicas, *window_ceilings])
+
+
+@dataclass(frozen=True)
+class WakeRule:
+    """When load at the CPU fallback wakes a GPU decoder replica inside a 0-floor window (module docstring):
+    a fallback replica's `first_audio_wait_s` above `wait_s`, or at least `queued` requests queued at the
+    fallback's handles (every replica at its `max_ongoing_requests`: their wait is not reported yet)."""
+
+    wait_s: float
+    hold_s: float = 900.0
+    queued: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.wait_s < 0 or self.hold_s < 0 or self.queued <= 0:
+            raise ValueError(f"need wake wait_s >= 0, hold_s >= 0 and queued > 0, got {self}")
+
+    def fires(self, ctx: Any) -> bool:
+        """Whether the fallback deployment's context shows load past the rule."""
+        return first_audio_wait_s(ctx) > self.wait_s or (ctx.total_queued_requests or 0.0) >= self.queued
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> WakeRule | None:
+        return None if kwargs is None else cls(**kwargs)
+
+    def to_kwargs(self) -> dict[str, float]:
+        return asdict(self)
+
+
+class WakeBoard(Protocol):
+    """Where the fallback's policy marks the GPU decoder of an application woken, until a timestamp."""
+
+    def woken_until(self, app_name: str) -> float: ...
+
+    def wake(self, app_name: str, until: float) -> None: ...
+
+
+class MemoryWakeBoard:
+    """A board in one process: the simulator's and the unit tests'."""
+
+    def __init__(self) -> None:
+        self.until: dict[str, float] = {}
+
+    def woken_until(self, app_name: str) -> float:
+        return self.until.get(app_name, 0.0)
+
+    def wake(self, app_name: str, until: float) -> None:
+        self.until[app_name] = until
+
+
+class RayWakeBoard:
+    """Ray's internal KV (in the GCS): the controller, where both policies run, and the ingress replicas read
+    the same entry. (The policies cannot share memory: Serve unpickles each deployment's policy apart.)
+    A failed read counts as "not woken" and a failed write is skipped (logged when failures start): the
+    policies and the ingress go on with the schedule alone rather than fail."""
+
+    NAMESPACE = "cosyvoice_autoscaling"
+
+    def __init__(self) -> None:
+        self._failing = False
+
+    @staticmethod
+    def _key(app_name: str) -> bytes:
+        return f"wake_until:{app_name}".encode()
+
+    def _failed(self, action: str, exc: Exception) -> None:
+        if not self._failing:
+            logger.warning("could not %s the GPU decoder's wake mark in Ray's KV: %s", action, exc)
+        self._failing = True
+
+    def woken_until(self, app_name: str) -> float:
+        from ray.experimental import internal_kv
+
+        try:
+            value = internal_kv._internal_kv_get(self._key(app_name), namespace=self.NAMESPACE)
+        except Exception as exc:
+            self._failed("read", exc)
+            return 0.0
+        self._failing = False
+        return float(value) if value else 0.0
+
+    def wake(self, app_name: str, until: float) -> None:
+        from ray.experimental import internal_kv
+
+        key, value = self._key(app_name), repr(until).encode()
+        try:
+            internal_kv._internal_kv_put(key, value, overwrite=True, namespace=self.NAMESPACE)
+        except Exception as exc:
+            self._failed("write", exc)
+            return
+        self._failing = False
+
+
+def first_audio_wait_s(ctx: Any) -> float:
+    """The longest wait any running replica reports (Serve's average of `first_audio_wait_s`), 0 before any report."""
+    per_replica = (ctx.aggregated_metrics or {}).get(FIRST_AUDIO_WAIT_S) or {}
+    return max(per_replica.values(), default=0.0)
 
 
 def mean_utilization(ctx: Any) -> float | None:
@@ -227,7 +331,7 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
     return bounded, state, reason if bounded == desired else "bounds"
 
 
-DECISION_REASONS = ("hold", "queue_depth", "high_utilization", "low_utilization", "bounds")
+DECISION_REASONS = ("hold", "queue_depth", "high_utilization", "low_utilization", "bounds", "wake")
 
 
 class _ReportingPolicy:
@@ -254,14 +358,42 @@ class _ReportingPolicy:
 
 
 class DecoderAutoscalingPolicy(_ReportingPolicy):
-    """Serve policy class for the GPU (or CPU-only) decoder: `policy_kwargs` are `ScalingRules` fields."""
+    """Serve policy class for the GPU (or CPU-only) decoder: `policy_kwargs` are `ScalingRules` fields, and
+    `wake` (`WakeRule` fields) raises a 0 floor to 1 while the CPU fallback's policy marks it woken on `board`
+    (default: Ray's internal KV, read at most once a second). While woken replicas are busier than
+    `scale_down_utilization`, this policy renews the mark itself: the load that woke them now runs here, where
+    the fallback's policy no longer sees it, and draining it back to the fallback would wake them again."""
 
-    def __init__(self, **policy_kwargs: Any) -> None:
+    def __init__(self, wake: Mapping[str, Any] | None = None, board: WakeBoard | None = None, **policy_kwargs: Any):
         self.rules = ScalingRules.from_kwargs(policy_kwargs)
+        self.wake = WakeRule.from_kwargs(wake)
+        self.board = board
+        self._read: tuple[float, float] | None = None  # (read at, woken until)
+
+    def woken(self, app_name: str, now: float) -> bool:
+        if self._read is None or not 0 <= now - self._read[0] < 1.0:
+            self.board = self.board or RayWakeBoard()
+            self._read = (now, self.board.woken_until(app_name))
+        return now < self._read[1]
+
+    def renew(self, app_name: str, now: float) -> None:
+        """Move the mark to `hold_s` from now (written at most once a second, like the fallback's)."""
+        assert self.wake is not None and self.board is not None and self._read is not None  # woken() ran
+        until = now + self.wake.hold_s
+        if until - self._read[1] >= 1.0:
+            self.board.wake(app_name, until)
+            self._read = (now, until)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        return self.report(ctx, decide(ctx, self.rules, self.rules.bounds_at(now)))
+        low, high = self.rules.bounds_at(now)
+        woken = self.wake is not None and low == 0 and self.woken(ctx.app_name, now)
+        if woken and (mean_utilization(ctx) or 0.0) >= self.rules.scale_down_utilization:
+            self.renew(ctx.app_name, now)
+        desired, state, reason = decide(ctx, self.rules, (1, max(1, high)) if woken else (low, high))
+        if woken and reason == "bounds" and desired > ctx.target_num_replicas:
+            reason = "wake"
+        return self.report(ctx, (desired, state, reason))
 
 
 def decoder_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -279,6 +411,8 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
 
     `gpu` holds the GPU decoder's `ScalingRules` kwargs (its schedule decides); the remaining kwargs
     are this deployment's own `ScalingRules` (its `min_replicas` is raised to 1 while active).
+    With `wake` (`WakeRule` fields), load past the rule (`WakeRule.fires`) marks the GPU decoder woken on `board`
+    (default: Ray's internal KV) until `hold_s` from now.
     """
 
     def __init__(
@@ -286,6 +420,8 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
         gpu: Mapping[str, Any] | None = None,
         lead_s: float = 600.0,
         handover_s: float = 900.0,
+        wake: Mapping[str, Any] | None = None,
+        board: WakeBoard | None = None,
         **policy_kwargs: Any,
     ) -> None:
         if lead_s < 0 or handover_s < 0:
@@ -293,6 +429,9 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
         self.gpu_rules = ScalingRules.from_kwargs(gpu or {})
         self.lead_s = lead_s
         self.handover_s = handover_s
+        self.wake = WakeRule.from_kwargs(wake)
+        self.board = board
+        self._marked_until = 0.0
         rules = ScalingRules.from_kwargs({"schedule": {}, **policy_kwargs})
         self.rules = replace(rules, min_replicas=max(1, rules.min_replicas), max_replicas=max(1, rules.max_replicas))
 
@@ -300,9 +439,25 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
         checked = (timestamp, timestamp + self.lead_s, timestamp - self.handover_s)
         return any(self.gpu_rules.bounds_at(t)[0] == 0 for t in checked)
 
+    def mark_wake(self, ctx: Any, now: float) -> None:
+        """Mark the GPU decoder woken while this deployment's load passes the rule (the board is written at most
+        once a second: the mark moves on by at least that much)."""
+        if self.wake is None or not self.wake.fires(ctx):
+            return
+        until = now + self.wake.hold_s
+        if until - self._marked_until >= 1.0:
+            if now >= self._marked_until:
+                logger.info("autoscaling %s: its load wakes the GPU decoder (%s)", ctx.deployment_name, self.wake)
+            self.board = self.board or RayWakeBoard()
+            self.board.wake(ctx.app_name, until)
+            self._marked_until = until
+
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        bounds = self.rules.bounds_at(now) if self.active(now) else (0, 0)
+        active = self.active(now)
+        if active:
+            self.mark_wake(ctx, now)
+        bounds = self.rules.bounds_at(now) if active else (0, 0)
         return self.report(ctx, decide(ctx, self.rules, bounds))
 
 
@@ -322,16 +477,27 @@ DRAIN_AHEAD_S = 60.0
 at the first tick of a 0-floor window, and requests routed to it then would cold-start it again."""
 
 
-def gpu_draining(rules: ScalingRules | None, timestamp: float, ahead_s: float = DRAIN_AHEAD_S) -> bool:
-    """Whether the GPU decoder's floor is 0 now or within `ahead_s` (None rules: a fixed-size decoder, never)."""
-    return rules is not None and any(rules.bounds_at(t)[0] == 0 for t in (timestamp, timestamp + ahead_s))
+def gpu_draining(
+    rules: ScalingRules | None, timestamp: float, ahead_s: float = DRAIN_AHEAD_S, woken_until: float = 0.0
+) -> bool:
+    """Whether the GPU decoder's floor is 0 now or within `ahead_s` (None rules: a fixed-size decoder, never),
+    and it is not woken (`woken_until`, from the `WakeBoard`, still ahead): a woken GPU decoder takes the work
+    once it runs."""
+    if rules is None or timestamp < woken_until:
+        return False
+    return any(rules.bounds_at(t)[0] == 0 for t in (timestamp, timestamp + ahead_s))
 
 
 def decoder_autoscaling_config(
-    rules: ScalingRules | None = None, look_back_period_s: float = 30.0, metrics_interval_s: float = 10.0
+    rules: ScalingRules | None = None,
+    look_back_period_s: float = 30.0,
+    metrics_interval_s: float = 10.0,
+    wake: WakeRule | None = None,
 ) -> dict[str, Any]:
-    """Serve `autoscaling_config` for the GPU decoder with `rules` (defaults: the seed's rules)."""
+    """Serve `autoscaling_config` for the GPU decoder with `rules` (defaults: the seed's rules), woken by the CPU
+    fallback's load under `wake` (None: only the schedule and its own metrics move it)."""
     rules = rules or ScalingRules()
+    kwargs = rules.to_kwargs() | ({} if wake is None else {"wake": wake.to_kwargs()})
     return {
         "min_replicas": rules.lowest_floor(),
         "initial_replicas": max(1, rules.min_replicas),
@@ -340,7 +506,7 @@ def decoder_autoscaling_config(
         "downscale_delay_s": 0.0,
         "look_back_period_s": look_back_period_s,
         "metrics_interval_s": metrics_interval_s,
-        "policy": {"policy_function": DECODER_POLICY_PATH, "policy_kwargs": rules.to_kwargs()},
+        "policy": {"policy_function": DECODER_POLICY_PATH, "policy_kwargs": kwargs},
     }
 
 
@@ -351,11 +517,13 @@ def cpu_fallback_autoscaling_config(
     handover_s: float = 900.0,
     look_back_period_s: float = 30.0,
     metrics_interval_s: float = 10.0,
+    wake: WakeRule | None = None,
 ) -> dict[str, Any]:
-    """Serve `autoscaling_config` for the CPU fallback decoder that covers the GPU decoder's 0-floor windows."""
+    """Serve `autoscaling_config` for the CPU fallback decoder that covers the GPU decoder's 0-floor windows
+    (and, with `wake`, wakes the GPU decoder when its own requests wait too long)."""
     gpu_rules = gpu_rules or ScalingRules()
     cpu_rules = cpu_rules or ScalingRules(min_replicas=1, max_replicas=4, schedule=Schedule())
-    cpu_kwargs = cpu_rules.to_kwargs()
+    cpu_kwargs = cpu_rules.to_kwargs() | ({} if wake is None else {"wake": wake.to_kwargs()})
     return {
         "min_replicas": 0,
         "initial_replicas": 0,

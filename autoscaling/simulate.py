@@ -2,7 +2,13 @@
 
     python -m autoscaling.simulate --out DIR [--trace trace.csv] [--service-rates bench.json]
 
-Writes DIR/summary.json and DIR/autoscaling_day.png (load, replicas, utilization, queue).
+Simulates three policies for the night: `gpu_only` (no CPU fallback), `cpu_fallback` (the fallback alone
+carries the 0-floor window), `fallback_wake` (the fallback, and its waits wake a GPU replica: `WakeRule`).
+Writes DIR/summary.json (the chosen `--policy`'s figures at the top level, each policy's cost ratio and SLO
+violations under `policies`) and DIR/autoscaling_day.png (load, replicas, utilization, queue of `--policy`).
+
+Service rates come from a JSON recorded in the repository (`DEFAULT_SERVICE_RATES`): measurements, or a
+published figure cited there with its hardware; `summary.json` names each rate's source.
 
 Model (per 1 s step): Poisson arrivals at the trace's rate; the ingress's rule (`use_cpu_fallback`)
 routes them to the CPU fallback pool while the GPU schedule's floor is 0 and the fallback runs (the
@@ -16,8 +22,10 @@ The policies are the SAME objects Serve runs, fed a real `AutoscalingContext`; t
 through Serve 2.60's own post-processing helpers (cold start, scaling factors, delays with the
 simulated clock, min/max clipping) in `serve_decision`. Approximations: the controller is ticked
 every `control_period_s` (Serve: ~0.1 s); replica metrics are the exact busy fraction over the last
-`look_back_period_s` (Serve: samples pushed every `metrics_interval_s`, then averaged), and the
-shared FIFO queue stands in for Serve's power-of-two-choices routing.
+`look_back_period_s` and the queue head's wait at the tick (Serve: samples pushed every
+`metrics_interval_s`, then averaged), the shared FIFO queue stands in for Serve's power-of-two-choices
+routing, and queues are unbounded (Serve answers 503 past `max_queued_requests`; here such requests wait,
+and count as SLO violations all the same).
 """
 
 from __future__ import annotations
@@ -44,11 +52,13 @@ from ray.serve.autoscaling_policy import (
 )
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from autoscaling.metrics import QUEUE_DEPTH, UTILIZATION
+from autoscaling.metrics import FIRST_AUDIO_WAIT_S, QUEUE_DEPTH, UTILIZATION
 from autoscaling.policy import (
     CpuFallbackAutoscalingPolicy,
     DecoderAutoscalingPolicy,
+    MemoryWakeBoard,
     ScalingRules,
+    WakeRule,
     cpu_fallback_autoscaling_config,
     decoder_autoscaling_config,
     gpu_draining,
@@ -57,6 +67,11 @@ from autoscaling.policy import (
 
 DAY_S = 86_400
 SIMULATED_DATE = (2025, 1, 6)  # any fixed day; the schedule is evaluated in its own time zone
+REPOSITORY = Path(__file__).resolve().parents[1]
+DEFAULT_SERVICE_RATES = REPOSITORY / "docs" / "autoscaling_service_rates.json"
+"""The recorded rates: the CPU fallback's from this project's `cpu_bench` JSON, the GPU's a cited published figure."""
+POLICIES = ("gpu_only", "cpu_fallback", "fallback_wake")
+SIMULATED_APP = "simulated"
 
 
 @dataclass(frozen=True)
@@ -72,18 +87,27 @@ class ServiceModel:
             raise ValueError("service model needs max_batch_size >= 1 and positive batch latencies")
 
     @classmethod
-    def from_dict(cls, spec: Mapping[str, Any], default: ServiceModel) -> ServiceModel:
-        """From a benchmark JSON section: `batch_latency_s` {size: s} or `throughput_rps` {size: req/s}."""
+    def from_dict(cls, spec: Mapping[str, Any], request_audio_s: float | None = None) -> ServiceModel:
+        """From a section: `batch_latency_s` {size: s}, `throughput_rps` {size: req/s}, `rtf` {size: real-time
+        factor} (needs `request_audio_s`: a batch of b takes b x audio x rtf), or `cpu_bench` (a
+        `benchmarks.cpu_bench` JSON, repository-relative: batch 1 at its `rtf.decoder.choice`); and `startup_s`."""
         if "batch_latency_s" in spec:
             latency = {int(size): float(seconds) for size, seconds in spec["batch_latency_s"].items()}
         elif "throughput_rps" in spec:
             latency = {int(size): int(size) / float(rps) for size, rps in spec["throughput_rps"].items()}
+        elif "rtf" in spec or "cpu_bench" in spec:
+            if request_audio_s is None:
+                raise ValueError("`rtf` and `cpu_bench` rates need `request_audio_s`")
+            rtf = spec["rtf"] if "rtf" in spec else {"1": cpu_bench_rtf(REPOSITORY / spec["cpu_bench"])}
+            latency = {int(size): int(size) * request_audio_s * float(value) for size, value in rtf.items()}
         else:
-            latency = dict(default.batch_latency_s)
+            raise ValueError("a service section needs batch_latency_s, throughput_rps, rtf or cpu_bench")
+        if "startup_s" not in spec:
+            raise ValueError("a service section needs startup_s")
         return cls(
             max_batch_size=int(spec.get("max_batch_size", max(latency))),
             batch_latency_s=latency,
-            startup_s=float(spec.get("startup_s", default.startup_s)),
+            startup_s=float(spec["startup_s"]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,12 +128,18 @@ class ServiceModel:
         return max(size / table[size] for size in range(1, self.max_batch_size + 1))
 
 
-# Defaults (assumed until the benchmark JSON is passed): a 0.25-GPU FP16 flow+HiFT decoder replica and a
-# 4-core CPU fallback replica, per request ~5 s of speech.
-DEFAULT_GPU_SERVICE = ServiceModel(
-    max_batch_size=8, batch_latency_s={1: 0.25, 2: 0.30, 4: 0.40, 8: 0.60}, startup_s=90.0
-)
-DEFAULT_CPU_SERVICE = ServiceModel(max_batch_size=4, batch_latency_s={1: 1.5, 2: 2.6, 4: 4.8}, startup_s=60.0)
+def cpu_bench_rtf(path: Path) -> float:
+    """The whole decoder's real-time factor at the precision `auto` chose (the CPU fallback's), batch 1."""
+    return float(json.loads(Path(path).read_text())["rtf"]["decoder"]["choice"])
+
+
+def section_source(spec: Mapping[str, Any], path: Path) -> Any:
+    """Where a section's rate came from: its `source` (a citation), else its `cpu_bench` file, else the file."""
+    if "source" in spec:
+        return spec["source"]
+    if "cpu_bench" in spec:
+        return f"{spec['cpu_bench']} (benchmarks.cpu_bench: rtf.decoder.choice, batch 1)"
+    return str(path)
 
 
 def compare_report_rates(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -125,30 +155,34 @@ def compare_report_rates(report: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ServiceRates:
-    """The (gpu, cpu) service models of a run and where they came from (recorded in summary.json)."""
+    """The (gpu, cpu) service models of a run and where each came from (recorded in summary.json)."""
 
-    gpu: ServiceModel = DEFAULT_GPU_SERVICE
-    cpu: ServiceModel = DEFAULT_CPU_SERVICE
-    source: str = "defaults (assumed, no benchmark given)"
-    format: str = "defaults"
+    gpu: ServiceModel
+    cpu: ServiceModel
+    source: Mapping[str, Any]
+    format: str
 
 
-def load_service_rates(path: Path | None) -> ServiceRates:
-    """Service models from a JSON file: a `benchmarks.compare` report (its Ray Serve levels give the
-    decoder's rates), one service-model section, or `{"gpu": {...}, "cpu": {...}}`; missing parts keep the defaults."""
-    if path is None:
-        return ServiceRates()
-    spec = json.loads(Path(path).read_text())
+def load_service_rates(path: Path | None = None) -> ServiceRates:
+    """Service models from a JSON file: `{"request_audio_s": s, "gpu": {...}, "cpu": {...}}` (see
+    `ServiceModel.from_dict`), or a `benchmarks.compare` report (its Ray Serve levels give the GPU decoder's
+    rates); a part the file lacks (a compare report's CPU fallback, say) comes from `DEFAULT_SERVICE_RATES`."""
+    path = Path(path) if path is not None else DEFAULT_SERVICE_RATES
+    spec = json.loads(path.read_text())
+    recorded = json.loads(DEFAULT_SERVICE_RATES.read_text())
     if "ray_serve" in spec:
-        gpu_spec, cpu_spec, kind = compare_report_rates(spec), {}, "benchmarks.compare report"
+        kind = "benchmarks.compare report"
+        sections = {"gpu": (compare_report_rates(spec) | {"startup_s": recorded["gpu"]["startup_s"]}, path)}
     else:
-        gpu_spec, cpu_spec, kind = spec.get("gpu", spec), spec.get("cpu", {}), "service model"
-    return ServiceRates(
-        gpu=ServiceModel.from_dict(gpu_spec, DEFAULT_GPU_SERVICE),
-        cpu=ServiceModel.from_dict(cpu_spec, DEFAULT_CPU_SERVICE),
-        source=str(path),
-        format=kind,
-    )
+        kind = "service model"
+        sections = {name: (spec[name], path) for name in ("gpu", "cpu") if name in spec}
+    models, sources = {}, {}
+    for name in ("gpu", "cpu"):
+        section, origin = sections.get(name, (recorded[name], DEFAULT_SERVICE_RATES))
+        audio_s = (spec if origin == path else recorded).get("request_audio_s")
+        models[name] = ServiceModel.from_dict(section, audio_s)
+        sources[name] = section_source(section, origin)
+    return ServiceRates(gpu=models["gpu"], cpu=models["cpu"], source=sources, format=kind)
 
 
 def diurnal_rate(seconds: np.ndarray, peak_rps: float) -> np.ndarray:
@@ -318,10 +352,11 @@ class ReplicaPool:
         in_replicas = min(self.waiting, self.running * self.max_ongoing)
         per_replica_queue = in_replicas / self.running if self.running else 0.0
         in_batches = sum(r.batch_size for r in self.replicas if r.free_at > t)
+        first_audio_wait_s = t - self.queue[0][0] if self.queue else 0.0
         return AutoscalingContext(
-            deployment_id=DeploymentID(name=self.name, app_name="simulated"),
+            deployment_id=DeploymentID(name=self.name, app_name=SIMULATED_APP),
             deployment_name=self.name,
-            app_name="simulated",
+            app_name=SIMULATED_APP,
             current_num_replicas=self.running,
             target_num_replicas=self.target,
             running_replicas=[r.replica_id for r in self.replicas],
@@ -330,6 +365,7 @@ class ReplicaPool:
             aggregated_metrics={
                 UTILIZATION: self.utilization(t),
                 QUEUE_DEPTH: {r.replica_id: per_replica_queue for r in self.replicas},
+                FIRST_AUDIO_WAIT_S: dict.fromkeys((r.replica_id for r in self.replicas), first_audio_wait_s),
             },
             raw_metrics={},
             capacity_adjusted_min_replicas=self.config.min_replicas,
@@ -377,21 +413,27 @@ class SimulationResult:
 def simulate(
     rates: np.ndarray,
     gpu_rules: ScalingRules | None = None,
-    rates_used: ServiceRates = ServiceRates(),
+    rates_used: ServiceRates | None = None,
     cpu_fallback: bool = True,
     slo_s: float = 3.0,
     control_period_s: int = 5,
     seed: int = 0,
+    wake: WakeRule | None = None,
 ) -> SimulationResult:
-    """Run one day (len(rates) seconds at `rates` requests/s) and summarize it."""
+    """Run one day (len(rates) seconds at `rates` requests/s) and summarize it; `rates_used` default: the
+    recorded rates; `wake`: the fallback's waits wake a GPU replica (needs `cpu_fallback`)."""
     gpu_rules = gpu_rules or ScalingRules()
+    rates_used = rates_used or load_service_rates()
     gpu_service, cpu_service = rates_used.gpu, rates_used.cpu
-    gpu_config = decoder_autoscaling_config(gpu_rules)
-    gpu = ReplicaPool("decoder", gpu_service, DecoderAutoscalingPolicy(**gpu_rules.to_kwargs()), gpu_config)
+    board = MemoryWakeBoard()
+    wake = wake if cpu_fallback else None
+    gpu_config = decoder_autoscaling_config(gpu_rules, wake=wake)
+    gpu_policy = DecoderAutoscalingPolicy(board=board, **gpu_config["policy"]["policy_kwargs"])
+    gpu = ReplicaPool("decoder", gpu_service, gpu_policy, gpu_config)
     cpu = None
     if cpu_fallback:
-        cpu_config = cpu_fallback_autoscaling_config(gpu_rules)
-        cpu_policy = CpuFallbackAutoscalingPolicy(**cpu_config["policy"]["policy_kwargs"])
+        cpu_config = cpu_fallback_autoscaling_config(gpu_rules, wake=wake)
+        cpu_policy = CpuFallbackAutoscalingPolicy(board=board, **cpu_config["policy"]["policy_kwargs"])
         cpu = ReplicaPool("decoder_cpu", cpu_service, cpu_policy, cpu_config)
     pools = [pool for pool in (gpu, cpu) if pool is not None]
 
@@ -410,11 +452,12 @@ def simulate(
             "waiting",
             "gpu_floor",
             "routed_to_gpu",
+            "gpu_woken",
         )
     }
     for t in range(len(rates)):
         now = day_start + t
-        pool = route(gpu, cpu, gpu_draining(gpu_rules, now))
+        pool = route(gpu, cpu, gpu_draining(gpu_rules, now, woken_until=board.woken_until(SIMULATED_APP)))
         pool.enqueue(float(t), arrivals_per_s[t])
         if pool is gpu:
             timeline["routed_to_gpu"][t // 60] += arrivals_per_s[t]
@@ -431,6 +474,7 @@ def simulate(
             timeline["gpu_utilization"][minute] = sum(utilization.values()) / len(utilization) if utilization else 0
             timeline["waiting"][minute] = sum(pool.waiting for pool in pools)
             timeline["gpu_floor"][minute] = gpu_rules.bounds_at(now)[0]
+            timeline["gpu_woken"][minute] = float(now < board.woken_until(SIMULATED_APP))
 
     timeline["rate_rps"] = np.add.reduceat(arrivals, np.arange(0, len(rates), 60)) / 60.0
     waits = [w for pool in pools for w in pool.stats.wait_s]
@@ -468,11 +512,12 @@ def simulate(
         ),
         "hours": hours,
         "control_period_s": control_period_s,
-        "service_rates_source": rates_used.source,
+        "service_rates_source": dict(rates_used.source),
         "service_rates_format": rates_used.format,
         "gpu_service": gpu_service.to_dict(),
         "cpu_service": cpu_service.to_dict() if cpu_fallback else None,
         "rules": gpu_rules.to_kwargs(),
+        "wake": wake.to_kwargs() if wake else None,
     }
     return SimulationResult(summary=summary, timeline=timeline)
 
@@ -491,6 +536,10 @@ def plot_day(timeline: Mapping[str, np.ndarray], path: Path) -> None:
     axes[1].step(hours, timeline["gpu_replicas"], where="post", label="GPU decoder replicas")
     axes[1].step(hours, timeline["cpu_replicas"], where="post", label="CPU fallback replicas")
     axes[1].step(hours, timeline["gpu_floor"], where="post", linestyle=":", color="gray", label="GPU schedule floor")
+    woken = timeline["gpu_woken"] > 0
+    if woken.any():
+        top = max(1.0, float(timeline["gpu_replicas"].max()))
+        axes[1].fill_between(hours, 0, top, where=woken, step="post", alpha=0.15, color="tab:orange", label="GPU woken")
     axes[1].set_ylabel("replicas")
     axes[1].legend(loc="upper left", fontsize=8)
     axes[2].plot(hours, timeline["gpu_utilization"], color="tab:green")
@@ -505,27 +554,56 @@ def plot_day(timeline: Mapping[str, np.ndarray], path: Path) -> None:
     plt.close(figure)
 
 
+def policy_summary(summary: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("cost_ratio", "slo_violation_fraction", "replica_hours", "cpu_replica_hours", "served_by_cpu_fallback")
+    return {key: summary[key] for key in keys}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m autoscaling.simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for summary.json and the PNG")
     parser.add_argument("--trace", type=Path, help="CSV of `seconds,requests_per_s` (default: diurnal curve)")
     parser.add_argument("--peak-rps", type=float, default=30.0, help="peak of the default diurnal curve")
-    parser.add_argument("--service-rates", type=Path, help="benchmark JSON with batch latencies (see docs)")
+    parser.add_argument(
+        "--service-rates",
+        type=Path,
+        help=f"service rates JSON (default: {DEFAULT_SERVICE_RATES.relative_to(REPOSITORY)})",
+    )
     parser.add_argument("--rules", type=Path, help="JSON of ScalingRules kwargs for the GPU decoder policy")
-    parser.add_argument("--no-cpu-fallback", action="store_true", help="simulate the GPU decoder alone")
+    parser.add_argument("--policy", choices=POLICIES, default="fallback_wake", help="reported at the top level")
     parser.add_argument("--slo-s", type=float, default=3.0, help="request latency SLO (queue + batch)")
+    parser.add_argument("--wake-wait-s", type=float, help="fallback_wake: WakeRule.wait_s (default: the SLO)")
+    parser.add_argument("--wake-hold-s", type=float, default=900.0, help="fallback_wake: WakeRule.hold_s")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     rates = load_trace(args.trace) if args.trace else diurnal_rate(np.arange(DAY_S, dtype=np.float64), args.peak_rps)
     rates_used = load_service_rates(args.service_rates)
     rules = ScalingRules.from_kwargs(json.loads(args.rules.read_text())) if args.rules else ScalingRules()
-    result = simulate(rates, rules, rates_used, cpu_fallback=not args.no_cpu_fallback, slo_s=args.slo_s, seed=args.seed)
+    wake = WakeRule(wait_s=args.slo_s if args.wake_wait_s is None else args.wake_wait_s, hold_s=args.wake_hold_s)
+    results = {
+        name: simulate(
+            rates,
+            rules,
+            rates_used,
+            cpu_fallback=name != "gpu_only",
+            slo_s=args.slo_s,
+            seed=args.seed,
+            wake=wake if name == "fallback_wake" else None,
+        )
+        for name in POLICIES
+    }
+    chosen = results[args.policy]
+    summary = {
+        **chosen.summary,
+        "policy": args.policy,
+        "policies": {name: policy_summary(result.summary) for name, result in results.items()},
+    }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
-    plot_day(result.timeline, args.out / "autoscaling_day.png")
-    print(json.dumps({k: v for k, v in result.summary.items() if not isinstance(v, dict)}, indent=2))
-    return result.summary
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_day(chosen.timeline, args.out / "autoscaling_day.png")
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("gpu_service", "cpu_service", "rules")}, indent=2))
+    return summary
 
 
 if __name__ == "__main__":

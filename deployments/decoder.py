@@ -207,14 +207,14 @@ class Decoder:
         if later is not None and not (isinstance(later, list) and all(isinstance(r, ray.ObjectRef) for r in later)):
             raise InvalidInputError("later sentences come as a list of references to the encoder's calls")
         slot = _Slot(segments, streaming, request_id, asyncio.get_running_loop(), later or [])
-        self.load.request_accepted()
+        self.load.request_accepted(key=slot)
         self._publish_load()
         try:
             yield slot
         finally:
             if slot.ticket is not None and not slot.ticket.ended:
                 self.scheduler.cancel(slot.ticket)  # the caller left: its slot frees at the next step
-            self.load.request_finished(waiting=not slot.started)
+            self.load.request_finished(waiting=not slot.started, key=slot)
             self._publish_load()
             logger.info("segment done", extra={"request_id": request_id, "cancelled_while_queued": not slot.started})
 
@@ -226,6 +226,7 @@ class Decoder:
         taking_later = asyncio.create_task(self._take_later_sentences(slot)) if slot.later else None
         try:
             while (item := await slot.outputs.get()) is not None:
+                self.load.first_audio(slot)  # its time to first audio is known: it no longer counts as waiting
                 if isinstance(item, RequestFailedError):  # its cause stays here: the client gets a 500 with the id
                     cause, request_id = item.__cause__, slot.request_id
                     logger.error("request failed in the decoder loop", exc_info=cause, extra={"request_id": request_id})

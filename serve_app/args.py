@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from autoscaling.policy import ScalingRules, decoder_autoscaling_config
+from autoscaling.policy import ScalingRules, WakeRule, decoder_autoscaling_config
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
 from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
 from engine.voices.registry import provisioned_voice_id
@@ -67,9 +67,10 @@ class DecoderAutoscalingArgs(_Strict):
     def scaling_rules(self) -> ScalingRules:
         return ScalingRules.from_kwargs(self.rules)
 
-    def serve_config(self) -> dict[str, Any]:
-        """The GPU decoder deployment's Serve `autoscaling_config`."""
-        return decoder_autoscaling_config(self.scaling_rules(), self.look_back_period_s, self.metrics_interval_s)
+    def serve_config(self, wake: WakeRule | None = None) -> dict[str, Any]:
+        """The GPU decoder deployment's Serve `autoscaling_config` (woken under `wake`, see `AppArgs.wake_rule`)."""
+        rules = self.scaling_rules()
+        return decoder_autoscaling_config(rules, self.look_back_period_s, self.metrics_interval_s, wake)
 
 
 class EncoderArgs(_Strict):
@@ -276,6 +277,32 @@ class CpuFallbackArgs(_Strict):
         "for the decoder's rules (its schedule decides when the fallback is up)",
     )
     poll_interval_s: float = Field(2.0, gt=0, description="how often the ingress re-reads the replica counts")
+    wake: bool = Field(
+        True,
+        description="inside the GPU decoder's 0-floor windows, waits at this fallback wake a GPU decoder replica "
+        "(autoscaling.policy.WakeRule; needs decoder.autoscaling)",
+    )
+    wake_wait_s: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="wake when a fallback replica's oldest request without audio has waited this long (Serve's "
+        "average over look_back_period_s): its first audio comes later still; None: scheduler.target_first_audio_s",
+    )
+    wake_queued: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="wake too when this many requests (Serve's mean over look_back_period_s) queue at the fallback's "
+        "handles: every fallback replica holds max_ongoing_requests, and the queued ones' waits are not reported",
+    )
+    wake_hold_s: float = Field(
+        900.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="the GPU decoder's floor stays 1 this long after the load last passed the rule; then the night "
+        "floor again",
+    )
 
 
 class SecurityArgs(_Strict):
@@ -457,6 +484,14 @@ class AppArgs(_Strict):
         description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2, v3: _v2.onnx, _v3.onnx); default: the "
         "model dir, or for a tiny preset the tiny cloning models it ships",
     )
+
+    def wake_rule(self) -> WakeRule | None:
+        """When the CPU fallback's load wakes the GPU decoder (None: fallback, wake or decoder autoscaling off)."""
+        fallback = self.decoder_cpu
+        if not (fallback.enabled and fallback.wake and self.decoder.autoscaling is not None):
+            return None
+        wait_s = self.scheduler.target_first_audio_s if fallback.wake_wait_s is None else fallback.wake_wait_s
+        return WakeRule(wait_s=wait_s, hold_s=fallback.wake_hold_s, queued=fallback.wake_queued)
 
     @model_validator(mode="after")
     def _model_inside_allowed_roots(self) -> AppArgs:

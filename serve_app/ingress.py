@@ -106,8 +106,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     }
     decoder_scaling = args.decoder.autoscaling
     gpu_rules = decoder_scaling.scaling_rules() if decoder_scaling else None
+    wake = args.wake_rule()
     decoder = Decoder.options(
-        **replica_count(args.decoder.num_replicas, decoder_scaling and decoder_scaling.serve_config()),
+        **replica_count(args.decoder.num_replicas, decoder_scaling and decoder_scaling.serve_config(wake)),
         max_ongoing_requests=args.decoder.ongoing_requests_limit,
         max_queued_requests=queue_bound(args.decoder.max_queued_requests),
         backpressure_config=backpressure,
@@ -127,6 +128,10 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     )
     fallback = args.decoder_cpu
     decoder_cpu = None
+    # The fallback's replicas report as often as the GPU decoder's: their waits are what wake a GPU replica.
+    reporting = (
+        decoder_scaling.model_dump(include={"look_back_period_s", "metrics_interval_s"}) if decoder_scaling else {}
+    )
     if fallback.enabled:
         # The same Decoder class on CPU, each stage's precision chosen for the CPU (`auto`: bfloat16 flow where the
         # CPU has native bfloat16, INT8 LLM; float32 for the tiny models), scaled by its own policy (up while the GPU
@@ -137,7 +142,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             max_queued_requests=queue_bound(fallback.max_queued_requests),
             backpressure_config=backpressure,
             graceful_shutdown_timeout_s=shutdown_s,
-            autoscaling_config=fallback.autoscaling_config or cpu_fallback_autoscaling_config(gpu_rules),
+            autoscaling_config=fallback.autoscaling_config
+            or cpu_fallback_autoscaling_config(gpu_rules, **reporting, wake=wake),
             ray_actor_options=cpu_actor_options(fallback.num_cpus, fallback.resources),
         ).bind(
             args.model,
@@ -165,6 +171,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         decoder_cpu=decoder_cpu,
         routing_poll_s=fallback.poll_interval_s,
         gpu_rules=gpu_rules,
+        wake=wake,
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from autoscaling.policy import ScalingRules
+from autoscaling.policy import RayWakeBoard, ScalingRules, WakeRule
 from serve_app.args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import (
@@ -58,6 +58,7 @@ class IngressBase:
         decoder_cpu: DeploymentHandle | None = None,
         routing_poll_s: float = 2.0,
         gpu_rules: ScalingRules | None = None,
+        wake: WakeRule | None = None,
     ):
         self.encoder = encoder
         self.model_name = model_name
@@ -93,7 +94,7 @@ class IngressBase:
             )
         )
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
-        self.router = DecoderRouter(decoders, routing_poll_s, gpu_rules)
+        self.router = DecoderRouter(decoders, routing_poll_s, gpu_rules, RayWakeBoard() if wake else None)
         self.router.start(serve.get_replica_context().app_name)
 
     async def model_info(self) -> dict[str, Any]:

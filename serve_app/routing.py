@@ -4,9 +4,11 @@ The rule is `autoscaling.policy.use_cpu_fallback`: while the GPU decoder's sched
 fallback (`DecoderCPU`) runs, work goes to the fallback, so the GPU replicas drain before their policy
 scales them to 0 and no queued request cold-starts one; otherwise `Decoder` while it has a RUNNING
 replica, else `DecoderCPU` if that has one, else `Decoder` (Serve cold-starts a replica from 0).
-The RUNNING counts come from `serve.status()` and the live replica actors, re-read by a background task every
-`poll_interval_s` (a controller round trip per request would cost more than it is worth; /healthz re-reads a view
-older than a second); between reads the last view holds.
+While the CPU fallback's policy marks the GPU decoder woken (`autoscaling.policy.WakeRule`, on the `WakeBoard`), the
+GPU decoder is not drained: new work goes to it once it runs (requests already at the fallback finish there).
+The RUNNING counts come from `serve.status()` and the live replica actors (the wake mark from the board), re-read
+by a background task every `poll_interval_s` (a controller round trip per request would cost more than it is
+worth; /healthz re-reads a view older than a second); between reads the last view holds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from autoscaling.policy import ScalingRules, gpu_draining, use_cpu_fallback
+from autoscaling.policy import ScalingRules, WakeBoard, gpu_draining, use_cpu_fallback
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,7 +62,8 @@ def live_replica_actors(app_name: str) -> Counter[str]:
 class DecoderRouter:
     """Holds the decoder handles, the last polled RUNNING counts (encoder included) and the routing decision.
 
-    `gpu_rules`: the GPU decoder's autoscaling rules, whose schedule says when to drain it (None: never).
+    `gpu_rules`: the GPU decoder's autoscaling rules, whose schedule says when to drain it (None: never);
+    `wake_board`: where the fallback's policy marks the GPU decoder woken (None: the wake rule is off).
     """
 
     def __init__(
@@ -68,10 +71,13 @@ class DecoderRouter:
         handles: Mapping[str, DeploymentHandle],
         poll_interval_s: float,
         gpu_rules: ScalingRules | None = None,
+        wake_board: WakeBoard | None = None,
     ) -> None:
         self.handles = dict(handles)
         self.poll_interval_s = poll_interval_s
         self.gpu_rules = gpu_rules
+        self.wake_board = wake_board
+        self.woken_until = 0.0
         self.choice = GPU_DECODER
         self.running: dict[str, int] = {}
         self.polled_at: float | None = None  # time.monotonic() of the last successful read
@@ -83,10 +89,13 @@ class DecoderRouter:
 
     async def refresh(self, app_name: str) -> None:
         self.running = await running_replicas(app_name, (ENCODER, *self.handles))
+        if self.wake_board is not None:
+            self.woken_until = await asyncio.to_thread(self.wake_board.woken_until, app_name)
         self.polled_at = time.monotonic()
         choice = GPU_DECODER
         if CPU_DECODER in self.handles:
-            choice = choose_decoder(self.running, gpu_draining(self.gpu_rules, time.time()))
+            draining = gpu_draining(self.gpu_rules, time.time(), woken_until=self.woken_until)
+            choice = choose_decoder(self.running, draining)
         if choice != self.choice:
             logger.info("routing decoder work to %s (running replicas: %s)", choice, self.running)
         self.choice = choice

@@ -21,6 +21,7 @@ import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from autoscaling.policy import RayWakeBoard
 from benchmarks.http_bench import free_port
 from serve_app import build_app
 from tests.serve.conftest import OBJECT_STORE_BYTES, wait_until
@@ -110,7 +111,11 @@ def test_decoder_scales_from_its_floor_up_under_load_and_back_down(base_url: str
     wait_until(lambda: running("Decoder") == 1, 60, "the scale-down back to the floor once idle")
 
 
-def test_night_drains_the_gpu_decoder_and_serves_from_the_cpu_fallback_without_a_bounce(base_url: str) -> None:
+@pytest.fixture(scope="module")
+def night_app(base_url: str) -> str:
+    """The profile with a night window around now, the CPU fallback, and the wake rule at a fallback wait of
+    0.5 s or 4 requests queued at its handles (means over the 1 s look-back): the night test's two-at-a-time
+    requests take ~0.1 s and queue only while a new handle learns its replicas; a burst queues dozens."""
     now = dt.datetime.now(dt.timezone.utc)
     night = {
         "name": "night",
@@ -118,16 +123,44 @@ def test_night_drains_the_gpu_decoder_and_serves_from_the_cpu_fallback_without_a
         "end": (now + dt.timedelta(hours=1)).strftime("%H:%M"),
         "min_replicas": 0,
     }
-    serve.run(
-        build_app(profile_args({"timezone": "UTC", "windows": [night]}, fallback=True)), name=APP, route_prefix="/"
-    )
+    args = profile_args({"timezone": "UTC", "windows": [night]}, fallback=True)
+    args["decoder_cpu"].update(wake_wait_s=0.5, wake_queued=4.0, wake_hold_s=120.0)
+    serve.run(build_app(args), name=APP, route_prefix="/")
     wait_until(lambda: running("DecoderCPU") >= 1, 60, "the CPU fallback (its policy is active at night)")
     wait_until(lambda: running("Decoder") == 0, 60, "the drained GPU decoder to go to 0")
+    return base_url
+
+
+def test_night_drains_the_gpu_decoder_and_serves_from_the_cpu_fallback_without_a_bounce(night_app: str) -> None:
     # Night requests: all answered by the fallback; no queued request cold-starts a GPU replica.
     for _ in range(3):
-        assert set(asyncio.run(send(base_url, count=4, concurrency=2))) == {200}
+        assert set(asyncio.run(send(night_app, count=4, concurrency=2))) == {200}
         assert running("Decoder") == 0 and running("DecoderCPU") >= 1
     time.sleep(2.0)  # longer than a controller round and the ingress's poll: a late cold start would show
     assert running("Decoder") == 0
-    health = httpx.get(f"{base_url}/healthz", timeout=10)
+    assert RayWakeBoard().woken_until(APP) == 0.0  # this light load never passed the wake rule
+    health = httpx.get(f"{night_app}/healthz", timeout=10)
     assert health.status_code == 200 and health.json()["running_replicas"]["Decoder"] == 0
+
+
+def gpu_decoder_requests() -> int:
+    """Requests the (one) GPU decoder replica has taken into batches since it started."""
+    stats = serve.get_deployment_handle("Decoder", APP).batch_stats.remote().result(timeout_s=30)
+    return sum(size * count for size, count in stats["batch_size_counts"].items())
+
+
+def test_a_night_burst_wakes_the_gpu_decoder_which_then_takes_the_work(night_app: str) -> None:
+    started = time.monotonic()
+    assert running("Decoder") == 0
+    # Bursts of 32 at once: 8 run in a fallback replica, the rest queue at its handle (its bound is 32: none is
+    # turned away with a 503).
+    while running("Decoder") == 0:
+        assert time.monotonic() - started < 90, "no GPU decoder replica woke under the bursts"
+        assert set(asyncio.run(send(night_app, count=32, concurrency=32))) == {200}
+    assert RayWakeBoard().woken_until(APP) > time.time()  # the fallback's policy woke it, not a queued request
+    # Still inside the night window: new work moves to the woken replica once the ingress sees it run.
+    deadline = time.monotonic() + 30
+    while gpu_decoder_requests() == 0:
+        assert time.monotonic() < deadline, "no request reached the woken GPU decoder"
+        assert set(asyncio.run(send(night_app, count=2, concurrency=2))) == {200}
+    assert running("Decoder") == 1

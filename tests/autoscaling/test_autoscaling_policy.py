@@ -15,6 +15,7 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from autoscaling.metrics import (
+    FIRST_AUDIO_WAIT_S,
     METRIC_NAMES,
     QUEUE_DEPTH,
     UTILIZATION,
@@ -27,10 +28,13 @@ from autoscaling.metrics import (
 from autoscaling.policy import (
     CpuFallbackAutoscalingPolicy,
     DecoderAutoscalingPolicy,
+    MemoryWakeBoard,
     ScalingRules,
+    WakeRule,
     cpu_fallback_autoscaling_config,
     decoder_autoscaling_config,
     decoder_policy,
+    gpu_draining,
 )
 from autoscaling.schedule import Schedule, ScheduleWindow
 from serve_app.args import EncoderAutoscalingArgs
@@ -321,6 +325,103 @@ def test_cpu_fallback_margins_and_scale_to_zero() -> None:
     assert fallback(make_context(day + 3 * 3600, 1, 0.9, queue_per_replica=20.0))[0] > 1  # scales while active
 
 
+# A night window around NOON, with second-long windows and no cooldowns, so a tick can scale down at once.
+NOON_NIGHT = ScalingRules(
+    scale_down_window_s=10.0,
+    scale_up_cooldown_s=0.0,
+    scale_down_cooldown_s=0.0,
+    schedule=Schedule(timezone="UTC", windows=(ScheduleWindow("night", "11:00", "13:00", min_replicas=0),)),
+)
+
+
+class CountingBoard(MemoryWakeBoard):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def wake(self, app_name: str, until: float) -> None:
+        self.writes += 1
+        super().wake(app_name, until)
+
+
+def fallback_context(now: float, first_audio_wait_s: float, handle_queued: float = 0.0) -> AutoscalingContext:
+    ctx = make_context(now, 1, 1.0, queue_per_replica=3.0, handle_queued=handle_queued)
+    ctx.aggregated_metrics[FIRST_AUDIO_WAIT_S] = {"r0": first_audio_wait_s}
+    return ctx
+
+
+def test_fallback_waits_wake_the_gpu_decoder_at_night_for_the_hold_then_it_falls_back() -> None:
+    board = CountingBoard()
+    wake = WakeRule(wait_s=2.0, hold_s=300.0).to_kwargs()
+    gpu = DecoderAutoscalingPolicy(wake=wake, board=board, **NOON_NIGHT.to_kwargs())
+    fallback = CpuFallbackAutoscalingPolicy(gpu=NOON_NIGHT.to_kwargs(), wake=wake, board=board, schedule={})
+    assert gpu(make_context(NOON, 0, None, running=0))[0] == 0  # the night floor
+
+    fallback(fallback_context(NOON, first_audio_wait_s=1.9))  # waits below the rule's: no wake
+    assert board.writes == 0 and gpu(make_context(NOON + 1, 0, None, running=0))[0] == 0
+
+    fallback(fallback_context(NOON + 10, first_audio_wait_s=2.5))
+    fallback(fallback_context(NOON + 10.5, first_audio_wait_s=2.5))  # the board is written at most once a second
+    assert board.writes == 1 and board.woken_until("test") == NOON + 310
+
+    target, state, history = 0, {}, []
+    for step in range(80):  # the woken GPU decoder, idle, ticked every 5 s
+        now = NOON + 15 + 5 * step
+        target, state = gpu(make_context(now, target, 0.0 if target else None, running=target, policy_state=state))
+        history.append((now - NOON, target))
+    up_at = next(t for t, n in history if n == 1)
+    down_at = next(t for t, n in history if t > up_at and n == 0)
+    assert up_at == 15  # at the first tick: the floor is 1 while woken, even inside the night window
+    assert 310 <= down_at <= 310 + 10 + 5  # back to the night floor once the hold ends (+ its low window)
+    assert all(n == 0 for t, n in history if t >= down_at)
+
+
+def test_requests_queued_at_the_full_fallbacks_handles_wake_too() -> None:
+    board = MemoryWakeBoard()
+    wake = WakeRule(wait_s=2.0, hold_s=300.0, queued=1.0).to_kwargs()
+    fallback = CpuFallbackAutoscalingPolicy(gpu=NOON_NIGHT.to_kwargs(), wake=wake, board=board, schedule={})
+    fallback(fallback_context(NOON, first_audio_wait_s=0.5, handle_queued=0.5))
+    assert board.woken_until("test") == 0.0
+    fallback(fallback_context(NOON + 1, first_audio_wait_s=0.5, handle_queued=1.0))
+    assert board.woken_until("test") == NOON + 301
+
+
+def test_a_woken_gpu_decoder_busy_with_the_night_load_holds_the_mark() -> None:
+    board = MemoryWakeBoard()
+    board.wake("test", NOON + 60)
+    gpu = DecoderAutoscalingPolicy(
+        wake=WakeRule(wait_s=1.0, hold_s=60.0).to_kwargs(), board=board, **NOON_NIGHT.to_kwargs()
+    )
+    target, state = 1, {}
+    for step in range(60):  # 5 minutes at 0.5 utilization (above scale_down_utilization 0.3): held throughout
+        now = NOON + 5 * step
+        target, state = gpu(make_context(now, target, 0.5, policy_state=state))
+        assert target == 1, step
+    assert board.woken_until("test") >= NOON + 295 + 60 - 1
+    for step in range(60, 90):  # idle: the mark runs out 60 s later, then the night floor takes it to 0
+        target, state = gpu(make_context(NOON + 5 * step, target, 0.0, policy_state=state))
+    assert target == 0
+
+
+def test_wake_leaves_other_floors_alone_and_needs_its_rule() -> None:
+    board = MemoryWakeBoard()
+    board.wake("test", NOON + 3600)
+    woken = DecoderAutoscalingPolicy(wake=WakeRule(wait_s=1.0).to_kwargs(), board=board, **NOON_NIGHT.to_kwargs())
+    assert woken(make_context(NOON, 0, None, running=0))[0] == 1
+    day = dt.datetime(2025, 1, 6, tzinfo=UTC).timestamp()
+    assert woken(make_context(day + 14 * 3600, 3, 0.5))[0] == 3  # outside the 0-floor window: no effect
+    no_rule = DecoderAutoscalingPolicy(board=board, **NOON_NIGHT.to_kwargs())
+    assert no_rule(make_context(NOON, 0, None, running=0))[0] == 0  # without a wake rule the mark is not read
+
+
+def test_woken_gpu_decoder_is_not_drained_by_the_ingress() -> None:
+    assert gpu_draining(NOON_NIGHT, NOON)
+    assert not gpu_draining(NOON_NIGHT, NOON, woken_until=NOON + 1)
+    assert gpu_draining(NOON_NIGHT, NOON + 1, woken_until=NOON + 1)  # the hold is over
+    with pytest.raises(ValueError):
+        WakeRule(wait_s=-1.0)
+
+
 def test_rules_round_trip_through_json_and_reject_unknown_keys() -> None:
     custom = ScalingRules(max_replicas=5, scale_up_window_s=60.0)
     assert ScalingRules.from_kwargs(json.loads(json.dumps(custom.to_kwargs()))) == custom
@@ -342,6 +443,13 @@ def test_recommended_configs_validate_with_serve() -> None:
     fallback = AutoscalingConfig(**cpu_fallback_autoscaling_config(gpu_rules))
     assert fallback.min_replicas == 0
     CpuFallbackAutoscalingPolicy(**fallback.policy.policy_kwargs)  # kwargs build the policy
+    wake = WakeRule(wait_s=1.0, hold_s=60.0)
+    for config, policy_class in (
+        (decoder_autoscaling_config(gpu_rules, wake=wake), DecoderAutoscalingPolicy),
+        (cpu_fallback_autoscaling_config(gpu_rules, wake=wake), CpuFallbackAutoscalingPolicy),
+    ):
+        kwargs = AutoscalingConfig(**config).policy.policy_kwargs
+        assert policy_class(**json.loads(json.dumps(kwargs))).wake == wake
     encoder_args = EncoderAutoscalingArgs()
     encoder = AutoscalingConfig(**encoder_args.model_dump(exclude_none=True))
     assert encoder.policy.is_default_policy_function()
@@ -424,6 +532,23 @@ def test_requests_that_leave_while_queued_leave_the_queue() -> None:
     tracker.request_finished()
     tracker.request_finished()
     assert tracker.snapshot()[QUEUE_DEPTH] == 0.0 and tracker.snapshot()["ongoing_requests"] == 0.0
+
+
+def test_tracker_reports_how_long_the_oldest_request_without_audio_has_waited() -> None:
+    clock = FakeClock()
+    tracker = ReplicaLoadTracker(max_batch_size=2, clock=clock)
+    assert tracker.snapshot()[FIRST_AUDIO_WAIT_S] == 0.0
+    for key in "abc":
+        tracker.request_accepted(key=key)
+        clock.now += 1.0
+    tracker.record_batch(3)  # admitted to the loop, still without audio: they keep counting
+    assert tracker.snapshot()[FIRST_AUDIO_WAIT_S] == pytest.approx(3.0)
+    tracker.first_audio("a")
+    assert tracker.snapshot()[FIRST_AUDIO_WAIT_S] == pytest.approx(2.0)
+    tracker.request_finished(key="b")  # left (cancelled or failed) before its audio
+    assert tracker.snapshot()[FIRST_AUDIO_WAIT_S] == pytest.approx(1.0)
+    tracker.first_audio("c")
+    assert tracker.snapshot()[FIRST_AUDIO_WAIT_S] == 0.0
 
 
 def test_nvml_device_is_chosen_by_uuid_then_visible_devices() -> None:

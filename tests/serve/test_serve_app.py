@@ -187,6 +187,7 @@ def test_decoder_reports_autoscaling_numbers() -> None:
     assert set(stats) == set(METRIC_NAMES)
     assert all(isinstance(value, float) for value in stats.values())
     assert 0.0 <= stats["utilization"] <= 1.0 and 0.0 <= stats["batch_fill"] <= 1.0
+    assert stats["first_audio_wait_s"] == 0.0  # every request so far got its audio (or left): none still waits
 
 
 def test_openai_client_round_trip(base_url: str, info: dict[str, Any]) -> None:

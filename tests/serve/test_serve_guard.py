@@ -4,6 +4,7 @@ without Ray Serve running."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from pydantic import ValidationError
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from autoscaling.policy import ScalingRules
+from autoscaling.policy import MemoryWakeBoard, ScalingRules, WakeRule
 from autoscaling.schedule import Schedule
 from engine.errors import InvalidInputError
 from serve_app import routing
@@ -185,6 +186,43 @@ def test_router_drains_the_gpu_decoder_while_its_schedule_floor_is_zero(monkeypa
     assert _run(choice(night)) == "cpu"
     assert _run(choice(ScalingRules(min_replicas=1, schedule=Schedule()))) == "gpu"  # floor 1: no drain
     assert _run(choice(None)) == "gpu"  # a fixed-size GPU decoder is never drained
+
+
+def test_wake_rule_defaults_to_the_first_audio_slo() -> None:
+    autoscaled = {"decoder": {"autoscaling": {}}, "scheduler": {"target_first_audio_s": 2.5}}
+    assert AppArgs(**autoscaled, decoder_cpu={"enabled": True}).wake_rule() == WakeRule(wait_s=2.5, hold_s=900.0)
+    chosen = {"enabled": True, "wake_wait_s": 0.5, "wake_hold_s": 60}
+    assert AppArgs(**autoscaled, decoder_cpu=chosen).wake_rule() == WakeRule(wait_s=0.5, hold_s=60.0)
+    assert AppArgs(**autoscaled, decoder_cpu={"enabled": True, "wake": False}).wake_rule() is None
+    assert AppArgs(**autoscaled).wake_rule() is None  # no fallback
+    assert AppArgs(decoder_cpu={"enabled": True}).wake_rule() is None  # a fixed-size GPU decoder
+    with pytest.raises(ValidationError):
+        AppArgs(decoder_cpu={"enabled": True, "wake_wait_s": -1})
+
+
+def test_router_sends_new_work_to_a_woken_gpu_decoder_once_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = {ENCODER: 1, GPU_DECODER: 0, CPU_DECODER: 1}
+
+    async def polled(app_name: str, names) -> dict[str, int]:
+        return dict(counts)
+
+    monkeypatch.setattr(routing, "running_replicas", polled)
+    board = MemoryWakeBoard()
+    night = ScalingRules(min_replicas=0, schedule=Schedule())  # the floor is 0 all day
+    router = DecoderRouter(
+        {GPU_DECODER: "gpu", CPU_DECODER: "cpu"}, poll_interval_s=60, gpu_rules=night, wake_board=board
+    )
+
+    def choice() -> object:
+        _run(router.refresh("app"))
+        return router.handle()
+
+    board.wake("app", time.time() + 3600)
+    assert choice() == "cpu"  # woken, but the GPU replica does not run yet: the fallback keeps serving
+    counts[GPU_DECODER] = 1
+    assert choice() == "gpu"
+    board.wake("app", time.time() - 1)  # the hold is over: drained to the fallback again
+    assert choice() == "cpu"
 
 
 def test_router_follows_the_polled_counts(monkeypatch: pytest.MonkeyPatch) -> None:
