@@ -208,13 +208,17 @@ class TokenGenerator:
         self._retain([i for i in range(len(self._running)) if i != row])
 
     def resume(self, request_id: int) -> None:
-        """A paused request rejoins the batch: it gets its next token in the next `step`."""
+        """A paused request rejoins the batch: it gets its next token in the next `step`. With no device memory to
+        merge its kept cache rows into the batch's, they are dropped and it is prefilled again instead."""
         sequence, cache = self._paused.pop(request_id)
-        if cache is None:
-            self._pending.append(sequence)  # prefilled again over its prompt and its tokens so far
-        else:
-            self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
-            self._running.append(sequence)
+        if cache is not None:
+            try:
+                self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
+                self._running.append(sequence)
+                return
+            except torch.cuda.OutOfMemoryError:
+                pass
+        self._pending.append(sequence)  # prefilled again over its prompt and its tokens so far
 
     @property
     def paused(self) -> int:

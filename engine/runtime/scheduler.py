@@ -581,8 +581,8 @@ class Scheduler:
                 self.llm.resume(sentence.llm_id)
                 sentence.paused = sentence.cache_kept = False
                 self.stats.resumed += 1
-            else:
-                self._start_generating(sentence)
+            elif not self._start_generating(sentence):
+                return
 
     def _preempt_for(self, waiting: _Sentence, now: float) -> bool:
         """Pause generating sentences, the latest deadline first, while the policy allows it and `waiting` does not
@@ -613,8 +613,9 @@ class Scheduler:
             self.llm.pause(sentence.llm_id, keep_cache=False)
         sentence.paused, sentence.cache_kept = True, keep_cache
 
-    def _start_generating(self, sentence: _Sentence) -> None:
-        """Admit a request's next sentence: its generator row (its stream, when streaming) starts in the next step."""
+    def _start_generating(self, sentence: _Sentence) -> bool:
+        """Admit a request's next sentence: its generator row (its stream, when streaming) starts in the next step.
+        -> whether admission goes on (not after running out of device memory: the sentence waits, still queued)."""
         ticket = sentence.request
         try:
             if ticket.streaming:
@@ -623,9 +624,12 @@ class Scheduler:
             else:
                 [request] = self.stage.generation_requests([sentence.segment])
                 sentence.llm_id = self.llm.add(request)
+        except torch.cuda.OutOfMemoryError:  # its inputs' copy to the device: nothing was added
+            self._lower_live_limit("an admission")
+            return False
         except Exception as exc:  # this request's input: it ends, the admission goes on
             self._fail_request(ticket, as_request_error(exc))
-            return
+            return True
         if self.llm.batch_size:
             self.stats.joined_running_batch += 1
         if ticket.admitted and not ticket.sentences[ticket.admitted - 1].done:
@@ -636,6 +640,7 @@ class Scheduler:
         self._live.append(sentence)
         if ticket.admitted == len(ticket.sentences):
             self._queue.remove(ticket)
+        return True
 
     def _llm_step(self) -> None:
         generating = [s for s in self._live if not (s.tokens_done or s.paused)]

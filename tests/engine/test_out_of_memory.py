@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.errors import UnavailableError
+from engine.llm.generation import TokenGenerator
 from engine.llm.sampling import SamplingOptions
 from engine.nn.conformer import KVCache
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
@@ -155,3 +156,32 @@ def test_a_request_that_runs_out_of_memory_alone_ends_with_503_and_the_others_co
     for alone, beside in zip(clean, faulty, strict=True):
         assert beside.error is None
         np.testing.assert_allclose(beside.audio, alone.audio, atol=1e-4)
+
+
+def test_a_resumed_request_without_room_for_its_kept_cache_is_recomputed_with_the_same_tokens(
+    tts: CosyVoice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`TokenGenerator.resume` merges a kept KV cache into the batch's: with no memory for the merge it drops the
+    kept rows and prefills the request again, losing no token and moving no sampler."""
+    segments = [_segment(tts, text, seed, 8.0) for text, seed in (("The first one.", 1), ("And a second.", 2))]
+    requests = tts.decoder.generation_requests(segments)
+
+    def tokens(interrupt: bool) -> list[list[int]]:
+        generator = TokenGenerator(tts.decoder.model.llm)
+        ids = [generator.add(request) for request in requests]
+        out: dict[int, list[int]] = {i: [] for i in ids}
+        for step in range(1000):
+            if interrupt and step == 5:
+                generator.pause(ids[1], keep_cache=True)
+            if interrupt and step == 8:
+                with monkeypatch.context() as patch:  # only this resume's merge runs out
+                    patch.setattr(KVCache, "concat", _out_of_memory_when(lambda *_: True, KVCache.concat))
+                    generator.resume(ids[1])
+            if not generator.active and not generator.paused:
+                break
+            for event in generator.step():
+                if event.token is not None:
+                    out[event.request_id].append(event.token)
+        return [out[i] for i in ids]
+
+    assert tokens(interrupt=True) == tokens(interrupt=False)
