@@ -45,15 +45,15 @@ the others go on with the audio they would have had without it. Every request al
 `max_audio_s` of speech and `max_request_s` of wall time from its submission (`DecodeLimitError`).
 
 Running out of device memory (`torch.cuda.OutOfMemoryError`, raised by the allocator at the replica's share) is no
-request's fault and ends none that can fit alone: the work that ran out is put back (an LLM step is undone by
-`TokenGenerator.step`, a flow + vocoder run is retried sentence by sentence and a sentence still out of memory goes
-back to wait for its next job, its stream restored), the allocator's cache is emptied, the live limit (`live_limit`,
-also the flow + vocoder batch cap) is halved for `oom_backoff_s` (then doubled back each such while without another)
-and the newest generating sentences past it are paused; the work runs again at the next step. Nothing handed on is
-made twice, and every sampler keeps its place. Work that runs out of memory with one sentence alone in it is run again
-at once on the loop thread with nothing beside it (the running jobs waited for); if that runs out too, the sentence
-cannot fit even alone: its request ends with `UnavailableError` (503) naming the replica's memory limit, the others
-go on.
+request's fault and ends none that can fit alone. The allocator's cache is emptied and the live limit (`live_limit`,
+also the flow + vocoder batch cap) is halved for `oom_backoff_s` (then doubled back each such while without another).
+An LLM step that runs out is undone (`TokenGenerator.step`); the newest generating sentences past the lowered limit
+are paused (their KV caches dropped, recomputed on resume) and the step runs again at the next `step`. A flow +
+vocoder job that runs out is run again sentence by sentence (streams put back to their state before it). Work that
+runs out with one sentence alone in it is run again at once on the loop thread with nothing beside it (the running
+jobs waited for); if that runs out too, the sentence cannot fit even alone: its request ends with `UnavailableError`
+(503) naming the replica's memory limit, the others go on. Nothing handed on is made twice, and every sampler keeps
+its place.
 
 A step that raises beyond that (a fault no single request explains) ends the loop: every request gets the error, later
 submissions are refused with `UnavailableError`, and `failure` tells the replica to have itself replaced.
