@@ -15,10 +15,20 @@
   (`engine.runtime.memory.device_memory_budget`), the decoder loop with its two lanes on their own CUDA streams,
   under a mix of streaming and whole requests: the peak device memory against the budget and the cap, every
   request's outcome, and NVML readings sampled meanwhile (nvidia-ml-py, the `gpu` extra).
+- `sharing`: several decoder replicas on one GPU, each a process of its own as Ray places them (a worker:
+  `--part sharing-worker`, its allocator capped at its fraction, its loop as `replica` builds it): 1 replica at the
+  whole GPU, `--replicas` at `--fraction` time-sliced (their CUDA_MPS_PIPE_DIRECTORY an empty folder, so no MPS
+  daemon is found), and the same under MPS (a control daemon this part starts in a folder of its own and quits
+  after; skipped without CUDA or `nvidia-cuda-mps-control`). Each gets the same open-loop streaming load at each
+  of `--clients` (every client starts a stream each `--period-s` for `--duration-s`, whatever the replies;
+  streams go round-robin to the replicas): aggregate requests/s and audio seconds/s, time to first audio p50/p95,
+  each replica's peak memory against its cap, and `mps_throughput_ratio` (requests/s with MPS / without, at the
+  most clients).
 
     python -m benchmarks.gpu_check --part precision --out OUT/precision.json [--device cuda]
     python -m benchmarks.gpu_check --part engine --out OUT/engine.json [--device cuda] [--model dummy]
     python -m benchmarks.gpu_check --part replica --out OUT/replica.json [--device cuda] [--fraction 0.25]
+    python -m benchmarks.gpu_check --part sharing --out OUT/sharing.json [--device cuda] [--replicas 4]
 
 A part writes its JSON as it goes (a family, a batch size at a time), so one stopped by the script's time box still
 leaves what it measured, with `"complete": false`.
@@ -29,7 +39,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import resource
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +57,7 @@ import torch
 from benchmarks.batching_bench import measure_first_chunk
 from benchmarks.engine_bench import benchmark_voice, fixed_length_segments
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure
+from engine.errors import CosyVoiceError
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
 from engine.nn.precision import FALLBACKS, decoder_dtypes
@@ -456,6 +472,252 @@ def run_replica(options: argparse.Namespace) -> None:
     report.done()
 
 
+# --- sharing ---------------------------------------------------------------------------------------------------
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def run_sharing_worker(options: argparse.Namespace) -> None:
+    """One replica in its own process, driven by JSON lines: it prints {"ready"} once loaded, then for each
+    {"start_at", "arrivals"} on stdin submits a stream at each arrival (seconds after `start_at`, a wall-clock time)
+    and prints each stream's outcome once all have ended; {"quit"}: its peak memory, and it exits."""
+    replies, sys.stdout = sys.stdout, sys.stderr  # stdout carries the replies only, whatever else prints
+    device = options.device
+    dtype = options.dtype or ("float16" if device == "cuda" else "float32")
+    fraction = options.fraction if device == "cuda" else None
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(fraction)  # as deployments.decoder does with its num_gpus
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.replicas))  # the replicas share the cores
+    model = load_model(options.model, dtype=dtype, device=device)
+    encoder, stage = TextEncoderStage(model), SpeechDecoderStage(model)
+    scheduler = Scheduler(
+        stage, max_live=options.max_live, memory_budget_bytes=device_memory_budget(model.decoder_device, fraction)
+    )
+    pool = [segment for segment, _ in replica_requests(encoder, 6)]
+    loop_errors: list[str] = []
+
+    def on_error(exc: Exception) -> CosyVoiceError:
+        loop_errors.append(f"{type(exc).__name__}: {exc}")
+        return CosyVoiceError(f"the loop failed: {type(exc).__name__}")
+
+    threading.Thread(target=scheduler.run, args=(lambda _: None, on_error), daemon=True).start()
+    cap = int(torch.cuda.get_device_properties(0).total_memory * fraction) if device == "cuda" else None
+
+    def reply(**fields: Any) -> None:
+        print(json.dumps(fields), file=replies, flush=True)
+
+    reply(ready=True, cap_bytes=cap, weights_bytes=torch.cuda.memory_allocated() if device == "cuda" else None)
+    for line in sys.stdin:
+        order = json.loads(line)
+        if order.get("quit"):
+            break
+        streams = _serve_level(scheduler, pool, order["start_at"], order["arrivals"], options.drain_s)
+        reply(streams=streams, sample_rate=stage.sample_rate, loop_errors=loop_errors)
+    reply(
+        peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        out_of_memory=scheduler.stats.out_of_memory,
+    )
+
+
+def _serve_level(
+    scheduler: Scheduler, pool: list[EncodedSegment], start_at: float, arrivals: list[float], drain_s: float
+) -> list[dict[str, Any]]:
+    """Submit a stream at each arrival (seconds after `start_at`, a wall-clock time) -> each stream's outcome, once all
+    have ended or `drain_s` passed."""
+    streams = [{"arrival_s": at, "first_audio_s": None, "end_s": None, "samples": 0, "error": None} for at in arrivals]
+    ended = threading.Semaphore(0)
+
+    def sink(stream: dict[str, Any]) -> Callable[[Any], None]:
+        def take(item: Any) -> None:
+            now = time.time() - start_at
+            if isinstance(item, np.ndarray) and item.size:
+                stream["samples"] += item.size
+                if stream["first_audio_s"] is None:
+                    stream["first_audio_s"] = now
+            elif isinstance(item, Exception):
+                stream["error"] = _text(item)
+            elif item is None:
+                stream["end_s"] = now
+                ended.release()
+
+        return take
+
+    for index, stream in enumerate(streams):
+        time.sleep(max(0.0, start_at + stream["arrival_s"] - time.time()))
+        try:
+            scheduler.submit([pool[index % len(pool)]], streaming=True, sink=sink(stream))
+        except Exception as exc:  # refused: it never ends in the loop
+            stream["error"] = _text(exc)
+            ended.release()
+    deadline = time.monotonic() + drain_s
+    for _ in streams:
+        ended.acquire(timeout=max(0.0, deadline - time.monotonic()))
+    return streams
+
+
+class _Worker:
+    """A `sharing-worker` process and its JSON-line replies."""
+
+    def __init__(self, options: argparse.Namespace, fraction: float, replicas: int, env: dict[str, str]) -> None:
+        command = [sys.executable, "-m", "benchmarks.gpu_check", "--part", "sharing-worker", "--out", os.devnull]
+        command += ["--device", options.device, "--model", options.model, "--fraction", str(fraction)]
+        command += ["--replicas", str(replicas), "--max-live", str(options.max_live), "--drain-s", str(options.drain_s)]
+        command += ["--dtype", options.dtype] if options.dtype else []
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env}
+        )
+
+    def send(self, **order: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(order) + "\n")
+        self.process.stdin.flush()
+
+    def reply(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a sharing worker ended (exit {self.process.wait()}) without replying")
+        return json.loads(line)
+
+    def close(self) -> dict[str, Any]:
+        self.send(quit=True)
+        last = self.reply()
+        self.process.wait(timeout=30)
+        return last
+
+
+class _MpsDaemon:
+    """An MPS control daemon in a folder of its own, for this part's MPS run (`env` points the workers to it)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
+        for path in self.env.values():
+            Path(path).mkdir(parents=True)
+        subprocess.run([MPS_CONTROL, "-d"], env={**os.environ, **self.env}, check=True, timeout=30)
+
+    def servers(self) -> list[str]:
+        """The MPS servers' process ids (one once a client started CUDA)."""
+        out = subprocess.run(
+            [MPS_CONTROL], input="get_server_list\n", env={**os.environ, **self.env}, capture_output=True, text=True
+        )
+        return out.stdout.split()
+
+    def quit(self) -> None:
+        subprocess.run([MPS_CONTROL], input="quit\n", env={**os.environ, **self.env}, timeout=30)
+
+
+def sharing_arrivals(clients: int, period_s: float, duration_s: float) -> list[float]:
+    """The open-loop schedule: each client starts a stream every `period_s` for `duration_s`, the clients spread
+    evenly over a period; offsets in seconds, sorted."""
+    per_client = max(1, round(duration_s / period_s))
+    return sorted(k * period_s + c * period_s / clients for c in range(clients) for k in range(per_client))
+
+
+def _level_figures(streams: list[dict[str, Any]], sample_rate: int) -> dict[str, Any]:
+    done = [s for s in streams if s["end_s"] is not None and s["error"] is None]
+    span = max((s["end_s"] for s in done), default=0.0)
+    ttfa = [s["first_audio_s"] - s["arrival_s"] for s in done if s["first_audio_s"] is not None]
+    audio_s = sum(s["samples"] for s in done) / sample_rate
+    return {
+        "requests": len(streams),
+        "completed": len(done),
+        "errors": sorted({s["error"] for s in streams if s["error"]}),
+        "requests_per_s": len(done) / span if span else None,
+        "audio_s_per_s": audio_s / span if span else None,
+        "ttfa_p50_s": float(np.percentile(ttfa, 50)) if ttfa else None,
+        "ttfa_p95_s": float(np.percentile(ttfa, 95)) if ttfa else None,
+    }
+
+
+def run_sharing_config(
+    options: argparse.Namespace, replicas: int, fraction: float, env: dict[str, str], daemon: _MpsDaemon | None
+) -> dict[str, Any]:
+    """One sharing configuration: its workers, the load at each client count, their peaks."""
+    workers = [_Worker(options, fraction, replicas, env) for _ in range(replicas)]
+    try:
+        ready = [worker.reply() for worker in workers]
+        result: dict[str, Any] = {"replicas": replicas, "fraction": fraction, "levels": {}}
+        if daemon is not None:
+            result["mps_servers"] = daemon.servers()  # non-empty: the workers did connect to the daemon
+        for clients in options.clients:
+            arrivals = sharing_arrivals(clients, options.period_s, options.duration_s)
+            start_at = time.time() + 0.5
+            for index, worker in enumerate(workers):  # round-robin, as a router spreads streams
+                worker.send(start_at=start_at, arrivals=arrivals[index::replicas])
+            replies = [worker.reply() for worker in workers]
+            streams = [stream for reply in replies for stream in reply["streams"]]
+            result["levels"][str(clients)] = {
+                **_level_figures(streams, replies[0]["sample_rate"]),
+                "loop_errors": sorted({e for reply in replies for e in reply["loop_errors"]}),
+            }
+        closed = [worker.close() for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.kill()
+    caps = [r["cap_bytes"] for r in ready]
+    peaks = [c["peak_bytes"] for c in closed]
+    result.update(
+        per_replica_peak_gb=[None if p is None else round(p / 2**30, 3) for p in peaks],
+        per_replica_cap_gb=[None if c is None else round(c / 2**30, 3) for c in caps],
+        within_caps=None if None in peaks else all(p <= c for p, c in zip(peaks, caps, strict=True)),
+        out_of_memory=sum(c["out_of_memory"] for c in closed),
+    )
+    return result
+
+
+def run_sharing(options: argparse.Namespace) -> None:
+    report = Report(
+        options.out,
+        part="sharing",
+        **device_fields(options.device),
+        model=options.model,
+        clients=options.clients,
+        period_s=options.period_s,
+        duration_s=options.duration_s,
+        configs={},
+    )
+    mps_skip = None
+    if options.device != "cuda":
+        mps_skip = "MPS needs CUDA"
+    elif shutil.which(MPS_CONTROL) is None:
+        mps_skip = f"{MPS_CONTROL} is not on PATH"
+    with tempfile.TemporaryDirectory(prefix="gpu_check_mps_") as folder:
+        no_mps = {"CUDA_MPS_PIPE_DIRECTORY": str(Path(folder) / "no-daemon")}  # an empty folder: CUDA finds no MPS
+        Path(no_mps["CUDA_MPS_PIPE_DIRECTORY"]).mkdir()
+        runs = [
+            ("1x1.0", 1, 1.0, False),
+            (f"{options.replicas}x{options.fraction:g}", options.replicas, options.fraction, False),
+        ]
+        if mps_skip is None:
+            runs.append((f"{options.replicas}x{options.fraction:g}_mps", options.replicas, options.fraction, True))
+        for name, replicas, fraction, mps in runs:
+            daemon = _MpsDaemon(Path(folder) / "mps") if mps else None
+            try:
+                result = run_sharing_config(options, replicas, fraction, daemon.env if daemon else no_mps, daemon)
+            finally:
+                if daemon is not None:
+                    daemon.quit()
+            report.data["configs"][name] = result
+            report.write()
+    configs = report.data["configs"]
+    top = str(max(options.clients))
+    time_sliced = configs[runs[1][0]]["levels"][top]["requests_per_s"]
+    with_mps = configs[runs[2][0]]["levels"][top]["requests_per_s"] if mps_skip is None else None
+    report.update(
+        mps_skipped=mps_skip,
+        mps_throughput_ratio=with_mps / time_sliced if with_mps and time_sliced else None,
+        per_replica_peak_gb={name: c["per_replica_peak_gb"] for name, c in configs.items()},
+        all_within_caps=None if options.device != "cuda" else all(c["within_caps"] for c in configs.values()),
+        requests_lost=sum(
+            level["requests"] - level["completed"] for c in configs.values() for level in c["levels"].values()
+        ),
+    )
+    report.done()
+
+
 # --- command line -----------------------------------------------------------------------------------------------
 
 
@@ -463,6 +725,8 @@ PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
     "precision": run_precision,
     "engine": run_engine,
     "replica": run_replica,
+    "sharing": run_sharing,
+    "sharing-worker": run_sharing_worker,
 }
 
 
@@ -481,6 +745,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="replica: requests submitted at once")
     parser.add_argument("--max-live", type=int, default=8, help="replica: the loop's max_batch_size")
     parser.add_argument("--loop-timeout-s", type=float, default=60.0, help="replica: the loop's longest run")
+    parser.add_argument("--replicas", type=int, default=4, help="sharing: replicas at --fraction on the GPU")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="sharing: the load levels")
+    parser.add_argument("--period-s", type=float, default=2.0, help="sharing: each client's stream interval")
+    parser.add_argument("--duration-s", type=float, default=8.0, help="sharing: how long each level's arrivals go on")
+    parser.add_argument("--drain-s", type=float, default=30.0, help="sharing: the longest wait for a level's streams")
     add_repeat_options(parser)
     options = parser.parse_args()
     if options.device == "cuda" and not torch.cuda.is_available():

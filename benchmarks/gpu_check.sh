@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first check on a GPU machine that holds nothing but this repository and a CUDA build of torch, in under 5 min:
+# The first check on a GPU machine that holds nothing but this repository and a CUDA build of torch, in under 8 min:
 #
 #   bash benchmarks/gpu_check.sh [--cpu] [--quick] [--wheels DIR] [OUTDIR]     # OUTDIR: default $OUT
 #
@@ -16,9 +16,13 @@
 #   4. replica: one decoder replica in process at GPU fraction 0.25 (every profile's), its `auto` memory budget, the
 #      decoder loop (two lanes, each on its CUDA stream) under 16 mixed requests: peak memory against budget and
 #      cap, NVML readings meanwhile;
+#   4b. sharing: decoder replicas as processes on one GPU, 1 at the whole GPU, 4 at 0.25 time-sliced, 4 at 0.25
+#      under an MPS daemon of its own (docs/gpu_sharing.md), the same open-loop streaming load at 1, 4 and 16
+#      clients: requests/s, audio s/s, first-audio p50/p95, peak memory per replica against its cap,
+#      `mps_throughput_ratio` (also at the top of gpu_check.json, with `per_replica_peak_gb`);
 #   5. streams (benchmarks.streams, Ray Serve, decoder at num_gpus 0.25): Poisson streams at 2 rates, both policies;
 #   6. compare (benchmarks.compare, Ray Serve at 0.25): closed loops of 1, 4 and 16 clients against the baseline.
-# Each part has its own time limit, cut to what is left of GPU_CHECK_TOTAL_S (default 285 s), so a slow part still
+# Each part has its own time limit, cut to what is left of GPU_CHECK_TOTAL_S (default 435 s), so a slow part still
 # leaves the others' results; a part writes its JSON as it goes. Everything lands in OUTDIR: <part>.json and
 # <part>.log, nvidia_smi_*.csv, and gpu_check.json (all parts merged, with each part's status). Exit 0 when every
 # part ran to its end, 1 when one failed or ran out of time, 2 for a usage error, 3-7 for a failed preflight.
@@ -67,7 +71,7 @@ if [[ -z "$python" ]]; then
   exit 3
 fi
 
-total_s=${GPU_CHECK_TOTAL_S:-285}
+total_s=${GPU_CHECK_TOTAL_S:-435}
 start=$SECONDS
 status=0
 : > "$out/parts.tsv"
@@ -105,7 +109,7 @@ from pathlib import Path
 out, device, quick, elapsed = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
 parts = dict(line.split("\t", 1) for line in (out / "parts.tsv").read_text().splitlines() if "\t" in line)
 merged = {"device": device, "quick": quick, "elapsed_s": elapsed, "parts": parts}
-for name in ("preflight", "install", "precision", "engine", "replica", "streams", "compare"):
+for name in ("preflight", "install", "precision", "engine", "replica", "sharing", "streams", "compare"):
     path = out / f"{name}.json"
     try:
         merged[name] = json.loads(path.read_text()) if path.exists() else None
@@ -113,6 +117,9 @@ for name in ("preflight", "install", "precision", "engine", "replica", "streams"
         merged[name] = {"unreadable": str(exc)}
 if isinstance(merged["compare"], dict):  # the per-request lists stay in compare.json
     merged["compare"] = {k: v for k, v in merged["compare"].items() if k not in ("ray_serve", "baseline")}
+if isinstance(merged["sharing"], dict):  # its headline keys at the top
+    for key in ("mps_throughput_ratio", "per_replica_peak_gb"):
+        merged[key] = merged["sharing"].get(key)
 if isinstance(merged["streams"], dict):  # the per-stream lists stay in streams.json
     merged["streams"] = {k: v for k, v in merged["streams"].items() if k != "policies"}
 for when in ("before", "after"):
@@ -266,16 +273,19 @@ if ((quick)); then
   precision_args=(--seconds 0.25 --families v3 v1)
   engine_args=(--seconds 0.25 --stream-seconds 0.5 --repeats 1 --warmup 0)
   replica_args=(--requests 4 --loop-timeout-s 30)
+  sharing_args=(--replicas 2 --clients 1 2 --period-s 0.5 --duration-s 0.5)
 else
-  precision_args=() engine_args=() replica_args=()
+  precision_args=() engine_args=() replica_args=() sharing_args=()
 fi
 if [[ -z "$engine_missing" ]]; then
   run_part precision 100 "${check[@]}" --part precision --out "$out/precision.json" "${precision_args[@]}"
   run_part engine 60 "${check[@]}" --part engine --model "$model" --out "$out/engine.json" "${engine_args[@]}"
   run_part replica 50 "${check[@]}" --part replica --model "$model" --fraction 0.25 --out "$out/replica.json" \
     "${replica_args[@]}"
+  run_part sharing 150 "${check[@]}" --part sharing --model "$model" --fraction 0.25 --out "$out/sharing.json" \
+    "${sharing_args[@]}"
 else
-  for part in precision engine replica; do record "$part" "skipped: $engine_missing"; done
+  for part in precision engine replica sharing; do record "$part" "skipped: $engine_missing"; done
   status=1
 fi
 

@@ -129,6 +129,7 @@ class Decoder:
             max_request_s=max_request_s,
             policy=scheduling_policy(scheduling or {}),
             on_request_end=self._request_ended,
+            on_out_of_memory=self._out_of_memory,
         )
         gpu = GpuProbe(torch.cuda.current_device()) if self.device.type == "cuda" else None
         # NVML read about once a second in the background; None (busy time instead) without a GPU or NVML.
@@ -326,6 +327,12 @@ class Decoder:
         playback = ticket.playback
         self.metrics.record_playback(ticket.streaming, playback.first_audio_s, playback.underruns, playback.min_slack_s)
 
+    def _out_of_memory(self, live_limit: int) -> None:
+        """On the loop thread: the loop ran out of GPU memory, put the work back and lowered its live limit (it logs
+        it)."""
+        self.metrics.out_of_memory.inc()
+        self.metrics.live_limit.set(live_limit)
+
     def _refresh_gauges(self) -> None:
         while True:
             self._publish_load()
@@ -335,6 +342,7 @@ class Decoder:
         self.metrics.utilization_from_busy_time.set(self._utilization_from_busy_time)
         self.metrics.queue_depth.set(self.load.waiting)
         self.metrics.ongoing.set(self.load.ongoing)
+        self.metrics.live_limit.set(self.scheduler.live_limit)
         allocated, reserved = self._gpu.memory_bytes() if self._gpu is not None else (0, 0)
         self.metrics.gpu_allocated.set(allocated)
         self.metrics.gpu_reserved.set(reserved)
@@ -376,6 +384,10 @@ class Decoder:
             "preempted": stats.preempted,
             "resumed": stats.resumed,
             "over_limit": stats.over_limit,
+            "out_of_memory": stats.out_of_memory,
+            "oom_paused": stats.oom_paused,
+            "oom_ended": stats.oom_ended,
+            "live_limit": self.scheduler.live_limit,
             "loop_failed": self.scheduler.failure is not None,
             "live": self.scheduler.live,
             "queued": self.scheduler.queued,

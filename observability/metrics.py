@@ -29,6 +29,8 @@ AUTOSCALING_DECISIONS = "cosyvoice_autoscaling_decisions_total"
 UTILIZATION_FROM_BUSY_TIME = "cosyvoice_decoder_utilization_from_busy_time"
 PRECISION_FALLBACKS = "cosyvoice_decoder_precision_fallbacks_total"
 DECODER_LOOP_FAILURES = "cosyvoice_decoder_loop_failures_total"
+DECODER_OUT_OF_MEMORY = "cosyvoice_decoder_out_of_memory_total"
+DECODER_LIVE_LIMIT = "cosyvoice_decoder_live_limit"
 DECODER_FIRST_AUDIO = "cosyvoice_decoder_time_to_first_audio_seconds"
 STREAM_UNDERRUNS = "cosyvoice_decoder_stream_underruns_total"
 STREAM_MIN_SLACK = "cosyvoice_decoder_stream_min_slack_seconds"
@@ -108,6 +110,16 @@ class DecoderMetrics:
             DECODER_LOOP_FAILURES,
             "Decoder loops ended by a fault no single request explains (their requests got 503; the replica is "
             "replaced); a request's own fault ends that request alone and is not counted here",
+        )
+        self.out_of_memory = Counter(
+            DECODER_OUT_OF_MEMORY,
+            "Decoder work (an LLM step, a flow + vocoder run) that ran out of GPU memory and was put back and retried "
+            "under a lowered live limit; a request that cannot fit even alone ends with 503",
+        )
+        self.live_limit = Gauge(
+            DECODER_LIVE_LIMIT,
+            "Live sentences the replica's loop admits now: its max batch size, lower for a while after running out of "
+            "GPU memory",
         )
         self.precision_fallbacks = Counter(
             PRECISION_FALLBACKS,

@@ -128,6 +128,25 @@ class DecoderArgs(_Strict):
         "container's memory limit (else the host's memory) leaves at start, less the same reserve. None: no byte bound",
     )
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
+    mps_thread_share: bool = Field(
+        False,
+        description="under CUDA MPS (docs/gpu_sharing.md), hold each replica to its num_gpus share of the GPU's SMs: "
+        "its process gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 x num_gpus (0.25: 25) before CUDA starts. Off: each "
+        "replica's kernels may use every SM, which MPS still runs beside the other replicas'",
+    )
+
+    @model_validator(mode="after")
+    def _mps_needs_a_gpu(self) -> DecoderArgs:
+        if self.mps_thread_share and not self.num_gpus:
+            raise ValueError("mps_thread_share holds a replica to its GPU share: it needs num_gpus > 0")
+        return self
+
+    @property
+    def mps_env(self) -> dict[str, str]:
+        """The environment a replica's process starts with for `mps_thread_share` (empty when off)."""
+        if not self.mps_thread_share:
+            return {}
+        return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, round(self.num_gpus * 100)))}
 
     @model_validator(mode="after")
     def _batches_can_fill(self) -> DecoderArgs:

@@ -113,7 +113,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_queued_requests=queue_bound(args.decoder.max_queued_requests),
         backpressure_config=backpressure,
         graceful_shutdown_timeout_s=shutdown_s,
-        ray_actor_options={"num_cpus": args.decoder.num_cpus, "num_gpus": args.decoder.num_gpus},
+        ray_actor_options={"num_cpus": args.decoder.num_cpus, "num_gpus": args.decoder.num_gpus}
+        # set before the replica's process starts, so before CUDA reads it (at the first CUDA call)
+        | ({"runtime_env": {"env_vars": args.decoder.mps_env}} if args.decoder.mps_env else {}),
     ).bind(
         args.model,
         use_gpu=args.decoder.num_gpus > 0,

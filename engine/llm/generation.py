@@ -125,6 +125,10 @@ class TokenGenerator:
     Requests added since the last step are prefilled together (left-padded) in the next step and join the running
     batch; finished and cancelled requests leave it. Sampling runs per request on the CPU with its own seeded
     generator, on the same log-probabilities it would get alone (up to float rounding).
+
+    Running out of device memory (`torch.cuda.OutOfMemoryError`) loses no request: a step that runs out before it
+    samples is undone and raises (the caller makes room and steps again; no sampler has moved), and a batch that
+    has no room to shrink its KV cache drops it and prefills its requests again at the next step.
     """
 
     def __init__(self, model: SpeechTokenLM) -> None:
@@ -204,13 +208,17 @@ class TokenGenerator:
         self._retain([i for i in range(len(self._running)) if i != row])
 
     def resume(self, request_id: int) -> None:
-        """A paused request rejoins the batch: it gets its next token in the next `step`."""
+        """A paused request rejoins the batch: it gets its next token in the next `step`. With no device memory to
+        merge its kept cache rows into the batch's, they are dropped and it is prefilled again instead."""
         sequence, cache = self._paused.pop(request_id)
-        if cache is None:
-            self._pending.append(sequence)  # prefilled again over its prompt and its tokens so far
-        else:
-            self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
-            self._running.append(sequence)
+        if cache is not None:
+            try:
+                self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
+                self._running.append(sequence)
+                return
+            except torch.cuda.OutOfMemoryError:
+                pass
+        self._pending.append(sequence)  # prefilled again over its prompt and its tokens so far
 
     @property
     def paused(self) -> int:
@@ -222,9 +230,40 @@ class TokenGenerator:
 
         A fault that one request's own input causes (its prefill or its sampling raises) ends that request alone,
         with an "error" event; a fault of the running batch's decoding step, which no single request explains,
-        raises."""
-        model = self.model
+        raises. Out of device memory before sampling, the generator is put back as it was before the step (the
+        newly joined requests pending again) and the `torch.cuda.OutOfMemoryError` raises."""
+        saved = self._pending, list(self._running), None if self._cache is None else self._cache.checkpoint()
         events: list[TokenEvent] = []
+        try:
+            logprobs = self._forward(events)
+        except torch.cuda.OutOfMemoryError:
+            self._pending, self._running, self._cache = saved
+            raise
+        if logprobs is None:
+            return events
+        keep = []
+        for row, sequence in enumerate(self._running):
+            scores = logprobs[row]
+            try:
+                token = self._sample(sequence, scores)
+            except Exception as exc:
+                events.append(TokenEvent(sequence.request_id, None, "error", None, exc))
+                continue
+            if token >= self.model.eos:
+                events.append(TokenEvent(sequence.request_id, None, "eos", scores))
+                continue
+            sequence.tokens.append(token)
+            finished = len(sequence.tokens) >= sequence.max_len
+            events.append(TokenEvent(sequence.request_id, token, "max_len" if finished else None, scores))
+            if not finished:
+                keep.append(row)
+        self._retain(keep)
+        return events
+
+    def _forward(self, events: list[TokenEvent]) -> Tensor | None:
+        """Prefill the pending requests and run the running ones a step -> the log-probabilities of every running row
+        (the joined ones last), on the CPU; None when nothing runs."""
+        model = self.model
         joined, joined_hidden, joined_cache = self._prefill_pending(events)  # before the running rows move on
         hidden = []
         if self._running:
@@ -238,26 +277,8 @@ class TokenGenerator:
             self._cache = joined_cache if self._cache is None else KVCache.concat(self._cache, joined_cache)
             self._running += joined
         if not hidden:
-            return events
-        logprobs = log_softmax_fp32(model.llm_decoder(torch.cat(hidden))).cpu()
-        keep = []
-        for row, sequence in enumerate(self._running):
-            scores = logprobs[row]
-            try:
-                token = self._sample(sequence, scores)
-            except Exception as exc:
-                events.append(TokenEvent(sequence.request_id, None, "error", None, exc))
-                continue
-            if token >= model.eos:
-                events.append(TokenEvent(sequence.request_id, None, "eos", scores))
-                continue
-            sequence.tokens.append(token)
-            finished = len(sequence.tokens) >= sequence.max_len
-            events.append(TokenEvent(sequence.request_id, token, "max_len" if finished else None, scores))
-            if not finished:
-                keep.append(row)
-        self._retain(keep)
-        return events
+            return None
+        return log_softmax_fp32(model.llm_decoder(torch.cat(hidden))).cpu()
 
     def _sample(self, sequence: _Sequence, scores: Tensor) -> int:
         """The sequence's next token from its log-softmax scores [V] (stop ids masked in place before min_len)."""
@@ -272,17 +293,22 @@ class TokenGenerator:
         """Prefill the requests added since the last step -> (those that join, their last hidden [N, D], their cache).
 
         Nothing of the running batch is touched, so when the batch's prefill raises, each request is tried alone:
-        the ones that fail alone leave with an "error" event, the others are prefilled together again."""
+        the ones that fail alone leave with an "error" event, the others are prefilled together again. Running out
+        of memory is no request's own fault: it raises."""
         pending, self._pending = self._pending, []
         if not pending:
             return [], None, None
         try:
             return pending, *self._prefill(pending)
+        except torch.cuda.OutOfMemoryError:
+            raise
         except Exception as exc:
             failed = {pending[0].request_id: exc} if len(pending) == 1 else {}
         for sequence in pending if not failed else ():
             try:
                 self._prefill([sequence])
+            except torch.cuda.OutOfMemoryError:
+                raise
             except Exception as exc:
                 failed[sequence.request_id] = exc
         events += [TokenEvent(i, None, "error", None, exc) for i, exc in failed.items()]
@@ -313,11 +339,18 @@ class TokenGenerator:
         return torch.cat([prompt, self.model.speech_embedding(tokens).to(prompt.dtype)])
 
     def _retain(self, rows: list[int]) -> None:
-        """Keep these running rows (finished or cancelled ones leave the batch and the cache)."""
+        """Keep these running rows (finished or cancelled ones leave the batch and the cache). Shrinking the cache
+        copies the kept rows: with no memory for the copy, the cache is dropped and the kept requests are prefilled
+        again over their tokens so far at the next step (as a recompute pause)."""
         if len(rows) == len(self._running):
             return
-        self._running = [self._running[r] for r in rows]
+        kept = [self._running[r] for r in rows]
         if not rows:
-            self._cache = None
-        else:
+            self._running, self._cache = [], None
+            return
+        try:
             self._cache.select(rows)
+        except torch.cuda.OutOfMemoryError:
+            self._running, self._cache, self._pending = [], None, kept + self._pending
+            return
+        self._running = kept

@@ -171,6 +171,13 @@ class KVCache:
         first = int(used[0, 0]) if len(used) else self.length
         self._regrid(index, first, _headroom(self.length - first))
 
+    def checkpoint(self) -> KVCache:
+        """The cache as it is now, for putting back after a forward pass that failed half-way: `extend` and `store`
+        write only past this length (or into new buffers), so the saved view stays intact."""
+        saved = copy.copy(self)
+        saved.keys, saved.values = list(self.keys), list(self.values)
+        return saved
+
     def take(self, rows: list[int]) -> KVCache:
         """A new cache holding copies of these rows (this one is left as it is)."""
         part = copy.copy(self)

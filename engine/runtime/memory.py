@@ -160,3 +160,23 @@ class HostMemory:
 def host_memory() -> tuple[int, int] | None:
     """(limit, in use) bytes of the memory this process may use: `HostMemory().limit_and_use()`."""
     return HostMemory().limit_and_use()
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the allocator running out of device memory, or a request error it caused (its cause)."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or isinstance(error.__cause__, torch.cuda.OutOfMemoryError)
+
+
+def describe_memory_limit(device: torch.device, budget_bytes: int | None) -> str:
+    """The memory limit a decoder on `device` works within, in words for an error: on CUDA its process's share of
+    the card (`set_per_process_memory_fraction`), and the budget its live requests may hold."""
+    parts = []
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        parts.append(f"a {fraction * total / 2**30:.2f} GiB share ({fraction:g}) of the GPU's {total / 2**30:.1f} GiB")
+    else:
+        parts.append(f"the memory of its {device.type} device")
+    if budget_bytes is not None:
+        parts.append(f"a request budget of {budget_bytes / 2**20:.0f} MiB")
+    return " with ".join(parts)

@@ -42,19 +42,32 @@ a segment is checked when it is submitted (`SpeechDecoderStage.check_segment`); 
 whose prefill or sampling raises (`TokenGenerator.step`), or whose flow + vocoder work raises alone (a job that
 raises is run again sentence by sentence, `engine.errors.isolate_failures`) ends its request with that error, and
 the others go on with the audio they would have had without it. Every request also ends at its ceilings: at most
-`max_audio_s` of speech and `max_request_s` of wall time from its submission (`DecodeLimitError`). A step that
-raises beyond that (a fault no single request explains) ends the loop: every request gets the error, later
+`max_audio_s` of speech and `max_request_s` of wall time from its submission (`DecodeLimitError`).
+
+Running out of device memory (`torch.cuda.OutOfMemoryError`, raised by the allocator at the replica's share) is no
+request's fault and ends none that can fit alone. The allocator's cache is emptied and the live limit (`live_limit`,
+also the flow + vocoder batch cap) is halved for `oom_backoff_s` (then doubled back each such while without another).
+An LLM step that runs out is undone (`TokenGenerator.step`); the newest generating sentences past the lowered limit
+are paused (their KV caches dropped, recomputed on resume) and the step runs again at the next `step`. A flow +
+vocoder job that runs out is run again sentence by sentence (streams put back to their state before it). Work that
+runs out with one sentence alone in it is run again at once on the loop thread with nothing beside it (the running
+jobs waited for); if that runs out too, the sentence cannot fit even alone: its request ends with `UnavailableError`
+(503) naming the replica's memory limit, the others go on. Nothing handed on is made twice, and every sampler keeps
+its place.
+
+A step that raises beyond that (a fault no single request explains) ends the loop: every request gets the error, later
 submissions are refused with `UnavailableError`, and `failure` tells the replica to have itself replaced.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,13 +86,16 @@ from engine.errors import (
 )
 from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
 from engine.runtime.handoff import hand_over, loop_stream, on_stream, take_over
-from engine.runtime.memory import estimate_request_memory
+from engine.runtime.memory import describe_memory_limit, estimate_request_memory, is_out_of_memory
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_VOCODE_BATCH_CUDA, DEFAULT_VOCODE_BATCH_CPU = 8, 1
+OOM_BACKOFF_S = 30.0  # how long a live limit lowered by an out-of-memory holds before it is doubled back
 FIRST, MAIN = "first", "main"  # the lanes
 Output = np.ndarray | CosyVoiceError | None
 Sink = Callable[[Output], None]
@@ -200,6 +216,10 @@ class SchedulerStats:
     preempted: int = 0  # generating sentences paused to give their slot to an earlier deadline
     resumed: int = 0
     over_limit: int = 0  # requests ended at their audio or time ceiling
+    out_of_memory: int = 0  # LLM steps and flow + vocoder runs that ran out of device memory and were put back
+    oom_paused: int = 0  # generating sentences paused to fit a live limit lowered by an out-of-memory
+    oom_ended: int = 0  # requests ended because a sentence of theirs ran out of memory even alone
+    oom_live_limit: int | None = None  # the live limit while an out-of-memory holds it below max_live, else None
 
 
 class Scheduler:
@@ -217,14 +237,21 @@ class Scheduler:
         policy: SchedulingPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_request_end: Callable[[Ticket, CosyVoiceError | None], None] | None = None,
+        on_out_of_memory: Callable[[int], None] | None = None,
+        oom_backoff_s: float = OOM_BACKOFF_S,
     ) -> None:
         """`on_request_end(ticket, error)` is called on the loop thread when a request ends (its `playback` says
-        when its audio came and how its listener fared)."""
+        when its audio came and how its listener fared); `on_out_of_memory(live_limit)` when the loop ran out of
+        device memory and lowered its live limit to `live_limit`."""
         self.stage = stage
         self.policy: SchedulingPolicy = policy or DeadlinePolicy()
         self.clock = clock
         self.on_request_end = on_request_end
+        self.on_out_of_memory = on_out_of_memory
         self.max_live = max_live
+        self.oom_backoff_s = oom_backoff_s
+        self._oom_limit: int | None = None  # the live limit an out-of-memory set, until `_oom_until`
+        self._oom_until = 0.0
         self.memory_budget_bytes = memory_budget_bytes
         self.max_audio_s = max_audio_s
         self.max_speech_tokens = None if max_audio_s is None else stage.model.config.speech_tokens_for(max_audio_s)
@@ -361,6 +388,16 @@ class Scheduler:
         return sum(s.memory_bytes for s in tuple(self._live) if not s.paused or s.cache_kept)
 
     @property
+    def live_limit(self) -> int:
+        """The live sentences admitted now: `max_live`, lower for a while after running out of device memory. It
+        caps flow + vocoder batches too."""
+        return self.max_live if self._oom_limit is None else min(self.max_live, self._oom_limit)
+
+    @property
+    def vocode_batch(self) -> int:
+        return min(self.max_vocode_batch, self.live_limit)
+
+    @property
     def generating_slots(self) -> int:
         """Live sentences that count against `max_live`: all but the paused ones."""
         return sum(not s.paused for s in tuple(self._live))
@@ -412,6 +449,7 @@ class Scheduler:
     def step(self) -> None:
         """One round of the loop: take in, one LLM step, admit, then start the flow + vocoder jobs that are due."""
         self._wait_if_only_vocoding()
+        self._relax_live_limit()
         self._finish_jobs()
         self._take_inbox()
         self._drop_cancelled()
@@ -522,7 +560,7 @@ class Scheduler:
     def _fits(self, sentence: _Sentence) -> bool:
         """Whether `sentence` may join the batch now: a free slot, and room in the memory budget (an empty loop
         takes any sentence: `check_fits` refused those larger than the whole budget)."""
-        if self.generating_slots >= self.max_live:
+        if self.generating_slots >= self.live_limit:
             return False
         budget, held = self.memory_budget_bytes, self.live_bytes
         needed = 0 if sentence.cache_kept else sentence.memory_bytes
@@ -543,8 +581,8 @@ class Scheduler:
                 self.llm.resume(sentence.llm_id)
                 sentence.paused = sentence.cache_kept = False
                 self.stats.resumed += 1
-            else:
-                self._start_generating(sentence)
+            elif not self._start_generating(sentence):
+                return
 
     def _preempt_for(self, waiting: _Sentence, now: float) -> bool:
         """Pause generating sentences, the latest deadline first, while the policy allows it and `waiting` does not
@@ -561,14 +599,23 @@ class Scheduler:
                 return False
             victim = max(victims, key=lambda s: self.policy.deadline(s.request))
             budget = self.memory_budget_bytes
-            keep = budget is None or self.live_bytes + waiting.memory_bytes <= budget
-            self.llm.pause(victim.llm_id, keep_cache=keep)
-            victim.paused, victim.cache_kept = True, keep
+            self._pause(victim, keep_cache=budget is None or self.live_bytes + waiting.memory_bytes <= budget)
             self.stats.preempted += 1
         return True
 
-    def _start_generating(self, sentence: _Sentence) -> None:
-        """Admit a request's next sentence: its generator row (its stream, when streaming) starts in the next step."""
+    def _pause(self, sentence: _Sentence, keep_cache: bool) -> None:
+        """Take a generating sentence out of the LLM batch until it is admitted again; its KV cache is set aside if
+        `keep_cache` and there is device memory for the copy, else recomputed on resume."""
+        try:
+            self.llm.pause(sentence.llm_id, keep_cache=keep_cache)
+        except torch.cuda.OutOfMemoryError:  # the copy of its rows did not fit; nothing changed
+            keep_cache = False
+            self.llm.pause(sentence.llm_id, keep_cache=False)
+        sentence.paused, sentence.cache_kept = True, keep_cache
+
+    def _start_generating(self, sentence: _Sentence) -> bool:
+        """Admit a request's next sentence: its generator row (its stream, when streaming) starts in the next step.
+        -> whether admission goes on (not after running out of device memory: the sentence waits, still queued)."""
         ticket = sentence.request
         try:
             if ticket.streaming:
@@ -577,9 +624,12 @@ class Scheduler:
             else:
                 [request] = self.stage.generation_requests([sentence.segment])
                 sentence.llm_id = self.llm.add(request)
+        except torch.cuda.OutOfMemoryError:  # its inputs' copy to the device: nothing was added
+            self._lower_live_limit("an admission")
+            return False
         except Exception as exc:  # this request's input: it ends, the admission goes on
             self._fail_request(ticket, as_request_error(exc))
-            return
+            return True
         if self.llm.batch_size:
             self.stats.joined_running_batch += 1
         if ticket.admitted and not ticket.sentences[ticket.admitted - 1].done:
@@ -590,16 +640,26 @@ class Scheduler:
         self._live.append(sentence)
         if ticket.admitted == len(ticket.sentences):
             self._queue.remove(ticket)
+        return True
 
     def _llm_step(self) -> None:
         generating = [s for s in self._live if not (s.tokens_done or s.paused)]
+        batch_size = self.llm.active
+        while_vocoding = any(not job.future.done() for job in self._jobs.values())
+        try:
+            events = self.llm.step()
+        except torch.cuda.OutOfMemoryError:  # the generator is as it was before the step
+            retried = self._llm_out_of_memory(generating)
+            if retried is None:
+                return
+            events = retried
         self.stats.llm_steps += 1
-        self.stats.llm_batch_size_counts[self.llm.active] += 1
+        self.stats.llm_batch_size_counts[batch_size] += 1
         if len({s.request.streaming for s in generating}) == 2:
             self.stats.mixed_steps += 1
-        if any(not job.future.done() for job in self._jobs.values()):
+        if while_vocoding:
             self.stats.llm_steps_while_vocoding += 1
-        for event in self.llm.step():
+        for event in events:
             sentence = self._by_llm_id.get(event.request_id)
             if sentence is None:  # its request ended earlier in this loop (an error of another of its sentences)
                 continue
@@ -626,6 +686,78 @@ class Scheduler:
                     ),
                 )
 
+    # --- out of device memory ---------------------------------------------------------------------------------
+
+    def _llm_out_of_memory(self, generating: list[_Sentence]) -> list[TokenEvent] | None:
+        """An LLM step ran out of memory and was undone: lower the live limit and pause the newest generating
+        sentences past it (their KV caches dropped, so memory frees); the step runs again at the next `step`. A
+        sentence alone in the step is retried at once, alone -> that step's events (None: not retried or it ended)."""
+        if len(generating) == 1:
+            return self._run_alone(generating[0], "an LLM step", self.llm.step)
+        self._lower_live_limit("an LLM step")
+        for victim in reversed(generating[1:]):  # the oldest keeps generating
+            if self.generating_slots <= self.live_limit:
+                break
+            self._pause(victim, keep_cache=False)
+            self.stats.oom_paused += 1
+        return None
+
+    def _run_alone(self, sentence: _Sentence, where: str, work: Callable[[], Any]) -> Any:
+        """`sentence`'s work ran out of device memory with it alone in its LLM step or flow + vocoder run, and was
+        put back: lower the live limit, wait for the running jobs, and run `work` again at once on this thread, with
+        nothing else decoding -> its result. If it runs out again the sentence cannot fit even alone: its request
+        ends with a 503 naming the replica's memory limit (-> None)."""
+        self._lower_live_limit(where)
+        wait([job.future for job in self._jobs.values()])
+        try:
+            return work()
+        except torch.cuda.OutOfMemoryError:
+            self._free_cached_memory()
+        self.stats.oom_ended += 1
+        limit = describe_memory_limit(self.stage.model.decoder_device, self.memory_budget_bytes)
+        logger.warning("a sentence ran out of device memory in %s even alone (%s): its request ends", where, limit)
+        self._fail_request(
+            sentence.request,
+            UnavailableError(
+                f"a sentence of this request needs more device memory than this decoder replica has, {limit}, even "
+                "with nothing else decoding; send shorter sentences or a lower max_token_text_ratio, or retry on a "
+                "replica with a larger GPU fraction"
+            ),
+        )
+        return None
+
+    def _free_cached_memory(self) -> None:
+        """Count an out-of-memory and hand the allocator's cached blocks back, so the retry finds them free."""
+        self.stats.out_of_memory += 1
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _lower_live_limit(self, where: str) -> None:
+        """After an out-of-memory: halve the live limit (at least 1) for `oom_backoff_s`."""
+        self._free_cached_memory()
+        self._oom_limit = max(1, min(self.live_limit, self.generating_slots) // 2)
+        self._oom_until = self.clock() + self.oom_backoff_s
+        self.stats.oom_live_limit = self.live_limit
+        logger.warning(
+            "the decoder ran out of device memory in %s; it retries with at most %d live sentences for %g s",
+            where,
+            self.live_limit,
+            self.oom_backoff_s,
+        )
+        if self.on_out_of_memory is not None:
+            self.on_out_of_memory(self.live_limit)
+
+    def _relax_live_limit(self) -> None:
+        """Double a live limit lowered by an out-of-memory back, each `oom_backoff_s` without another one."""
+        if self._oom_limit is None or self.clock() < self._oom_until:
+            return
+        self._oom_limit *= 2
+        self._oom_until = self.clock() + self.oom_backoff_s
+        if self._oom_limit >= self.max_live:
+            self._oom_limit = None
+        self.stats.oom_live_limit = None if self._oom_limit is None else self.live_limit
+        logger.info("the decoder's live limit is back up to %d", self.live_limit)
+
     # --- the flow + vocoder jobs ---------------------------------------------------------------------------
 
     def _start_jobs(self) -> None:
@@ -635,9 +767,10 @@ class Scheduler:
         by_deadline = self.policy.by_deadline
         if by_deadline:
             first.sort(key=self._deadline)
+        batch = self.vocode_batch
         if FIRST not in self._jobs and first:
-            self._start_streams_job(FIRST, first[: self.max_vocode_batch])
-            first = first[self.max_vocode_batch :]
+            self._start_streams_job(FIRST, first[:batch])
+            first = first[batch:]
         if MAIN in self._jobs:
             return
         running = sorted((s for s in ready if s.request.audio_started), key=lambda s: s.recorded_at)
@@ -645,12 +778,12 @@ class Scheduler:
         if by_deadline:
             self._start_earliest(sorted(first + running + whole, key=self._deadline))
         elif first:
-            self._start_streams_job(MAIN, first[: self.max_vocode_batch])
+            self._start_streams_job(MAIN, first[:batch])
         elif running and (not whole or self._main_turn == "streams"):
-            self._start_streams_job(MAIN, running[: self.max_vocode_batch])
+            self._start_streams_job(MAIN, running[:batch])
             self._main_turn = "whole"
         elif whole:
-            self._start_whole_job(whole[: self.max_vocode_batch])
+            self._start_whole_job(whole[:batch])
             self._main_turn = "streams"
 
     def _deadline(self, sentence: _Sentence) -> float:
@@ -661,7 +794,7 @@ class Scheduler:
         if not work:
             return
         streams = work[0].stream is not None
-        chosen = [s for s in work if (s.stream is not None) == streams][: self.max_vocode_batch]
+        chosen = [s for s in work if (s.stream is not None) == streams][: self.vocode_batch]
         if streams:
             self._start_streams_job(MAIN, chosen)
         else:
@@ -708,15 +841,34 @@ class Scheduler:
             hand_over(chosen, streams.decoder.model.decoder_device)
 
     @torch.inference_mode()
-    def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | CosyVoiceError]:
+    def _vocode(self, segments: list[EncodedSegment], tokens: list[torch.Tensor]) -> list[np.ndarray | Exception]:
         """A lane: flow + vocoder of whole sentences (as `SpeechDecoderStage.decode_batch`); a sentence whose work
-        fails alone gets its error."""
+        fails alone gets its error (out of device memory: the `torch.cuda.OutOfMemoryError`, to be retried)."""
 
         def vocode(rows: list[int]) -> list[np.ndarray | CosyVoiceError]:
             chosen = [segments[row] for row in rows]
             return self.stage.vocode(chosen, self.stage.tokens_to_mel(chosen, [tokens[row] for row in rows]))
 
-        return isolate_failures(list(range(len(segments))), vocode, lambda _, error: [error])
+        def failed(_: int, error: CosyVoiceError) -> list[Exception]:
+            return [error.__cause__ if is_out_of_memory(error) else error]
+
+        return isolate_failures(list(range(len(segments))), vocode, failed)
+
+    def _emit_one(self, stream: Any) -> np.ndarray | CosyVoiceError:
+        """The chunk of one stream (whose run ran out of memory and was put back), made on this thread; raises
+        `torch.cuda.OutOfMemoryError` if it runs out again."""
+        produced = self._emit(self.streams, [], [stream])
+        audio = produced[0][1] if produced else np.zeros(0, dtype=np.float32)
+        if isinstance(audio, torch.cuda.OutOfMemoryError):
+            raise audio
+        return audio
+
+    def _vocode_one(self, sentence: _Sentence) -> np.ndarray | CosyVoiceError:
+        """`_emit_one` for a whole sentence."""
+        [wave] = self._vocode([sentence.segment], [torch.tensor(sentence.tokens, dtype=torch.long)])
+        if isinstance(wave, torch.cuda.OutOfMemoryError):
+            raise wave
+        return wave
 
     def _finish_jobs(self) -> None:
         """Take in the finished jobs' audio (a job that raised, a bug, raises here as a failed step does)."""
@@ -744,6 +896,10 @@ class Scheduler:
             sentence = by_stream.get(id(stream))
             if sentence is None or sentence.request.ended:  # cancelled, or ended by an earlier error in this batch
                 continue
+            if isinstance(audio, torch.cuda.OutOfMemoryError):  # its stream was put back: its chunk is made again
+                audio = self._run_alone(sentence, "a streams flow + vocoder run", lambda s=stream: self._emit_one(s))
+                if audio is None:
+                    continue
             if isinstance(audio, CosyVoiceError):
                 self._fail(sentence, audio)
                 continue
@@ -757,11 +913,15 @@ class Scheduler:
             else:
                 sentence.chunk_ready = True  # its tokens may hold another chunk
 
-    def _take_waves(self, sentences: list[_Sentence], waves: list[np.ndarray | CosyVoiceError]) -> None:
+    def _take_waves(self, sentences: list[_Sentence], waves: list[np.ndarray | Exception]) -> None:
         self.stats.vocode_batch_size_counts[len(sentences)] += 1
         for sentence, wave in zip(sentences, waves, strict=True):
             if sentence.done:  # cancelled while it was vocoded
                 continue
+            if isinstance(wave, torch.cuda.OutOfMemoryError):
+                wave = self._run_alone(sentence, "a flow + vocoder run", lambda s=sentence: self._vocode_one(s))
+                if wave is None:
+                    continue
             if isinstance(wave, CosyVoiceError):
                 self._fail(sentence, wave)
                 continue

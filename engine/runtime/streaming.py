@@ -15,10 +15,17 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, isolate_failures
+from engine.errors import (
+    CosyVoiceError,
+    InvalidInputError,
+    NonFiniteOutputError,
+    as_request_error,
+    isolate_failures,
+)
 from engine.families.chunking import Chunk, ChunkStrategy, StreamState
 from engine.llm.generation import SilentRunFilter, TokenEvent, TokenGenerator
 from engine.llm.sampling import make_generator
+from engine.runtime.memory import is_out_of_memory
 from engine.runtime.segment import EncodedSegment
 
 
@@ -102,7 +109,12 @@ class DecodeStream:
     @torch.inference_mode()
     def step(self) -> list[np.ndarray | NonFiniteOutputError | None]:
         self.record(self.llm.step())
-        audio = {id(stream): chunk for stream, chunk in self.emit()}
+        audio = {}
+        for stream, chunk in self.emit():
+            if isinstance(chunk, torch.cuda.OutOfMemoryError):  # nothing here makes room: the stream ends
+                self.stop(stream)
+                chunk = as_request_error(chunk)
+            audio[id(stream)] = chunk
         out: list[np.ndarray | NonFiniteOutputError | None] = []
         for stream in self.streams:
             if id(stream) in audio:
@@ -128,17 +140,21 @@ class DecodeStream:
     @torch.inference_mode()
     def emit(
         self, streams: list[StreamState] | None = None
-    ) -> list[tuple[StreamState, np.ndarray | NonFiniteOutputError | CosyVoiceError]]:
+    ) -> list[tuple[StreamState, np.ndarray | NonFiniteOutputError | CosyVoiceError | torch.cuda.OutOfMemoryError]]:
         """Every stream (of `streams`; default all) that has a chunk's worth of tokens gets its audio, all of them in
         one flow + vocoder batch. Emits over disjoint `streams` change only their own streams' state (and the
         generator, to stop a stream whose audio is not finite). A batch that raises is put back and run again stream
-        by stream: a stream that fails alone is stopped with its error, the others' audio is as if it was not there."""
+        by stream: a stream that fails alone is stopped with its error, the others' audio is as if it was not there;
+        one that runs out of device memory alone is left put back, with the `torch.cuda.OutOfMemoryError` as its
+        entry (its owner may make room and emit it again)."""
         live = [stream for stream in (self.streams if streams is None else streams) if not stream.finished]
         if not live:  # also when the family cannot stream: no stream was ever added
             return []
         saved = {id(stream): stream.checkpoint() for stream in live}
 
-        def failed(stream: StreamState, error: CosyVoiceError) -> list[tuple[StreamState, CosyVoiceError]]:
+        def failed(stream: StreamState, error: CosyVoiceError) -> list[tuple[StreamState, Exception]]:
+            if is_out_of_memory(error):
+                return [(stream, error.__cause__)]
             self.stop(stream)
             return [(stream, error)]
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -133,3 +136,104 @@ def test_rayservice_groups_scale_fit_and_mount_the_model() -> None:
     job = next(d for d in volume_docs if d["kind"] == "Job")
     assert pvc["metadata"]["name"] == claim
     assert Path(profile_args().model).name in str(job["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+# --- CUDA MPS on GPU nodes (docs/gpu_sharing.md) ----------------------------------------------------------------
+
+MPS_DIRS = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps", "CUDA_MPS_LOG_DIRECTORY": "/tmp/nvidia-mps-log"}
+MPS_SWITCH = "COSYVOICE_MPS"
+START_DAEMON = "nvidia-cuda-mps-control -d"
+
+
+def _assigned(command: str) -> dict[str, str]:
+    """The CUDA_MPS_* variables a shell command line sets."""
+    return dict(re.findall(r"\b(CUDA_MPS_[A-Z_]+)=(\S+)", command))
+
+
+def _mps_lines(commands: list[str]) -> list[str]:
+    return [c for c in commands if "nvidia-cuda-mps-control" in c]
+
+
+def _gpu_pod_container() -> dict:
+    groups = load_manifest()["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    gpu = next(g for g in groups if "nvidia.com/gpu" in str(g["template"]))
+    (container,) = gpu["template"]["spec"]["containers"]
+    return container
+
+
+def test_the_launcher_the_manifests_and_the_docs_agree_on_mps() -> None:
+    cluster = load_cluster()
+    commands = cluster["worker_start_ray_commands"]
+    [daemon] = [c for c in commands if START_DAEMON in c]
+    [start] = [c for c in commands if "ray start" in c]
+    assert commands.index(daemon) < commands.index(start)  # the replicas find the daemon when CUDA starts
+    assert _assigned(daemon) == _assigned(start) == MPS_DIRS  # the replicas inherit ray start's environment
+    assert f"--env {MPS_SWITCH}=1" in " ".join(cluster["docker"]["run_options"])
+
+    container = _gpu_pod_container()
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env == {**MPS_DIRS, MPS_SWITCH: "1"}
+    assert START_DAEMON in " ".join(container["lifecycle"]["postStart"]["exec"]["command"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"  # a whole GPU: the pod runs its own daemon
+
+    [plugin] = yaml.safe_load_all((ROOT / "kuberay" / "device-plugin-mps.yaml").read_text())
+    [resource] = yaml.safe_load(plugin["data"]["config"])["sharing"]["mps"]["resources"]
+    assert resource == {"name": "nvidia.com/gpu", "replicas": round(1 / profile_args().decoder.num_gpus)}
+
+    docs = (ROOT / "docs" / "gpu_sharing.md").read_text()
+    for named in (
+        *(f"{name}={value}" for name, value in MPS_DIRS.items()),
+        f"{MPS_SWITCH}=1",
+        START_DAEMON,
+        'nvidia-smi -q | grep -i "compute mode"',
+        f"echo get_server_list | CUDA_MPS_PIPE_DIRECTORY={MPS_DIRS['CUDA_MPS_PIPE_DIRECTORY']} nvidia-cuda-mps-control",
+        "kuberay/device-plugin-mps.yaml",
+        "decoder.mps_thread_share",
+    ):
+        assert named in docs, named
+
+
+def _fake_tools(bin_dir: Path, log: Path, gpu: bool) -> None:
+    """Stand-ins for `nvidia-smi` (a GPU or none) and `nvidia-cuda-mps-control` (records its calls and MPS env)."""
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nexit {0 if gpu else 9}\n")
+    (bin_dir / "nvidia-cuda-mps-control").write_text(
+        f'#!/bin/sh\ninput=""\n[ "$1" = -d ] || read -r input\n'
+        f'echo "$* $input pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> {log}\n'
+    )
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+
+
+@pytest.mark.parametrize(("gpu", "switch", "started"), [(True, "1", True), (True, "0", False), (False, "1", False)])
+def test_the_mps_commands_start_the_daemon_on_gpu_nodes_unless_switched_off(
+    tmp_path: Path, gpu: bool, switch: str, started: bool
+) -> None:
+    """The launcher's and the GPU pod's MPS lines, run by a shell against stand-in NVIDIA tools (directories moved
+    under tmp_path)."""
+    log = tmp_path / "calls"
+    _fake_tools(tmp_path / "bin", log, gpu)
+    moved = {value: str(tmp_path / Path(value).name) for value in MPS_DIRS.values()}
+
+    def run(command: str, env: dict[str, str]) -> None:
+        for value, target in moved.items():
+            command = command.replace(value, target)
+        path = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+        subprocess.run(["/bin/sh", "-c", command], env={"PATH": path, **env}, check=True, timeout=30)
+
+    for command in _mps_lines(load_cluster()["worker_start_ray_commands"]):
+        run(command, {MPS_SWITCH: switch})
+    launcher = log.read_text().splitlines()
+    assert launcher[0].startswith(" quit pipe=") and launcher[0].endswith(moved["/tmp/nvidia-mps"] + " log=")
+    expected = f"-d  pipe={moved['/tmp/nvidia-mps']} log={moved['/tmp/nvidia-mps-log']}"
+    assert launcher[1:] == ([expected] if started else [])
+    assert all(Path(d).is_dir() for d in moved.values()) is started
+
+    if gpu:  # a GPU pod: the hook runs with the container's env
+        log.unlink()
+        container = _gpu_pod_container()
+        env = {item["name"]: moved.get(item["value"], item["value"]) for item in container["env"]}
+        [shell, flag, hook] = container["lifecycle"]["postStart"]["exec"]["command"]
+        assert (shell, flag) == ("/bin/sh", "-c")
+        run(hook, {**env, MPS_SWITCH: switch})
+        assert (log.read_text().splitlines() if log.exists() else []) == ([expected] if started else [])

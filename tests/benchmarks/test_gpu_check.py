@@ -32,7 +32,8 @@ def test_the_cpu_dry_run_runs_every_part_and_merges_their_json(tmp_path: Path) -
     assert merged["device"] == "cpu" and merged["quick"] is True
     parts = merged["parts"]
     assert parts.pop("install").startswith("not needed")
-    assert parts == dict.fromkeys(("preflight", "precision", "engine", "replica", "streams", "compare"), "ok")
+    ran = ("preflight", "precision", "engine", "replica", "sharing", "streams", "compare")
+    assert parts == dict.fromkeys(ran, "ok")
     assert merged["preflight"]["ok"] and merged["preflight"]["torch"] == torch.__version__
 
     precision = merged["precision"]
@@ -61,9 +62,19 @@ def test_the_cpu_dry_run_runs_every_part_and_merges_their_json(tmp_path: Path) -
     assert replica["memory_budget_bytes"] > 0 and replica["gpu_fraction"] is None
     assert "unavailable" in replica["nvml"] or replica["nvml"]["samples"] > 0
 
+    sharing = merged["sharing"]  # 2 replicas and 2 load levels here (--quick); no MPS without CUDA
+    assert sharing["complete"] and sharing["requests_lost"] == 0
+    assert set(sharing["configs"]) == {"1x1.0", "2x0.25"} and sharing["mps_skipped"] == "MPS needs CUDA"
+    for config in sharing["configs"].values():
+        for level in config["levels"].values():
+            assert level["completed"] == level["requests"] and level["audio_s_per_s"] > 0 and level["ttfa_p50_s"] > 0
+    assert sharing["configs"]["2x0.25"]["levels"]["2"]["requests"] == 2
+    assert merged["mps_throughput_ratio"] is None  # the headline keys, lifted from sharing.json
+    assert merged["per_replica_peak_gb"] == {"1x1.0": [None], "2x0.25": [None, None]}  # CPU: no device memory
+
     for part in ("streams", "compare"):
         assert merged[part]["dry_run"] and merged[part]["num_gpus"] == 0, part
-    for name in ("precision", "engine", "replica", "streams", "compare"):
+    for name in ("precision", "engine", "replica", "sharing", "streams", "compare"):
         assert (out / f"{name}.log").exists(), name
 
 
@@ -71,6 +82,7 @@ def test_the_gpu_run_uses_every_profiles_quarter_gpu() -> None:
     script = SCRIPT.read_text()
     assert "model=dummy num_gpus=0.25" in script
     assert "--fraction 0.25" in script
+    assert "sharing_args=()" in script  # the GPU run: the part's defaults, 4 replicas at 1, 4 and 16 clients
     assert "--num-gpus 0.5" not in script and "num_gpus=0.5" not in script
 
 

@@ -157,6 +157,24 @@ def test_openai_speech_is_sent_whole_where_the_format_or_the_family_cannot_strea
     assert openai_mode("audio", "mp3", V3_INFO, 1.5) == "whole"  # CosyVoice3 applies speed to whole requests only
 
 
+def test_mps_thread_share_gives_each_gpu_replica_its_share_of_the_sms_before_cuda_starts() -> None:
+    from ray.serve._private.build_app import build_app as build_deployments
+
+    from serve_app.ingress import build_app
+
+    def decoder_options(decoder: dict) -> dict:
+        app = build_app({"model": "tiny", "decoder_cpu": {"enabled": False}, "decoder": decoder})
+        [built] = [d for d in build_deployments(app, name="app").deployments if d.name == "Decoder"]
+        return built.ray_actor_options
+
+    assert "runtime_env" not in decoder_options({"num_gpus": 0.25})  # off by default
+    options = decoder_options({"num_gpus": 0.25, "mps_thread_share": True})
+    assert options["num_gpus"] == 0.25
+    assert options["runtime_env"]["env_vars"] == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    with pytest.raises(ValidationError, match="num_gpus > 0"):
+        DecoderArgs(mps_thread_share=True)
+
+
 def test_the_scheduler_app_args_make_the_decoder_loops_policy() -> None:
     from deployments.decoder import scheduling_policy
     from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
