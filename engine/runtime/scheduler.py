@@ -69,6 +69,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -613,20 +614,29 @@ class Scheduler:
             self.llm.pause(sentence.llm_id, keep_cache=False)
         sentence.paused, sentence.cache_kept = True, keep_cache
 
+    def _add_to_generator(self, sentence: _Sentence) -> bool:
+        """Its generator row (and stream, when streaming), made from its segment -> True."""
+        if sentence.request.streaming:
+            sentence.stream = self.streams.add(sentence.segment)
+            sentence.llm_id = sentence.stream.llm_id
+        else:
+            [request] = self.stage.generation_requests([sentence.segment])
+            sentence.llm_id = self.llm.add(request)
+        return True
+
     def _start_generating(self, sentence: _Sentence) -> bool:
         """Admit a request's next sentence: its generator row (its stream, when streaming) starts in the next step.
         -> whether admission goes on (not after running out of device memory: the sentence waits, still queued)."""
         ticket = sentence.request
         try:
-            if ticket.streaming:
-                sentence.stream = self.streams.add(sentence.segment)
-                sentence.llm_id = sentence.stream.llm_id
-            else:
-                [request] = self.stage.generation_requests([sentence.segment])
-                sentence.llm_id = self.llm.add(request)
+            self._add_to_generator(sentence)
         except torch.cuda.OutOfMemoryError:  # its inputs' copy to the device: nothing was added
-            self._lower_live_limit("an admission")
-            return False
+            if self._live or self._jobs:  # others hold memory: it waits, still queued, until some is freed
+                self._lower_live_limit("an admission")
+                return False
+            # nothing else holds any: it is tried once more, alone, and if it cannot fit its request ends
+            if self._run_alone(sentence, "an admission", partial(self._add_to_generator, sentence)) is None:
+                return True
         except Exception as exc:  # this request's input: it ends, the admission goes on
             self._fail_request(ticket, as_request_error(exc))
             return True

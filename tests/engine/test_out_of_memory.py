@@ -158,6 +158,24 @@ def test_a_request_that_runs_out_of_memory_alone_ends_with_503_and_the_others_co
         np.testing.assert_allclose(beside.audio, alone.audio, atol=1e-4)
 
 
+@pytest.mark.parametrize("fails", [{1}, {1, 2}])
+def test_an_admission_out_of_memory_with_nothing_else_live_is_tried_once_alone(
+    tts: CosyVoice, fails: set[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy of a request's inputs to the device runs out with nothing else live: nothing can be freed for it, so
+    it is tried at once, alone (waiting for a lower limit cannot help); failing again, its request ends with the 503."""
+    request = _requests(tts)[1]
+    _, [clean] = _decode(tts, [request])
+    monkeypatch.setattr(TokenGenerator, "add", _out_of_memory_when(_calls(fails), TokenGenerator.add))
+    scheduler, [sink] = _decode(tts, [request])
+    assert sink.ended and scheduler.stats.out_of_memory == len(fails)
+    if len(fails) == 1:
+        assert sink.error is None
+        np.testing.assert_allclose(sink.audio, clean.audio, atol=1e-4)
+    else:
+        assert isinstance(sink.error, UnavailableError) and scheduler.stats.oom_ended == 1
+
+
 def test_a_resumed_request_without_room_for_its_kept_cache_is_recomputed_with_the_same_tokens(
     tts: CosyVoice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
