@@ -1,6 +1,7 @@
 """The decoder's memory estimate (engine.runtime.memory) against the memory a decode really takes on CPU.
 
-Each case runs in a fresh process: load the model (the replica's CPU dtype, `auto` unless `--dtype`), then the
+Each case runs in a fresh process: load the model (the replica's CPU dtype, `auto` unless `--dtype`), decode the
+case once (the kernels and workspaces made once per shape, as a replica's are after its first requests), then the
 peak resident set is reset (Linux: `/proc/self/clear_refs` with 5) and `batch` copies of one fixed-length sentence
 are decoded (tokens, mel, waveform: `SpeechDecoderStage`); the growth of the peak over the resident set before the
 decode is the measured bytes, set beside the scheduler's estimate for those sentences (with and without its safety
@@ -50,8 +51,8 @@ def measure_case(model_name: str, audio_seconds: float, batch: int, threads: int
         max_token_text_ratio=segments[0].sampling.max_token_text_ratio,
         dtype_bytes=model.dtype.itemsize,
     )
-    with torch.inference_mode():
-        decoder.vocode(segments[:1], decoder.tokens_to_mel(segments[:1], decoder.generate_tokens(segments[:1])))
+    with torch.inference_mode():  # once untimed at the same shapes: oneDNN's kernels and scratchpads, made once
+        decoder.vocode(segments, decoder.tokens_to_mel(segments, decoder.generate_tokens(segments)))
     gc.collect()
     rss_before = _status_kib("VmRSS") * 1024
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the present RSS
