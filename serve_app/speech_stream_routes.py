@@ -26,9 +26,10 @@ from fastapi import WebSocket
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
-from engine.errors import InvalidInputError
+from engine.errors import InvalidInputError, UnknownVoiceError
 from engine.runtime.pipeline import SynthesisRequest
 from engine.text.frontend import complete_sentences, is_speakable
+from engine.voices.registry import is_voice_id
 from observability.http import SynthesisTimer, request_id_of
 from serve_app.api import api
 from serve_app.audio import OPENAI_SAMPLE_RATE, StreamEncoder
@@ -146,6 +147,12 @@ class SpeechStreamRoutes(OpenAIRoutes):
         caller = caller_of(stream.ws.scope)
         request = await self.openai_request(start, "", caller)
         request, fmt, info = await self.checked(request, start.response_format, "stream")
+        if request.voice not in info["voices"] and not is_voice_id(request.voice):
+            # Known before any text comes (a registered voice's id is looked up with the first sentence).
+            raise UnknownVoiceError(
+                f"unknown voice {request.voice!r}: neither a built-in speaker nor a registered voice (GET /v1/voices "
+                "lists both)"
+            )
         output = OutputAudio(fmt, info["sample_rate"], OPENAI_SAMPLE_RATE, self.audio.bit_rate(fmt.name))
         timer = SynthesisTimer(STREAM_PATH, "websocket", info["sample_rate"])
         sentences: asyncio.Queue[str | None] = asyncio.Queue()
