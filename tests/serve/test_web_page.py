@@ -366,6 +366,39 @@ def test_api_error_is_shown(page: Any) -> None:
     assert page.get_attribute("#received", "data-bytes") == "0"
 
 
+def test_speak_as_i_type_speaks_each_sentence_over_the_websocket_as_it_is_typed(
+    page: Any, info: dict[str, Any]
+) -> None:
+    sent: list[str] = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(payload)))
+    page.fill("#text", "")
+    page.check("#speak-as-i-type")
+    assert page.is_visible("#typing-hint")
+    page.type("#text", "Hello there. How are", delay=20)
+    # The first sentence is spoken while the text goes on: its audio comes before the end is sent.
+    page.wait_for_function("Number(document.getElementById('received').dataset.bytes) > 0", timeout=SYNTHESIS_WAIT_MS)
+    assert page.get_attribute("#status", "data-state") == "streaming"
+    assert all(json.loads(frame)["type"] != "end" for frame in sent)
+    page.type("#text", " you?", delay=20)
+    page.click("#speak")  # speaks the rest and ends the stream
+    page.wait_for_function(
+        "['done', 'error'].includes(document.getElementById('status').dataset.state)", timeout=SYNTHESIS_WAIT_MS
+    )
+    assert page.get_attribute("#status", "data-state") == "done", page.text_content("#error")
+
+    messages = [json.loads(frame) for frame in sent]
+    start = {"type": "start", "model": info["model"], "voice": page.input_value("#voice"), "response_format": "pcm"}
+    assert messages[0] == start | {"speed": 1}
+    assert "".join(message["text"] for message in messages if message["type"] == "text") == "Hello there. How are you?"
+    assert messages[-1] == {"type": "end"}
+    samples = int(page.get_attribute("#received", "data-bytes")) // PCM_BYTES_PER_SAMPLE
+    assert page.text_content("#duration") == f"{samples / 24000:.2f} s"
+    scheduled = int(page.get_attribute("#playback", "data-scheduled-samples"))
+    assert scheduled == samples or page.text_content("#playback").startswith("unavailable")
+    _assert_waveform_drawn(page, samples)
+    assert page.get_attribute("#download", "download") == "speech.pcm"
+
+
 # The text stream WebSocket, through the example client and by hand.
 STREAM_PATH = "/v1/audio/speech/stream"
 STREAM_WAIT_S = 120.0
