@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -162,8 +163,11 @@ class SpeechStreamRoutes(OpenAIRoutes):
         reader = asyncio.create_task(self.read_text(stream, sentences))
         try:
             done, _ = await asyncio.wait({speaker, reader}, return_when=asyncio.FIRST_COMPLETED)
-            # The reader ends only by an error or the client leaving: it reads on after `end`, to see the latter.
-            input_tokens = speaker.result() if speaker in done else reader.result()
+            # The reader ends only by an error or the client leaving (it reads on after `end`, to see the latter):
+            # asked first, so that a client who left is not reported as the speaker's failed send.
+            if reader in done:
+                reader.result()
+            input_tokens = speaker.result()
         finally:  # cancelling the speaker cancels its decoder and encoder calls (`stream_audio`): the slot is freed
             for task in (speaker, reader):
                 task.cancel()
@@ -219,7 +223,10 @@ class SpeechStreamRoutes(OpenAIRoutes):
         """Speak the queued sentences in order until None, sending the audio as it is decoded; the input tokens."""
         caller = caller_of(stream.ws.scope)
         input_tokens = 0
+        timed = False
         while (text := await sentences.get()) is not None:
+            if not timed:  # the stream is timed from its first whole sentence, not from its client's typing
+                timer.started, timed = time.perf_counter(), True
             sentence = replace(request, text=text)
             first, plan = await self.call(partial(self.encoder.encode_first.remote, sentence, request_id, caller))
             input_tokens += sum(len(segment.text) for segment in plan.texts)

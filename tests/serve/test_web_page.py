@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import importlib.util
 import io
 import json
@@ -22,7 +23,7 @@ import re
 import shutil
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -425,12 +426,19 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
+def _off_loop(call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)` in a thread of its own: Playwright's sync API runs an event loop in this one, in which neither
+    `asyncio.run` nor a Serve handle's blocking `result()` may be called."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(call, *args).result()
+
+
 def _run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, STREAM_WAIT_S))
+    return _off_loop(asyncio.run, asyncio.wait_for(coro, STREAM_WAIT_S))
 
 
 def _decoder_stats() -> dict[str, Any]:
-    return serve.get_deployment_handle("Decoder", APP).batch_stats.remote().result()
+    return _off_loop(lambda: serve.get_deployment_handle("Decoder", APP).batch_stats.remote().result())
 
 
 def test_the_example_client_hears_the_first_sentence_before_the_text_ends(base_url: str) -> None:
