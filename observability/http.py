@@ -59,11 +59,17 @@ class RequestObservability:
         self.reject = reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         # Serve's proxy always sets the header; a bare ASGI server (tests, other hosts) may not.
         request_id = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        if scope["type"] == "websocket":  # the route reports its errors in the stream, not by status
+            scope.setdefault("state", {})["request_id"] = (
+                request_id if is_valid_request_id(request_id) else uuid.uuid4().hex
+            )
+            await self.app(scope, receive, send)
+            return
         status = 500  # stays 500 when the app raises before it starts a response
         started = ended = False
         if is_valid_request_id(request_id):

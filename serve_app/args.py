@@ -255,6 +255,12 @@ class LimitsArgs(_Strict):
         description="with API keys on, registered voices one key may own (shared ones count for none); past it, "
         "registering answers 409; None: only max_voices",
     )
+    text_stream_idle_s: float = Field(
+        60.0,
+        gt=0,
+        description="a text stream (/v1/audio/speech/stream) that sends no message for this long while it has no "
+        "audio in the making ends with an error event (408), freeing its ingress slot",
+    )
     max_concurrent_requests_per_key: int | None = Field(
         8,
         ge=1,

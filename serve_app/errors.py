@@ -29,6 +29,12 @@ class ServiceUnavailableError(UnavailableError):
         self.retry_after_s = DEFAULT_RETRY_AFTER_S if retry_after_s is None else retry_after_s
 
 
+class StreamIdleError(CosyVoiceError):
+    """A text stream that sent nothing for `limits.text_stream_idle_s` while no audio was in the making."""
+
+    http_status = 408
+
+
 class UploadTooLargeError(CosyVoiceError):
     """A voice upload over `limits.max_prompt_audio_bytes`."""
 

@@ -9,6 +9,7 @@ replica (one per process) installs them with `configure_guard` from its `__init_
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import ipaddress
 import json
@@ -32,6 +33,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ErrorBody = Callable[[int, str, str], dict[str, Any]]
+Headers = list[tuple[bytes, bytes]]
 
 # Probes, and the try-it page with its script and style (no data in them; the page asks for a key itself).
 OPEN_PATHS = frozenset({"/healthz", "/", "/favicon.ico"})
@@ -73,6 +75,14 @@ WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "[::]"})
 ANY = "*"
 # Methods a cross-site form or fetch can send that change something here (GET and HEAD only read).
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# A WebSocket handshake is checked as a write: any page may open one to any host (CORS does not cover it), and a
+# text stream synthesizes.
+WEBSOCKET = "WEBSOCKET"
+# A browser's WebSocket cannot send an Authorization header: it may offer the key as a subprotocol instead, this
+# prefix and the key in unpadded base64url (Kubernetes does the same), next to `WEBSOCKET_PROTOCOL`, which the
+# server accepts.
+WEBSOCKET_PROTOCOL = "cosyvoice-tts"
+WEBSOCKET_KEY_PROTOCOL_PREFIX = "cosyvoice-tts.bearer."
 
 
 def normalized_host(host: str) -> str:
@@ -142,7 +152,7 @@ class BrowserRules:
                 allowed = ", ".join(sorted(self.allowed_hosts))
                 return 421, f"unknown host {host!r}: this server answers {allowed} (security.allowed_hosts)", "bad_host"
         origin = header(headers, b"origin")
-        if self.allowed_origins is None or origin is None or method.upper() not in WRITE_METHODS:
+        if self.allowed_origins is None or origin is None or method.upper() not in WRITE_METHODS | {WEBSOCKET}:
             return None
         same_origin = host_header is not None and origin_authority(origin) == without_default_port(host_header)
         if same_origin or origin.strip().lower().rstrip("/") in self.allowed_origins:
@@ -230,11 +240,41 @@ def is_open(path: str) -> bool:
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key of `Authorization: Bearer <key>`, else of a WebSocket subprotocol that carries one."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else None
+    return websocket_protocol_key(headers)
+
+
+def websocket_protocol_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a browser offered as a `Sec-WebSocket-Protocol` entry (`WEBSOCKET_KEY_PROTOCOL_PREFIX`), if any."""
+    offered = header(headers, b"sec-websocket-protocol") or ""
+    for protocol in offered.split(","):
+        encoded = protocol.strip().removeprefix(WEBSOCKET_KEY_PROTOCOL_PREFIX)
+        if encoded != protocol.strip():
+            try:
+                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+            except ValueError:
+                return None
     return None
+
+
+async def refuse(scope: Scope, receive: Receive, send: Send, status: int, content: bytes, headers: Headers) -> None:
+    """Answer an HTTP request, or refuse a WebSocket handshake, with `status` and a JSON body. A server without
+    ASGI's WebSocket denial response can only close the handshake, which the client sees as a 403."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()), *headers]
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+        return
+    await receive()  # websocket.connect
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": content})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
 
 
 def key_is_valid(token: bytes | None, keys: tuple[bytes, ...]) -> bool:
@@ -275,44 +315,54 @@ class RequestGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = _settings
-        if scope["type"] != "http" or settings is None:
+        if scope["type"] not in ("http", "websocket") or settings is None:
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers", [])
         # The app's own path: under a Serve route prefix, `path` starts with it (it is also the `root_path`).
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        refusal = settings.browser.refusal(scope["method"], headers)
+        method = scope.get("method", WEBSOCKET)
+        refusal = settings.browser.refusal(method, headers)
         if refusal is not None:
-            logger.warning("rejected %s %s: %s", scope["method"], scope["path"], refusal[2])
-            await self.reply(send, *refusal)
+            logger.warning("rejected %s %s: %s", method, scope["path"], refusal[2])
+            await self.reply(scope, receive, send, *refusal)
             return
         if settings.api_keys and not is_open(path) and not key_is_valid(bearer_token(headers), settings.api_keys):
-            logger.warning("rejected %s %s: missing or invalid API key", scope["method"], scope["path"])
+            logger.warning("rejected %s %s: missing or invalid API key", method, scope["path"])
             await self.reply(
-                send, 401, "missing or invalid API key (send `Authorization: Bearer <key>`)", "invalid_api_key"
+                scope,
+                receive,
+                send,
+                401,
+                "missing or invalid API key (send `Authorization: Bearer <key>`)",
+                "invalid_api_key",
             )
+            return
+        if scope["type"] == "websocket":  # no body: its messages are the route's to read and bound
+            await self.app(scope, receive, send)
             return
         limit = settings.body_limit(path)
         try:
             body = await read_body_within(settings.body_timeouts.bound(receive), headers, limit)
         except BodyReadTimeoutError as exc:
-            logger.warning("rejected %s %s: the body stalled", scope["method"], scope["path"])
-            await self.reply(send, 408, str(exc), "body_read_timeout")
+            logger.warning("rejected %s %s: the body stalled", method, scope["path"])
+            await self.reply(scope, receive, send, 408, str(exc), "body_read_timeout")
             return
         if body is None:
-            await self.reply(send, 413, f"the request body is larger than {limit} bytes", "body_too_large")
+            await self.reply(
+                scope, receive, send, 413, f"the request body is larger than {limit} bytes", "body_too_large"
+            )
             return
         await self.app(scope, replay_body(body, receive), send)
 
-    async def reply(self, send: Send, status: int, message: str, code: str) -> None:
+    async def reply(self, scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str) -> None:
         content = json.dumps(self.error_body(status, message, code)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+        headers = []
         if status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
         if status == 408:  # the rest of the body may still come: the connection cannot carry another request
             headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": content})
+        await refuse(scope, receive, send, status, content, headers)
 
 
 async def read_body_within(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes | None:

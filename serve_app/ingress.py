@@ -1,8 +1,9 @@
 """The ingress deployment `TTSIngress` and the application builder `build_app(args)`.
 
 `TTSIngress` is one Serve replica class made of the route groups: health and models (`health_routes`), voices
-(`voice_routes`), OpenAI's speech endpoint (`openai_routes`) and the native one (`native_routes`), the last two on the
-shared synthesis path (`synthesis`). The FastAPI app with its handlers and middlewares is `serve_app.api`.
+(`voice_routes`), OpenAI's speech endpoint (`openai_routes`) with its text stream WebSocket (`speech_stream_routes`)
+and the native endpoint (`native_routes`), the speech routes on the shared synthesis path (`synthesis`). The FastAPI
+app with its handlers and middlewares is `serve_app.api`.
 """
 
 from pathlib import Path
@@ -21,12 +22,12 @@ from serve_app.api import api
 from serve_app.args import AppArgs
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
-from serve_app.openai_routes import OpenAIRoutes
 from serve_app.routing import CPU_DECODER
+from serve_app.speech_stream_routes import SpeechStreamRoutes
 from serve_app.voice_routes import VoiceRoutes
 
 
-class IngressRoutes(HealthRoutes, VoiceRoutes, OpenAIRoutes, NativeRoutes):
+class IngressRoutes(HealthRoutes, VoiceRoutes, SpeechStreamRoutes, NativeRoutes):
     """The HTTP ingress: every route group on one replica (Serve finds inherited routes through the class's MRO)."""
 
 

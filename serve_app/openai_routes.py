@@ -8,10 +8,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.runtime.pipeline import SynthesisRequest
+from engine.voices.registry import Caller
 from serve_app.api import api
 from serve_app.audio import OPENAI_SAMPLE_RATE, audio_format
 from serve_app.errors import UnknownModelError
-from serve_app.schemas import SpeechRequest
+from serve_app.schemas import SpeechOptions, SpeechRequest
 from serve_app.synthesis import Mode, Synthesis, streams_at
 from serve_app.tenancy import caller_of
 
@@ -52,24 +53,28 @@ def log_ignored_fields(body: SpeechRequest) -> None:
 
 
 class OpenAIRoutes(Synthesis):
-    @api.post("/v1/audio/speech")
-    async def openai_speech(self, body: SpeechRequest, http: Request) -> Response:
-        """OpenAI's speech endpoint: `stream_format` "audio" streams the file as it is decoded (every format but
-        flac), "sse" sends it as base64 `speech.audio.delta` events."""
-        aliases = self.model_names[1:]
-        if served_model(body.model, self.model_name, aliases) is None:
+    async def openai_request(self, body: SpeechOptions, text: str, caller: Caller) -> SynthesisRequest:
+        """The synthesis request of OpenAI's speech options: the model name checked (an alias, also with a snapshot
+        suffix), the voice resolved (OpenAI names included), empty instructions as none."""
+        if served_model(body.model, self.model_name, self.model_names[1:]) is None:
             accepted = ", ".join(repr(name) for name in self.model_names)
             raise UnknownModelError(
                 f"unknown model {body.model!r}; this server accepts {accepted} (an alias also with a snapshot suffix "
                 "such as -2025-12-15)"
             )
-        log_ignored_fields(body)
         instructions = body.instructions if body.instructions and body.instructions.strip() else None  # "": none
-        request = SynthesisRequest(
-            text=body.input,
-            voice=await self.resolve_voice(body.voice_id, caller_of(http.scope)),
+        return SynthesisRequest(
+            text=text,
+            voice=await self.resolve_voice(body.voice_id, caller),
             instruct_text=instructions,
             speed=body.speed,
         )
+
+    @api.post("/v1/audio/speech")
+    async def openai_speech(self, body: SpeechRequest, http: Request) -> Response:
+        """OpenAI's speech endpoint: `stream_format` "audio" streams the file as it is decoded (every format but
+        flac), "sse" sends it as base64 `speech.audio.delta` events."""
+        log_ignored_fields(body)
+        request = await self.openai_request(body, body.input, caller_of(http.scope))
         mode = openai_mode(body.stream_format, body.response_format, await self.model_info(), body.speed)
         return await self.respond(request, body.response_format, mode, http, output_rate=OPENAI_SAMPLE_RATE)

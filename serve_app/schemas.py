@@ -26,24 +26,51 @@ class VoiceRef(_Body):
     id: str
 
 
-class SpeechRequest(_Body):
+class SpeechOptions(_Body):
+    """The options of OpenAI's speech endpoint, the text aside: its body's and a text stream's `start` message's."""
+
+    model: str
+    voice: str | VoiceRef
+    instructions: str | None = None
+    response_format: str = OPENAI_DEFAULT_FORMAT
+    speed: Speed = 1.0
+
+    @property
+    def voice_id(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+
+class SpeechRequest(SpeechOptions):
     """OpenAI's `audio.speech.create` body. Fields this server does not know are taken and ignored (the route logs
     each name once), so a newer OpenAI client that sends one more field keeps working; the native body stays
     strict, where a misspelt option must not silently do nothing."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str
     input: str
-    voice: str | VoiceRef
-    instructions: str | None = None
-    response_format: str = OPENAI_DEFAULT_FORMAT
-    speed: Speed = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
 
-    @property
-    def voice_id(self) -> str:
-        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+# The messages of a text stream (`/v1/audio/speech/stream`, a WebSocket), told apart by `type`; strict, as the
+# protocol is this server's own.
+class StreamStart(SpeechOptions):
+    type: Literal["start"]
+
+
+class StreamText(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class StreamFlush(_Body):
+    type: Literal["flush"]
+
+
+class StreamEnd(_Body):
+    type: Literal["end"]
+
+
+StreamMessage = Annotated[StreamStart | StreamText | StreamFlush | StreamEnd, Field(discriminator="type")]
 
 
 class SamplingBody(_Body):

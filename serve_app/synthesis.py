@@ -21,7 +21,7 @@ from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
 from engine.runtime.segment import EncodedSegment
 from engine.voices.registry import Caller, is_voice_id
 from observability.http import SynthesisTimer, endpoint_of, request_id_of
-from serve_app.audio import audio_format
+from serve_app.audio import AudioFormat, audio_format
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import check_voice_name
 from serve_app.ingress_base import IngressBase
@@ -113,20 +113,8 @@ class Synthesis(IngressBase):
         """Validate, encode, decode along the path the request calls for, and encode the audio at `output_rate`
         (None: the model's rate), which the `X-Sample-Rate` header says."""
         request_id = request_id_of(http.scope)
-        if not request.text.strip():
-            raise InvalidInputError("the input text is empty")
-        if len(request.text) > self.limits.max_input_chars:
-            raise InvalidInputError(
-                f"the input text has {len(request.text)} characters; the limit is {self.limits.max_input_chars}"
-            )
-        check_voice_name(request.voice)
-        fmt = audio_format(format_name, streaming=mode == "stream")
-        info = await self.model_info()
-        if mode == "stream":
-            check_streams(info, request.speed)
-        if request.instruct_text is not None:
-            check_follows_instructions(info, request.voice)
-        request = request.validated()
+        self.check_text(request.text)
+        request, fmt, info = await self.checked(request, format_name, mode)
         caller = caller_of(http.scope)
         sample_rate = info["sample_rate"]
         output = OutputAudio(fmt, sample_rate, output_rate or sample_rate, self.audio.bit_rate(fmt.name))
@@ -161,6 +149,31 @@ class Synthesis(IngressBase):
             body = sse_body(encoded, request_id, usage)
             return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=output.headers)
         return StreamingResponse(encoded, media_type=fmt.media_type, headers=output.headers)
+
+    def check_text(self, text: str, what: str = "the input text") -> None:
+        """InvalidInputError (400) for an empty text or one over `limits.max_input_chars`."""
+        if not text.strip():
+            raise InvalidInputError(f"{what} is empty")
+        self.check_length(text, what)
+
+    def check_length(self, text: str, what: str = "the input text") -> None:
+        """InvalidInputError (400) for a text over `limits.max_input_chars`."""
+        if len(text) > self.limits.max_input_chars:
+            raise InvalidInputError(f"{what} has {len(text)} characters; the limit is {self.limits.max_input_chars}")
+
+    async def checked(
+        self, request: SynthesisRequest, format_name: str, mode: Mode
+    ) -> tuple[SynthesisRequest, AudioFormat, dict[str, Any]]:
+        """The request's options checked against the served model (voice name, format, streaming, instructions),
+        with its seed drawn; its text is `check_text`'s."""
+        check_voice_name(request.voice)
+        fmt = audio_format(format_name, streaming=mode == "stream")
+        info = await self.model_info()
+        if mode == "stream":
+            check_streams(info, request.speed)
+        if request.instruct_text is not None:
+            check_follows_instructions(info, request.voice)
+        return request.validated(), fmt, info
 
     def usage_of(self, timer: SynthesisTimer, input_tokens: int) -> dict[str, int]:
         """The usage of a synthesis whose audio the timer counted."""

@@ -20,7 +20,17 @@ import threading
 from dataclasses import dataclass
 
 from engine.voices.registry import EVERYONE, Caller
-from serve_app.guard import ASGIApp, ErrorBody, Receive, Scope, Send, bearer_token, key_is_valid
+from serve_app.guard import (
+    WEBSOCKET,
+    ASGIApp,
+    ErrorBody,
+    Receive,
+    Scope,
+    Send,
+    bearer_token,
+    key_is_valid,
+    refuse,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -94,7 +104,7 @@ class KeyTenancy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = _settings
-        if scope["type"] != "http" or settings is None:
+        if scope["type"] not in ("http", "websocket") or settings is None:
             await self.app(scope, receive, send)
             return
         if not settings.keys_on:
@@ -112,23 +122,20 @@ class KeyTenancy:
             await self.app(scope, receive, send)
             return
         if not self.slots.acquire(owner, limit):
+            method = scope.get("method", WEBSOCKET)
             logger.warning(
-                "rejected %s %s: key %s... has %d requests in flight", scope["method"], scope["path"], owner[:8], limit
+                "rejected %s %s: key %s... has %d requests in flight", method, scope["path"], owner[:8], limit
             )
             message = f"this API key already has {limit} requests in flight (the limit); retry when one has ended"
-            await self.reply_429(send, message, settings.retry_after_s)
+            await self.reply_429(scope, receive, send, message, settings.retry_after_s)
             return
         try:
             await self.app(scope, receive, send)
         finally:
             self.slots.release(owner)
 
-    async def reply_429(self, send: Send, message: str, retry_after_s: float) -> None:
+    async def reply_429(self, scope: Scope, receive: Receive, send: Send, message: str, retry_after_s: float) -> None:
         content = json.dumps(self.error_body(429, message, "rate_limit_exceeded")).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(content)).encode()),
-            (b"retry-after", str(max(0, math.ceil(retry_after_s))).encode()),
-        ]
-        await send({"type": "http.response.start", "status": 429, "headers": headers})
-        await send({"type": "http.response.body", "body": content})
+        await refuse(
+            scope, receive, send, 429, content, [(b"retry-after", str(max(0, math.ceil(retry_after_s))).encode())]
+        )

@@ -24,6 +24,7 @@ class VoiceRoutes(IngressBase):
         info = await self.model_info()
         registered = await self.call(partial(self.encoder.list_voices.remote, caller_of(http.scope)))
         return {
+            "model": self.model_name,  # the name a text stream's `start` gives (the page's "speak as I type")
             "voices": info["voices"],
             "sample_rate": info["sample_rate"],
             "formats": sorted(FORMATS),

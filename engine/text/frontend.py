@@ -233,6 +233,27 @@ def chinese_cleanup(text: str) -> str:
     return TRAILING_COMMAS.sub("。", text)
 
 
+# Where text that arrives in pieces (a text stream) has a whole sentence: the marks both split rules end one at,
+# but the enumeration comma. A CJK mark ends it at once; an ASCII one only before whitespace, as "3.5", "e.g." and
+# "a.m." keep theirs inside a word (so its sentence is complete once the next piece starts).
+STREAM_SENTENCE_ENDS = (CHINESE_SPLIT.sentence_ends | ENGLISH_SPLIT.sentence_ends) - {"、"}
+
+
+def complete_sentences(text: str) -> int:
+    """How many characters at the start of `text` are whole sentences (0: none yet), a closing quote after the last
+    mark included."""
+    end = 0
+    for i, char in enumerate(text):
+        if char not in STREAM_SENTENCE_ENDS:
+            continue
+        after = i + 1
+        if after < len(text) and text[after] in CLOSING_QUOTES:
+            after += 1
+        if not char.isascii() or (after < len(text) and text[after].isspace()):
+            end = after
+    return end
+
+
 def split_paragraph(text: str, rule: SplitRule, length: Callable[[str], int]) -> list[str]:
     """Cut `text` into sentences at `rule.sentence_ends`, then greedily pack them into segments.
 

@@ -1,8 +1,8 @@
 "use strict";
 // The demo page: POST v1/tts (streamed or whole), played piece by piece with the Web Audio API and drawn as a
-// waveform as it arrives; voices registered from a file or the microphone (POST/DELETE v1/voices); an API key
-// kept in local storage and sent as a bearer token. URLs are relative so that the page also works under a
-// route prefix ending in "/".
+// waveform as it arrives; "speak as I type" over the text stream WebSocket (v1/audio/speech/stream); voices
+// registered from a file or the microphone (POST/DELETE v1/voices); an API key kept in local storage and sent as a
+// bearer token. URLs are relative so that the page also works under a route prefix ending in "/".
 
 const PIECEWISE_FORMATS = ["wav", "pcm"]; // decoded here piece by piece; the others by the browser, once received
 const KEY_STORAGE = "cosyvoice-api-key";
@@ -420,6 +420,12 @@ function resetStats() {
 }
 
 function stop() {
+  if (typing !== null) {
+    const session = typing;
+    typing = null;
+    session.socket.close(); // the server cancels the stream's decode
+    session.player.stop();
+  }
   if (current === null) return;
   current.controller.abort();
   current.player.stop();
@@ -429,6 +435,10 @@ function stop() {
 
 async function speak(event) {
   event.preventDefault();
+  if (byId("speak-as-i-type").checked) {
+    onTyped(); // what is not sent yet, then the end
+    return endTyping();
+  }
   stop(); // a new request replaces the one playing
   showError("");
   resetStats();
@@ -517,6 +527,130 @@ async function decodeFile(bytes, format) {
   } catch (error) {
     throw new Error(`this browser cannot decode ${format}; the file can still be downloaded (${error.message})`);
   }
+}
+
+// --- speak as I type: the text stream WebSocket ---------------------------------------------------------
+
+const STREAM_PROTOCOL = "cosyvoice-tts"; // serve_app/guard.py WEBSOCKET_PROTOCOL
+const STREAM_KEY_PROTOCOL = "cosyvoice-tts.bearer."; // WEBSOCKET_KEY_PROTOCOL_PREFIX: a WebSocket sends no headers
+const STREAM_SAMPLE_RATE = 24000; // the stream speaks OpenAI's protocol, at OpenAI's rate
+let typing = null; // the open text stream: {socket, send, player, decoder, pieces, bytes, samples, started}
+let typedSent = ""; // the text sent so far: typing on sends only what is added to it
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  return btoa(String.fromCharCode(...bytes)).replaceAll("+", "-").replaceAll("/", "_").replace(/=+$/, "");
+}
+
+function openTypingStream() {
+  stop(); // a request playing
+  showError("");
+  resetStats();
+  offerDownload(null, "");
+  const url = new URL("v1/audio/speech/stream", location.href);
+  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  const protocols = [STREAM_PROTOCOL, ...(apiKey() === "" ? [] : [STREAM_KEY_PROTOCOL + base64url(apiKey())])];
+  const socket = new WebSocket(url, protocols);
+  socket.binaryType = "arraybuffer";
+  const queued = [];
+  const session = {
+    socket,
+    player: new Player(), // created inside a key press, so that the browser lets it play
+    decoder: new SampleDecoder("pcm", STREAM_SAMPLE_RATE),
+    pieces: [],
+    bytes: 0,
+    samples: 0,
+    started: performance.now(),
+    send: (message) => (socket.readyState === WebSocket.OPEN ? socket.send(JSON.stringify(message)) : queued.push(message)),
+  };
+  const start = { type: "start", model: serverInfo.model, voice: byId("voice").value, response_format: "pcm" };
+  start.speed = Number(byId("speed").value);
+  if (byId("mode").value === "instruct") start.instructions = byId("instruct").value;
+  socket.addEventListener("open", () => {
+    socket.send(JSON.stringify(start));
+    queued.splice(0).forEach((message) => socket.send(JSON.stringify(message)));
+  });
+  socket.addEventListener("message", (event) => onStreamMessage(session, event.data));
+  socket.addEventListener("close", () => {
+    if (typing !== session) return;
+    typing = null;
+    byId("stop").disabled = true;
+    if (!["done", "error"].includes(byId("status").dataset.state)) {
+      showError("the text stream closed before its end");
+      setStatus("error");
+    }
+  });
+  typing = session;
+  byId("stop").disabled = false;
+  setStatus("listening", "speaking as you type…");
+}
+
+function onStreamMessage(session, data) {
+  if (typing !== session) return;
+  if (typeof data !== "string") {
+    const piece = new Uint8Array(data);
+    session.pieces.push(piece);
+    session.bytes += piece.length;
+    byId("received").dataset.bytes = String(session.bytes);
+    byId("received").textContent = `${session.bytes.toLocaleString()} bytes`;
+    const samples = session.decoder.push(piece);
+    if (samples.length > 0 && session.samples === 0) {
+      byId("ttfa").textContent = `${Math.round(performance.now() - session.started)} ms`;
+      setStatus("streaming", "playing as you type…");
+    }
+    session.samples += samples.length;
+    session.player.push(samples, STREAM_SAMPLE_RATE);
+    waveform.push(samples);
+    byId("duration").textContent = `${(session.samples / STREAM_SAMPLE_RATE).toFixed(2)} s`;
+    showPlayback(session.player);
+    return;
+  }
+  const event = JSON.parse(data);
+  if (event.type === "error") {
+    typing = null;
+    session.player.stop();
+    byId("stop").disabled = true;
+    if (event.error.code === "StreamIdleError") return setStatus("ready"); // a pause in typing: the next key reopens
+    showError(event.error.message);
+    setStatus("error");
+  } else if (event.type === "speech.audio.done") {
+    typing = null;
+    byId("stop").disabled = true;
+    session.player.flush(STREAM_SAMPLE_RATE);
+    waveform.finish();
+    showPlayback(session.player);
+    offerDownload(concatBytes(session.pieces), "pcm");
+    setStatus("done");
+  }
+}
+
+// Each input sends what was added to the text since the last one (an edit before it cannot be taken back).
+function onTyped() {
+  if (!byId("speak-as-i-type").checked || serverInfo === null) return;
+  const text = byId("text").value;
+  if (!text.startsWith(typedSent)) {
+    typedSent = text;
+    return;
+  }
+  const delta = text.slice(typedSent.length);
+  if (delta === "") return;
+  if (typing === null) openTypingStream();
+  typedSent = text;
+  typing.send({ type: "text", text: delta });
+}
+
+// Speak the rest and end the stream.
+function endTyping() {
+  if (typing === null) return;
+  typing.send({ type: "end" });
+  setStatus(byId("status").dataset.state === "streaming" ? "streaming" : "listening", "speaking the rest…");
+}
+
+function toggleTyping() {
+  const on = byId("speak-as-i-type").checked;
+  byId("typing-hint").hidden = !on;
+  if (on) typedSent = ""; // the text already there is spoken with the first key
+  else endTyping();
 }
 
 // --- voices: upload or record, register, delete ------------------------------------------------------
@@ -643,6 +777,8 @@ byId("stop").addEventListener("click", () => {
   setStatus("stopped");
 });
 byId("stream").addEventListener("change", () => serverInfo && fillFormats());
+byId("speak-as-i-type").addEventListener("change", toggleTyping);
+byId("text").addEventListener("input", onTyped);
 byId("mode").addEventListener("change", updateModeHint);
 byId("voice").addEventListener("change", updateModeHint);
 byId("open-voices").addEventListener("click", () => byId("voice-dialog").showModal());

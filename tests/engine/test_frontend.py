@@ -16,6 +16,7 @@ from engine.text.frontend import (
     SEGMENT_MERGE_LEN,
     SEGMENT_MIN_LEN,
     TextFrontend,
+    complete_sentences,
     is_speakable,
     load_whisper_encoding,
 )
@@ -201,3 +202,26 @@ def test_long_english_text_splits_within_limits(frontend: TextFrontend) -> None:
     segments = frontend.split(text)
     assert "".join(segments) == frontend.normalize(text) == text
     assert_within_limits(segments, lambda segment: len(frontend.tokenize(segment)))
+
+
+@pytest.mark.parametrize(
+    ("text", "whole"),
+    [
+        ("Hello there. How", "Hello there."),
+        ("Hello there.", ""),  # the next piece may go on: "there.com"
+        ("It costs 3.5 dollars. Then", "It costs 3.5 dollars."),
+        ('He said "hi." Then', 'He said "hi."'),
+        ("One! Two? Three; four", "One! Two? Three;"),
+        ("你好。我们", "你好。"),  # a CJK mark ends its sentence at once
+        ("no mark yet", ""),
+    ],
+)
+def test_complete_sentences_of_text_that_arrives_in_pieces(text: str, whole: str) -> None:
+    assert text[: complete_sentences(text)] == whole
+
+
+@given(st.lists(st.sampled_from(["Hi", " there", ".", " ", "3.5", "。", "!", "x", '"']), max_size=12))
+def test_whole_sentences_only_grow_as_text_arrives(pieces: list[str]) -> None:
+    text = "".join(pieces)
+    ends = [complete_sentences(text[:n]) for n in range(len(text) + 1)]
+    assert ends == sorted(ends) and all(end <= n for n, end in enumerate(ends))

@@ -5,6 +5,7 @@ serving beyond loopback without API keys, and what `cosyvoice-serve run` warns a
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import Iterator
@@ -13,12 +14,15 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
+from starlette.testclient import TestClient, WebSocketDenialResponse
 
 from serve_app.args import SecurityArgs
 from serve_app.cli import startup_warnings
 from serve_app.errors import error_body
 from serve_app.guard import (
+    WEBSOCKET_KEY_PROTOCOL_PREFIX,
+    WEBSOCKET_PROTOCOL,
     BodyTimeouts,
     BrowserRules,
     GuardSettings,
@@ -42,6 +46,12 @@ def _app() -> FastAPI:
     @app.get("/echo")
     async def read() -> dict[str, str]:
         return {"read": "ok"}
+
+    @app.websocket("/ws")
+    async def hello(ws: WebSocket) -> None:
+        await ws.accept(subprotocol=WEBSOCKET_PROTOCOL if WEBSOCKET_PROTOCOL in ws.scope["subprotocols"] else None)
+        await ws.send_text("hello")
+        await ws.close()
 
     app.add_middleware(RequestGuard, error_body=error_body)
     return app
@@ -207,6 +217,43 @@ def test_listed_origins_and_servers_with_keys_take_cross_origin_writes(app: Fast
     )
     keyed = own | {"origin": "https://evil.example", "authorization": f"Bearer {KEY}"}
     assert _requests(app, [("POST", keyed)])[0].status_code == 200
+
+
+def _websocket(app: FastAPI, headers: dict[str, str], subprotocols: list[str] | None = None) -> tuple[str, str | None]:
+    """The greeting of the app's WebSocket and the subprotocol it accepted; WebSocketDenialResponse if refused."""
+    with TestClient(app).websocket_connect(
+        "/ws", headers={"host": "127.0.0.1:8000"} | headers, subprotocols=subprotocols
+    ) as ws:
+        return ws.receive_text(), ws.accepted_subprotocol
+
+
+def _denial(app: FastAPI, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    with pytest.raises(WebSocketDenialResponse) as denied:
+        _websocket(app, headers)
+    return denied.value.status_code, denied.value.json()["error"]
+
+
+def test_a_websocket_handshake_is_checked_as_a_write_and_may_carry_the_key_as_a_subprotocol(app: FastAPI) -> None:
+    # Any page may open a WebSocket to any host (CORS does not cover it): without keys, only the server's own page.
+    configure_guard(GuardSettings((), 1 << 20, browser=browser_rules(SecurityArgs(), "127.0.0.1", has_keys=False)))
+    assert _websocket(app, {"origin": "http://127.0.0.1:8000"}) == ("hello", None)
+    assert _websocket(app, {})[0] == "hello"  # a program: no Origin
+    status, error = _denial(app, {"origin": "https://evil.example"})
+    assert status == 403 and error["code"] == "cross_origin_refused"
+
+    configure_guard(
+        GuardSettings((KEY.encode(),), 1 << 20, browser=browser_rules(SecurityArgs(), "127.0.0.1", has_keys=True))
+    )
+    status, error = _denial(app, {})
+    assert status == 401 and error["code"] == "invalid_api_key"
+    assert _websocket(app, {"authorization": f"Bearer {KEY}"})[0] == "hello"
+    # A browser cannot set headers on a WebSocket: it offers the key, base64url, as a subprotocol.
+    encoded = base64.urlsafe_b64encode(KEY.encode()).decode().rstrip("=")
+    offered = [WEBSOCKET_PROTOCOL, WEBSOCKET_KEY_PROTOCOL_PREFIX + encoded]
+    assert _websocket(app, {}, offered) == ("hello", WEBSOCKET_PROTOCOL)
+    wrong = base64.urlsafe_b64encode(b"not-the-key").decode()
+    with pytest.raises(WebSocketDenialResponse):
+        _websocket(app, {}, [WEBSOCKET_PROTOCOL, WEBSOCKET_KEY_PROTOCOL_PREFIX + wrong])
 
 
 def test_the_default_guard_checks_no_host_or_origin() -> None:

@@ -186,6 +186,46 @@ def test_failed_and_cancelled_requests_free_their_slots(tenancy: tuple[KeyTenanc
     assert _run(call(middleware, "/ok", ALICE))[0]["status"] == 200
 
 
+def test_a_websocket_holds_its_keys_slot_and_one_over_the_limit_is_refused_at_the_handshake(
+    tenancy: tuple[KeyTenancy, App],
+) -> None:
+    middleware, app = tenancy
+    alice = owner_id(ALICE.encode())
+
+    async def connect(extensions: dict[str, Any], path: str = "/ok") -> list[dict[str, Any]]:
+        scope = scope_for(path, ALICE) | {"type": "websocket", "extensions": extensions}
+        del scope["method"]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "websocket.connect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await middleware(scope, receive, send)
+        return sent
+
+    async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        await connect({})  # under the limit: it reaches the app, with its caller
+        assert app.callers == [Caller(alice, admin=False)] and middleware.slots.held(alice) == 0
+        streams = [asyncio.create_task(connect({}, "/stream")) for _ in range(LIMIT)]
+        while middleware.slots.held(alice) < LIMIT:
+            await asyncio.sleep(0.01)
+        with_denial = await connect({"websocket.http.response": {}})
+        without = await connect({})
+        app.release.set()
+        await asyncio.gather(*streams)
+        return with_denial, without, middleware.slots.held(alice)
+
+    with_denial, without, held_after = _run(scenario())
+    start, body = with_denial
+    assert start["type"] == "websocket.http.response.start" and start["status"] == 429
+    assert json.loads(body["body"])["error"]["code"] == "rate_limit_exceeded"
+    assert without == [{"type": "websocket.close", "code": 1008}]  # a server without denial responses: a 403
+    assert held_after == 0
+
+
 def test_no_limit_when_none_or_keys_off() -> None:
     async def many(settings: TenancySettings, key: str | None) -> list[int]:
         configure_tenancy(settings)

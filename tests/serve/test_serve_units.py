@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,9 +27,10 @@ from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.voices.speaker_bank import DUMMY_VOICES
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir
-from serve_app.errors import error_payload, unavailable_error
+from serve_app.errors import StreamIdleError, error_payload, unavailable_error
 from serve_app.openai_routes import openai_mode, served_model
 from serve_app.responses import speech_usage
+from serve_app.speech_stream_routes import TextStream, close_code, error_event
 from serve_app.synthesis import check_streams, mapped_voice
 
 
@@ -367,3 +369,29 @@ def test_a_request_without_voice_to_a_model_without_speakers_is_a_400() -> None:
     assert asyncio.run(default_voice(ingress_with(["dummy_female"]))) == "dummy_female"
     with pytest.raises(InvalidInputError, match="no built-in speakers: pass `voice`"):
         asyncio.run(default_voice(ingress_with([])))  # CosyVoice3's official models: registered voices only
+
+
+class _SilentSocket:
+    """A WebSocket whose client connected and then sends nothing (nor leaves)."""
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def test_a_silent_text_stream_ends_after_the_idle_time_but_not_while_its_audio_is_made() -> None:
+    async def run() -> None:
+        stream = TextStream(_SilentSocket(), max_frame_bytes=1000, idle_s=0.05)
+        stream.pending = 1  # a sentence is being spoken: the client may wait for its audio
+        waiting = asyncio.ensure_future(stream.next_message())
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        stream.pending = 0
+        with pytest.raises(StreamIdleError, match="text_stream_idle_s"):
+            await asyncio.wait_for(waiting, 1.0)
+        stream.close()
+
+    asyncio.run(run())
+    status, event = error_event(StreamIdleError("idle"), "req-1")
+    assert status == 408 and event["type"] == "error" and event["error"]["code"] == "StreamIdleError"
+    assert close_code(status) == 1008 and close_code(503) == 1013 and close_code(500) == 1011

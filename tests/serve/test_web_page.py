@@ -1,4 +1,6 @@
-"""The try-it page at GET /: served with its assets, and driven in headless Chromium against a real Serve app.
+"""The try-it page at GET /: served with its assets, and driven in headless Chromium against a real Serve app; and
+the text stream WebSocket the page speaks through as the user types (`/v1/audio/speech/stream`), driven by the
+example client `examples/stream_text_ws.py` and by hand.
 
 The server has API keys on and voice cloning (the tiny preset's shipped models), so the page is used as a user of
 such a server would: key typed once into the page, voices registered from a file or the (fake) microphone.
@@ -10,22 +12,32 @@ data arrives and is scheduled for playback, not that it is heard: a headless mac
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import concurrent.futures
+import importlib.util
 import io
+import json
 import os
 import re
 import shutil
 import struct
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+import websockets
 
 pytest.importorskip("ray")
-from tests.serve.conftest import running_app
+from ray import serve
+
+from serve_app.guard import WEBSOCKET_KEY_PROTOCOL_PREFIX, WEBSOCKET_PROTOCOL
+from tests.serve.conftest import running_app, wait_until
 
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Headless, and nothing that reaches outside the machine (updates, sync, QUIC probes).
@@ -43,6 +55,7 @@ BROWSER_ARGS = [
     "--use-fake-device-for-media-stream",
 ]
 API_KEY = "page-test-key-0123456789"
+APP = "tts-web-test"
 KEY_STORAGE = "cosyvoice-api-key"  # serve_app/static/app.js
 PROMPT_SAMPLE_RATE = 16000
 WAIT_MS = 30_000
@@ -75,7 +88,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "security": {"api_keys": [API_KEY]},
         "voices_dir": str(tmp_path_factory.mktemp("voices")),
     }
-    with running_app(args, "tts-web-test") as url:
+    with running_app(args, APP) as url:
         yield url
 
 
@@ -352,3 +365,180 @@ def test_api_error_is_shown(page: Any) -> None:
     assert page.text_content("#error") == "the input text is empty"
     assert page.is_hidden("#download")
     assert page.get_attribute("#received", "data-bytes") == "0"
+
+
+def test_speak_as_i_type_speaks_each_sentence_over_the_websocket_as_it_is_typed(
+    page: Any, info: dict[str, Any]
+) -> None:
+    sent: list[str] = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(payload)))
+    page.fill("#text", "")
+    page.check("#speak-as-i-type")
+    assert page.is_visible("#typing-hint")
+    page.type("#text", "Hello there. How are", delay=20)
+    # The first sentence is spoken while the text goes on: its audio comes before the end is sent.
+    page.wait_for_function("Number(document.getElementById('received').dataset.bytes) > 0", timeout=SYNTHESIS_WAIT_MS)
+    assert page.get_attribute("#status", "data-state") == "streaming"
+    assert all(json.loads(frame)["type"] != "end" for frame in sent)
+    page.type("#text", " you?", delay=20)
+    page.click("#speak")  # speaks the rest and ends the stream
+    page.wait_for_function(
+        "['done', 'error'].includes(document.getElementById('status').dataset.state)", timeout=SYNTHESIS_WAIT_MS
+    )
+    assert page.get_attribute("#status", "data-state") == "done", page.text_content("#error")
+
+    messages = [json.loads(frame) for frame in sent]
+    start = {"type": "start", "model": info["model"], "voice": page.input_value("#voice"), "response_format": "pcm"}
+    assert messages[0] == start | {"speed": 1}
+    assert "".join(message["text"] for message in messages if message["type"] == "text") == "Hello there. How are you?"
+    assert messages[-1] == {"type": "end"}
+    samples = int(page.get_attribute("#received", "data-bytes")) // PCM_BYTES_PER_SAMPLE
+    assert page.text_content("#duration") == f"{samples / 24000:.2f} s"
+    scheduled = int(page.get_attribute("#playback", "data-scheduled-samples"))
+    assert scheduled == samples or page.text_content("#playback").startswith("unavailable")
+    _assert_waveform_drawn(page, samples)
+    assert page.get_attribute("#download", "download") == "speech.pcm"
+
+
+# The text stream WebSocket, through the example client and by hand.
+STREAM_PATH = "/v1/audio/speech/stream"
+STREAM_WAIT_S = 120.0
+# Four words a second: the first sentence is whole at the third word, the text's end goes out after ~4 s.
+PACED_TEXT = "Hello there. This text is typed a few words at a time, as a language model would write it."
+LONG_SENTENCE = " ".join(["A long sentence that keeps the decoder busy for a while"] * 4) + "."
+
+
+def _example_client() -> Any:
+    path = Path(__file__).parents[2] / "examples" / "stream_text_ws.py"
+    spec = importlib.util.spec_from_file_location("stream_text_ws", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ws_url(base_url: str) -> str:
+    return base_url.replace("http://", "ws://", 1) + STREAM_PATH
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _off_loop(call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)` in a thread of its own: Playwright's sync API runs an event loop in this one, in which neither
+    `asyncio.run` nor a Serve handle's blocking `result()` may be called."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(call, *args).result()
+
+
+def _run(coro: Any) -> Any:
+    return _off_loop(asyncio.run, asyncio.wait_for(coro, STREAM_WAIT_S))
+
+
+def _decoder_stats() -> dict[str, Any]:
+    return _off_loop(lambda: serve.get_deployment_handle("Decoder", APP).batch_stats.remote().result())
+
+
+def test_the_example_client_hears_the_first_sentence_before_the_text_ends(base_url: str) -> None:
+    client = _example_client()
+    out = io.BytesIO()
+    start = {"model": "tts-1", "voice": "alloy", "response_format": "wav"}  # OpenAI's names, as on /v1/audio/speech
+    deltas = client.paced(client.words_of(PACED_TEXT), 4.0)
+    result = _run(client.stream_text(_ws_url(base_url), deltas, out, start, API_KEY))
+    assert result.first_audio_s is not None and result.first_audio_s < result.end_sent_s, result
+    data = out.getvalue()
+    # One wav stream across every sentence: one header, then 16-bit samples at OpenAI's 24 kHz.
+    assert data[:4] == b"RIFF" and data.count(b"RIFF") == 1 and len(data) == result.audio_bytes
+    assert struct.unpack_from("<I", data, 24)[0] == 24000 and (len(data) - WAV_HEADER_BYTES) % PCM_BYTES_PER_SAMPLE == 0
+    usage = result.usage
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+
+def test_the_example_client_reports_an_error_event(base_url: str) -> None:
+    client = _example_client()
+    start = {"model": "tts-1", "voice": "alloy", "response_format": "flac"}  # flac cannot stream
+    with pytest.raises(client.StreamError) as failed:
+        _run(client.stream_text(_ws_url(base_url), client.words_of("Hi."), io.BytesIO(), start, API_KEY))
+    assert failed.value.error["type"] == "invalid_request_error" and "flac" in failed.value.error["message"]
+
+
+async def _error_after(base_url: str, messages: list[str]) -> tuple[dict[str, Any], int | None]:
+    """The event the server sends after `messages`, and the close code that follows it."""
+    async with websockets.connect(_ws_url(base_url), additional_headers=_auth()) as ws:
+        for message in messages:
+            await ws.send(message)
+        event = json.loads(await ws.recv())
+        with pytest.raises(websockets.ConnectionClosed):
+            await ws.recv()
+        return event, ws.close_code
+
+
+START = json.dumps({"type": "start", "model": "tiny", "voice": "dummy_female", "response_format": "pcm"})
+
+
+@pytest.mark.parametrize(
+    ("messages", "needle"),
+    [
+        (["not json"], "malformed JSON message"),
+        ([json.dumps({"type": "text", "text": "Hi."})], "the first message must be"),
+        ([json.dumps({"type": "shout"})], "does not match any of the expected tags"),
+        ([json.dumps({"type": "start", "model": "gpt-5", "voice": "alloy"})], "unknown model 'gpt-5'"),
+        ([json.dumps({"type": "start", "model": "tiny", "voice": "nobody"})], "nobody"),
+        ([START, json.dumps({"type": "text", "text": "x" * 5000})], "the limit is 4096"),
+        ([START, json.dumps({"type": "end"})], "the input text is empty"),
+        ([START, START], "a second start message"),
+    ],
+)
+def test_a_bad_message_gets_an_error_event_and_a_clean_close(base_url: str, messages: list[str], needle: str) -> None:
+    event, code = _run(_error_after(base_url, messages))
+    assert event["type"] == "error" and needle in event["error"]["message"], event
+    assert event["error"]["type"] == "invalid_request_error" and event["error"]["code"]
+    assert code == 1008  # policy violation: the client's error
+
+
+def test_a_stream_without_a_valid_key_is_refused_and_a_browser_may_offer_its_key_as_a_subprotocol(
+    base_url: str,
+) -> None:
+    async def refused(headers: dict[str, str] | None) -> tuple[int, dict[str, Any]]:
+        with pytest.raises(websockets.InvalidStatus) as denied:
+            async with websockets.connect(_ws_url(base_url), additional_headers=headers):
+                pass
+        response = denied.value.response
+        return response.status_code, json.loads(response.body)["error"]
+
+    for headers in (None, {"Authorization": "Bearer wrong-key"}):
+        status, error = _run(refused(headers))
+        assert status == 401 and error["code"] == "invalid_api_key"
+
+    async def with_protocol_key() -> tuple[str | None, dict[str, Any]]:
+        key = base64.urlsafe_b64encode(API_KEY.encode()).decode().rstrip("=")
+        protocols = [WEBSOCKET_PROTOCOL, WEBSOCKET_KEY_PROTOCOL_PREFIX + key]
+        async with websockets.connect(_ws_url(base_url), subprotocols=protocols) as ws:
+            await ws.send(json.dumps({"type": "end"}))
+            return ws.subprotocol, json.loads(await ws.recv())
+
+    protocol, event = _run(with_protocol_key())
+    assert protocol == WEBSOCKET_PROTOCOL and "the first message must be" in event["error"]["message"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_decoder_slot(base_url: str) -> None:
+    before = _decoder_stats()
+
+    async def leave_after_first_audio() -> None:
+        async with websockets.connect(_ws_url(base_url), additional_headers=_auth()) as ws:
+            await ws.send(START)
+            await ws.send(json.dumps({"type": "text", "text": LONG_SENTENCE}))
+            await ws.send(json.dumps({"type": "flush"}))
+            assert isinstance(await ws.recv(), bytes)  # audio is coming: the decode is under way
+        # leaving the block closes the connection mid-stream
+
+    _run(leave_after_first_audio())
+    wait_until(lambda: _decoder_stats()["live"] == 0, 60, "the left stream to leave the decoder loop")
+    assert _decoder_stats()["cancelled"] == before["cancelled"] + 1  # cancelled, not decoded to its end
+    client = _example_client()
+    start = {"model": "tiny", "voice": "dummy_male", "response_format": "pcm"}
+    result = _run(client.stream_text(_ws_url(base_url), client.words_of("Next, please."), io.BytesIO(), start, API_KEY))
+    assert result.audio_bytes > 0 and result.usage["output_tokens"] > 0

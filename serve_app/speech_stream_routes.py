@@ -1,0 +1,240 @@
+"""Text in as it is written, audio out as it is made: `/v1/audio/speech/stream`, a WebSocket.
+
+The client sends JSON text frames: `start` (OpenAI's speech options: model, voice, response_format, instructions,
+speed), then `text` deltas, `flush` (speak what has come so far) and `end`. The server sends the audio as binary
+frames, one encoded stream across the whole session, then `speech.audio.done` with the usage, and closes; a bad
+message, or a failure, gets an `error` event in OpenAI's error shape and a close (1008 for the client's errors, 1013
+for a 503, 1011 else).
+
+Sentence-buffered for now: each whole sentence (`engine.text.frontend.complete_sentences`; `flush` and `end` take
+the rest) is synthesized on the streaming path as soon as it is complete, one after the other, so the first audio
+comes while the text is still being written. The LLM does not yet take text tokens as they arrive (the official
+`inference_bistream` of CosyVoice2 and 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from fastapi import WebSocket
+from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
+
+from engine.errors import InvalidInputError, UnknownVoiceError
+from engine.runtime.pipeline import SynthesisRequest
+from engine.text.frontend import complete_sentences, is_speakable
+from engine.voices.registry import is_voice_id
+from observability.http import SynthesisTimer, request_id_of
+from serve_app.api import api
+from serve_app.audio import OPENAI_SAMPLE_RATE, StreamEncoder
+from serve_app.errors import StreamIdleError, error_body, error_payload, validation_message, validation_param
+from serve_app.guard import WEBSOCKET_PROTOCOL
+from serve_app.openai_routes import OpenAIRoutes
+from serve_app.responses import OutputAudio
+from serve_app.schemas import StreamEnd, StreamFlush, StreamMessage, StreamStart, StreamText
+from serve_app.tenancy import caller_of
+
+logger = logging.getLogger("ray.serve")
+
+STREAM_PATH = "/v1/audio/speech/stream"
+MESSAGES: TypeAdapter[StreamMessage] = TypeAdapter(StreamMessage)
+# WebSocket close codes (RFC 6455): the client's error, a server at capacity, any other failure.
+CLOSE_POLICY, CLOSE_TRY_LATER, CLOSE_ERROR = 1008, 1013, 1011
+
+
+class ClientLeftError(Exception):
+    """The client closed the WebSocket (or lost it): nothing more can be sent."""
+
+
+def close_code(status: int) -> int:
+    return CLOSE_POLICY if status < 500 else CLOSE_TRY_LATER if status == 503 else CLOSE_ERROR
+
+
+def error_event(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, `error` event) for what ended a stream: a bad message as the HTTP API answers a bad body."""
+    if isinstance(exc, ValidationError):
+        # Each message's type is a tag of the union, first in every error's location: not a field.
+        errors = [{**error, "loc": error["loc"][1:]} for error in exc.errors()]
+        invalid = RequestValidationError(errors)
+        return 400, {
+            "type": "error",
+            **error_body(400, validation_message(invalid), "invalid_request", validation_param(invalid)),
+        }
+    status, body = error_payload(exc, request_id)
+    return status, {"type": "error", **body}
+
+
+class TextStream:
+    """One session's messages: a single pending receive (a cancelled one could lose a message), bounded frames, and
+    the idle clock, which runs only while no sentence is waiting or being spoken."""
+
+    def __init__(self, ws: WebSocket, max_frame_bytes: int, idle_s: float) -> None:
+        self.ws = ws
+        self.max_frame_bytes = max_frame_bytes
+        self.idle_s = idle_s
+        self.pending = 0  # sentences queued and not yet spoken
+        self._receiving: asyncio.Future[Any] | None = None
+
+    async def next_message(self, idle: bool = True) -> StreamMessage:
+        """The next message, parsed; ClientLeftError when the client went, StreamIdleError past the idle time."""
+        if self._receiving is None:
+            self._receiving = asyncio.ensure_future(self.ws.receive())
+        while True:
+            done, _ = await asyncio.wait({self._receiving}, timeout=self.idle_s if idle else None)
+            if done:
+                break
+            if not self.pending:
+                raise StreamIdleError(
+                    f"no message for {self.idle_s:g} s with no audio in the making (limits.text_stream_idle_s)"
+                )
+        message, self._receiving = self._receiving.result(), None
+        if message["type"] == "websocket.disconnect":
+            raise ClientLeftError
+        text = message.get("text")
+        if text is None:
+            raise InvalidInputError('send JSON text frames: {"type": "start" | "text" | "flush" | "end", ...}')
+        if len(text.encode()) > self.max_frame_bytes:
+            raise InvalidInputError(f"a message is larger than {self.max_frame_bytes} bytes (limits.max_body_bytes)")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError(f"malformed JSON message: {exc}") from None
+        return MESSAGES.validate_python(data)
+
+    def close(self) -> None:
+        if self._receiving is not None:
+            self._receiving.cancel()
+
+
+class SpeechStreamRoutes(OpenAIRoutes):
+    @api.websocket(STREAM_PATH)
+    async def speech_stream(self, ws: WebSocket) -> None:
+        """Text deltas in, audio out as each sentence is complete (the module's docstring has the protocol)."""
+        # A browser offers `WEBSOCKET_PROTOCOL` beside the one that carries its key: the server must pick one.
+        await ws.accept(
+            subprotocol=WEBSOCKET_PROTOCOL if WEBSOCKET_PROTOCOL in ws.scope.get("subprotocols", ()) else None
+        )
+        request_id = request_id_of(ws.scope)
+        stream = TextStream(ws, self.limits.max_body_bytes, self.limits.text_stream_idle_s)
+        try:
+            usage = await self.speak_stream(stream, request_id)
+            await ws.send_json({"type": "speech.audio.done", "usage": usage})
+            await ws.close()
+        except ClientLeftError:
+            logger.info("the client left the text stream", extra={"request_id": request_id})
+        except Exception as exc:
+            status, event = error_event(exc, request_id)
+            logger.info(
+                "text stream ended with %d: %s", status, event["error"]["message"], extra={"request_id": request_id}
+            )
+            with contextlib.suppress(Exception):  # the client may have left meanwhile
+                await ws.send_json(event)
+                await ws.close(close_code(status))
+        finally:
+            stream.close()
+
+    async def speak_stream(self, stream: TextStream, request_id: str) -> dict[str, int]:
+        """Take the `start` message, then speak each sentence as its text comes; the usage."""
+        start = await stream.next_message()
+        if not isinstance(start, StreamStart):
+            raise InvalidInputError(f'the first message must be {{"type": "start", ...}}, not {start.type!r}')
+        caller = caller_of(stream.ws.scope)
+        request = await self.openai_request(start, "", caller)
+        request, fmt, info = await self.checked(request, start.response_format, "stream")
+        if request.voice not in info["voices"] and not is_voice_id(request.voice):
+            # Known before any text comes (a registered voice's id is looked up with the first sentence).
+            raise UnknownVoiceError(
+                f"unknown voice {request.voice!r}: neither a built-in speaker nor a registered voice (GET /v1/voices "
+                "lists both)"
+            )
+        output = OutputAudio(fmt, info["sample_rate"], OPENAI_SAMPLE_RATE, self.audio.bit_rate(fmt.name))
+        timer = SynthesisTimer(STREAM_PATH, "websocket", info["sample_rate"])
+        sentences: asyncio.Queue[str | None] = asyncio.Queue()
+        speaker = asyncio.create_task(
+            self.speak_sentences(stream, sentences, request, output.stream_encoder(), timer, request_id)
+        )
+        reader = asyncio.create_task(self.read_text(stream, sentences))
+        try:
+            done, _ = await asyncio.wait({speaker, reader}, return_when=asyncio.FIRST_COMPLETED)
+            # The reader ends only by an error or the client leaving (it reads on after `end`, to see the latter):
+            # asked first, so that a client who left is not reported as the speaker's failed send.
+            if reader in done:
+                reader.result()
+            input_tokens = speaker.result()
+        finally:  # cancelling the speaker cancels its decoder and encoder calls (`stream_audio`): the slot is freed
+            for task in (speaker, reader):
+                task.cancel()
+            await asyncio.gather(speaker, reader, return_exceptions=True)
+        timer.done()
+        return self.usage_of(timer, input_tokens)
+
+    async def read_text(self, stream: TextStream, sentences: asyncio.Queue[str | None]) -> None:
+        """Queue each whole sentence as its text arrives, the rest at `flush` and `end`, then None; after `end`,
+        wait for the client to leave or misbehave (both end the session)."""
+        received = buffer = ""
+        spoken = False  # anything speakable queued
+
+        def queue(text: str) -> None:
+            nonlocal spoken
+            if is_speakable(text):  # a piece of punctuation alone has no sound
+                stream.pending += 1
+                spoken = True
+                sentences.put_nowait(text)
+
+        while True:
+            message = await stream.next_message()
+            if isinstance(message, StreamText):
+                received += message.text
+                self.check_length(received)
+                buffer += message.text
+                whole = complete_sentences(buffer)
+                queue(buffer[:whole])
+                buffer = buffer[whole:]
+            elif isinstance(message, StreamFlush | StreamEnd):
+                queue(buffer)
+                buffer = ""
+                if isinstance(message, StreamEnd):
+                    break
+            else:
+                raise InvalidInputError("the stream has started already: a second start message")
+        if not spoken:
+            self.check_text(received)  # empty, or punctuation only
+            raise InvalidInputError("the input text has nothing to speak")
+        sentences.put_nowait(None)
+        message = await stream.next_message(idle=False)
+        raise InvalidInputError(f"a {message.type!r} message after end")
+
+    async def speak_sentences(
+        self,
+        stream: TextStream,
+        sentences: asyncio.Queue[str | None],
+        request: SynthesisRequest,
+        encoder: StreamEncoder,
+        timer: SynthesisTimer,
+        request_id: str,
+    ) -> int:
+        """Speak the queued sentences in order until None, sending the audio as it is decoded; the input tokens."""
+        caller = caller_of(stream.ws.scope)
+        input_tokens = 0
+        timed = False
+        while (text := await sentences.get()) is not None:
+            if not timed:  # the stream is timed from its first whole sentence, not from its client's typing
+                timer.started, timed = time.perf_counter(), True
+            sentence = replace(request, text=text)
+            first, plan = await self.call(partial(self.encoder.encode_first.remote, sentence, request_id, caller))
+            input_tokens += sum(len(segment.text) for segment in plan.texts)
+            async for chunk in self.stream_audio(first, plan, request_id):
+                timer.audio(chunk)
+                if data := encoder.encode(chunk):
+                    await stream.ws.send_bytes(data)
+            stream.pending -= 1
+        if data := encoder.finish():
+            await stream.ws.send_bytes(data)
+        return input_tokens
