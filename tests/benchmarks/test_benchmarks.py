@@ -9,7 +9,10 @@ import argparse
 import asyncio
 import json
 import math
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +33,7 @@ from benchmarks.streams import (
 )
 from benchmarks.timing import FailedMeasurements, Timing, add_repeat_options, measure, paired, ratio
 from engine.loading.loader import load_model
+from engine.runtime.memory import SAFETY_FACTOR
 from engine.runtime.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
 
 TINY_PRESETS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
@@ -356,3 +360,15 @@ def test_a_stream_request_measures_its_first_audio_and_underruns_through_http() 
     assert good.ok and good.underruns == 1 and good.audio_s == pytest.approx(0.3)
     assert 0.04 < good.ttfa_s < good.total_s and good.total_s >= 0.55
     assert not bad.ok and bad.error.startswith("422") and bad.ttfa_s is None
+
+
+def test_memory_check_measures_a_decode_in_a_fresh_process(tmp_path: Path) -> None:
+    """`benchmarks.memory_check` on the tiny model, end to end: one case measured in its child process, the estimate
+    with the scheduler's safety factor beside it."""
+    out = tmp_path / "memory_check.json"
+    command = [sys.executable, "-m", "benchmarks.memory_check", "--models", "tiny", "--seconds", "1", "--batches", "2"]
+    subprocess.run([*command, "--threads", "1", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    [case] = json.loads(out.read_text())["cases"]
+    assert case["batch"] == 2 and case["audio_seconds"] == pytest.approx(1.0, abs=0.05)
+    assert case["measured_peak_bytes"] > 0
+    assert case["estimate_bytes"] == pytest.approx(sum(case["estimate_terms_bytes"].values()) * SAFETY_FACTOR, rel=1e-6)
