@@ -343,6 +343,8 @@ class Decoder:
         self.metrics.queue_depth.set(self.load.waiting)
         self.metrics.ongoing.set(self.load.ongoing)
         self.metrics.live_limit.set(self.scheduler.live_limit)
+        cache = self.scheduler.prompt_cache
+        self.metrics.record_prompt_cache(cache.stats.hits, cache.stats.misses, cache.nbytes)
         allocated, reserved = self._gpu.memory_bytes() if self._gpu is not None else (0, 0)
         self.metrics.gpu_allocated.set(allocated)
         self.metrics.gpu_reserved.set(reserved)
@@ -394,6 +396,14 @@ class Decoder:
             "awaiting_sentences": self.scheduler.awaiting_sentences,
             "live_bytes": self.scheduler.live_bytes,
             "memory_budget_bytes": self.scheduler.memory_budget_bytes,
+            "prompt_cache": {
+                "hits": self.scheduler.prompt_cache.stats.hits,
+                "misses": self.scheduler.prompt_cache.stats.misses,
+                "evictions": self.scheduler.prompt_cache.stats.evictions,
+                "entries": len(self.scheduler.prompt_cache),
+                "bytes": self.scheduler.prompt_cache.nbytes,
+                "max_bytes": self.scheduler.prompt_cache.max_bytes,
+            },
             "device_peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self._gpu else None,
         }
 
