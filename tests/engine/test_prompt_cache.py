@@ -15,7 +15,7 @@ from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import VoicePrompt
 from tests.engine.conftest import Collected, step_until
 
-SAMPLING = SamplingOptions(seed=5, min_token_text_ratio=8, max_token_text_ratio=10)
+SAMPLING = SamplingOptions(seed=5, min_token_text_ratio=4, max_token_text_ratio=5)
 TRANSCRIPT = "This is what the prompt says."
 
 
