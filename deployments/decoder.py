@@ -38,6 +38,7 @@ from engine.nn.precision import FALLBACKS
 from engine.runtime.memory import device_memory_budget
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
+from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, prompt_cache_bound
 from engine.runtime.scheduler import Output, Scheduler, Ticket
 from engine.runtime.segment import EncodedSegment
 from observability import STRUCTURED_LOGGING
@@ -120,14 +121,18 @@ class Decoder:
             torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
         self.gpu_fraction = gpu_fraction
+        scheduling = scheduling or {}
+        self.prompt_cache_share = float(scheduling.get("prompt_cache_share", DEFAULT_PROMPT_CACHE_SHARE))
+        budget = self._budget_bytes(memory_budget_gb)
         self.scheduler = Scheduler(
             self.stage,
             max_live=max_batch_size,
-            memory_budget_bytes=self._budget_bytes(memory_budget_gb),
+            memory_budget_bytes=budget,
+            prompt_cache_bytes=prompt_cache_bound(budget, self.prompt_cache_share),
             max_vocode_batch=max_vocode_batch,
             max_audio_s=max_audio_s,
             max_request_s=max_request_s,
-            policy=scheduling_policy(scheduling or {}),
+            policy=scheduling_policy(scheduling),
             on_request_end=self._request_ended,
             on_out_of_memory=self._out_of_memory,
         )
@@ -194,7 +199,9 @@ class Decoder:
         if "batch_wait_timeout_s" in user_config:
             self.set_batch_wait_timeout_s(float(user_config["batch_wait_timeout_s"]))
         if "memory_budget_gb" in user_config:
-            self.scheduler.memory_budget_bytes = self._budget_bytes(user_config["memory_budget_gb"])
+            budget = self._budget_bytes(user_config["memory_budget_gb"])
+            self.scheduler.memory_budget_bytes = budget
+            self.scheduler.prompt_cache.resize(prompt_cache_bound(budget, self.prompt_cache_share))
         if "max_batch_size" in user_config:
             self.set_max_batch_size(int(user_config["max_batch_size"]))
 
@@ -422,7 +429,9 @@ class Decoder:
 
 
 def scheduling_policy(settings: dict[str, Any]) -> SchedulingPolicy:
-    """The loop's policy from the app args' `scheduler` section: {"policy": "deadline" | "fcfs", its settings}."""
+    """The loop's policy from the app args' `scheduler` section: {"policy": "deadline" | "fcfs", its settings} (and
+    the prompt cache's share, which is no policy's)."""
     settings = dict(settings)
+    settings.pop("prompt_cache_share", None)
     name = settings.pop("policy", "deadline")
     return FcfsPolicy() if name == "fcfs" else DeadlinePolicy(**settings)

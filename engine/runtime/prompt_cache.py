@@ -25,6 +25,16 @@ DEFAULT_PROMPT_CACHE_SHARE = 0.1  # of the replica's memory budget
 DEFAULT_PROMPT_CACHE_BYTES = 256 * 2**20  # when the replica has no budget
 
 
+def prompt_cache_bound(budget_bytes: int | None, share: float) -> int:
+    """The cache's bound: `share` of the memory budget, or `DEFAULT_PROMPT_CACHE_BYTES` without a budget; 0 (off) for
+    a share of 0."""
+    if not 0 <= share < 1:
+        raise ValueError(f"the prompt cache's share of the memory budget must be in [0, 1), got {share}")
+    if not share:
+        return 0
+    return DEFAULT_PROMPT_CACHE_BYTES if budget_bytes is None else int(budget_bytes * share)
+
+
 @dataclass(frozen=True)
 class PreparedPrompt:
     """One voice prompt, prepared on the decoder's device."""
@@ -107,6 +117,14 @@ class PromptCache:
             self._entries[key] = entry
             self._bytes += size
             return True
+
+    def resize(self, max_bytes: int) -> None:
+        """A new bound (the replica's budget changed); entries past it are dropped, oldest first."""
+        if max_bytes < 0:
+            raise ValueError(f"the prompt cache bound must be >= 0 bytes, got {max_bytes}")
+        with self._lock:
+            self.max_bytes = max_bytes
+            self._evict_to(max_bytes)
 
     def evict_to(self, max_bytes: int) -> int:
         """Drop the least recently used entries until at most `max_bytes` are held; -> bytes freed."""

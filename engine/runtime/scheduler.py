@@ -91,7 +91,7 @@ from engine.runtime.handoff import hand_over, loop_stream, on_stream, take_over
 from engine.runtime.memory import describe_memory_limit, estimate_request_memory, is_out_of_memory
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
-from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, DEFAULT_PROMPT_CACHE_SHARE, PromptCache
+from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, PromptCache, prompt_cache_bound
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream
 
@@ -252,7 +252,7 @@ class Scheduler:
         when its audio came and how its listener fared); `on_out_of_memory(live_limit)` when the loop ran out of
         device memory and lowered its live limit to `live_limit`. `prompt_cache_bytes` bounds the cache of prepared
         voice prompts (`engine.runtime.prompt_cache`; 0 turns it off); None: `DEFAULT_PROMPT_CACHE_SHARE` of the
-        memory budget, or `DEFAULT_PROMPT_CACHE_BYTES` without one. Its bytes count against the budget: a sentence
+        memory budget (`prompt_cache_bound`). Its bytes count against the budget: a sentence
         that needs them empties it, oldest entries first."""
         self.stage = stage
         self.policy: SchedulingPolicy = policy or DeadlinePolicy()
@@ -273,11 +273,7 @@ class Scheduler:
         cuda = stage.model.decoder_device.type == "cuda"
         self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
         if prompt_cache_bytes is None:
-            prompt_cache_bytes = (
-                DEFAULT_PROMPT_CACHE_BYTES
-                if memory_budget_bytes is None
-                else int(memory_budget_bytes * DEFAULT_PROMPT_CACHE_SHARE)
-            )
+            prompt_cache_bytes = prompt_cache_bound(memory_budget_bytes, DEFAULT_PROMPT_CACHE_SHARE)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         stage.prompt_cache = self.prompt_cache  # the stage prepares the prompts: the loop owns their memory
         self.llm = _SharedGenerator(TokenGenerator(stage.model.llm), stage.model.decoder_device)

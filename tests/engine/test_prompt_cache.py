@@ -9,7 +9,7 @@ import pytest
 
 from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
-from engine.runtime.prompt_cache import PromptCache
+from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache, prompt_cache_bound
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import VoicePrompt
@@ -100,7 +100,18 @@ def test_the_lru_keeps_within_its_byte_bound(tts: CosyVoice) -> None:
     run(scheduler, [voices[2]], streaming=False)  # v1, the least recently used, makes room
     assert cache.nbytes <= cache.max_bytes and cache.stats.evictions == 1
     assert [(v.voice, v.prompt_key) in cache for v in voices] == [True, False, True]
-    assert not PromptCache(size - 1).put(("big", "key"), cache.get(("v0", voices[0].prompt_key)))
+    entry = cache.get(("v0", voices[0].prompt_key))  # v0 is the most recently used again
+    assert not PromptCache(size - 1).put(("big", "key"), entry)  # larger than the whole bound: not kept
+    cache.resize(size)  # the replica's budget shrank: the most recently used entry stays
+    assert [(v.voice, v.prompt_key) in cache for v in voices] == [True, False, False]
+
+
+def test_the_bound_is_a_share_of_the_memory_budget() -> None:
+    assert prompt_cache_bound(1000, 0.1) == 100
+    assert prompt_cache_bound(None, 0.1) == DEFAULT_PROMPT_CACHE_BYTES  # no budget: a fixed bound
+    assert prompt_cache_bound(None, 0.0) == prompt_cache_bound(1000, 0.0) == 0  # off
+    with pytest.raises(ValueError, match="share"):
+        prompt_cache_bound(1000, 1.0)
 
 
 def test_the_cache_gives_its_bytes_back_to_a_sentence_that_needs_them(tts: CosyVoice) -> None:
