@@ -48,6 +48,7 @@ class PromptPrefix:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+@torch.inference_mode()
 def prefill_prompt_prefix(model: SpeechTokenLM, request: GenerationRequest) -> PromptPrefix | None:
     """The KV cache over the rows of `request`'s LM input that its voice prompt alone fixes; None when there are
     none."""
