@@ -5,13 +5,19 @@ the LLM alone and for the whole decoder (LLM + flow + HiFT); then the time to th
 of a 20 s utterance against its full (non-streaming) synthesis time. All in one process, side by side.
 
     python -m benchmarks.batching_bench --out out/batching.json [--model dummy] [--seconds 2] [--batches 1 2 4 8 16]
-        [--stream-seconds 20] [--int8] [--repeats 3] [--warmup 1]
+        [--stream-seconds 20] [--int8] [--repeats 3] [--warmup 1] [--prompt-seconds 10 [--prompt-cache-only]]
 
 Every figure is the median of `--repeats` timed runs after `--warmup` untimed ones, with `<key>_spread` beside it
 (`benchmarks.timing`). A batch-8 / batch-1 throughput ratio outside [0, 8] is not a measurement: its key is null
 and `failed_measurements` says why.
 
 The streaming keys name the utterance's length (`first_chunk_fraction_20s` for `--stream-seconds 20`).
+
+`--prompt-seconds 10` adds a repeated-voice run: the time to the first streamed chunk (`--seconds` of speech) in a
+voice cloned from a synthetic 10 s prompt, with the decoder's prompt cache holding the voice's prepared prompt and
+without it, the runs alternating (`prompt_cache_ttfa_ratio`: cached / uncached). `--prompt-cache-only` runs only it:
+
+    python -m benchmarks.batching_bench --model cosyvoice3-0.5b --prompt-seconds 10 --prompt-cache-only --repeats 5
 
 The headline keys are for float32 weights; `--int8` repeats the sweep with the decoder LLM INT8-quantized (the
 CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an `_int8` suffix.
@@ -22,12 +28,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
+from benchmarks.engine_bench import (
+    bench_parser,
+    fixed_length_sampling,
+    fixed_length_segments,
+    fixed_length_text_request,
+    write_json,
+)
 from benchmarks.timing import (
     BATCH_RATIO_BOUND,
     DEFAULT_REPEATS,
@@ -40,7 +54,9 @@ from benchmarks.timing import (
 )
 from engine.loading.loader import load_model
 from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from engine.runtime.segment import EncodedSegment
+from engine.voices.cloning import VoicePrompt
 
 
 def measure_batches(
@@ -128,6 +144,78 @@ def measure_first_chunk(
     return {**first.fields("first_chunk_s"), **result, **paired(ratio, first, full).fields("fraction")}
 
 
+PROMPT_TRANSCRIPT = (
+    "This is a recording of my own voice, about ten seconds long, that the server keeps and uses again for every "
+    "request spoken in it, so that each new sentence sounds like me."
+)
+
+
+def cloned_voice_segment(encoder: TextEncoderStage, prompt_seconds: float, audio_seconds: float) -> EncodedSegment:
+    """`fixed_length_text_request` in a zero-shot voice cloned from a synthetic `prompt_seconds` prompt (random
+    speaker embedding, speech tokens and mel of the lengths a recording that long gives, as `VoiceCloner.clone`
+    makes them), as the encoder makes it for a registered voice."""
+    config = encoder.model.config
+    rng = np.random.default_rng(0)
+    tokens = config.speech_tokens_for(prompt_seconds)
+    prompt = VoicePrompt(
+        transcript=PROMPT_TRANSCRIPT,
+        embedding=rng.standard_normal(192).astype(np.float32),
+        speech_tokens=rng.integers(0, encoder.model.llm.eos, tokens).astype(np.int64),
+        speech_feat=rng.standard_normal((config.flow.mel_frames_of(tokens), config.mel_bins)).astype(np.float32),
+        sample_rate=config.sample_rate,
+        family=config.family.name,
+    )
+    request = replace(fixed_length_text_request(encoder, audio_seconds), voice="voice_benchmark")
+    [text] = encoder.segment_texts(request, prompt)  # the target text's length fixes the speech length
+    sampling = fixed_length_sampling(len(text.text), config.speech_tokens_for(audio_seconds))
+    [segment] = encoder.encode(replace(request, sampling=sampling), prompt)
+    return segment
+
+
+def measure_prompt_cache_ttfa(
+    decoder: SpeechDecoderStage, segment: EncodedSegment, repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP
+) -> dict[str, Any]:
+    """Seconds to the first non-empty chunk of streaming `segment` (a cloned voice) with the decoder's prompt cache
+    holding the voice's prepared prompt, and with no cache; the two alternate, in turns of order (uncached first,
+    then cached first), so that load on a shared machine hits both alike. `warmup` untimed pairs first (the first
+    cached run fills the cache), then `repeats` timed pairs: the medians, their spreads, and the repeat-by-repeat
+    ratio cached / uncached."""
+    cache = PromptCache(DEFAULT_PROMPT_CACHE_BYTES)
+
+    def first_chunk(cached: bool) -> float:
+        decoder.prompt_cache = cache if cached else None
+        start = time.perf_counter()
+        for outputs in decoder.open_stream([segment]):
+            if outputs[0] is None:
+                break
+            if len(outputs[0]):
+                return time.perf_counter() - start
+        raise SystemExit("the stream ended without audio: no first chunk to time")
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for index in range(warmup + repeats):
+            for cached in (False, True) if index % 2 == 0 else (True, False):
+                seconds = first_chunk(cached)
+                if index >= warmup:
+                    times[cached].append(seconds)
+    finally:
+        decoder.prompt_cache = None
+    uncached, cached = Timing(tuple(times[False])), Timing(tuple(times[True]))
+    entry = cache.get((segment.voice, segment.prompt_key), count=False)
+    return {
+        **cached.fields("ttfa_cached_s"),
+        **uncached.fields("ttfa_uncached_s"),
+        **paired(ratio, cached, uncached).fields("ratio"),
+        "prompt_speech_tokens": len(segment.llm_prompt_speech_tokens),
+        "prefill_rows": len(decoder.model.llm.lm_input(decoder.generation_requests([segment])[0])),
+        "cached_prefix_rows": None if entry is None or entry.prefix is None else entry.prefix.rows,
+        "cache_hits": cache.stats.hits,
+        "cache_misses": cache.stats.misses,
+        "cache_bytes": cache.nbytes,
+    }
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -159,7 +247,19 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--stream-seconds", type=float, default=20.0)
     parser.add_argument("--int8", action="store_true", help="also sweep with an INT8 decoder LLM")
+    parser.add_argument(
+        "--prompt-seconds",
+        type=float,
+        default=0.0,
+        help="also time the first chunk in a voice cloned from a prompt this long, with and without the prompt cache "
+        "(0: not run)",
+    )
+    parser.add_argument(
+        "--prompt-cache-only", action="store_true", help="run only the prompt cache timing (with --prompt-seconds)"
+    )
     args = parser.parse_args()
+    if args.prompt_cache_only and args.prompt_seconds <= 0:
+        parser.error("--prompt-cache-only needs --prompt-seconds")
     if 1 not in args.batches:
         parser.error("--batches must include 1 (what the throughput ratios compare with)")
     torch.set_num_threads(args.threads)
@@ -172,6 +272,17 @@ def main() -> None:
         "warmup": args.warmup,
     }
     failed = FailedMeasurements()
+    if args.prompt_seconds > 0:
+        model = load_model(args.model)
+        segment = cloned_voice_segment(TextEncoderStage(model), args.prompt_seconds, args.seconds)
+        timing = measure_prompt_cache_ttfa(SpeechDecoderStage(model), segment, args.repeats, args.warmup)
+        result[f"prompt_cache_{args.prompt_seconds:g}s"] = timing
+        result |= {"prompt_cache_ttfa_ratio": timing["ratio"], "prompt_cache_ttfa_ratio_spread": timing["ratio_spread"]}
+        print(json.dumps(timing, indent=2))
+        del model
+    if args.prompt_cache_only:
+        write_json(result, args.out)
+        return
     for int8 in (False, True) if args.int8 else (False,):
         suffix = "_int8" if int8 else ""
         print(f"-- decoder LLM in {'INT8' if int8 else 'float32'}")

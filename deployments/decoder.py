@@ -38,6 +38,7 @@ from engine.nn.precision import FALLBACKS
 from engine.runtime.memory import device_memory_budget
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
+from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, prompt_cache_bound
 from engine.runtime.scheduler import Output, Scheduler, Ticket
 from engine.runtime.segment import EncodedSegment
 from observability import STRUCTURED_LOGGING
@@ -120,14 +121,18 @@ class Decoder:
             torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
         self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
         self.gpu_fraction = gpu_fraction
+        scheduling = scheduling or {}
+        self.prompt_cache_share = float(scheduling.get("prompt_cache_share", DEFAULT_PROMPT_CACHE_SHARE))
+        budget = self._budget_bytes(memory_budget_gb)
         self.scheduler = Scheduler(
             self.stage,
             max_live=max_batch_size,
-            memory_budget_bytes=self._budget_bytes(memory_budget_gb),
+            memory_budget_bytes=budget,
+            prompt_cache_bytes=prompt_cache_bound(budget, self.prompt_cache_share),
             max_vocode_batch=max_vocode_batch,
             max_audio_s=max_audio_s,
             max_request_s=max_request_s,
-            policy=scheduling_policy(scheduling or {}),
+            policy=scheduling_policy(scheduling),
             on_request_end=self._request_ended,
             on_out_of_memory=self._out_of_memory,
         )
@@ -194,7 +199,9 @@ class Decoder:
         if "batch_wait_timeout_s" in user_config:
             self.set_batch_wait_timeout_s(float(user_config["batch_wait_timeout_s"]))
         if "memory_budget_gb" in user_config:
-            self.scheduler.memory_budget_bytes = self._budget_bytes(user_config["memory_budget_gb"])
+            budget = self._budget_bytes(user_config["memory_budget_gb"])
+            self.scheduler.memory_budget_bytes = budget
+            self.scheduler.prompt_cache.resize(prompt_cache_bound(budget, self.prompt_cache_share))
         if "max_batch_size" in user_config:
             self.set_max_batch_size(int(user_config["max_batch_size"]))
 
@@ -343,6 +350,8 @@ class Decoder:
         self.metrics.queue_depth.set(self.load.waiting)
         self.metrics.ongoing.set(self.load.ongoing)
         self.metrics.live_limit.set(self.scheduler.live_limit)
+        cache = self.scheduler.prompt_cache
+        self.metrics.record_prompt_cache(cache.stats.hits, cache.stats.misses, cache.nbytes)
         allocated, reserved = self._gpu.memory_bytes() if self._gpu is not None else (0, 0)
         self.metrics.gpu_allocated.set(allocated)
         self.metrics.gpu_reserved.set(reserved)
@@ -394,6 +403,14 @@ class Decoder:
             "awaiting_sentences": self.scheduler.awaiting_sentences,
             "live_bytes": self.scheduler.live_bytes,
             "memory_budget_bytes": self.scheduler.memory_budget_bytes,
+            "prompt_cache": {
+                "hits": self.scheduler.prompt_cache.stats.hits,
+                "misses": self.scheduler.prompt_cache.stats.misses,
+                "evictions": self.scheduler.prompt_cache.stats.evictions,
+                "entries": len(self.scheduler.prompt_cache),
+                "bytes": self.scheduler.prompt_cache.nbytes,
+                "max_bytes": self.scheduler.prompt_cache.max_bytes,
+            },
             "device_peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self._gpu else None,
         }
 
@@ -412,7 +429,9 @@ class Decoder:
 
 
 def scheduling_policy(settings: dict[str, Any]) -> SchedulingPolicy:
-    """The loop's policy from the app args' `scheduler` section: {"policy": "deadline" | "fcfs", its settings}."""
+    """The loop's policy from the app args' `scheduler` section: {"policy": "deadline" | "fcfs", its settings} (and
+    the prompt cache's share, which is no policy's)."""
     settings = dict(settings)
+    settings.pop("prompt_cache_share", None)
     name = settings.pop("policy", "deadline")
     return FcfsPolicy() if name == "fcfs" else DeadlinePolicy(**settings)

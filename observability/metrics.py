@@ -34,6 +34,8 @@ DECODER_LIVE_LIMIT = "cosyvoice_decoder_live_limit"
 DECODER_FIRST_AUDIO = "cosyvoice_decoder_time_to_first_audio_seconds"
 STREAM_UNDERRUNS = "cosyvoice_decoder_stream_underruns_total"
 STREAM_MIN_SLACK = "cosyvoice_decoder_stream_min_slack_seconds"
+PROMPT_CACHE_LOOKUPS = "cosyvoice_decoder_prompt_cache_lookups_total"
+PROMPT_CACHE_BYTES = "cosyvoice_decoder_prompt_cache_bytes"
 # The least slack of a stream (Ray's buckets are positive: a stream that stalled counts as 0, in the first bucket;
 # the underruns counter counts its stalls)
 SLACK_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -127,6 +129,26 @@ class DecoderMetrics:
             "recovered: whether float32 was finite",
             ("stage", "recovered"),
         )
+
+        self.prompt_cache_lookups = Counter(
+            PROMPT_CACHE_LOOKUPS,
+            "Sentences in a cloned voice by whether the voice's prepared prompt was in the replica's cache (result: "
+            "hit or miss)",
+            ("result",),
+        )
+        self.prompt_cache_bytes = Gauge(
+            PROMPT_CACHE_BYTES, "Bytes the replica's cache of prepared voice prompts holds (within its memory budget)"
+        )
+        self._prompt_cache_counted = {"hit": 0, "miss": 0}
+
+    def record_prompt_cache(self, hits: int, misses: int, nbytes: int) -> None:
+        """The cache's running totals: the lookups since the last call are counted."""
+        for result, total in (("hit", hits), ("miss", misses)):
+            new = total - self._prompt_cache_counted[result]
+            if new > 0:  # a Ray Counter refuses 0
+                self.prompt_cache_lookups.inc(new, {"result": result})
+                self._prompt_cache_counted[result] = total
+        self.prompt_cache_bytes.set(nbytes)
 
     def record_playback(self, streaming: bool, first_audio_s: float | None, underruns: int, min_slack_s: float) -> None:
         """What a request's listener felt, once it ended (engine.runtime.playback.PlaybackClock's figures)."""

@@ -193,6 +193,15 @@ class SchedulerArgs(_Strict):
         description="a generating sentence is paused for an earlier deadline only if its own is at least this far "
         "off, and this much later than the waiting one's",
     )
+    prompt_cache_share: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="share of a decoder replica's memory budget its cache of prepared voice prompts may hold (the "
+        "LLM's KV cache over each cloned voice's prompt prefix, the flow's prompt tensors; counted in the budget and "
+        "given back to live requests that need it); 256 MiB when the replica has no budget; 0: no cache",
+    )
 
 
 class LimitsArgs(_Strict):

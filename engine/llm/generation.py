@@ -29,6 +29,36 @@ class GenerationRequest:
     embedding: Tensor | None = None  # [spk_embed_dim] or [1, spk_embed_dim]; None or 0 rows: no speaker term
     prompt_speech_tokens: Tensor | None = None  # [P] speech tokens of the prompt
     options: SamplingOptions | None = None  # None: the model config's sampler settings
+    prefix: PromptPrefix | None = None  # the KV cache over the first rows of `lm_input`, made once per voice prompt
+
+
+@dataclass
+class PromptPrefix:
+    """The backbone's KV cache over the first `rows` rows of a request's `lm_input`, the rows its voice prompt alone
+    fixes (`SpeechTokenLM.prompt_prefix_rows`): requests in the same voice prefill only the rows after them.
+    `prefill_prompt_prefix` makes one; `TokenGenerator` reads it and never writes it (each request extends a copy)."""
+
+    rows: int
+    cache: KVCache  # one row, `rows` valid columns
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes its keys, values and mask hold (spare columns included)."""
+        tensors = [self.cache.valid, *self.cache.keys, *self.cache.values]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@torch.inference_mode()
+def prefill_prompt_prefix(model: SpeechTokenLM, request: GenerationRequest) -> PromptPrefix | None:
+    """The KV cache over the rows of `request`'s LM input that its voice prompt alone fixes; None when there are
+    none."""
+    rows = model.prompt_prefix_rows(request)
+    if not rows:
+        return None
+    prefix = model.lm_input(request)[:rows][None]
+    cache = model.llm.new_cache(1, prefix.device)
+    model.llm.forward_incremental(prefix, torch.ones(1, rows, dtype=torch.bool, device=prefix.device), cache)
+    return PromptPrefix(rows, cache)
 
 
 @dataclass
@@ -92,6 +122,10 @@ class SpeechTokenLM(Protocol):
         """Size of the speaker embedding the LM takes; None when it takes none (a given one is ignored)."""
 
     def lm_input(self, request: GenerationRequest) -> Tensor: ...
+
+    def prompt_prefix_rows(self, request: GenerationRequest) -> int:
+        """How many leading rows of `lm_input(request)` depend on its voice prompt alone (the same for every text
+        spoken in that voice), so that their KV cache can be kept and reused; 0 when none are worth keeping."""
 
 
 def generate_tokens(model: SpeechTokenLM, requests: list[GenerationRequest]) -> list[Tensor]:
@@ -163,6 +197,11 @@ class TokenGenerator:
         prompt = request.prompt_speech_tokens
         if prompt is not None and prompt.numel() and not 0 <= int(prompt.min()) <= int(prompt.max()) < self.model.eos:
             raise InvalidInputError(f"prompt speech tokens must be in [0, {self.model.eos})")
+        prefix = request.prefix
+        if prefix is not None and not (
+            prefix.cache.batch == 1 and prefix.cache.length == prefix.rows <= self.model.prompt_prefix_rows(request)
+        ):
+            raise InvalidInputError("the prompt prefix does not cover rows of this request's voice prompt alone")
         options = request.options or cfg.sampling
         max_len = int(text_len * options.max_token_text_ratio)
         if max_len < 1:
@@ -299,7 +338,7 @@ class TokenGenerator:
         if not pending:
             return [], None, None
         try:
-            return pending, *self._prefill(pending)
+            return self._prefill(pending)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:
@@ -315,19 +354,35 @@ class TokenGenerator:
         joined = [s for s in pending if s.request_id not in failed]
         if not joined:  # (when every one prefills alone but not together, the retry below raises: not theirs)
             return [], None, None
-        return joined, *self._prefill(joined)
+        return self._prefill(joined)
 
-    def _prefill(self, sequences: list[_Sequence]) -> tuple[Tensor, KVCache]:
-        """Prefill requests (left-padded) into a cache of their own -> (last hidden [N, D], cache). A request resumed
-        without its cache is prefilled over its prompt and the tokens it has so far."""
-        inputs = [self._prefill_input(s) for s in sequences]
-        width = max(len(x) for x in inputs)
-        padded = torch.stack([F.pad(x, (0, 0, width - len(x), 0)) for x in inputs])
-        columns = torch.arange(width, device=padded.device)
-        valid = columns >= torch.tensor([width - len(x) for x in inputs], device=padded.device)[:, None]
-        cache = self.model.llm.new_cache(len(inputs), padded.device)
-        hidden = self.model.llm.forward_incremental(padded, valid, cache)[:, -1]
-        return hidden, cache
+    def _prefill(self, sequences: list[_Sequence]) -> tuple[list[_Sequence], Tensor, KVCache]:
+        """Prefill requests into a cache of their own -> (the requests in the cache's row order, last hidden [N, D],
+        cache). The requests without a prompt prefix are prefilled together (left-padded), then each one with a prefix
+        alone, over the rows after it on a copy of its prefix's cache (their rows differ in length only by padding,
+        which would fall between the prefix and the rest). A request resumed without its cache is prefilled over its
+        prompt and the tokens it has so far."""
+        plain = [s for s in sequences if s.request.prefix is None]
+        parts: list[tuple[Tensor, KVCache]] = []
+        if plain:
+            inputs = [self._prefill_input(s) for s in plain]
+            width = max(len(x) for x in inputs)
+            padded = torch.stack([F.pad(x, (0, 0, width - len(x), 0)) for x in inputs])
+            columns = torch.arange(width, device=padded.device)
+            valid = columns >= torch.tensor([width - len(x) for x in inputs], device=padded.device)[:, None]
+            cache = self.model.llm.new_cache(len(inputs), padded.device)
+            parts.append((self.model.llm.forward_incremental(padded, valid, cache)[:, -1], cache))
+        prefixed = [s for s in sequences if s.request.prefix is not None]
+        for sequence in prefixed:
+            prefix = sequence.request.prefix
+            rest = self._prefill_input(sequence)[prefix.rows :][None]
+            cache = prefix.cache.take([0])  # a copy: the prefix serves other requests
+            valid = torch.ones(1, rest.shape[1], dtype=torch.bool, device=rest.device)
+            parts.append((self.model.llm.forward_incremental(rest, valid, cache)[:, -1], cache))
+        cache = parts[0][1]
+        for _, more in parts[1:]:
+            cache = KVCache.concat(cache, more)
+        return plain + prefixed, torch.cat([hidden for hidden, _ in parts]), cache
 
     def _prefill_input(self, sequence: _Sequence) -> Tensor:
         """[S, D]: the request's prompt (`lm_input`), then its tokens so far (after a recompute pause)."""

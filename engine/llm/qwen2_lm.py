@@ -347,6 +347,12 @@ class Qwen2LM(nn.Module):
             parts.append(self.speech_embedding(request.prompt_speech_tokens.long().to(weight.device).reshape(-1)))
         return torch.cat([part.to(weight.dtype) for part in parts])
 
+    def prompt_prefix_rows(self, request: GenerationRequest) -> int:
+        """sos and the prompt text (transcript, instruction or system text): the text to speak follows them, and the
+        prompt speech comes only after it, so it is no part of the prefix. 0 without prompt text."""
+        prompt_text = len(request.text_encoded) - request.text_len
+        return 1 + prompt_text if prompt_text else 0
+
     def special_embeddings(self) -> tuple[Tensor, Tensor]:
         """The sos and task-id embeddings [1, llm_input_size] each (v2: the rows of llm_embedding)."""
         weight = self.llm_embedding.weight

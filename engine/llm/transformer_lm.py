@@ -111,6 +111,16 @@ class TransformerLM(nn.Module):
             parts.append(self.speech_embedding(request.prompt_speech_tokens.long().to(weight.device).reshape(-1)))
         return torch.cat([part.to(weight.dtype) for part in parts])
 
+    def prompt_prefix_rows(self, request: GenerationRequest) -> int:
+        """sos, the speaker term, and the prompt text's rows of the encoded text, when the text encoder is causal
+        (each row then depends on the rows before it alone, so the prompt text's on the prompt text alone); 0 without
+        prompt text (two rows are not worth keeping)."""
+        prompt_text = len(request.text_encoded) - request.text_len if self.cfg.text_encoder.causal else 0
+        if not prompt_text:
+            return 0
+        embedding = request.embedding
+        return 1 + int(embedding is not None and embedding.numel() > 0) + prompt_text
+
     def generate(self, requests: list[GenerationRequest]) -> list[Tensor]:
         """Decode all requests as one batch -> one LongTensor [N_i] of speech tokens each, in request order."""
         return generate_tokens(self, requests)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -19,9 +20,10 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.errors import InvalidInputError, NonFiniteOutputError
 from engine.flow.masked_diff import FlowRequest
-from engine.llm.generation import GenerationRequest, SilentRunFilter
+from engine.llm.generation import GenerationRequest, SilentRunFilter, prefill_prompt_prefix
 from engine.llm.sampling import MAX_SEED, SamplingOptions
 from engine.loading.loader import LoadedModel, load_model
+from engine.runtime.prompt_cache import PreparedPrompt, PromptCache, PromptKey
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream
 from engine.text.frontend import ENDOFPROMPT
@@ -36,6 +38,7 @@ MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range; the mel is stretched by 1 / 
 MAX_SEGMENT_TEXT_TOKENS = 8192
 MAX_PROMPT_SPEECH_TOKENS = 4096
 MAX_PROMPT_MEL_FRAMES = 8192
+MAX_VOICE_KEY_CHARS = 256  # a voice name or prompt key, as a segment carries it
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,26 @@ class _VoiceConditioning:
     llm_prompt_speech_tokens: np.ndarray
     flow_prompt_speech_tokens: np.ndarray
     prompt_feat: np.ndarray
+
+    @property
+    def prompt_key(self) -> str:
+        """A hash of every part of the voice that leads the LLM input or conditions the flow: two requests with the
+        same key (and voice name) may share a decoder's prepared prompt (`engine.runtime.prompt_cache`)."""
+        digest = hashlib.blake2b(digest_size=16)
+        parts = (
+            np.asarray(self.prompt_text_tokens, dtype=np.int64),
+            np.zeros(0, np.float32) if self.llm_embedding is None else self.llm_embedding,
+            np.asarray([self.llm_embedding is None]),
+            self.flow_embedding,
+            self.llm_prompt_speech_tokens,
+            self.flow_prompt_speech_tokens,
+            self.prompt_feat,
+        )
+        for part in parts:  # each part's dtype and shape too, so that no two tuples of parts hash alike by layout
+            array = np.ascontiguousarray(part)
+            digest.update(f"{array.dtype.str}{array.shape}".encode())
+            digest.update(array.tobytes())
+        return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -157,6 +180,7 @@ class TextEncoderStage:
             raise InvalidInputError(f"sentences {start} to {stop} are not a range of the request's {count}")
         texts, voice, request = plan.texts[start:stop], plan.voice, plan.request
         encoded = self._encode_batch([text.prompt + text.text for text in texts])
+        prompt_key = voice.prompt_key
         return [
             EncodedSegment(
                 text_encoded=text_encoded,
@@ -171,6 +195,8 @@ class TextEncoderStage:
                 speed=request.speed,
                 segment_index=index,
                 num_segments=count,
+                voice=request.voice,
+                prompt_key=prompt_key,
             )
             for index, text, text_encoded in zip(range(start, stop), texts, encoded, strict=True)
         ]
@@ -273,8 +299,9 @@ HEALTH_CHECK_MEL_FRAMES = 4  # enough for every conv of the vocoder, negligible 
 class SpeechDecoderStage:
     """Speech-token generation, flow matching and vocoder over a batch of encoded segments."""
 
-    def __init__(self, model: LoadedModel) -> None:
+    def __init__(self, model: LoadedModel, prompt_cache: PromptCache | None = None) -> None:
         self.model = model
+        self.prompt_cache = prompt_cache  # None: every request's prompt is prepared anew
 
     @property
     def sample_rate(self) -> int:
@@ -313,6 +340,10 @@ class SpeechDecoderStage:
         frames = _checked_array("prompt_feat", segment.prompt_feat, (None, config.mel_bins))
         if len(frames) > MAX_PROMPT_MEL_FRAMES:
             raise InvalidInputError(f"prompt_feat must have at most {MAX_PROMPT_MEL_FRAMES} frames, got {len(frames)}")
+        for name in ("voice", "prompt_key"):
+            value = getattr(segment, name)
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_VOICE_KEY_CHARS):
+                raise InvalidInputError(f"{name} must be None or a string of 1 to {MAX_VOICE_KEY_CHARS} characters")
 
     @torch.inference_mode()
     def decode_batch(self, segments: list[EncodedSegment]) -> list[np.ndarray | NonFiniteOutputError]:
@@ -322,20 +353,63 @@ class SpeechDecoderStage:
         return self.vocode(segments, mels)
 
     def generation_requests(self, segments: list[EncodedSegment]) -> list[GenerationRequest]:
+        """The LLM requests of `segments`; a segment in a voice whose prepared prompt is cached (or is prepared and
+        cached now) starts from its prompt prefix."""
+        return [self._generation_request(segment) for segment in segments]
+
+    def _generation_request(self, segment: EncodedSegment) -> GenerationRequest:
         device = self.model.decoder_device
-        return [
-            GenerationRequest(
-                text_encoded=_tensor(s.text_encoded, device),
-                text_len=s.text_len,
-                embedding=None if s.llm_embedding is None else _tensor(s.llm_embedding, device),
-                prompt_speech_tokens=_tensor(s.llm_prompt_speech_tokens, device),
-                options=s.sampling,
+        key = self._prompt_key(segment)
+        prepared = None if key is None else self.prompt_cache.get(key)
+        request = GenerationRequest(
+            text_encoded=_tensor(segment.text_encoded, device),
+            text_len=segment.text_len,
+            embedding=None if segment.llm_embedding is None else _tensor(segment.llm_embedding, device),
+            prompt_speech_tokens=_tensor(segment.llm_prompt_speech_tokens, device),
+            options=segment.sampling,
+        )
+        if prepared is not None:
+            return replace(
+                request,
+                embedding=prepared.llm_embedding,
+                prompt_speech_tokens=prepared.llm_prompt_speech_tokens,
+                prefix=prepared.prefix,
             )
-            for s in segments
-        ]
+        if key is None:
+            return request
+        # A miss prepares the prompt and starts from its prefix too, so that a hit computes exactly what a miss did.
+        prepared = PreparedPrompt(
+            prefix=prefill_prompt_prefix(self.model.llm, request),
+            llm_prompt_speech_tokens=request.prompt_speech_tokens,
+            llm_embedding=request.embedding,
+            flow_prompt_speech_tokens=_tensor(segment.flow_prompt_speech_tokens, device),
+            prompt_feat=_tensor(segment.prompt_feat, device),
+            flow_embedding=_tensor(segment.flow_embedding, device),
+        )
+        self.prompt_cache.put(key, prepared)
+        return replace(request, prefix=prepared.prefix)
+
+    def _prompt_key(self, segment: EncodedSegment) -> PromptKey | None:
+        if self.prompt_cache is None or not self.prompt_cache.max_bytes:
+            return None
+        if segment.voice is None or segment.prompt_key is None:
+            return None
+        return segment.voice, segment.prompt_key
 
     def flow_request(self, segment: EncodedSegment, tokens: torch.Tensor) -> FlowRequest:
+        """The flow's request for `tokens` of `segment`: the prompt tensors already on the device when its voice's
+        prepared prompt is cached (not counted as a hit or a miss: the LLM's lookup was)."""
         device = self.model.decoder_device
+        key = self._prompt_key(segment)
+        prepared = None if key is None else self.prompt_cache.get(key, count=False)
+        if prepared is not None:
+            return FlowRequest(
+                tokens=tokens.to(device),
+                prompt_tokens=prepared.flow_prompt_speech_tokens,
+                prompt_feat=prepared.prompt_feat,
+                embedding=prepared.flow_embedding,
+                seed=segment.sampling.seed,
+            )
         return FlowRequest(
             tokens=tokens.to(device),
             prompt_tokens=_tensor(segment.flow_prompt_speech_tokens, device),

@@ -68,6 +68,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
@@ -90,6 +91,7 @@ from engine.runtime.handoff import hand_over, loop_stream, on_stream, take_over
 from engine.runtime.memory import describe_memory_limit, estimate_request_memory, is_out_of_memory
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
+from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, PromptCache, prompt_cache_bound
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream
 
@@ -121,6 +123,10 @@ class _SharedGenerator:
     @property
     def batch_size(self) -> int:
         return self.generator.batch_size
+
+    def on_loop_stream(self) -> AbstractContextManager:
+        """Run the caller's kernels on the loop's CUDA stream, in order with the LLM's steps."""
+        return on_stream(self._stream)
 
     def add(self, request: GenerationRequest) -> int:
         with self._lock, on_stream(self._stream):
@@ -240,10 +246,14 @@ class Scheduler:
         on_request_end: Callable[[Ticket, CosyVoiceError | None], None] | None = None,
         on_out_of_memory: Callable[[int], None] | None = None,
         oom_backoff_s: float = OOM_BACKOFF_S,
+        prompt_cache_bytes: int | None = None,
     ) -> None:
         """`on_request_end(ticket, error)` is called on the loop thread when a request ends (its `playback` says
         when its audio came and how its listener fared); `on_out_of_memory(live_limit)` when the loop ran out of
-        device memory and lowered its live limit to `live_limit`."""
+        device memory and lowered its live limit to `live_limit`. `prompt_cache_bytes` bounds the cache of prepared
+        voice prompts (`engine.runtime.prompt_cache`; 0 turns it off); None: `DEFAULT_PROMPT_CACHE_SHARE` of the
+        memory budget (`prompt_cache_bound`). Its bytes count against the budget: a sentence
+        that needs them empties it, oldest entries first."""
         self.stage = stage
         self.policy: SchedulingPolicy = policy or DeadlinePolicy()
         self.clock = clock
@@ -262,6 +272,10 @@ class Scheduler:
         # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
         cuda = stage.model.decoder_device.type == "cuda"
         self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
+        if prompt_cache_bytes is None:
+            prompt_cache_bytes = prompt_cache_bound(memory_budget_bytes, DEFAULT_PROMPT_CACHE_SHARE)
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        stage.prompt_cache = self.prompt_cache  # the stage prepares the prompts: the loop owns their memory
         self.llm = _SharedGenerator(TokenGenerator(stage.model.llm), stage.model.decoder_device)
         self.streams = DecodeStream(stage, [], llm=self.llm)
         self.stats = SchedulerStats()
@@ -565,7 +579,16 @@ class Scheduler:
             return False
         budget, held = self.memory_budget_bytes, self.live_bytes
         needed = 0 if sentence.cache_kept else sentence.memory_bytes
-        return budget is None or not held or held + needed <= budget
+        if budget is None:
+            return True
+        self._trim_prompt_cache(held + needed)
+        return not held or held + needed + self.prompt_cache.nbytes <= budget
+
+    def _trim_prompt_cache(self, live_bytes: int) -> None:
+        """Live sentences come first: the prompt cache gives up what they need of the memory budget."""
+        budget = self.memory_budget_bytes
+        if budget is not None and live_bytes + self.prompt_cache.nbytes > budget:
+            self.prompt_cache.evict_to(max(0, budget - live_bytes))
 
     def _admissible(self) -> bool:
         candidates = self._candidates()
@@ -615,7 +638,12 @@ class Scheduler:
         sentence.paused, sentence.cache_kept = True, keep_cache
 
     def _add_to_generator(self, sentence: _Sentence) -> bool:
-        """Its generator row (and stream, when streaming), made from its segment -> True."""
+        """Its generator row (and stream, when streaming), made from its segment -> True. On the LLM's CUDA stream:
+        a voice's prompt prefix may be prefilled here."""
+        with self.llm.on_loop_stream():
+            return self._add_rows(sentence)
+
+    def _add_rows(self, sentence: _Sentence) -> bool:
         if sentence.request.streaming:
             sentence.stream = self.streams.add(sentence.segment)
             sentence.llm_id = sentence.stream.llm_id
@@ -648,6 +676,7 @@ class Scheduler:
         ticket.admitted += 1
         self.stats.admitted += 1
         self._live.append(sentence)
+        self._trim_prompt_cache(self.live_bytes)  # its admission may have cached its voice's prompt
         if ticket.admitted == len(ticket.sentences):
             self._queue.remove(ticket)
         return True

@@ -24,3 +24,5 @@ class EncodedSegment:
     speed: float
     segment_index: int = 0
     num_segments: int = 1
+    voice: str | None = None  # the voice's name: with `prompt_key`, what a decoder's prompt cache keys on
+    prompt_key: str | None = None  # a hash of everything the voice puts before the text (None: nothing is cached)

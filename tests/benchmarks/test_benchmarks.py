@@ -17,7 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.batching_bench import measure_batches, measure_first_chunk, report_rows, throughput_ratios
+from benchmarks.batching_bench import (
+    cloned_voice_segment,
+    measure_batches,
+    measure_first_chunk,
+    measure_prompt_cache_ttfa,
+    report_rows,
+    throughput_ratios,
+)
 from benchmarks.compare import batching_figures, text_for_audio_seconds
 from benchmarks.engine_bench import fixed_length_segments, run
 from benchmarks.http_bench import LevelResult, LevelRun, Sample, level_dict, summarize
@@ -239,6 +246,22 @@ def test_batching_bench_measures_cosyvoice3_batches_and_its_first_streamed_chunk
     assert streaming["first_chunk_s"] is not None and streaming["first_chunk_s"] < streaming["stream_total_s"]
     assert streaming["first_chunk_s_spread"]["n"] == streaming["full_synthesis_s_spread"]["n"] == REPEATS
     assert streaming["fraction"] > 0 and streaming["fraction_spread"]["n"] == REPEATS
+
+
+def test_batching_bench_times_the_first_chunk_of_a_cloned_voice_with_and_without_the_prompt_cache() -> None:
+    model = load_model("cosyvoice3-tiny")
+    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
+    segment = cloned_voice_segment(encoder, prompt_seconds=2.0, audio_seconds=1.0)
+    assert len(segment.llm_prompt_speech_tokens) == 50  # 2 s at v3's 25 Hz
+
+    timing = measure_prompt_cache_ttfa(decoder, segment, REPEATS, warmup=1)
+
+    json.dumps(timing, allow_nan=False)
+    assert (timing["cache_misses"], timing["cache_hits"]) == (1, REPEATS)  # the warm-up cached run fills it
+    assert timing["cached_prefix_rows"] > 1 and timing["prefill_rows"] > timing["cached_prefix_rows"]
+    for name in ("ttfa_cached_s", "ttfa_uncached_s", "ratio"):
+        assert timing[name] > 0 and timing[f"{name}_spread"]["n"] == REPEATS
+    assert decoder.prompt_cache is None  # the stage is left as it was
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

@@ -184,9 +184,11 @@ def test_dashboard_charts_every_metric() -> None:
 class RecordingCounter:
     def __init__(self) -> None:
         self.calls: list[dict[str, str]] = []
+        self.values: list[float] = []
 
     def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
         self.calls.append(dict(tags or {}))
+        self.values.append(value)
 
 
 def test_autoscaling_decisions_are_counted_once_with_their_reason() -> None:
@@ -210,6 +212,19 @@ def test_precision_fallbacks_are_counted_by_stage_and_outcome() -> None:
         {"stage": "flow", "recovered": "true"},
         {"stage": "vocoder", "recovered": "false"},
     ]
+
+
+def test_prompt_cache_lookups_are_counted_from_the_caches_running_totals() -> None:
+    decoder_metrics = metrics.DecoderMetrics.__new__(metrics.DecoderMetrics)  # no Ray: the instruments are stand-ins
+    decoder_metrics.prompt_cache_lookups = RecordingCounter()
+    decoder_metrics.prompt_cache_bytes = type("Gauge", (), {"set": lambda self, value: setattr(self, "value", value)})()
+    decoder_metrics._prompt_cache_counted = {"hit": 0, "miss": 0}
+    decoder_metrics.record_prompt_cache(hits=0, misses=1, nbytes=100)
+    decoder_metrics.record_prompt_cache(hits=3, misses=1, nbytes=100)  # nothing new missed: no increment of 0
+    decoder_metrics.record_prompt_cache(hits=3, misses=1, nbytes=0)
+    lookups = decoder_metrics.prompt_cache_lookups
+    assert list(zip(lookups.calls, lookups.values, strict=True)) == [({"result": "miss"}, 1), ({"result": "hit"}, 3)]
+    assert decoder_metrics.prompt_cache_bytes.value == 0
 
 
 class RecordingHistogram:
