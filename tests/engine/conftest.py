@@ -12,6 +12,7 @@ import numpy as np
 from tokenizers import models, pre_tokenizers, trainers
 
 from engine.runtime.scheduler import Output, Scheduler
+from engine.runtime.segment import EncodedSegment
 from engine.text.qwen_tokenizer import QWEN2_ENDOFTEXT_ID, qwen2_pipeline, special_token
 
 
@@ -52,6 +53,17 @@ def step_until(scheduler: Scheduler, condition: Callable[[], bool], limit: int =
             return
         scheduler.step()
     raise AssertionError(f"not reached in {limit} steps")
+
+
+def decode_to_end(scheduler: Scheduler, requests: list[tuple[EncodedSegment, bool]]) -> list[Collected]:
+    """Submit every (segment, streaming) at once and step the loop until it has no work -> each request's sink; the
+    loop must not have failed."""
+    sinks = [Collected() for _ in requests]
+    for (segment, streaming), sink in zip(requests, sinks, strict=True):
+        scheduler.submit([segment], streaming=streaming, sink=sink)
+    step_until(scheduler, lambda: not scheduler.has_work, limit=5000)
+    assert scheduler.failure is None
+    return sinks
 
 
 # 380 trained ids + the 3 config tokens + CosyVoice2's 17 new special tokens = 400, the kit's Qwen2 vocab_size.

@@ -19,7 +19,7 @@ from engine.llm.sampling import MAX_SEED, SamplingOptions
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
-from tests.engine.conftest import Collected
+from tests.engine.conftest import Collected, decode_to_end
 
 POISON_SEED = 666  # the request the fault is injected into
 MODELS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
@@ -80,14 +80,7 @@ def _decode(tts: CosyVoice, requests: list[tuple[EncodedSegment, bool]], setup: 
     """Submit every (segment, streaming) at once to a fresh loop and run it to its end -> each request's sink."""
     scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=4)
     setup(scheduler)
-    sinks = [Collected() for _ in requests]
-    for (segment, streaming), sink in zip(requests, sinks, strict=True):
-        scheduler.submit([segment], streaming=streaming, sink=sink)
-    for _ in range(5000):
-        if not scheduler.has_work:
-            break
-        scheduler.step()
-    assert not scheduler.has_work and scheduler.failure is None
+    sinks = decode_to_end(scheduler, requests)
     assert scheduler.stats.request_faults == sum(isinstance(s.error, RequestFailedError) for s in sinks)
     return sinks
 

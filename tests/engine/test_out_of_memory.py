@@ -19,7 +19,7 @@ from engine.nn.conformer import KVCache
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
-from tests.engine.conftest import Collected
+from tests.engine.conftest import Collected, decode_to_end
 
 BACKOFF_S = 30.0
 POISON_SEED = 666
@@ -58,15 +58,7 @@ def _decode(
 ) -> tuple[Scheduler, list[Collected]]:
     """Submit every (segment, streaming) at once to a fresh loop and run it to its end."""
     scheduler = Scheduler(tts.decoder, max_live=8, max_vocode_batch=4, clock=clock or Clock(), oom_backoff_s=BACKOFF_S)
-    sinks = [Collected() for _ in requests]
-    for (segment, streaming), sink in zip(requests, sinks, strict=True):
-        scheduler.submit([segment], streaming=streaming, sink=sink)
-    for _ in range(5000):
-        if not scheduler.has_work:
-            break
-        scheduler.step()
-    assert not scheduler.has_work and scheduler.failure is None
-    return scheduler, sinks
+    return scheduler, decode_to_end(scheduler, requests)
 
 
 def _out_of_memory_when(hit: Callable[..., bool], work: Callable[..., Any]) -> Callable[..., Any]:
