@@ -43,14 +43,7 @@ def measure_case(model_name: str, audio_seconds: float, batch: int, threads: int
     model = load_model(model_name, dtype=dtype)
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
     segments = fixed_length_segments(encoder, audio_seconds, batch)
-    estimate = memory.estimate_request_memory(
-        model.config,
-        segments[0].text_len,
-        prompt_text_tokens=len(segments[0].text_encoded) - segments[0].text_len,
-        prompt_speech_tokens=len(segments[0].llm_prompt_speech_tokens),
-        max_token_text_ratio=segments[0].sampling.max_token_text_ratio,
-        dtype_bytes=model.dtype.itemsize,
-    )
+    estimate = memory.segment_memory(model.config, segments[0], model.dtype.itemsize)  # the scheduler's
     with torch.inference_mode():  # once untimed at the same shapes: oneDNN's kernels and scratchpads, made once
         decoder.vocode(segments, decoder.tokens_to_mel(segments, decoder.generate_tokens(segments)))
     gc.collect()

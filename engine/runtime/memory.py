@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.families.base import ModelConfig
+from engine.runtime.segment import EncodedSegment
 
 SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
 # What a replica's share keeps beside its weights and its requests' estimates: cuBLAS workspaces, the vocoding lanes'
@@ -58,6 +59,20 @@ def estimate_request_memory(
     # as the rate doubles); three resblocks' outputs and the source branch live at once: ~4 such tensors, fp32
     vocoder = 4 * (hift.base_channels // 2) * samples // hift.upsample_rates[0] * 4
     return MemoryEstimate(kv_cache_bytes=kv_cache, flow_bytes=flow_bytes, vocoder_bytes=vocoder)
+
+
+def segment_memory(config: ModelConfig, segment: EncodedSegment, dtype_bytes: int) -> MemoryEstimate:
+    """`estimate_request_memory` of one encoded sentence: its text and prompt lengths, its sampling's longest speech
+    and its speed."""
+    return estimate_request_memory(
+        config,
+        segment.text_len,
+        prompt_text_tokens=len(segment.text_encoded) - segment.text_len,
+        prompt_speech_tokens=max(len(segment.llm_prompt_speech_tokens), len(segment.flow_prompt_speech_tokens)),
+        max_token_text_ratio=segment.sampling.max_token_text_ratio,
+        dtype_bytes=dtype_bytes,
+        speed=segment.speed,
+    )
 
 
 def memory_budget_for(share_bytes: int, used_bytes: int, where: str = "the decoder's device share") -> int:

@@ -88,7 +88,7 @@ from engine.errors import (
 )
 from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
 from engine.runtime.handoff import hand_over, loop_stream, on_stream, take_over
-from engine.runtime.memory import describe_memory_limit, estimate_request_memory, is_out_of_memory
+from engine.runtime.memory import describe_memory_limit, is_out_of_memory, segment_memory
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, PromptCache, prompt_cache_bound
@@ -312,15 +312,7 @@ class Scheduler:
     def memory_estimate(self, segment: EncodedSegment) -> int:
         """Bytes one sentence holds while it is live: its KV cache at its longest, flow and vocoder activations."""
         model = self.stage.model
-        return estimate_request_memory(
-            model.config,
-            segment.text_len,
-            prompt_text_tokens=len(segment.text_encoded) - segment.text_len,
-            prompt_speech_tokens=max(len(segment.llm_prompt_speech_tokens), len(segment.flow_prompt_speech_tokens)),
-            max_token_text_ratio=segment.sampling.max_token_text_ratio,
-            dtype_bytes=model.dtype.itemsize,
-            speed=segment.speed,
-        ).total_bytes
+        return segment_memory(model.config, segment, model.dtype.itemsize).total_bytes
 
     def check_fits(self, segments: list[EncodedSegment]) -> list[int]:
         """Each sentence's memory estimate; `RequestTooLargeError` when one alone exceeds the whole budget."""
