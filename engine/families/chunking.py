@@ -122,6 +122,10 @@ class ChunkStrategy:
         """The stream's next chunk once it has enough tokens (its state advances), else None."""
         raise NotImplementedError
 
+    def tokens_wanted(self, stream: StreamState) -> int:
+        """How many `new_tokens` the stream needs before `next_chunk` gives a chunk that is not its last."""
+        raise NotImplementedError
+
     def chunk_mels(self, chunks: list[Chunk]) -> list[Tensor]:
         """The new mel frames [80, n] fp32 CPU of each chunk, all chunks through the flow together."""
         raise NotImplementedError
@@ -203,8 +207,11 @@ class OverlappingChunks(ChunkStrategy):
         )
         super().__init__(decoder, schedule)
 
+    def tokens_wanted(self, stream: StreamState) -> int:
+        return stream.hop + self.schedule.token_overlap
+
     def next_chunk(self, stream: StreamState) -> Chunk | None:
-        size = stream.hop + self.schedule.token_overlap
+        size = self.tokens_wanted(stream)
         if len(stream.new_tokens) >= size:
             tokens = stream.new_tokens[:size]
             stream.new_tokens = stream.new_tokens[stream.hop :]
@@ -274,12 +281,19 @@ class CausalPrefixChunks(ChunkStrategy):
         """Tokens per static chunk of the causal flow's training (flow: its config), the first hop."""
         return flow.encoder_chunk_size
 
-    def next_chunk(self, stream: StreamState) -> Chunk | None:
-        """The whole token prefix up to the next hop plus the look-ahead, or everything once generation ends."""
+    def _hop_end(self, stream: StreamState) -> int:
+        """The end of the stream's next hop in its token prefix."""
         hop = stream.hop
         if stream.token_offset == 0:  # the first hop completes the prompt's last training chunk
             hop += -len(stream.segment.flow_prompt_speech_tokens) % self.schedule.token_hop
-        end = stream.token_offset + hop
+        return stream.token_offset + hop
+
+    def tokens_wanted(self, stream: StreamState) -> int:
+        return self._hop_end(stream) + self.schedule.lookahead
+
+    def next_chunk(self, stream: StreamState) -> Chunk | None:
+        """The whole token prefix up to the next hop plus the look-ahead, or everything once generation ends."""
+        end = self._hop_end(stream)
         mel_start = stream.token_offset * self.schedule.frames_per_token
         if len(stream.new_tokens) >= end + self.schedule.lookahead:
             chunk = Chunk(stream, stream.new_tokens[: end + self.schedule.lookahead], final=False, mel_start=mel_start)

@@ -159,7 +159,6 @@ class _Sentence:
     tokens: list[int] = field(default_factory=list)  # whole sentences: the tokens so far
     events: list[TokenEvent] = field(default_factory=list)  # streaming sentences: not yet recorded in the stream
     recorded_at: int = 0  # streaming sentences: the LLM step count when a job last took in their tokens
-    chunk_ready: bool = False  # streaming sentences: the tokens taken in may hold a chunk not yet emitted
     in_job: bool = False  # a flow + vocoder job works on it
     paused: bool = False  # out of the LLM batch until resumed (preempted by an earlier deadline)
     cache_kept: bool = False  # paused with its KV cache set aside (it still holds its memory)
@@ -793,7 +792,9 @@ class Scheduler:
 
     def _start_jobs(self) -> None:
         """Hand each free lane its next job (see the module docstring)."""
-        ready = [s for s in self._live if s.stream is not None and not s.in_job and (s.events or s.chunk_ready)]
+        ready = [
+            s for s in self._live if s.stream is not None and not s.in_job and self.streams.may_emit(s.stream, s.events)
+        ]
         first = [s for s in ready if not s.request.audio_started]
         by_deadline = self.policy.by_deadline
         if by_deadline:
@@ -921,8 +922,6 @@ class Scheduler:
             self.stats.vocode_batch_size_counts[len(produced)] += 1
             self.stats.first_lane_chunks += len(produced) if lane == FIRST else 0
         by_stream = {id(s.stream): s for s in sentences if s.stream is not None}  # not cancelled meanwhile
-        for sentence in by_stream.values():
-            sentence.chunk_ready = False
         for stream, audio in produced:
             sentence = by_stream.get(id(stream))
             if sentence is None or sentence.request.ended:  # cancelled, or ended by an earlier error in this batch
@@ -941,8 +940,6 @@ class Scheduler:
                 self.streams.release(stream)
                 sentence.stream = None
                 sentence.done = True
-            else:
-                sentence.chunk_ready = True  # its tokens may hold another chunk
 
     def _take_waves(self, sentences: list[_Sentence], waves: list[np.ndarray | Exception]) -> None:
         self.stats.vocode_batch_size_counts[len(sentences)] += 1

@@ -137,6 +137,18 @@ class DecodeStream:
                 stream.new_tokens.append(event.token)
             stream.tokens_done = stream.tokens_done or event.finish_reason is not None
 
+    def may_emit(self, stream: StreamState, waiting: list[TokenEvent]) -> bool:
+        """Whether an `emit` after recording `waiting` (the stream's events not yet recorded) could give the stream
+        a chunk: False means a job now would only record tokens, which costs a lane round trip per LLM step."""
+        if stream.finished:
+            return False
+        if stream.tokens_done or any(event.finish_reason is not None for event in waiting):
+            return True
+        assert self.strategy is not None  # a stream was added
+        # an upper bound of the tokens kept: the silent-run filter may drop some of `waiting`
+        tokens = len(stream.new_tokens) + sum(event.token is not None for event in waiting)
+        return tokens >= self.strategy.tokens_wanted(stream)
+
     @torch.inference_mode()
     def emit(
         self, streams: list[StreamState] | None = None
