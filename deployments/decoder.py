@@ -148,10 +148,14 @@ class Decoder:
         # (about 30 s after the last request here), so dashboards would read "No data" instead of an idle 0.
         threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
         # Built per replica so that max_concurrent_batches comes from the app's arguments. The loop starts idle:
-        # the queue waits for no batch to fill until the loop is busy (`_loop_busy`).
-        self._admit = serve.batch(
-            max_batch_size=max_batch_size, batch_wait_timeout_s=0.0, max_concurrent_batches=max_concurrent_batches
-        )(self._admit_batch)
+        # the queues wait for no batch to fill until the loop is busy (`_loop_busy`), and a stream's never does:
+        # its first audio is what the deadline policy protects, and the loop takes it in at its next step anyway.
+        self._admit = {
+            path: serve.batch(
+                max_batch_size=max_batch_size, batch_wait_timeout_s=0.0, max_concurrent_batches=max_concurrent_batches
+            )(self._admit_batch)
+            for path in ("whole", "stream")
+        }
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self._loop_is_busy = False
         self._loop_thread: threading.Thread | None = None
@@ -173,16 +177,19 @@ class Decoder:
         self.max_batch_size = size
         self.scheduler.max_live = size
         self.load.max_batch_size = size
-        self._admit.set_max_batch_size(size)
+        for admit in self._admit.values():
+            admit.set_max_batch_size(size)
         return size
 
     def set_batch_wait_timeout_s(self, timeout_s: float) -> None:
-        """How long an admission batch waits to fill while the loop is busy (an idle loop takes requests at once)."""
+        """How long an admission batch of whole requests waits to fill while the loop is busy (an idle loop takes
+        requests at once; streams never wait)."""
         self.batch_wait_timeout_s = timeout_s
-        self._admit.set_batch_wait_timeout_s(self.admission_wait_s)
+        self._admit["whole"].set_batch_wait_timeout_s(self.admission_wait_s)
 
     @property
     def admission_wait_s(self) -> float:
+        """The whole requests' admission wait now."""
         return self.batch_wait_timeout_s if self._loop_is_busy else 0.0
 
     def _budget_bytes(self, memory_budget_gb: float | str | None) -> int | None:
@@ -228,7 +235,7 @@ class Decoder:
 
     async def _outputs(self, slot: _Slot) -> AsyncIterator[np.ndarray]:
         """Hand the slot to the loop and yield its audio as it comes; an engine error is raised."""
-        error = await self._admit(slot)
+        error = await self._admit[slot.path](slot)
         if error is not None:
             raise error
         taking_later = asyncio.create_task(self._take_later_sentences(slot)) if slot.later else None
@@ -326,7 +333,7 @@ class Decoder:
             self.load.busy_started()
         else:
             self.load.busy_finished()
-        self._admit.set_batch_wait_timeout_s(self.admission_wait_s)
+        self._admit["whole"].set_batch_wait_timeout_s(self.admission_wait_s)
         self._publish_load()
 
     def _request_ended(self, ticket: Ticket, error: CosyVoiceError | None) -> None:

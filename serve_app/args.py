@@ -106,7 +106,12 @@ class DecoderArgs(_Strict):
         "admit fewer); 8 for the tiny model on CPU, whose LLM step keeps 16 streams 5x faster than real time and "
         "whose flow + vocoder lanes make ~11 audio seconds a second (docs/performance.md)",
     )
-    batch_wait_timeout_s: float = Field(0.05, ge=0)
+    batch_wait_timeout_s: float = Field(
+        0.05,
+        ge=0,
+        description="how long an admission batch of whole requests waits to fill while the loop is busy (an idle "
+        "loop admits at once; streams never wait: the loop takes them in at its next step)",
+    )
     max_concurrent_batches: int = Field(
         2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
     )

@@ -1,6 +1,7 @@
 """The Decoder deployment's continuous-batching loop on a real Serve app (tiny model): a request that arrives
 while another decodes joins its LLM batch, whole and streaming requests share one model copy and one loop,
-a cancelled stream frees its slot, an idle replica admits without waiting for an admission batch to fill,
+a cancelled stream frees its slot, an idle replica admits without waiting for an admission batch to fill (a busy
+one makes only whole requests wait),
 a request that can never fit the memory budget is refused with 413, and a streamed request's first sentence
 decodes while its later sentences are encoded (a refused later sentence ends the request with its error)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -76,7 +78,7 @@ def test_a_request_arriving_mid_stream_joins_the_running_batch_on_the_same_model
     assert _stats(decoder)["cancelled"] == before["cancelled"] + 1
 
 
-def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder: Any) -> None:
+def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals_but_not_streams(decoder: Any) -> None:
     wait_until(lambda: not _stats(decoder)["loop_busy"], 30, "an idle loop")
     assert _stats(decoder)["admission_wait_s"] == 0.0  # an admission batch of an idle loop waits for no other
     long_stream = _encode("A long streaming request keeps the loop busy.", ratio=100, seed=3)
@@ -84,6 +86,16 @@ def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals(decoder:
     assert len(next(chunks)) > 0
     busy = _stats(decoder)
     assert busy["loop_busy"] and busy["admission_wait_s"] == DecoderArgs().batch_wait_timeout_s
+    # Whole requests would now wait an hour for their batch to fill; a stream joins the busy loop at once.
+    decoder.set_batch_wait_timeout_s.remote(3600.0).result()
+    short = decoder.stream.options(stream=True).remote(_encode("Short.", ratio=4, seed=4), "short")
+    pool = ThreadPoolExecutor(1)
+    try:
+        assert len(pool.submit(next, short).result(timeout=60)) > 0  # an hour if it waited for a batch
+    finally:
+        short.cancel()  # ends a `next` still waiting
+        pool.shutdown(wait=False)
+        decoder.set_batch_wait_timeout_s.remote(DecoderArgs().batch_wait_timeout_s).result()
     chunks.cancel()
     wait_until(lambda: not _stats(decoder)["loop_busy"], 30, "the loop to be idle again")
     assert _stats(decoder)["admission_wait_s"] == 0.0
