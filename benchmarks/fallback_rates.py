@@ -124,6 +124,30 @@ def measure_batches(
     }
 
 
+def batch_rows(
+    timings: dict[int, Timing], cpu_timings: dict[int, Timing], audio_s: float, failed: FailedMeasurements
+) -> dict[str, dict[str, Any]]:
+    """Per batch size: its seconds, real-time factor, CPU seconds, and throughput over batch 1 repeat by repeat,
+    bound-checked within [0, size] (null and listed in `failed` outside)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for size, timing in timings.items():
+        throughput_ratio = paired(lambda s, s1, b=size: ratio(b * s1, s), timing, timings[1])
+        rows[str(size)] = {
+            **timing.fields("seconds"),
+            **timing.map(lambda s, b=size: s / (b * audio_s)).fields("rtf"),
+            **cpu_timings[size].fields("cpu_seconds"),
+            **failed.bounded_fields(
+                f"batches.{size}.throughput_vs_b1",
+                throughput_ratio,
+                0.0,
+                float(size),
+                BATCH_RATIO_BOUND,
+                key="throughput_vs_b1",
+            ),
+        }
+    return rows
+
+
 def run(
     model_name: str,
     audio_s: float,
@@ -151,6 +175,8 @@ def run(
         "repeats": repeats,
         "warmup": warmup,
         "load_average_before": list(os.getloadavg()),
+        # how idle OpenMP threads wait: spinning ones turn other work on a shared machine into many-fold slowdowns
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     if not skip_startup:
         result["startup"] = measure_startup(model_name, fallback, segment, threads, startup_repeats)
@@ -160,24 +186,8 @@ def run(
     decoder = SpeechDecoderStage(model)
     timings, cpu_timings = measure_batches(decoder, segment, sizes, repeats, warmup)
     failed = FailedMeasurements()
-    batches: dict[str, Any] = {}
-    for size, timing in timings.items():
-        throughput_ratio = paired(lambda s, s1, b=size: ratio(b * s1, s), timing, timings[1])
-        batches[str(size)] = {
-            **timing.fields("seconds"),
-            **timing.map(lambda s, b=size: s / (b * audio_s)).fields("rtf"),
-            **cpu_timings[size].fields("cpu_seconds"),
-            **failed.bounded_fields(
-                f"batches.{size}.throughput_vs_b1",
-                throughput_ratio,
-                0.0,
-                float(size),
-                BATCH_RATIO_BOUND,
-                key="throughput_vs_b1",
-            ),
-        }
-    result["batches"] = batches
-    result["rtf"] = {size: row["rtf"] for size, row in batches.items()}
+    result["batches"] = batch_rows(timings, cpu_timings, audio_s, failed)
+    result["rtf"] = {size: row["rtf"] for size, row in result["batches"].items()}
     result["seconds_samples"] = {str(size): list(timing.samples) for size, timing in timings.items()}
     result["cpu_seconds_samples"] = {str(size): list(timing.samples) for size, timing in cpu_timings.items()}
     result["load_average_after"] = list(os.getloadavg())
