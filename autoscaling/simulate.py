@@ -69,7 +69,8 @@ DAY_S = 86_400
 SIMULATED_DATE = (2025, 1, 6)  # any fixed day; the schedule is evaluated in its own time zone
 REPOSITORY = Path(__file__).resolve().parents[1]
 DEFAULT_SERVICE_RATES = REPOSITORY / "docs" / "autoscaling_service_rates.json"
-"""The recorded rates: the CPU fallback's from this project's `cpu_bench` JSON, the GPU's a cited published figure."""
+"""The recorded rates: the CPU fallback's from this project's `benchmarks.fallback_rates` JSON, the GPU's a cited
+published figure."""
 POLICIES = ("gpu_only", "cpu_fallback", "fallback_wake")
 SIMULATED_APP = "simulated"
 
@@ -89,19 +90,22 @@ class ServiceModel:
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any], request_audio_s: float | None = None) -> ServiceModel:
         """From a section: `batch_latency_s` {size: s}, `throughput_rps` {size: req/s}, `rtf` {size: real-time
-        factor} (needs `request_audio_s`: a batch of b takes b x audio x rtf), or `cpu_bench` (a
-        `benchmarks.cpu_bench` JSON, repository-relative: batch 1 at its `rtf.decoder.choice`); and `startup_s`."""
+        factor} (needs `request_audio_s`: a batch of b takes b x audio x rtf), or `fallback_rates` (a
+        `benchmarks.fallback_rates` JSON, repository-relative: its `rtf` by batch size and its `max_batch_size`);
+        and `startup_s`."""
         if "batch_latency_s" in spec:
             latency = {int(size): float(seconds) for size, seconds in spec["batch_latency_s"].items()}
         elif "throughput_rps" in spec:
             latency = {int(size): int(size) / float(rps) for size, rps in spec["throughput_rps"].items()}
-        elif "rtf" in spec or "cpu_bench" in spec:
+        elif "rtf" in spec or "fallback_rates" in spec:
             if request_audio_s is None:
-                raise ValueError("`rtf` and `cpu_bench` rates need `request_audio_s`")
-            rtf = spec["rtf"] if "rtf" in spec else {"1": cpu_bench_rtf(REPOSITORY / spec["cpu_bench"])}
-            latency = {int(size): int(size) * request_audio_s * float(value) for size, value in rtf.items()}
+                raise ValueError("`rtf` and `fallback_rates` rates need `request_audio_s`")
+            if "fallback_rates" in spec:
+                measured = json.loads((REPOSITORY / spec["fallback_rates"]).read_text())
+                spec = {**spec, "rtf": measured["rtf"], "max_batch_size": measured["max_batch_size"]}
+            latency = {int(size): int(size) * request_audio_s * float(value) for size, value in spec["rtf"].items()}
         else:
-            raise ValueError("a service section needs batch_latency_s, throughput_rps, rtf or cpu_bench")
+            raise ValueError("a service section needs batch_latency_s, throughput_rps, rtf or fallback_rates")
         if "startup_s" not in spec:
             raise ValueError("a service section needs startup_s")
         return cls(
@@ -128,18 +132,16 @@ class ServiceModel:
         return max(size / table[size] for size in range(1, self.max_batch_size + 1))
 
 
-def cpu_bench_rtf(path: Path) -> float:
-    """The whole decoder's real-time factor at the precision `auto` chose (the CPU fallback's), batch 1."""
-    return float(json.loads(Path(path).read_text())["rtf"]["decoder"]["choice"])
-
-
 def section_source(spec: Mapping[str, Any], path: Path) -> Any:
-    """Where a section's rate came from: its `source` (a citation), else its `cpu_bench` file, else the file."""
+    """Where a section's rates came from: its `source` (a citation), else its `fallback_rates` file, else the file;
+    with its `startup_source` beside them where it names one."""
     if "source" in spec:
-        return spec["source"]
-    if "cpu_bench" in spec:
-        return f"{spec['cpu_bench']} (benchmarks.cpu_bench: rtf.decoder.choice, batch 1)"
-    return str(path)
+        rates = spec["source"]
+    elif "fallback_rates" in spec:
+        rates = f"{spec['fallback_rates']} (benchmarks.fallback_rates: rtf by batch size, max_batch_size)"
+    else:
+        rates = str(path)
+    return {"rates": rates, "startup": spec["startup_source"]} if "startup_source" in spec else rates
 
 
 def compare_report_rates(report: Mapping[str, Any]) -> dict[str, Any]:

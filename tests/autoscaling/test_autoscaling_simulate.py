@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -185,12 +186,19 @@ def test_default_rates_are_the_recorded_measurement_and_the_cited_figure() -> No
     rates = load_service_rates()
     recorded = json.loads(DEFAULT_SERVICE_RATES.read_text())
     audio_s = recorded["request_audio_s"]
-    cpu_bench = json.loads((REPOSITORY / recorded["cpu"]["cpu_bench"]).read_text())
-    assert rates.cpu.batch_latency_s == {1: pytest.approx(audio_s * cpu_bench["rtf"]["decoder"]["choice"])}
-    assert recorded["cpu"]["cpu_bench"] in rates.source["cpu"]
+    measured = json.loads((REPOSITORY / recorded["cpu"]["fallback_rates"]).read_text())
+    assert set(measured["rtf"]) >= {"1", "2", "4"} and not measured["failed_measurements"]
+    cpu_rtf = measured["rtf"]
+    assert rates.cpu.batch_latency_s == {int(b): pytest.approx(int(b) * audio_s * r) for b, r in cpu_rtf.items()}
+    assert rates.cpu.max_batch_size == measured["max_batch_size"] == 4  # the GPU profile's decoder_cpu
+    assert recorded["cpu"]["fallback_rates"] in rates.source["cpu"]["rates"]
+    # the start-up recorded is the one measured in the file its source names
+    [startup_file] = re.findall(r"docs/fallback_rates/\S+\.json", rates.source["cpu"]["startup"])
+    startup = json.loads((REPOSITORY / startup_file).read_text())["startup"]
+    assert rates.cpu.startup_s == startup["ready_s"] and startup["ready_s_spread"]["n"] >= 3
     gpu_rtf = recorded["gpu"]["rtf"]
     assert rates.gpu.batch_latency_s == {int(b): pytest.approx(int(b) * audio_s * r) for b, r in gpu_rtf.items()}
-    citation = rates.source["gpu"]
+    citation = rates.source["gpu"]["rates"]
     assert citation["url"].startswith("https://github.com/FunAudioLLM/CosyVoice/") and "L20" in citation["hardware"]
 
 
