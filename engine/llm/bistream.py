@@ -15,11 +15,14 @@ interleaves text and speech in the family's mix ratio, `mix_ratio = (5, 15)`:
 As official: each `push_text` lets at most one group of 5 text tokens join (the rest waits, and joins at the end);
 speech tokens are sampled with only id `speech_token_size` masked until the end of text; after a fill token the
 input it came from is kept and, when the text ends right then, fed again with the text left and the task id; prompt
-speech tokens still waiting when the text ends are dropped. A special id other than the fill token (before the end)
-or the end token (after it) fails the request, where the official code raises.
+speech tokens still waiting when the text ends are dropped.
 
-Not official: decoding after the end of text stops at `max_token_text_ratio` times the text tokens pushed (the
-official loop has no limit). A decoder runs one sequence with its own KV cache, outside `TokenGenerator`'s batch.
+Not official: where the official loop raises (it drew a special id other than the fill token before the end of text,
+or other than the end token after it), the token is drawn again with those ids masked, so an LM that is not sure
+of the protocol (a dummy one) still speaks; and decoding after the end of text stops at `max_token_text_ratio`
+times the text tokens pushed (the official loop has no limit).
+
+A decoder runs one sequence with its own KV cache, outside `TokenGenerator`'s batch.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from engine.errors import InvalidInputError, RequestFailedError
+from engine.errors import InvalidInputError
 from engine.llm.qwen2_lm import embed_text
 from engine.llm.sampling import SamplingOptions, make_generator, sample_token
 from engine.nn.layers import log_softmax_fp32
@@ -117,10 +120,19 @@ class BistreamDecoder:
         hidden = self.model.llm.forward_incremental(x, valid, self.cache)[:, -1]
         return log_softmax_fp32(self.model.llm_decoder(hidden))[0].float().cpu()
 
-    def _sample(self, scores: Tensor, mask_first_special: bool) -> int:
-        if mask_first_special:
-            scores[self.model.eos] = float("-inf")
-        return sample_token(scores, self.tokens, self.options, self.generator)
+    def _sample(self, scores: Tensor, allowed: int) -> int:
+        """The next id from scores [classes]: a speech token or the special id `allowed` (the fill token before the
+        end of text, with id speech_token_size masked as officially; the end token after it)."""
+        first_special = self.model.eos
+        if allowed == self.model.fill_token:
+            scores[first_special] = float("-inf")
+        token = sample_token(scores, self.tokens, self.options, self.generator)
+        if token < first_special or token == allowed:
+            return token
+        redraw = scores.clone()  # the official loop raises here
+        redraw[first_special:] = float("-inf")
+        redraw[allowed] = scores[allowed]
+        return sample_token(redraw, self.tokens, self.options, self.generator)
 
     def _accept(self, token: int) -> None:
         self.tokens.append(token)
@@ -154,13 +166,11 @@ class BistreamDecoder:
             if len(self.tokens) == self.next_fill:
                 token = model.fill_token
             else:
-                token = self._sample(scores, mask_first_special=True)
+                token = self._sample(scores, allowed=model.fill_token)
             if token == model.fill_token:
                 self.next_fill = len(self.tokens) + speech_group + 1
                 self.tokens.append(token)
                 return out
-            if token >= model.eos:
-                raise RequestFailedError(f"the LM picked special id {token} while text was still coming")
             self._accept(token)
             out.append(token)
 
@@ -173,11 +183,8 @@ class BistreamDecoder:
         self.input = torch.cat([self.input, self.text, self.task_id.to(self.input.dtype)])
         limit = max(1, int(self.text_pushed * self.options.max_token_text_ratio))
         while self.spoken < limit:
-            token = self._sample(self._step(), mask_first_special=False)
+            token = self._sample(self._step(), allowed=self.model.end_token)
             if token == self.model.end_token:
                 return
-            if token >= self.model.eos:
-                self.tokens.append(token)
-                raise RequestFailedError(f"the LM picked special id {token} instead of a speech token or the end")
             self._accept(token)
             yield token
