@@ -8,8 +8,8 @@ for a 503, 1011 else).
 
 Sentence-buffered for now: each whole sentence (`engine.text.frontend.complete_sentences`; `flush` and `end` take
 the rest) is synthesized on the streaming path as soon as it is complete, one after the other, so the first audio
-comes while the text is still being written. The LLM does not yet take text tokens as they arrive (the official
-`inference_bistream` of CosyVoice2 and 3).
+comes while the text is still being written. The engine's token-level bi-streaming for CosyVoice2/3
+(engine.runtime.bistream) is not wired here yet; v1 has none and stays sentence-buffered.
 """
 
 from __future__ import annotations
