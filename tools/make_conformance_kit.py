@@ -173,7 +173,8 @@ class Maker:
 
     def llm_bistream(self) -> list[dict[str, Any]]:
         """v2 only: the text in pieces of 1-7 tokens, without a prompt and with a zero-shot prompt of 20 speech
-        tokens (two 5 + 15 groups from the prompt before decoding starts)."""
+        tokens (two 5 + 15 groups from the prompt before decoding starts), greedy, and the latter again with the
+        yaml's sampler."""
         llm = self.model.llm
         llm.mix_ratio = [int(v) for v in llm.mix_ratio]
 
@@ -196,6 +197,7 @@ class Maker:
         return [
             bistream_case(llm, "no_prompt", draw(0, 0, 23)),
             bistream_case(llm, "zero_shot_prompt", draw(20, 6, 26)),
+            bistream_case(llm, "ras_sampled_zero_shot", draw(20, 6, 26), sampled=True),
         ]
 
     # ---- stream -----------------------------------------------------------------------------------------------
@@ -467,26 +469,41 @@ def sampled_llm_case(
 
 BISTREAM_MAX_TOKENS = 300  # a draw whose greedy run is longer (no end token yet) is replaced by the next draw
 BISTREAM_TRIES = 40
+BISTREAM_SAMPLED_SEED = 1234  # + the draw's number: the seed of a sampled llm_bistream case
 
 
 def bistream_case(
     llm: Any,
     name: str,
     draw: Callable[[], tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]],
+    sampled: bool = False,
 ) -> dict[str, Any]:
-    """An `llm_bistream` case: the official `llm.inference_bistream` with greedy tokens, its text a generator of
-    pieces. `draw()` gives (text pieces [1, n_i], prompt_text [1, P], prompt_speech_token [1, S]); draws are made
-    until the run ends on the end token within BISTREAM_MAX_TOKENS (random weights may loop or pick an id the official
-    loop rejects)."""
+    """An `llm_bistream` case: the official `llm.inference_bistream`, its text a generator of pieces, with greedy
+    tokens, or (`sampled`) with the yaml's own sampler (`ras_sampling`) on the global torch RNG after
+    `torch.manual_seed(seed)`. `draw()` gives (text pieces [1, n_i], prompt_text [1, P], prompt_speech_token [1, S]);
+    draws are made until the run ends on the end token within BISTREAM_MAX_TOKENS (random weights may loop or pick an
+    id the official loop rejects)."""
     for attempt in range(BISTREAM_TRIES):
         pieces, prompt_text, prompt_speech = draw()
-        run = official_bistream_run(llm, pieces, prompt_text, prompt_speech)
+        seed = BISTREAM_SAMPLED_SEED + attempt if sampled else None
+        run = official_bistream_run(llm, pieces, prompt_text, prompt_speech, seed)
         if run is None:
             continue
+        if sampled:
+            keywords = llm.sampling.keywords
+            run |= {
+                "seed": seed,
+                "top_p": float(keywords["top_p"]),
+                "top_k": int(keywords["top_k"]),
+                "win_size": int(keywords["win_size"]),
+                "tau_r": float(keywords["tau_r"]),
+            }
         return {
             "name": name,
             "function": f"cosyvoice.llm.llm.{type(llm).__name__}.inference_bistream",
-            "sampler": "greedy argmax over the scores passed to llm.sampling",
+            "sampler": "the yaml's llm.sampling (ras_sampling) on the global torch RNG, seeded with `seed` first"
+            if sampled
+            else "greedy argmax over the scores passed to llm.sampling",
             "draw": attempt,
             "num_pieces": len(pieces),
             **{f"piece_{k}": piece for k, piece in enumerate(pieces)},
@@ -501,15 +518,17 @@ def bistream_case(
 
 
 def official_bistream_run(
-    llm: Any, pieces: list[torch.Tensor], prompt_text: torch.Tensor, prompt_speech: torch.Tensor
+    llm: Any, pieces: list[torch.Tensor], prompt_text: torch.Tensor, prompt_speech: torch.Tensor, seed: int | None
 ) -> dict[str, Any] | None:
-    """One greedy `inference_bistream` -> the speech tokens yielded, how many before each piece was taken (and
-    before the end of text), per LM step the raw log-softmax and per sampled step the greedy margin; None when the
-    official loop raised or ran past BISTREAM_MAX_TOKENS."""
+    """One `inference_bistream`, greedy (seed None) or with the yaml's sampler after `torch.manual_seed(seed)` -> the
+    speech tokens yielded, how many before each piece was taken (and before the end of text), per LM step the raw
+    log-softmax and (greedy) per sampled step the greedy margin; None when the official loop raised or ran past
+    BISTREAM_MAX_TOKENS."""
     raw: list[torch.Tensor] = []
     margins: list[float] = []
     yielded: list[int] = []
     before_piece: list[int] = []
+    yaml_sampler = llm.sampling
 
     def text() -> Any:
         for piece in pieces:
@@ -517,9 +536,11 @@ def official_bistream_run(
             yield piece
         before_piece.append(len(yielded))
 
-    def greedy_recording(scores: torch.Tensor, decoded: list, sampling: int) -> int:
+    def recording_sampler(scores: torch.Tensor, decoded: list, sampling: int) -> int:
         if len(yielded) >= BISTREAM_MAX_TOKENS:
             raise OverflowError("no end token")
+        if seed is not None:
+            return yaml_sampler(scores, decoded, sampling)
         top2 = scores.topk(2).values
         margins.append(float(top2[0] - top2[1]))
         return int(scores.argmax())
@@ -527,7 +548,9 @@ def official_bistream_run(
     hook = llm.llm_decoder.register_forward_hook(
         lambda _m, _a, out: raw.append(out[0].float().log_softmax(dim=-1).detach().clone())
     )
-    sampler, llm.sampling = llm.sampling, greedy_recording
+    llm.sampling = recording_sampler
+    if seed is not None:
+        torch.manual_seed(seed)
     try:
         for token in llm.inference_bistream(
             text=text(),
@@ -542,14 +565,14 @@ def official_bistream_run(
         return None
     finally:
         hook.remove()
-        llm.sampling = sampler
-    return {
+        llm.sampling = yaml_sampler
+    run = {
         "out_tokens": torch.tensor(yielded, dtype=torch.int64),
         "yielded_before_piece": torch.tensor(before_piece, dtype=torch.int64),
         "num_steps": len(raw),
         "step_raw_logp": torch.stack(raw),
-        "step_top1_margin": torch.tensor(margins),
     }
+    return run if seed is not None else run | {"step_top1_margin": torch.tensor(margins)}
 
 
 def bistream_readme(cases: list[dict[str, Any]], out: Path, command: str, commit: str) -> str:
@@ -565,7 +588,9 @@ def bistream_readme(cases: list[dict[str, Any]], out: Path, command: str, commit
         f"{BISTREAM_MAX_TOKENS} tokens. `out_tokens`: the speech tokens yielded (the fill tokens are not yielded); "
         "`yielded_before_piece[k]`: how many had been yielded when piece k was taken (the last entry: at the end of "
         "the text); `step_raw_logp` [steps, classes]: the log-softmax of every LM step (forced fill steps "
-        "included); `step_top1_margin`: the greedy margin of every sampled step. `cases.pt` is now:",
+        "included); `step_top1_margin`: the greedy margin of every sampled step. A case with a `seed` was sampled with "
+        "the yaml's `ras_sampling` on the global torch RNG after `torch.manual_seed(seed)` (its `top_p`, `top_k`, "
+        "`win_size`, `tau_r` recorded; the sampler's history holds the fill tokens too). `cases.pt` is now:",
         "",
         f"| `cases.pt` | {(out / 'cases.pt').stat().st_size} | `{sha256(out / 'cases.pt')}` |",
         "",

@@ -813,7 +813,8 @@ BISTREAM_SEED = SEED + 32
 def llm_bistream_cases(model: Any) -> list[dict[str, Any]]:
     """The official `inference_bistream` with greedy tokens (`bistream_case`), the text in pieces of 1-7 tokens: a
     system prompt only (no prompt speech: decoding starts at once, before any text joins) and a zero-shot prompt of
-    20 speech tokens. The prompt text holds the <|endofprompt|> id the official loop asserts."""
+    20 speech tokens, greedy, and the latter again with the yaml's sampler. The prompt text holds the <|endofprompt|>
+    id the official loop asserts."""
     g = torch.Generator().manual_seed(BISTREAM_SEED)
     llm = model.llm
     llm.mix_ratio = [int(v) for v in llm.mix_ratio]
@@ -837,6 +838,7 @@ def llm_bistream_cases(model: Any) -> list[dict[str, Any]]:
     return [
         bistream_case(llm, "system_prompt_only", draw(0, 0, 23)),
         bistream_case(llm, "zero_shot_prompt", draw(20, 6, 26)),
+        bistream_case(llm, "ras_sampled_zero_shot", draw(20, 6, 26), sampled=True),
     ]
 
 
