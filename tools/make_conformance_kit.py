@@ -29,6 +29,9 @@ Groups made here (every value a tensor, int, float or str; see the README sectio
   gets the official HiFT's hidden tensors in pipeline order (HIFT_INTERMEDIATES, recomputed on the case's own
   inputs) and `spread_<tensor>`: how much the official code itself varies with two threads and with the native
   convolution kernels, from which the parity tests take their tolerances (tests/parity/hift_pipeline.py).
+- `llm_bistream` (v2, only with `--bistream-only`, which leaves every other group as it is): the official
+  `llm.inference_bistream` with its text a generator of pieces, greedy and with the yaml's sampler (BISTREAM_MARKER's
+  README section describes the fields).
 - `frontend` (v2, and v1 kits that have none): `text_normalize` with wetext + the yaml's tokenizer (v2: the Qwen2
   files of `model/CosyVoice-BlankEN`; `--qwen-tokenizer` copies tokenizer files there first).
 """

@@ -18,7 +18,9 @@ text path; ``llm_sampled``: the LLM with the yaml's own sampler, recorded as the
 replaced, computed on the kit's own files. The longer hift cases (HIFT_LONG_FRAMES) are added where missing, and
 every hift case without them gets the official HiFT's hidden tensors and their spread (as the v1/v2 tool does:
 ``hidden_with_spread``). The README next to them is written by hand
-from what this prints.
+from what this prints. ``--bistream-only`` makes only the ``llm_bistream`` group (the official
+``inference_bistream``, as the v1/v2 tool makes it: ``bistream_case``), leaves every other group as it is and writes
+its README section itself.
 """
 
 from __future__ import annotations
