@@ -35,6 +35,7 @@ from engine.errors import (
 )
 from engine.loading.loader import load_model
 from engine.nn.precision import FALLBACKS
+from engine.runtime.bistream import BistreamStart
 from engine.runtime.memory import device_memory_budget
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
@@ -277,6 +278,21 @@ class Decoder:
             async for chunk in self._outputs(slot):
                 if chunk.size:
                     yield chunk
+
+    async def bistream(
+        self, start: BistreamStart, relay: ray.actor.ActorHandle, session: str, request_id: str = ""
+    ) -> AsyncIterator[np.ndarray]:
+        """One bi-streamed utterance (CosyVoice2/3): its text ids come through `relay` (a `TextRelay`, piece by piece
+        until None); audio chunks as they are made. It decodes on worker threads beside the scheduler's loop, one push
+        at a time: not in the loop's batch, its admission or its memory budget."""
+        synthesis = await asyncio.to_thread(self.stage.open_bistream, start)
+        logger.info("bi-streamed utterance started", extra={"request_id": request_id})
+        while (tokens := await relay.get.remote(session)) is not None:
+            for chunk in await asyncio.to_thread(synthesis.push_text, tokens):
+                yield chunk
+        rest = synthesis.finish()
+        while (chunk := await asyncio.to_thread(next, rest, None)) is not None:
+            yield chunk
 
     async def _admit_batch(self, slots: list[_Slot]) -> list[CosyVoiceError | None]:
         """An admission batch: hand every request to the loop (a refusal comes back as its error)."""
