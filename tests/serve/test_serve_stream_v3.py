@@ -125,3 +125,24 @@ def test_the_text_stream_bistreams_text_as_it_comes(base_url: str) -> None:
     assert first is not None and first < end, (first, end)
     assert len(audio) % 2 == 0 and np.isfinite(pcm(audio)).all() and len(audio) > 2 * HOP
     assert done["usage"]["input_tokens"] > 0 and done["usage"]["output_tokens"] > 0
+
+
+async def left_and_refused(url: str) -> dict[str, Any]:
+    """A session whose client leaves mid-text, then one with nothing to speak -> the latter's error event."""
+    stream_url = url.replace("http://", "ws://", 1) + "/v1/audio/speech/stream"
+    start = json.dumps({"type": "start", "model": KIT_MODEL.name, "voice": VOICE, "response_format": "pcm"})
+    async with websockets.connect(stream_url) as ws:
+        await ws.send(start)
+        await ws.send(json.dumps({"type": "text", "text": "Leaving before the end of this "}))
+        await asyncio.sleep(0.5)
+    async with websockets.connect(stream_url) as ws:
+        for message in (start, json.dumps({"type": "text", "text": "..."}), json.dumps({"type": "end"})):
+            await ws.send(message)
+        return json.loads(await asyncio.wait_for(ws.recv(), 60))
+
+
+def test_a_bistream_session_left_or_refused_ends_cleanly(base_url: str) -> None:
+    event = asyncio.run(left_and_refused(base_url))
+    assert event["type"] == "error" and "nothing to speak" in event["error"]["message"], event
+    first, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))  # and the next one is spoken
+    assert done["type"] == "speech.audio.done" and first is not None and audio
