@@ -150,14 +150,13 @@ PROMPT_TRANSCRIPT = (
 )
 
 
-def cloned_voice_segment(encoder: TextEncoderStage, prompt_seconds: float, audio_seconds: float) -> EncodedSegment:
-    """`fixed_length_text_request` in a zero-shot voice cloned from a synthetic `prompt_seconds` prompt (random
-    speaker embedding, speech tokens and mel of the lengths a recording that long gives, as `VoiceCloner.clone`
-    makes them), as the encoder makes it for a registered voice."""
+def synthetic_prompt(encoder: TextEncoderStage, prompt_seconds: float) -> VoicePrompt:
+    """A voice prompt as `VoiceCloner.clone` makes it from a `prompt_seconds` recording: random speaker embedding,
+    speech tokens and mel of that recording's lengths, and PROMPT_TRANSCRIPT."""
     config = encoder.model.config
     rng = np.random.default_rng(0)
     tokens = config.speech_tokens_for(prompt_seconds)
-    prompt = VoicePrompt(
+    return VoicePrompt(
         transcript=PROMPT_TRANSCRIPT,
         embedding=rng.standard_normal(192).astype(np.float32),
         speech_tokens=rng.integers(0, encoder.model.llm.eos, tokens).astype(np.int64),
@@ -165,6 +164,14 @@ def cloned_voice_segment(encoder: TextEncoderStage, prompt_seconds: float, audio
         sample_rate=config.sample_rate,
         family=config.family.name,
     )
+
+
+def cloned_voice_segment(encoder: TextEncoderStage, prompt_seconds: float, audio_seconds: float) -> EncodedSegment:
+    """`fixed_length_text_request` in a zero-shot voice cloned from a synthetic `prompt_seconds` prompt (random
+    speaker embedding, speech tokens and mel of the lengths a recording that long gives, as `VoiceCloner.clone`
+    makes them), as the encoder makes it for a registered voice."""
+    config = encoder.model.config
+    prompt = synthetic_prompt(encoder, prompt_seconds)
     request = replace(fixed_length_text_request(encoder, audio_seconds), voice="voice_benchmark")
     [text] = encoder.segment_texts(request, prompt)  # the target text's length fixes the speech length
     sampling = fixed_length_sampling(len(text.text), config.speech_tokens_for(audio_seconds))

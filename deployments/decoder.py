@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -28,6 +29,7 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, TaskCan
 from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
 from engine.errors import (
     CosyVoiceError,
+    DecodeLimitError,
     InvalidInputError,
     RequestFailedError,
     UnavailableError,
@@ -35,6 +37,7 @@ from engine.errors import (
 )
 from engine.loading.loader import load_model
 from engine.nn.precision import FALLBACKS
+from engine.runtime.bistream import BistreamStart
 from engine.runtime.memory import device_memory_budget
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
@@ -284,6 +287,40 @@ class Decoder:
             async for chunk in self._outputs(slot):
                 if chunk.size:
                     yield chunk
+
+    async def bistream(
+        self, start: BistreamStart, relay: ray.actor.ActorHandle, session: str, request_id: str = ""
+    ) -> AsyncIterator[np.ndarray]:
+        """One bi-streamed utterance (CosyVoice2/3): its text ids come through `relay` (a `TextRelay`, piece by piece
+        until None); audio chunks as they are made. It decodes on worker threads beside the scheduler's loop, one push
+        at a time: not in the loop's batch, its admission or its memory budget."""
+        synthesis = await asyncio.to_thread(self.stage.open_bistream, start)
+        logger.info("bi-streamed utterance started", extra={"request_id": request_id})
+        scheduler = self.scheduler  # its ceilings apply here too: audio length, and wall time from the start
+        max_samples = math.inf if scheduler.max_audio_s is None else scheduler.max_audio_s * self.stage.sample_rate
+        deadline = time.monotonic() + (math.inf if scheduler.max_request_s is None else scheduler.max_request_s)
+        samples = 0
+
+        def checked(chunk: np.ndarray) -> np.ndarray:
+            nonlocal samples
+            samples += len(chunk)
+            if samples > max_samples:
+                raise DecodeLimitError(
+                    f"the utterance passed the limit of {scheduler.max_audio_s:g} s of audio; send a shorter text"
+                )
+            if time.monotonic() > deadline:
+                raise DecodeLimitError(
+                    f"the utterance decoded for longer than the limit of {scheduler.max_request_s:g} s; send a "
+                    "shorter text"
+                )
+            return chunk
+
+        while (tokens := await relay.get.remote(session)) is not None:
+            for chunk in await asyncio.to_thread(synthesis.push_text, tokens):
+                yield checked(chunk)
+        rest = synthesis.finish()
+        while (chunk := await asyncio.to_thread(next, rest, None)) is not None:
+            yield checked(chunk)
 
     async def _admit_batch(self, slots: list[_Slot]) -> list[CosyVoiceError | None]:
         """An admission batch: hand every request to the loop (a refusal comes back as its error)."""

@@ -12,6 +12,7 @@ from ray import serve
 
 from engine.errors import CosyVoiceError, InvalidInputError
 from engine.loading.loader import load_model
+from engine.runtime.bistream import BistreamStart
 from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
@@ -117,6 +118,17 @@ class Encoder:
         logger.info("encoded segments %d to %d", start, plan.num_segments - 1, extra={"request_id": request_id})
         return segments
 
+    def bistream_start(self, request: SynthesisRequest, request_id: str, caller: Caller) -> BistreamStart:
+        """A bi-streamed utterance's prompt and voice (CosyVoice2/3; its text comes piece by piece, each through
+        `text_piece_tokens`); a registered voice must be one `caller` sees."""
+        start = self.stage.bistream_start(request, prompt=self.registered_prompt(request.voice, caller))
+        logger.info("prepared a bi-streamed utterance", extra={"request_id": request_id})
+        return start
+
+    def text_piece_tokens(self, text: str) -> list[int]:
+        """A bi-streamed text piece's ids, tokenized as it comes (engine.runtime.bistream)."""
+        return self.stage.text_piece_tokens(text)
+
     def registered_prompt(self, voice: str, caller: Caller) -> VoicePrompt | None:
         """The prompt of a registered voice; None for a built-in speaker (or a name the stage will refuse)."""
         if self.registry is None or voice in self.stage.voices:
@@ -189,6 +201,7 @@ class Encoder:
             "instructions": family.instruction_support(self.model_name),
             "streaming": family.streaming is not None,
             "streaming_speed": family.streaming is not None and family.streaming.streams_speed,
+            "bistream": family.bistream,
             "voices": self.stage.voices,
             "sample_rate": self.stage.sample_rate,
             "speech_tokens_per_s": self.stage.model.config.speech_token_rate,

@@ -6,10 +6,12 @@ frames, one encoded stream across the whole session, then `speech.audio.done` wi
 message, or a failure, gets an `error` event in OpenAI's error shape and a close (1008 for the client's errors, 1013
 for a 503, 1011 else).
 
-Sentence-buffered for now: each whole sentence (`engine.text.frontend.complete_sentences`; `flush` and `end` take
-the rest) is synthesized on the streaming path as soon as it is complete, one after the other, so the first audio
-comes while the text is still being written. The LLM does not yet take text tokens as they arrive (the official
-`inference_bistream` of CosyVoice2 and 3).
+CosyVoice2/3 (`bistream` in the encoder's info): one bi-streamed utterance per session (engine.runtime.bistream, the
+official `inference_bistream`): each text delta is tokenized as it comes and its ids go, through this replica's
+`TextRelay` actor, to the one decoder call speaking the session, so audio starts before the text is complete;
+`flush` changes nothing there. v1, whose LLM has no bi-streaming, is sentence-buffered: each whole sentence
+(`engine.text.frontend.complete_sentences`; `flush` and `end` take the rest) is synthesized on the streaming path as
+soon as it is complete, one after the other.
 """
 
 from __future__ import annotations
@@ -19,22 +21,35 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
+import ray
 from fastapi import WebSocket
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
+from deployments.text_relay import TextRelay
 from engine.errors import InvalidInputError, UnknownVoiceError
+from engine.runtime.bistream import BistreamStart
 from engine.runtime.pipeline import SynthesisRequest
 from engine.text.frontend import complete_sentences, is_speakable
 from engine.voices.registry import is_voice_id
 from observability.http import SynthesisTimer, request_id_of
 from serve_app.api import api
 from serve_app.audio import OPENAI_SAMPLE_RATE, StreamEncoder
-from serve_app.errors import StreamIdleError, error_body, error_payload, validation_message, validation_param
+from serve_app.errors import (
+    REPLICA_LOST,
+    SERVE_UNAVAILABLE,
+    StreamIdleError,
+    error_body,
+    error_payload,
+    unavailable_error,
+    validation_message,
+    validation_param,
+)
 from serve_app.guard import WEBSOCKET_PROTOCOL
 from serve_app.openai_routes import OpenAIRoutes
 from serve_app.responses import OutputAudio
@@ -80,6 +95,7 @@ class TextStream:
         self.max_frame_bytes = max_frame_bytes
         self.idle_s = idle_s
         self.pending = 0  # sentences queued and not yet spoken
+        self.bistream_tokens = 0  # bi-streaming: the text ids sent to the decoder
         self._receiving: asyncio.Future[Any] | None = None
 
     async def next_message(self, idle: bool = True) -> StreamMessage:
@@ -156,6 +172,8 @@ class SpeechStreamRoutes(OpenAIRoutes):
             )
         output = OutputAudio(fmt, info["sample_rate"], OPENAI_SAMPLE_RATE, self.audio.bit_rate(fmt.name))
         timer = SynthesisTimer(STREAM_PATH, "websocket", info["sample_rate"])
+        if info.get("bistream"):
+            return await self.speak_bistream(stream, request, output.stream_encoder(), timer, request_id)
         sentences: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(
             self.speak_sentences(stream, sentences, request, output.stream_encoder(), timer, request_id)
@@ -174,6 +192,94 @@ class SpeechStreamRoutes(OpenAIRoutes):
             await asyncio.gather(speaker, reader, return_exceptions=True)
         timer.done()
         return self.usage_of(timer, input_tokens)
+
+    async def speak_bistream(
+        self,
+        stream: TextStream,
+        request: SynthesisRequest,
+        encoder: StreamEncoder,
+        timer: SynthesisTimer,
+        request_id: str,
+    ) -> dict[str, int]:
+        """CosyVoice2/3: one bi-streamed utterance for the whole session, each text delta's ids joining the LLM as it
+        comes (engine.runtime.bistream), through this replica's `TextRelay` to one decoder call; the usage."""
+        caller = caller_of(stream.ws.scope)
+        start = await self.call(partial(self.encoder.bistream_start.remote, request, request_id, caller))
+        relay, session = self.text_relay(), uuid.uuid4().hex
+        speaker = asyncio.create_task(self.speak_relayed(stream, start, relay, session, encoder, timer, request_id))
+        reader = asyncio.create_task(self.relay_text(stream, relay, session, timer))
+        try:
+            done, _ = await asyncio.wait({speaker, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if reader in done:  # as in speak_stream: a client who left is not reported as a failed send
+                reader.result()
+            speaker.result()
+        finally:  # cancelling the speaker cancels its decoder call; a decoder waiting for text gets None
+            for task in (speaker, reader):
+                task.cancel()
+            await asyncio.gather(speaker, reader, return_exceptions=True)
+            relay.close.remote(session)
+        timer.done()
+        return self.usage_of(timer, stream.bistream_tokens)
+
+    def text_relay(self) -> ray.actor.ActorHandle:
+        """This replica's `TextRelay`, made on its first bi-streamed session."""
+        if getattr(self, "_text_relay", None) is None:
+            self._text_relay = TextRelay.remote()
+        return self._text_relay
+
+    async def relay_text(
+        self, stream: TextStream, relay: ray.actor.ActorHandle, session: str, timer: SynthesisTimer
+    ) -> None:
+        """Each text delta's ids to the relay as it arrives (`flush` changes nothing: the text joins as it comes), the
+        end after `end`; then, as `read_text`, wait for the client to leave or misbehave. Counts the input tokens in
+        `stream.bistream_tokens`."""
+        received = ""
+        spoken = False
+        while True:
+            message = await stream.next_message()
+            if isinstance(message, StreamText):
+                received += message.text
+                self.check_length(received)
+                if not message.text:
+                    continue
+                if not spoken:  # timed from the first text, not from the client's start
+                    timer.started = time.perf_counter()
+                spoken = spoken or is_speakable(message.text)
+                tokens = await self.call(partial(self.encoder.text_piece_tokens.remote, message.text))
+                stream.bistream_tokens += len(tokens)
+                await relay.put.remote(session, tokens)
+            elif isinstance(message, StreamEnd):
+                break
+            elif not isinstance(message, StreamFlush):
+                raise InvalidInputError("the stream has started already: a second start message")
+        if not spoken:
+            self.check_text(received)  # empty, or punctuation only
+            raise InvalidInputError("the input text has nothing to speak")
+        await relay.put.remote(session, None)
+        message = await stream.next_message(idle=False)
+        raise InvalidInputError(f"a {message.type!r} message after end")
+
+    async def speak_relayed(
+        self,
+        stream: TextStream,
+        start: BistreamStart,
+        relay: ray.actor.ActorHandle,
+        session: str,
+        encoder: StreamEncoder,
+        timer: SynthesisTimer,
+        request_id: str,
+    ) -> None:
+        """The decoder's audio of the bi-streamed utterance, sent as it comes."""
+        response = self.router.handle().bistream.options(stream=True).remote(start, relay, session, request_id)
+        try:
+            async for chunk in response:
+                timer.audio(chunk)
+                if data := encoder.encode(chunk):
+                    await stream.ws.send_bytes(data)
+        except (*REPLICA_LOST, *SERVE_UNAVAILABLE) as exc:  # a bi-streamed utterance cannot be sent again
+            raise unavailable_error(exc) from exc
+        if data := encoder.finish():
+            await stream.ws.send_bytes(data)
 
     async def read_text(self, stream: TextStream, sentences: asyncio.Queue[str | None]) -> None:
         """Queue each whole sentence as its text arrives, the rest at `flush` and `end`, then None; after `end`,

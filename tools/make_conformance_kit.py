@@ -29,6 +29,9 @@ Groups made here (every value a tensor, int, float or str; see the README sectio
   gets the official HiFT's hidden tensors in pipeline order (HIFT_INTERMEDIATES, recomputed on the case's own
   inputs) and `spread_<tensor>`: how much the official code itself varies with two threads and with the native
   convolution kernels, from which the parity tests take their tolerances (tests/parity/hift_pipeline.py).
+- `llm_bistream` (v2, only with `--bistream-only`, which leaves every other group as it is): the official
+  `llm.inference_bistream` with its text a generator of pieces, greedy and with the yaml's sampler (BISTREAM_MARKER's
+  README section describes the fields).
 - `frontend` (v2, and v1 kits that have none): `text_normalize` with wetext + the yaml's tokenizer (v2: the Qwen2
   files of `model/CosyVoice-BlankEN`; `--qwen-tokenizer` copies tokenizer files there first).
 """
@@ -53,6 +56,7 @@ import torch
 V1_YAML, V2_YAML = "cosyvoice.yaml", "cosyvoice2.yaml"
 QWEN_DIR = "CosyVoice-BlankEN"
 MADE_GROUPS = ("llm_sampled", "stream")
+BISTREAM_MARKER = "## The llm_bistream group (made with --bistream-only)"
 HIFT_CACHE_CASE = "cache_source_from_stream"
 # Longer hift cases (mel frames) of the v2 kit (issue 33: a v2 divergence showed at 30 frames on another CPU).
 HIFT_LONG_FRAMES = (30, 60, 120)
@@ -167,6 +171,37 @@ class Maker:
             embedding=inputs["embedding"],
             ratio=ratio,
         )
+
+    # ---- llm_bistream -----------------------------------------------------------------------------------------
+
+    def llm_bistream(self) -> list[dict[str, Any]]:
+        """v2 only: the text in pieces of 1-7 tokens, without a prompt and with a zero-shot prompt of 20 speech
+        tokens (two 5 + 15 groups from the prompt before decoding starts), greedy, and the latter again with the
+        yaml's sampler."""
+        llm = self.model.llm
+        llm.mix_ratio = [int(v) for v in llm.mix_ratio]
+
+        def draw(prompt_speech: int, prompt_text: int, text: int) -> Any:
+            def make() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+                ids = self.randint(self.text_vocab, text)
+                cuts, start = [], 0
+                while start < text:
+                    size = 1 + int(torch.randint(0, 7, (1,), generator=self.generator))
+                    cuts.append(int32(ids[start : start + size]))
+                    start += size
+                return (
+                    cuts,
+                    int32(self.randint(self.text_vocab, prompt_text)),
+                    int32(self.randint(self.speech_vocab, prompt_speech)),
+                )
+
+            return make
+
+        return [
+            bistream_case(llm, "no_prompt", draw(0, 0, 23)),
+            bistream_case(llm, "zero_shot_prompt", draw(20, 6, 26)),
+            bistream_case(llm, "ras_sampled_zero_shot", draw(20, 6, 26), sampled=True),
+        ]
 
     # ---- stream -----------------------------------------------------------------------------------------------
 
@@ -435,6 +470,157 @@ def sampled_llm_case(
     }
 
 
+BISTREAM_MAX_TOKENS = 300  # a draw whose greedy run is longer (no end token yet) is replaced by the next draw
+BISTREAM_TRIES = 40
+BISTREAM_SAMPLED_SEED = 1234  # + the draw's number: the seed of a sampled llm_bistream case
+
+
+def bistream_case(
+    llm: Any,
+    name: str,
+    draw: Callable[[], tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]],
+    sampled: bool = False,
+) -> dict[str, Any]:
+    """An `llm_bistream` case: the official `llm.inference_bistream`, its text a generator of pieces, with greedy
+    tokens, or (`sampled`) with the yaml's own sampler (`ras_sampling`) on the global torch RNG after
+    `torch.manual_seed(seed)`. `draw()` gives (text pieces [1, n_i], prompt_text [1, P], prompt_speech_token [1, S]);
+    draws are made until the run ends on the end token within BISTREAM_MAX_TOKENS (random weights may loop or pick an
+    id the official loop rejects)."""
+    for attempt in range(BISTREAM_TRIES):
+        pieces, prompt_text, prompt_speech = draw()
+        seed = BISTREAM_SAMPLED_SEED + attempt if sampled else None
+        run = official_bistream_run(llm, pieces, prompt_text, prompt_speech, seed)
+        if run is None:
+            continue
+        if sampled:
+            keywords = llm.sampling.keywords
+            run |= {
+                "seed": seed,
+                "top_p": float(keywords["top_p"]),
+                "top_k": int(keywords["top_k"]),
+                "win_size": int(keywords["win_size"]),
+                "tau_r": float(keywords["tau_r"]),
+            }
+        return {
+            "name": name,
+            "function": f"cosyvoice.llm.llm.{type(llm).__name__}.inference_bistream",
+            "sampler": "the yaml's llm.sampling (ras_sampling) on the global torch RNG, seeded with `seed` first"
+            if sampled
+            else "greedy argmax over the scores passed to llm.sampling",
+            "draw": attempt,
+            "num_pieces": len(pieces),
+            **{f"piece_{k}": piece for k, piece in enumerate(pieces)},
+            "prompt_text": prompt_text,
+            "prompt_speech_token": prompt_speech,
+            "mix_ratio": torch.tensor(llm.mix_ratio),
+            "fill_token": int(llm.fill_token),
+            "end_token": int(llm.eos_token),
+            **run,
+        }
+    sys.exit(f"{name}: no draw in {BISTREAM_TRIES} ended on the end token within {BISTREAM_MAX_TOKENS} tokens")
+
+
+def official_bistream_run(
+    llm: Any, pieces: list[torch.Tensor], prompt_text: torch.Tensor, prompt_speech: torch.Tensor, seed: int | None
+) -> dict[str, Any] | None:
+    """One `inference_bistream`, greedy (seed None) or with the yaml's sampler after `torch.manual_seed(seed)` -> the
+    speech tokens yielded, how many before each piece was taken (and before the end of text), per LM step the raw
+    log-softmax and (greedy) per sampled step the greedy margin; None when the official loop raised or ran past
+    BISTREAM_MAX_TOKENS."""
+    raw: list[torch.Tensor] = []
+    margins: list[float] = []
+    yielded: list[int] = []
+    before_piece: list[int] = []
+    yaml_sampler = llm.sampling
+
+    def text() -> Any:
+        for piece in pieces:
+            before_piece.append(len(yielded))
+            yield piece
+        before_piece.append(len(yielded))
+
+    def recording_sampler(scores: torch.Tensor, decoded: list, sampling: int) -> int:
+        if len(yielded) >= BISTREAM_MAX_TOKENS:
+            raise OverflowError("no end token")
+        if seed is not None:
+            return yaml_sampler(scores, decoded, sampling)
+        top2 = scores.topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+        return int(scores.argmax())
+
+    hook = llm.llm_decoder.register_forward_hook(
+        lambda _m, _a, out: raw.append(out[0].float().log_softmax(dim=-1).detach().clone())
+    )
+    llm.sampling = recording_sampler
+    if seed is not None:
+        torch.manual_seed(seed)
+    try:
+        for token in llm.inference_bistream(
+            text=text(),
+            prompt_text=prompt_text,
+            prompt_text_len=torch.tensor([prompt_text.shape[1]], dtype=torch.int32),
+            prompt_speech_token=prompt_speech,
+            prompt_speech_token_len=torch.tensor([prompt_speech.shape[1]], dtype=torch.int32),
+            embedding=torch.zeros(0, 192),
+        ):
+            yielded.append(int(token))
+    except (OverflowError, ValueError):
+        return None
+    finally:
+        hook.remove()
+        llm.sampling = yaml_sampler
+    run = {
+        "out_tokens": torch.tensor(yielded, dtype=torch.int64),
+        "yielded_before_piece": torch.tensor(before_piece, dtype=torch.int64),
+        "num_steps": len(raw),
+        "step_raw_logp": torch.stack(raw),
+    }
+    return run if seed is not None else run | {"step_top1_margin": torch.tensor(margins)}
+
+
+def bistream_readme(cases: list[dict[str, Any]], out: Path, command: str, commit: str) -> str:
+    """The README section of the `llm_bistream` group (replaced when the group is made again)."""
+    lines = [
+        "",
+        BISTREAM_MARKER,
+        "",
+        f"Made by `{command}` with the official code at commit `{commit}`, torch {torch.__version__}, 1 thread; "
+        "the other groups were left as they were. Each case is one official `llm.inference_bistream` with greedy "
+        "tokens, the text a generator of `piece_k` ([1, n_k] ids, `num_pieces` of them); `draw` counts the input "
+        "draws passed over because the greedy run picked an id the official loop rejects or ran past "
+        f"{BISTREAM_MAX_TOKENS} tokens. `out_tokens`: the speech tokens yielded (the fill tokens are not yielded); "
+        "`yielded_before_piece[k]`: how many had been yielded when piece k was taken (the last entry: at the end of "
+        "the text); `step_raw_logp` [steps, classes]: the log-softmax of every LM step (forced fill steps "
+        "included); `step_top1_margin`: the greedy margin of every sampled step. A case with a `seed` was sampled with "
+        "the yaml's `ras_sampling` on the global torch RNG after `torch.manual_seed(seed)` (its `top_p`, `top_k`, "
+        "`win_size`, `tau_r` recorded; the sampler's history holds the fill tokens too). `cases.pt` is now:",
+        "",
+        f"| `cases.pt` | {(out / 'cases.pt').stat().st_size} | `{sha256(out / 'cases.pt')}` |",
+        "",
+        "| case | pieces | prompt text | prompt speech | tokens | steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case in cases:
+        sizes = ", ".join(str(case[f"piece_{k}"].shape[1]) for k in range(case["num_pieces"]))
+        lines.append(
+            f"| {case['name']} | {sizes} | {case['prompt_text'].shape[1]} | {case['prompt_speech_token'].shape[1]} "
+            f"| {len(case['out_tokens'])} | {case['num_steps']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_bistream_group(
+    out: Path, cases: dict[str, Any], made: list[dict[str, Any]], command: str, commit: str
+) -> None:
+    """Add or replace the `llm_bistream` group of `out/cases.pt` (every other group as loaded) and its README
+    section."""
+    cases["llm_bistream"] = made
+    torch.save(cases, out / "cases.pt")
+    readme = out / "README.md"
+    text = readme.read_text(encoding="utf-8").split("\n" + BISTREAM_MARKER)[0].rstrip("\n") + "\n"
+    readme.write_text(text + bistream_readme(made, out, command, commit), encoding="utf-8")
+
+
 @contextlib.contextmanager
 def replay(draws: list[torch.Tensor]) -> Any:
     """A context in which torch.rand, torch.randn_like and Uniform.sample return `draws` in order (each checked
@@ -681,6 +867,11 @@ def main() -> None:
     parser.add_argument(
         "--remake", action="store_true", help="replace the groups and cases made here that the kit already has"
     )
+    parser.add_argument(
+        "--bistream-only",
+        action="store_true",
+        help="v2: make only the llm_bistream group (added or replaced); every other group stays as it is",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     import_official(args.official.resolve())
@@ -693,6 +884,16 @@ def main() -> None:
     maker = Maker(model_dir, args.seed)
     cases_path = out / "cases.pt"
     cases = torch.load(cases_path, weights_only=True) if cases_path.is_file() else {}
+    if args.bistream_only:
+        if maker.version != 2 or not cases:
+            sys.exit("--bistream-only extends an existing CosyVoice2 kit")
+        command = (
+            f"python tools/make_conformance_kit.py --official {args.official} --model {args.model} --out {args.out} "
+            f"--seed {args.seed} --bistream-only"
+        )
+        write_bistream_group(out, cases, maker.llm_bistream(), command, official_commit(args.official))
+        print(json.dumps({group: len(c) for group, c in cases.items()}))
+        return
     import transformers
 
     commit = official_commit(args.official)

@@ -18,7 +18,9 @@ text path; ``llm_sampled``: the LLM with the yaml's own sampler, recorded as the
 replaced, computed on the kit's own files. The longer hift cases (HIFT_LONG_FRAMES) are added where missing, and
 every hift case without them gets the official HiFT's hidden tensors and their spread (as the v1/v2 tool does:
 ``hidden_with_spread``). The README next to them is written by hand
-from what this prints.
+from what this prints. ``--bistream-only`` makes only the ``llm_bistream`` group (the official
+``inference_bistream``, as the v1/v2 tool makes it: ``bistream_case``), leaves every other group as it is and writes
+its README section itself.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from make_conformance_kit import (  # the sibling tool, on sys.path when this ru
     HIFT_LONG_FRAMES,
     SPREAD_VARIANTS,
     SPREAD_VIEW,
+    bistream_case,
     copy_qwen_tokenizer,
     hidden_with_spread,
     official_commit,
@@ -45,6 +48,7 @@ from make_conformance_kit import (  # the sibling tool, on sys.path when this ru
     sampled_llm_case,
     sha256,
     text_path_case,
+    write_bistream_group,
 )
 from torch import Tensor, nn
 
@@ -805,6 +809,41 @@ def llm_sampled_cases(model: Any) -> list[dict[str, Any]]:
     return [case]
 
 
+BISTREAM_SEED = SEED + 32
+
+
+def llm_bistream_cases(model: Any) -> list[dict[str, Any]]:
+    """The official `inference_bistream` with greedy tokens (`bistream_case`), the text in pieces of 1-7 tokens: a
+    system prompt only (no prompt speech: decoding starts at once, before any text joins) and a zero-shot prompt of
+    20 speech tokens, greedy, and the latter again with the yaml's sampler. The prompt text holds the <|endofprompt|>
+    id the official loop asserts."""
+    g = torch.Generator().manual_seed(BISTREAM_SEED)
+    llm = model.llm
+    llm.mix_ratio = [int(v) for v in llm.mix_ratio]
+
+    def draw(prompt_speech: int, prompt_extra: int, text: int) -> Callable:
+        def make() -> tuple[list[Tensor], Tensor, Tensor]:
+            ids = torch.randint(0, 1000, (1, text), generator=g, dtype=torch.int32)
+            pieces, start = [], 0
+            while start < text:
+                size = 1 + int(torch.randint(0, 7, (1,), generator=g))
+                pieces.append(ids[:, start : start + size].contiguous())
+                start += size
+            system = torch.randint(0, 1000, (1, 3), generator=g, dtype=torch.int32)
+            extra = torch.randint(0, 1000, (1, prompt_extra), generator=g, dtype=torch.int32)
+            prompt_text = torch.cat([system, torch.tensor([[ENDOFPROMPT]], dtype=torch.int32), extra], dim=1)
+            speech = torch.randint(0, SPEECH_TOKENS, (1, prompt_speech), generator=g, dtype=torch.int32)
+            return pieces, prompt_text, speech
+
+        return make
+
+    return [
+        bistream_case(llm, "system_prompt_only", draw(0, 0, 23)),
+        bistream_case(llm, "zero_shot_prompt", draw(20, 6, 26)),
+        bistream_case(llm, "ras_sampled_zero_shot", draw(20, 6, 26), sampled=True),
+    ]
+
+
 def frontend_cases(configs: dict[str, Any]) -> list[dict[str, Any]]:
     """The official text path of CosyVoice3 for FRONTEND_TEXTS, recorded as the v1/v2 tool records it (the
     tokenizer's `encode` is what `_extract_text_token` calls), plus whether markup skipped the normalisation."""
@@ -833,9 +872,25 @@ def main() -> None:
     parser.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
     parser.add_argument("--out", type=Path, required=True, help="kit directory to write or extend")
     parser.add_argument("--qwen-tokenizer", type=Path, help="tokenizer files to copy into model/CosyVoice-BlankEN")
+    parser.add_argument(
+        "--bistream-only",
+        action="store_true",
+        help="make only the llm_bistream group of an existing kit (added or replaced); the rest stays as it is",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     import_official(args.official)
+    if args.bistream_only:
+        cases_path = args.out / "cases.pt"
+        if not cases_path.is_file():
+            sys.exit("--bistream-only extends an existing kit")
+        model, _ = load_official_model(args.out / "model")
+        cases = torch.load(cases_path, weights_only=True)
+        command = f"python tools/make_cosyvoice3_kit.py --official {args.official} --out {args.out} --bistream-only"
+        write_bistream_group(args.out, cases, llm_bistream_cases(model), command, official_commit(args.official))
+        for case in cases["llm_bistream"]:
+            print(f"llm_bistream {case['name']}: {len(case['out_tokens'])} tokens, {case['num_steps']} steps")
+        return
 
     model_dir = args.out / "model"
     cases_path = args.out / "cases.pt"

@@ -92,6 +92,8 @@ class ModelFamily:
     prefers_bfloat16: bool = False
     # speech tokens the flow never gets past a run of 5 (the official llm_job: silent/breath codes)
     silent_tokens: frozenset[int] = frozenset()
+    # the LLM takes text tokens as they come, mixed with speech (engine.llm.bistream): CosyVoice2/3, not v1
+    bistream: bool = False
 
     def cloning_models(self) -> CloningModels:
         """The family's cloning models; CheckpointError when it has none."""

@@ -58,6 +58,7 @@ COSYVOICE2 = register(
         tokenizer=qwen_tokenizer,
         voice_rules=INSTRUCT2,
         instruction_support=registered_voices_only,
+        bistream=True,
         streaming=CausalPrefixChunks,
         cloning=CloningModels(
             version=2,

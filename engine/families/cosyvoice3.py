@@ -64,6 +64,7 @@ COSYVOICE3 = register(
         # instruct2 with the system prompt: "You are a helpful assistant. <instruction><|endofprompt|>"
         voice_rules=VoiceRules(instruct_keeps_voice_prompt=True, system_prompt=DEFAULT_SYSTEM_PROMPT),
         instruction_support=registered_voices_only,
+        bistream=True,
         streaming=CausalPrefixRerunChunks,
         cloning=CloningModels(
             version=3,

@@ -26,7 +26,7 @@ from engine.loading.yaml_config import ObjectSpec
 from engine.nn.layers import Linear, length_mask
 
 NUM_SPECIAL_SPEECH_TOKENS = 200  # ids V .. V+199 of speech_embedding / llm_decoder, all stop decoding
-SOS_OFFSET, EOS_OFFSET, TASK_ID_OFFSET = 0, 1, 2
+SOS_OFFSET, EOS_OFFSET, TASK_ID_OFFSET, FILL_OFFSET = 0, 1, 2, 3
 ENDOFPROMPT_TOKEN = 151646  # `<|endofprompt|>` in the CosyVoice3 Qwen tokenizer; the official code hard-codes it
 DUMMY_SPEECH_LOGIT_GAIN = 10.0  # the initial speech rows' gain over the stop rows (see CosyVoice3LM.__init__)
 
@@ -90,6 +90,24 @@ class CosyVoice3LM(Qwen2LM):
         Every row must contain `<|endofprompt|>` within its length (the official code asserts it).
         """
         return embed_prompted_text(self.llm.model.model.embed_tokens, tokens, lengths)
+
+    @property
+    def fill_token(self) -> int:
+        return self.eos + FILL_OFFSET
+
+    @property
+    def end_token(self) -> int:
+        """Bi-streaming ends on the official eos, V + 1 (plain decoding stops on any id from V)."""
+        return self.eos + EOS_OFFSET
+
+    def bistream_prompt_split(self, prompt_text: Tensor) -> int:
+        """Bi-streaming: the prompt text through `<|endofprompt|>` goes first, before the mixed groups (official)."""
+        marks = (prompt_text.reshape(-1) == ENDOFPROMPT_TOKEN).nonzero()
+        if not len(marks):
+            raise InvalidInputError(
+                f"CosyVoice3 bi-streaming needs <|endofprompt|> (id {ENDOFPROMPT_TOKEN}) in the prompt text"
+            )
+        return int(marks[0, 0]) + 1
 
     def special_embeddings(self) -> tuple[Tensor, Tensor]:
         """The sos and task-id embeddings: rows V and V + 2 of speech_embedding."""

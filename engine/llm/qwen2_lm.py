@@ -112,6 +112,7 @@ class Qwen2LMConfig:
     speech_token_size: int  # also the EOS id: llm_decoder has speech_token_size + 3 outputs
     qwen: Qwen2Config
     sampling: SamplingOptions  # the yaml's sampler settings: the default of requests that bring none
+    mix_ratio: tuple[int, int] = (5, 15)  # bi-streaming: text tokens, then speech tokens, per group (official default)
 
     @classmethod
     def from_yaml(cls, spec: ObjectSpec, model_dir: str | Path, class_name: str = "Qwen2LM") -> Qwen2LMConfig:
@@ -132,6 +133,7 @@ class Qwen2LMConfig:
             speech_token_size=int(spec["speech_token_size"]),
             qwen=qwen,
             sampling=sampling_from_yaml(spec.get("sampling")),
+            mix_ratio=mix_ratio_from_yaml(spec.kwargs.get("mix_ratio", (5, 15)), class_name),
         )
 
     def kv_cache_bytes_per_position(self, dtype_bytes: int) -> int:
@@ -139,6 +141,17 @@ class Qwen2LMConfig:
         the key/value heads)."""
         qwen = self.qwen
         return 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * dtype_bytes
+
+
+def mix_ratio_from_yaml(value: object, class_name: str) -> tuple[int, int]:
+    """The yaml's `mix_ratio` [text, speech]: two positive integers."""
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise CheckpointError(f"{class_name} mix_ratio must be two positive integers, got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 class RMSNorm(nn.Module):
@@ -333,6 +346,24 @@ class Qwen2LM(nn.Module):
     @property
     def speaker_embed_dim(self) -> int | None:
         return None  # the CosyVoice2 LM has no speaker term: a request's embedding is ignored
+
+    @property
+    def fill_token(self) -> int:
+        """Bi-streaming: the id that asks for more text (speech_token_size + 2)."""
+        return self.cfg.speech_token_size + 2
+
+    @property
+    def end_token(self) -> int:
+        """Bi-streaming: the id that ends the utterance (v2: EOS)."""
+        return self.eos
+
+    @property
+    def mix_ratio(self) -> tuple[int, int]:
+        return self.cfg.mix_ratio
+
+    def bistream_prompt_split(self, prompt_text: Tensor) -> int:
+        """Bi-streaming: v2 puts no prompt text before the mixed groups (all of it waits to join as text)."""
+        return 0
 
     def encode_text(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """tokens [B, T] (right-padded ids of prompt text + text), lengths [B] -> [B, T, llm_input_size]."""

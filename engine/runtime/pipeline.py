@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from engine.flow.masked_diff import FlowRequest
 from engine.llm.generation import GenerationRequest, SilentRunFilter, prefill_prompt_prefix
 from engine.llm.sampling import MAX_SEED, SamplingOptions
 from engine.loading.loader import LoadedModel, load_model
+from engine.runtime.bistream import BistreamStart, BistreamSynthesis, check_bistream
 from engine.runtime.prompt_cache import PreparedPrompt, PromptCache, PromptKey
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream
@@ -200,6 +202,32 @@ class TextEncoderStage:
             )
             for index, text, text_encoded in zip(range(start, stop), texts, encoded, strict=True)
         ]
+
+    @torch.inference_mode()
+    def bistream_start(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> BistreamStart:
+        """A bi-streamed utterance of `request`'s voice and options (its text is ignored: it comes piece by piece,
+        `text_piece_tokens`): the prompt text ids (the text lead of cross-lingual included) and the voice."""
+        check_bistream(self.model.config.family)
+        request = request.validated()
+        voice = self._voice_conditioning(request, prompt)
+        segment = EncodedSegment(
+            text_encoded=np.zeros((0, 0), dtype=np.float32),  # never read: the text comes as ids, piece by piece
+            text_len=0,
+            llm_embedding=voice.llm_embedding,
+            flow_embedding=voice.flow_embedding,
+            llm_prompt_speech_tokens=voice.llm_prompt_speech_tokens,
+            flow_prompt_speech_tokens=voice.flow_prompt_speech_tokens,
+            prompt_feat=voice.prompt_feat,
+            sampling=request.sampling,
+            speed=request.speed,
+            voice=request.voice,
+        )
+        prompt_text = np.asarray(list(voice.prompt_text_tokens) + list(voice.text_lead_tokens), dtype=np.int64)
+        return BistreamStart(prompt_text, segment)
+
+    def text_piece_tokens(self, text: str) -> list[int]:
+        """A bi-streamed text piece's ids: tokenized as it comes, not normalised (official generator input)."""
+        return self.model.frontend.tokenize(text)
 
     def segment_texts(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> list[SegmentText]:
         """The text ids each segment of `request` gives the LLM (what `encode` embeds), in the official form."""
@@ -463,6 +491,10 @@ class SpeechDecoderStage:
         if self.model.decoder_device.type == "cuda":
             torch.cuda.synchronize(self.model.decoder_device)
 
+    def open_bistream(self, start: BistreamStart) -> BistreamSynthesis:
+        """One bi-streamed utterance (CosyVoice2/3): push text ids piece by piece, then finish (runtime.bistream)."""
+        return BistreamSynthesis(self, start)
+
     def open_stream(self, segments: list[EncodedSegment]) -> DecodeStream:
         """Streaming synthesis of a batch: iterate the returned `DecodeStream` (see engine.runtime.streaming)."""
         return DecodeStream(self, segments)
@@ -520,3 +552,15 @@ class CosyVoice:
             if isinstance(result, Exception):
                 raise result
         return np.concatenate(results), self.sample_rate
+
+    def bistream(self, pieces: Iterable[str], voice: str, **options) -> Iterator[np.ndarray]:
+        """Bi-streaming (CosyVoice2/3): the text comes as `pieces` (an iterator may wait for each); the audio chunks
+        as they are made, the first ones while the text is still coming. Options as `synthesize`."""
+        sampling_keys = set(SamplingOptions.__dataclass_fields__)
+        sampling = SamplingOptions(**{k: v for k, v in options.items() if k in sampling_keys})
+        rest = {k: v for k, v in options.items() if k not in sampling_keys}
+        start = self.encoder.bistream_start(SynthesisRequest(text="", voice=voice, sampling=sampling, **rest))
+        synthesis = self.decoder.open_bistream(start)
+        for piece in pieces:
+            yield from synthesis.push_text(self.encoder.text_piece_tokens(piece))
+        yield from synthesis.finish()

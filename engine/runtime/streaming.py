@@ -28,6 +28,8 @@ from engine.llm.sampling import make_generator
 from engine.runtime.memory import is_out_of_memory
 from engine.runtime.segment import EncodedSegment
 
+FED = -1  # the llm_id of a stream whose tokens come from its owner (no generator row: cancelling it is a no-op)
+
 
 class DecodeStream:
     """Iterate to advance every segment; each step yields one entry per segment, in order: a float32
@@ -67,26 +69,42 @@ class DecodeStream:
     def add(self, segment: EncodedSegment) -> StreamState:
         """Start streaming one more segment: its tokens are generated from the next step of `self.llm` on."""
         self.check_streamable(segment)
-        family = self.decoder.model.config.family
         [request] = self.decoder.generation_requests([segment])
+        # the generator last: nothing after it can fail and leave its generator row behind
+        stream = self._state(segment, self.llm.add(request))
+        self.streams.append(stream)
+        self._by_llm_id[stream.llm_id] = stream
+        return stream
+
+    def add_fed(self, segment: EncodedSegment) -> StreamState:
+        """Start streaming a segment whose tokens its owner gives (`feed`), not `self.llm` (bi-streaming); only its
+        voice fields are read."""
+        self.check_streamable(segment)
+        stream = self._state(segment, FED)
+        self.streams.append(stream)
+        return stream
+
+    def feed(self, stream: StreamState, tokens: list[int], done: bool) -> None:
+        """The next tokens of a stream from `add_fed`, through the silent-run filter; `done`: no more will come."""
+        stream.new_tokens += [token for token in tokens if stream.silent.keep(token)]
+        stream.tokens_done = stream.tokens_done or done
+
+    def _state(self, segment: EncodedSegment, llm_id: int) -> StreamState:
         device = self.decoder.model.decoder_device
-        stream = StreamState(
+        return StreamState(
             segment=segment,
             hop=self.strategy.schedule.token_hop,
             noise=make_generator(segment.sampling.seed),
             source=torch.Generator(device=device).manual_seed(segment.sampling.seed),
-            silent=SilentRunFilter(family.silent_tokens),
-            llm_id=self.llm.add(request),  # last: nothing after it can fail and leave its generator row behind
+            silent=SilentRunFilter(self.decoder.model.config.family.silent_tokens),
+            llm_id=llm_id,
         )
-        self.streams.append(stream)
-        self._by_llm_id[stream.llm_id] = stream
-        return stream
 
     def release(self, stream: StreamState) -> None:
         """Forget a stream (stopping it first if it still runs): for owners that add streams without end."""
         self.stop(stream)
         self.streams = [s for s in self.streams if s is not stream]  # by identity: == would compare arrays
-        del self._by_llm_id[stream.llm_id]
+        self._by_llm_id.pop(stream.llm_id, None)
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ from benchmarks.batching_bench import (
     report_rows,
     throughput_ratios,
 )
+from benchmarks.bistream_bench import measure_bistream
 from benchmarks.compare import batching_figures, text_for_audio_seconds
 from benchmarks.engine_bench import fixed_length_segments, run
 from benchmarks.http_bench import LevelResult, LevelRun, Sample, level_dict, summarize
@@ -262,6 +263,20 @@ def test_batching_bench_times_the_first_chunk_of_a_cloned_voice_with_and_without
     for name in ("ttfa_cached_s", "ttfa_uncached_s", "ratio"):
         assert timing[name] > 0 and timing[f"{name}_spread"]["n"] == REPEATS
     assert decoder.prompt_cache is None  # the stage is left as it was
+
+
+def test_bistream_bench_times_first_audio_of_text_as_it_arrives_against_the_text_whole() -> None:
+    model = load_model("cosyvoice3-tiny")
+    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
+
+    timing = measure_bistream(encoder, decoder, None, tokens_per_second=50.0, repeats=REPEATS, warmup=0)
+
+    json.dumps(timing, allow_nan=False)
+    for name in ("bistream_first_audio_s", "whole_first_audio_s", "ratio"):
+        assert timing[name] > 0 and timing[f"{name}_spread"]["n"] == REPEATS
+    # the audio began while the text was still arriving (all of it takes 3.6 s at 50 tokens/s)
+    assert timing["text_tokens"] > 100
+    assert all(0 < arrived < timing["text_tokens"] for arrived in timing["text_tokens_arrived_at_first_audio"])
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

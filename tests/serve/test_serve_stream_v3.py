@@ -6,12 +6,17 @@ so it is taken as written (no system prompt added) and the engine's stream can b
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import websockets
 
 pytest.importorskip("ray")
 from engine.llm.sampling import SamplingOptions
@@ -27,14 +32,20 @@ HOP = 480
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[httpx.Client]:
+def base_url() -> Iterator[str]:
     args = {
         "model": str(KIT_MODEL),
         "ingress": {"num_cpus": 0.1},
         "encoder": {"num_cpus": 0.1},
         "decoder": {"num_cpus": 0.2},
     }
-    with running_app(args, APP) as url, httpx.Client(base_url=url, timeout=300) as http:
+    with running_app(args, APP) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=300) as http:
         yield http
 
 
@@ -74,3 +85,64 @@ def test_native_streaming_at_another_speed_is_a_400(client: httpx.Client) -> Non
     response = client.post("/v1/tts", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["message"].startswith("CosyVoice3 streams at speed 1.0 only")
+
+
+TEXT_STREAM = "Hello there, this text is written a few words at a time, as a language model writes it."  # one sentence
+
+
+async def bistream_session(url: str, pause_s: float) -> tuple[float | None, float, bytes, dict[str, Any]]:
+    """A WebSocket session sending TEXT_STREAM a word every `pause_s`, then end -> (seconds to the first audio frame,
+    seconds to the end message, the audio, the done event)."""
+    async with websockets.connect(url.replace("http://", "ws://", 1) + "/v1/audio/speech/stream") as ws:
+        start = time.perf_counter()
+        await ws.send(json.dumps({"type": "start", "model": KIT_MODEL.name, "voice": VOICE, "response_format": "pcm"}))
+        audio: list[bytes] = []
+        first: list[float] = []
+
+        async def receive() -> dict[str, Any]:
+            async for frame in ws:
+                if isinstance(frame, bytes):
+                    first.append(first[0] if first else time.perf_counter() - start)
+                    audio.append(frame)
+                else:
+                    return json.loads(frame)
+            raise AssertionError("closed without an event")
+
+        events = asyncio.create_task(receive())
+        for word in TEXT_STREAM.split(" "):
+            await ws.send(json.dumps({"type": "text", "text": word + " "}))
+            await asyncio.sleep(pause_s)
+        end = time.perf_counter() - start
+        await ws.send(json.dumps({"type": "end"}))
+        done = await asyncio.wait_for(events, 300)
+    return (first[0] if first else None), end, b"".join(audio), done
+
+
+def test_the_text_stream_bistreams_text_as_it_comes(base_url: str) -> None:
+    """CosyVoice3: the deltas' ids join the LLM as they come (no sentence buffering): audio before the end."""
+    first, end, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.4))
+    assert done["type"] == "speech.audio.done", done
+    assert first is not None and first < end, (first, end)
+    assert len(audio) % 2 == 0 and np.isfinite(pcm(audio)).all() and len(audio) > 2 * HOP
+    assert done["usage"]["input_tokens"] > 0 and done["usage"]["output_tokens"] > 0
+
+
+async def left_and_refused(url: str) -> dict[str, Any]:
+    """A session whose client leaves mid-text, then one with nothing to speak -> the latter's error event."""
+    stream_url = url.replace("http://", "ws://", 1) + "/v1/audio/speech/stream"
+    start = json.dumps({"type": "start", "model": KIT_MODEL.name, "voice": VOICE, "response_format": "pcm"})
+    async with websockets.connect(stream_url) as ws:
+        await ws.send(start)
+        await ws.send(json.dumps({"type": "text", "text": "Leaving before the end of this "}))
+        await asyncio.sleep(0.5)
+    async with websockets.connect(stream_url) as ws:
+        for message in (start, json.dumps({"type": "text", "text": "..."}), json.dumps({"type": "end"})):
+            await ws.send(message)
+        return json.loads(await asyncio.wait_for(ws.recv(), 60))
+
+
+def test_a_bistream_session_left_or_refused_ends_cleanly(base_url: str) -> None:
+    event = asyncio.run(left_and_refused(base_url))
+    assert event["type"] == "error" and "nothing to speak" in event["error"]["message"], event
+    first, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))  # and the next one is spoken
+    assert done["type"] == "speech.audio.done" and first is not None and audio

@@ -20,10 +20,12 @@ from ray.exceptions import (
 )
 from ray.serve.exceptions import BackPressureError
 
-from deployments.decoder import resolve_device_and_dtype
+from deployments.decoder import Decoder, resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
-from engine.errors import CosyVoiceError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
+from engine.errors import CosyVoiceError, DecodeLimitError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
+from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESET_VOICE_MODELS
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 from engine.voices.speaker_bank import DUMMY_VOICES
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir
@@ -395,3 +397,32 @@ def test_a_silent_text_stream_ends_after_the_idle_time_but_not_while_its_audio_i
     status, event = error_event(StreamIdleError("idle"), "req-1")
     assert status == 408 and event["type"] == "error" and event["error"]["code"] == "StreamIdleError"
     assert close_code(status) == 1008 and close_code(503) == 1013 and close_code(500) == 1011
+
+
+class FakeRelay:
+    """`TextRelay`'s `get` as the decoder calls it (`relay.get.remote(session)`, awaited), over a fixed list."""
+
+    def __init__(self, items: list[list[int] | None]) -> None:
+        async def get(_session: str) -> list[int] | None:
+            return items.pop(0)
+
+        self.get = SimpleNamespace(remote=get)
+
+
+def test_decoder_bistream_speaks_the_relayed_text_within_the_ceilings() -> None:
+    tts = CosyVoice.load("cosyvoice3-tiny")
+    sampling = SamplingOptions(seed=3, max_token_text_ratio=3.0)
+    start = tts.encoder.bistream_start(SynthesisRequest(text="", voice=tts.voices[0], sampling=sampling))
+    pieces = [tts.encoder.text_piece_tokens(word) for word in ("Hello ", "there, ", "this is ", "a test.")]
+    bistream = Decoder.func_or_class.bistream
+
+    async def run(max_audio_s: float | None) -> list[np.ndarray]:
+        replica = SimpleNamespace(
+            stage=tts.decoder, scheduler=SimpleNamespace(max_audio_s=max_audio_s, max_request_s=None)
+        )
+        return [chunk async for chunk in bistream(replica, start, FakeRelay([*pieces, None]), "s", "req-1")]
+
+    audio = np.concatenate(asyncio.run(run(None)))
+    assert np.isfinite(audio).all() and len(audio) > tts.sample_rate // 10
+    with pytest.raises(DecodeLimitError, match=r"0\.1 s of audio"):
+        asyncio.run(run(0.1))

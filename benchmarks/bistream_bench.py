@@ -1,0 +1,158 @@
+"""Bi-streaming benchmark (issue 32, part 5): the first audio of text that arrives as it is written, against the same
+text sent whole.
+
+    python -m benchmarks.bistream_bench --model cosyvoice3-0.5b --out out/bistream_v3.json [--tokens-per-second 20]
+        [--prompt-seconds 10] [--repeats 3] [--warmup 1] [--threads 2]
+
+Two runs on the same decoder, alternating (order swapped every pair, so that load on a shared machine hits both
+alike), `--warmup` untimed pairs, then `--repeats` timed pairs:
+
+- bi-streamed: the text's ids (the model's tokenizer over the whole text) arrive one every 1 / `--tokens-per-second`
+  s from t = 0; whatever has arrived is pushed to the LM as one piece (`BistreamSynthesis.push_text`) as soon as
+  the previous push returns, and once all has arrived the text ends (`finish`). The utterance is prepared before
+  t = 0 (`bistream_start`, `open_bistream`: what a WebSocket `start` message does before any text).
+- whole: at t = 0 the whole text is there; it is encoded (split into sentences) and its first sentence streamed
+  (`open_stream`), as `/v1/audio/speech` streams a text.
+
+Each run is timed to its first non-empty audio chunk. `bistream_first_audio_ratio` is bi-streamed / whole, pair by
+pair: the median and spread (`benchmarks.timing`). `--prompt-seconds` > 0 speaks in a voice cloned from a synthetic
+prompt that long (`batching_bench.synthetic_prompt`), else in the model's first built-in voice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.batching_bench import synthetic_prompt
+from benchmarks.engine_bench import write_json
+from benchmarks.timing import Timing, add_repeat_options, paired, ratio
+from engine.llm.sampling import SamplingOptions
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.voices.cloning import VoicePrompt
+
+TEXT = (
+    "Thanks for calling, I can help you move your appointment to a later time this week. "
+    "There are openings on Thursday morning and on Friday afternoon. "
+    "Which one would suit you better?"
+)
+# both runs speak 2 to 3 speech tokens per text token, never stopping before 2 (a dummy LM may stop at once)
+SAMPLING = SamplingOptions(
+    seed=11, min_token_text_ratio=2.0, max_token_text_ratio=3.0, mask_all_stop_ids_before_min_len=True
+)
+
+
+def first_audio_bistream(
+    encoder: TextEncoderStage,
+    decoder: SpeechDecoderStage,
+    request: SynthesisRequest,
+    prompt: VoicePrompt | None,
+    tokens_per_second: float,
+) -> dict[str, float]:
+    """Seconds from the first text token's arrival to the first audio chunk, and the text tokens arrived then."""
+    ids = encoder.text_piece_tokens(TEXT)
+    synthesis = decoder.open_bistream(encoder.bistream_start(request, prompt))
+    start = time.perf_counter()
+    pushed = 0
+    while pushed < len(ids):
+        arrived = min(len(ids), int((time.perf_counter() - start) * tokens_per_second) + 1)
+        if arrived == pushed:
+            time.sleep(max(0.0, arrived / tokens_per_second - (time.perf_counter() - start)))  # the next one's time
+            continue
+        chunks = synthesis.push_text(ids[pushed:arrived])
+        pushed = arrived
+        if chunks:
+            return {"seconds": time.perf_counter() - start, "text_tokens": pushed}
+    for _ in synthesis.finish():
+        return {"seconds": time.perf_counter() - start, "text_tokens": pushed}
+    raise SystemExit("the bi-streamed utterance ended without audio")
+
+
+def first_audio_whole(
+    encoder: TextEncoderStage, decoder: SpeechDecoderStage, request: SynthesisRequest, prompt: VoicePrompt | None
+) -> float:
+    """Seconds from the whole text to the first audio chunk of its first sentence, streamed."""
+    start = time.perf_counter()
+    first = encoder.encode(request, prompt)[0]
+    for outputs in decoder.open_stream([first]):
+        if outputs[0] is None:
+            break
+        if len(outputs[0]):
+            return time.perf_counter() - start
+    raise SystemExit("the first sentence ended without audio")
+
+
+def measure_bistream(
+    encoder: TextEncoderStage,
+    decoder: SpeechDecoderStage,
+    prompt: VoicePrompt | None,
+    tokens_per_second: float,
+    repeats: int,
+    warmup: int,
+) -> dict[str, Any]:
+    """The two runs alternating (see the module): medians, spreads and the pair-by-pair ratio."""
+    voice = "voice_benchmark" if prompt is not None else encoder.voices[0]
+    request = SynthesisRequest(text=TEXT, voice=voice, sampling=SAMPLING)
+    times: dict[str, list[float]] = {"bistream": [], "whole": []}
+    arrived: list[int] = []
+    for index in range(warmup + repeats):
+        for mode in ("bistream", "whole") if index % 2 == 0 else ("whole", "bistream"):
+            if mode == "bistream":
+                run = first_audio_bistream(encoder, decoder, request, prompt, tokens_per_second)
+                seconds = run["seconds"]
+                if index >= warmup:
+                    arrived.append(run["text_tokens"])
+            else:
+                seconds = first_audio_whole(encoder, decoder, request, prompt)
+            if index >= warmup:
+                times[mode].append(seconds)
+    bistream, whole = Timing(tuple(times["bistream"])), Timing(tuple(times["whole"]))
+    return {
+        **bistream.fields("bistream_first_audio_s"),
+        **whole.fields("whole_first_audio_s"),
+        **paired(ratio, bistream, whole).fields("ratio"),
+        "text_tokens": len(encoder.text_piece_tokens(TEXT)),
+        "first_sentence_text_tokens": len(encoder.segment_texts(request, prompt)[0].text),
+        "text_tokens_arrived_at_first_audio": arrived,
+        "prompt_speech_tokens": 0 if prompt is None else len(prompt.speech_tokens),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bistream_bench.json"))
+    parser.add_argument("--model", default="cosyvoice3-0.5b", help="a CosyVoice2/3 preset or model dir")
+    parser.add_argument("--threads", type=int, default=2)
+    add_repeat_options(parser)
+    parser.add_argument("--tokens-per-second", type=float, default=20.0, help="how fast the text arrives")
+    parser.add_argument("--prompt-seconds", type=float, default=0.0, help="a cloned voice's prompt (0: a speaker)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model)
+    encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
+    prompt = synthetic_prompt(encoder, args.prompt_seconds) if args.prompt_seconds > 0 else None
+    timing = measure_bistream(encoder, decoder, prompt, args.tokens_per_second, args.repeats, args.warmup)
+    result = {
+        "model": args.model,
+        "threads": args.threads,
+        "tokens_per_second": args.tokens_per_second,
+        "prompt_seconds": args.prompt_seconds,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "text": TEXT,
+        "bistream": timing,
+        "bistream_first_audio_ratio": timing["ratio"],
+        "bistream_first_audio_ratio_spread": timing["ratio_spread"],
+    }
+    print(json.dumps(result, indent=2))
+    write_json(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

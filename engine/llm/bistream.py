@@ -1,0 +1,190 @@
+"""Token-level bi-streaming for the CosyVoice2/3 LMs (`Qwen2LM`, `CosyVoice3LM`): text joins the LM input as it arrives.
+
+`BistreamDecoder` is the official `Qwen2LM.inference_bistream` as a push API: `push_text` adds the next text tokens
+and returns the speech tokens that can be decoded with them; `finish` (no more text) decodes to the end. The LM input
+interleaves text and speech in the family's mix ratio, `mix_ratio = (5, 15)`:
+
+- it starts with sos (v3: sos and the prompt text up to and including `<|endofprompt|>`); the rest of the prompt
+  text is the head of the text waiting to join;
+- while prompt speech tokens remain, each 5 waiting text tokens join with the next 15 prompt speech tokens;
+- then the LM decodes speech tokens; every 15 tokens (counted on from the prompt speech, so the first run may be
+  shorter) it emits the fill token (forced at the position where it is due, else when the LM picks it), which is not
+  spoken: it asks for the next 5 text tokens, and decoding waits until 5 more have arrived;
+- at the end of text, whatever text is still waiting and the task id join, and it decodes up to the end token.
+
+As official: each `push_text` lets at most one group of 5 text tokens join (the rest waits, and joins at the end);
+speech tokens are sampled with only id `speech_token_size` masked until the end of text; after a fill token the
+input it came from is kept and, when the text ends right then, fed again with the text left and the task id; prompt
+speech tokens still waiting when the text ends are dropped.
+
+Not official: where the official loop raises (it drew a special id other than the fill token before the end of text,
+or other than the end token after it), the token is drawn again with those ids masked, so an LM that is not sure
+of the protocol (a dummy one) still speaks; and decoding after the end of text stops at `max_token_text_ratio`
+times the text tokens pushed (the official loop has no limit).
+
+A decoder runs one sequence with its own KV cache, outside `TokenGenerator`'s batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from engine.errors import InvalidInputError
+from engine.llm.qwen2_lm import embed_text
+from engine.llm.sampling import SamplingOptions, make_generator, sample_token
+from engine.nn.layers import log_softmax_fp32
+
+
+class BistreamLM(Protocol):
+    """What `BistreamDecoder` needs of an LM (`Qwen2LM`, `CosyVoice3LM`)."""
+
+    cfg: object
+    llm: nn.Module
+    speech_embedding: nn.Embedding
+    llm_decoder: nn.Module
+
+    @property
+    def eos(self) -> int:
+        """speech_token_size: the first special id."""
+
+    @property
+    def fill_token(self) -> int: ...
+
+    @property
+    def end_token(self) -> int:
+        """The id that ends a bi-streamed utterance."""
+
+    @property
+    def mix_ratio(self) -> tuple[int, int]: ...
+
+    def special_embeddings(self) -> tuple[Tensor, Tensor]: ...
+
+    def bistream_prompt_split(self, prompt_text: Tensor) -> int:
+        """How many leading prompt text tokens go into the LM input before any speech (v3: through
+        `<|endofprompt|>`)."""
+
+
+class BistreamDecoder:
+    """One bi-streamed utterance: `push_text` any number of times, then `finish` once.
+
+    prompt_text [P] and prompt_speech_tokens [S] are ids (S may be 0); options: sampling (None: the model's).
+    """
+
+    @torch.inference_mode()
+    def __init__(
+        self,
+        model: BistreamLM,
+        prompt_text: Tensor,
+        prompt_speech_tokens: Tensor | None = None,
+        options: SamplingOptions | None = None,
+    ) -> None:
+        self.model = model
+        self.options = options or model.cfg.sampling
+        self.options.check()
+        self.generator = make_generator(self.options.seed)
+        weight = model.speech_embedding.weight
+        self.device = weight.device
+        prompt_text = prompt_text.reshape(-1).long().to(self.device)
+        speech = torch.zeros(0, dtype=torch.long) if prompt_speech_tokens is None else prompt_speech_tokens
+        speech = speech.reshape(-1).long().to(self.device)
+        if speech.numel() and not 0 <= int(speech.min()) <= int(speech.max()) < model.eos:
+            raise InvalidInputError(f"prompt speech tokens must be in [0, {model.eos})")
+        split = model.bistream_prompt_split(prompt_text)
+        sos, self.task_id = model.special_embeddings()
+        self.input = torch.cat([sos, self._embed(prompt_text[:split])]).to(weight.dtype)  # rows not yet fed
+        self.text = self._embed(prompt_text[split:])  # text rows waiting to join
+        self.prompt_speech = model.speech_embedding(speech)  # prompt speech rows waiting to join
+        self.cache = model.llm.new_cache(1, self.device)
+        self.tokens: list[int] = []  # every id the LM produced, fill tokens included (the sampler's history)
+        self.spoken = 0  # speech tokens returned
+        self.text_pushed = 0
+        self.finished = False
+        ratio = model.mix_ratio[1]
+        self.next_fill = (len(speech) // ratio + 1) * ratio - len(speech)
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        embed_tokens = self.model.llm.model.model.embed_tokens
+        return embed_text(embed_tokens, tokens[None], torch.tensor([len(tokens)]))[0].to(
+            self.model.speech_embedding.weight.dtype
+        )
+
+    def _step(self) -> Tensor:
+        """Feed `self.input` -> the log-softmax scores [classes] (fp32, CPU) of the next id. The input stays as it
+        is until the caller replaces it (the official loop keeps it after a fill token)."""
+        x = self.input[None]
+        valid = torch.ones(1, x.shape[1], dtype=torch.bool, device=self.device)
+        hidden = self.model.llm.forward_incremental(x, valid, self.cache)[:, -1]
+        return log_softmax_fp32(self.model.llm_decoder(hidden))[0].float().cpu()
+
+    def _sample(self, scores: Tensor, allowed: int) -> int:
+        """The next id from scores [classes]: a speech token or the special id `allowed` (the fill token before the
+        end of text, with id speech_token_size masked as officially; the end token after it)."""
+        first_special = self.model.eos
+        if allowed == self.model.fill_token:
+            scores[first_special] = float("-inf")
+        token = sample_token(scores, self.tokens, self.options, self.generator)
+        if token < first_special or token == allowed:
+            return token
+        redraw = scores.clone()  # the official loop raises here
+        redraw[first_special:] = float("-inf")
+        redraw[allowed] = scores[allowed]
+        return sample_token(redraw, self.tokens, self.options, self.generator)
+
+    def _accept(self, token: int) -> None:
+        self.tokens.append(token)
+        self.spoken += 1
+        self.input = self.model.speech_embedding.weight[token : token + 1]
+
+    @torch.inference_mode()
+    def push_text(self, tokens: Tensor) -> list[int]:
+        """The next text token ids [N] -> the speech tokens decoded now (none while waiting for text)."""
+        if self.finished:
+            raise InvalidInputError("text was pushed after the end of the text")
+        tokens = tokens.reshape(-1).long().to(self.device)
+        self.text = torch.cat([self.text, self._embed(tokens)])
+        self.text_pushed += len(tokens)
+        model, (text_group, speech_group) = self.model, self.model.mix_ratio
+        while len(self.prompt_speech) and len(self.text) >= text_group:
+            self.input = torch.cat([self.input, self.text[:text_group], self.prompt_speech[:speech_group]])
+            self.text, self.prompt_speech = self.text[text_group:], self.prompt_speech[speech_group:]
+        if len(self.prompt_speech):
+            return []
+        after_fill = bool(self.tokens) and self.tokens[-1] == model.fill_token
+        if after_fill or (not self.tokens and self.cache.length == 0 and len(self.input) == 1):
+            if len(self.text) < text_group:
+                return []
+            joined = self.text[:text_group]
+            self.input = joined if after_fill else torch.cat([self.input, joined])
+            self.text = self.text[text_group:]
+        out = []
+        while True:
+            scores = self._step()
+            if len(self.tokens) == self.next_fill:
+                token = model.fill_token
+            else:
+                token = self._sample(scores, allowed=model.fill_token)
+            if token == model.fill_token:
+                self.next_fill = len(self.tokens) + speech_group + 1
+                self.tokens.append(token)
+                return out
+            self._accept(token)
+            out.append(token)
+
+    @torch.inference_mode()
+    def finish(self) -> Iterator[int]:
+        """No more text: the speech tokens to the end token (or the length limit), one at a time."""
+        if self.finished:
+            raise InvalidInputError("the text has already ended")
+        self.finished = True
+        self.input = torch.cat([self.input, self.text, self.task_id.to(self.input.dtype)])
+        limit = max(1, int(self.text_pushed * self.options.max_token_text_ratio))
+        while self.spoken < limit:
+            token = self._sample(self._step(), allowed=self.model.end_token)
+            if token == self.model.end_token:
+                return
+            self._accept(token)
+            yield token

@@ -1,0 +1,83 @@
+"""Bi-streamed synthesis in the engine (engine.runtime.bistream, `CosyVoice.bistream`) on the tiny presets: audio
+before the text is complete, the official prompt layout, and v1's refusal. Token parity with the official loop:
+tests/parity/test_parity_bistream.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import InvalidInputError
+from engine.llm.bistream import BistreamDecoder
+from engine.llm.sampling import SamplingOptions
+from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.voices.cloning import VoicePrompt
+
+PIECES = ["Hello there, ", "this is a ", "streaming test ", "of text that ", "comes in ", "pieces."]
+SHORT = {"seed": 7, "max_token_text_ratio": 3.0}
+
+
+@pytest.fixture(scope="module")
+def tts() -> CosyVoice:
+    return CosyVoice.load("cosyvoice3-tiny")
+
+
+def test_audio_starts_before_the_text_ends(tts: CosyVoice) -> None:
+    taken = []
+
+    def pieces() -> Iterator[str]:
+        for piece in PIECES:
+            taken.append(piece)
+            yield piece
+
+    chunks = tts.bistream(pieces(), tts.voices[0], **SHORT)
+    first = next(chunks)
+    assert len(first) and len(taken) < len(PIECES)  # spoken while text was still to come
+    rest = list(chunks)
+    audio = np.concatenate([first, *rest])
+    assert np.isfinite(audio).all() and len(audio) > tts.sample_rate // 10
+    again = np.concatenate(list(tts.bistream(iter(PIECES), tts.voices[0], **SHORT)))
+    np.testing.assert_array_equal(audio, again)  # a seed repeats the utterance
+
+
+def test_the_lm_gets_the_prompt_and_the_pieces_ids(tts: CosyVoice) -> None:
+    """A cloned voice: the prompt text (system prompt, <|endofprompt|>, transcript) and the prompt speech go to the
+    LM, and each piece's ids as tokenized alone: the synthesis decodes what BistreamDecoder decodes on them."""
+    rng = np.random.default_rng(0)
+    prompt = VoicePrompt(
+        transcript="A short prompt.",
+        embedding=rng.standard_normal(192).astype(np.float32),
+        speech_tokens=rng.integers(0, 96, 20).astype(np.int64),
+        speech_feat=rng.standard_normal((40, 80)).astype(np.float32),
+        sample_rate=24000,
+        family="CosyVoice3",
+    )
+    request = SynthesisRequest(text="", voice="cloned", sampling=SamplingOptions(**SHORT))
+    start = tts.encoder.bistream_start(request, prompt)
+    frontend = tts.encoder.model.frontend
+    assert start.prompt_text_tokens.tolist() == frontend.tokenize(
+        "You are a helpful assistant.<|endofprompt|>" + frontend.normalize("A short prompt.")
+    )
+    synthesis = tts.decoder.open_bistream(start)
+    alone = BistreamDecoder(
+        tts.decoder.model.llm,
+        torch.as_tensor(start.prompt_text_tokens),
+        torch.as_tensor(prompt.speech_tokens),
+        start.voice.sampling,
+    )
+    for piece in PIECES:
+        ids = tts.encoder.text_piece_tokens(piece)
+        synthesis.push_text(ids)
+        alone.push_text(torch.tensor(ids))
+    audio = list(synthesis.finish())
+    assert list(alone.finish()) and audio
+    assert synthesis.llm.tokens == alone.tokens
+
+
+def test_v1_has_no_bistreaming() -> None:
+    tts = CosyVoice.load("tiny")
+    with pytest.raises(InvalidInputError, match="sentence by sentence"):
+        next(tts.bistream(iter(PIECES), tts.voices[0]))
