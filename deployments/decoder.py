@@ -162,6 +162,7 @@ class Decoder:
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self._loop_is_busy = False
         self._loop_thread: threading.Thread | None = None
+        self._bistreams = 0  # bi-streamed utterances decoding now (beside the loop: `bistream`)
         self.set_max_batch_size(max_batch_size)
         precision = self.stage.model.precision
         logger.info(
@@ -293,7 +294,23 @@ class Decoder:
     ) -> AsyncIterator[np.ndarray]:
         """One bi-streamed utterance (CosyVoice2/3): its text ids come through `relay` (a `TextRelay`, piece by piece
         until None); audio chunks as they are made. It decodes on worker threads beside the scheduler's loop, one push
-        at a time: not in the loop's batch, its admission or its memory budget."""
+        at a time: not in the loop's batch, its admission or its memory budget, so at most `max_batch_size` of them
+        decode at once (each holds a KV cache and a share of the cores); one more is refused with a 503."""
+        if self._bistreams >= self.max_batch_size:
+            raise UnavailableError(
+                f"this decoder replica is bi-streaming its most utterances at once ({self.max_batch_size}); retry, "
+                "or send the text whole"
+            )
+        self._bistreams += 1
+        try:
+            async for chunk in self._bistream(start, relay, session, request_id):
+                yield chunk
+        finally:
+            self._bistreams -= 1
+
+    async def _bistream(
+        self, start: BistreamStart, relay: ray.actor.ActorHandle, session: str, request_id: str
+    ) -> AsyncIterator[np.ndarray]:
         synthesis = await asyncio.to_thread(self.stage.open_bistream, start)
         logger.info("bi-streamed utterance started", extra={"request_id": request_id})
         scheduler = self.scheduler  # its ceilings apply here too: audio length, and wall time from the start

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +23,14 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments.decoder import Decoder, resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
-from engine.errors import CosyVoiceError, DecodeLimitError, InvalidInputError, NonFiniteOutputError, UnknownVoiceError
+from engine.errors import (
+    CosyVoiceError,
+    DecodeLimitError,
+    InvalidInputError,
+    NonFiniteOutputError,
+    UnavailableError,
+    UnknownVoiceError,
+)
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
@@ -245,7 +253,7 @@ def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders
 
 def test_a_stream_whose_later_sentences_fail_ends_with_the_encoders_error_or_a_503() -> None:
     from deployments.decoder import later_sentences_error
-    from engine.errors import RequestFailedError, UnavailableError
+    from engine.errors import RequestFailedError
 
     refused = InvalidInputError("the text is too long")
     assert later_sentences_error(RayTaskError("encode_planned", "traceback", refused)) is refused
@@ -416,13 +424,22 @@ def test_decoder_bistream_speaks_the_relayed_text_within_the_ceilings() -> None:
     pieces = [tts.encoder.text_piece_tokens(word) for word in ("Hello ", "there, ", "this is ", "a test.")]
     bistream = Decoder.func_or_class.bistream
 
-    async def run(max_audio_s: float | None) -> list[np.ndarray]:
-        replica = SimpleNamespace(
-            stage=tts.decoder, scheduler=SimpleNamespace(max_audio_s=max_audio_s, max_request_s=None)
-        )
+    def replica(max_audio_s: float | None, decoding: int = 0) -> SimpleNamespace:
+        scheduler = SimpleNamespace(max_audio_s=max_audio_s, max_request_s=None)
+        replica = SimpleNamespace(stage=tts.decoder, scheduler=scheduler, max_batch_size=2, _bistreams=decoding)
+        replica._bistream = partial(Decoder.func_or_class._bistream, replica)
+        return replica
+
+    async def run(replica: SimpleNamespace) -> list[np.ndarray]:
         return [chunk async for chunk in bistream(replica, start, FakeRelay([*pieces, None]), "s", "req-1")]
 
-    audio = np.concatenate(asyncio.run(run(None)))
+    spoken = replica(None)
+    audio = np.concatenate(asyncio.run(run(spoken)))
     assert np.isfinite(audio).all() and len(audio) > tts.sample_rate // 10
+    assert spoken._bistreams == 0  # its session no longer counts
+    limited = replica(0.1)
     with pytest.raises(DecodeLimitError, match=r"0\.1 s of audio"):
-        asyncio.run(run(0.1))
+        asyncio.run(run(limited))
+    assert limited._bistreams == 0
+    with pytest.raises(UnavailableError, match="most utterances at once"):  # two decode already
+        asyncio.run(run(replica(None, decoding=2)))
