@@ -224,6 +224,11 @@ class CausalHiFTGenerator(HiFTGenerator):
         self._initial_phase: Tensor | None = None
         self._noise_blocks: list[Tensor] = []  # fp32 CPU, plain attributes: not in state_dict, never cast
 
+    def _weight_normed(self) -> list[nn.Module]:
+        # the f0 predictor computes its weights from g and v in float64 (`_float64_weight`), as the official one
+        predictor = set(self.f0_predictor.modules())
+        return [m for m in super()._weight_normed() if m not in predictor]
+
     def _pre_conv(self, in_channels: int, out_channels: int) -> nn.Conv1d:
         """Reads the next conv_pre_look_right mel frames."""
         return LookAheadConv1d(in_channels, out_channels, self.config.conv_pre_look_right + 1)

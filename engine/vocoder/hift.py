@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engine.errors import CheckpointError, InvalidInputError
@@ -415,6 +416,18 @@ class HiFTGenerator(nn.Module):
     def load_official_state(self, state: dict[str, Tensor], source: str | Path) -> None:
         """Strictly load an official state dict; legacy `weight_g`/`weight_v` weight-norm keys are accepted."""
         load_strict(self, upgrade_legacy_weight_norm(state), source)
+
+    def _weight_normed(self) -> list[nn.Module]:
+        """The modules whose weight `fold_weight_norm` computes once."""
+        return [m for m in self.modules() if parametrize.is_parametrized(m, "weight")]
+
+    def fold_weight_norm(self) -> None:
+        """For inference, after loading: replace each weight-norm parametrization by the plain weight g v / |v| it
+        gives, computed once, instead of on every call (the same values: the outputs stay bit for bit). The module
+        then no longer takes a checkpoint (its state-dict keys change), so load first."""
+        with torch.no_grad():
+            for module in self._weight_normed():
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
     def _checked_lengths(self, mel: Tensor, lengths: Tensor | None) -> Tensor:
         if mel.dim() != 3 or mel.shape[1] != self.config.in_channels:
