@@ -118,6 +118,8 @@ class HiFTConfig:
         per_stage = (self.upsample_kernel_sizes, self.source_resblock_kernel_sizes, self.source_resblock_dilation_sizes)
         if any(len(values) != stages for values in per_stage):
             raise CheckpointError("HiFT upsample rates, kernel sizes and source resblocks need one entry per stage")
+        if not all(self.resblock_dilation_sizes) or not all(self.source_resblock_dilation_sizes):
+            raise CheckpointError("every HiFT resblock needs at least one dilation")
         if len(self.resblock_kernel_sizes) != len(self.resblock_dilation_sizes):
             raise CheckpointError("HiFT resblock kernel sizes and dilation sizes differ in length")
         if any((k - u) % 2 for u, k in zip(self.upsample_rates, self.upsample_kernel_sizes, strict=True)):
@@ -215,7 +217,8 @@ class ResBlock(nn.Module):
         ):
             # Snake(0) = 0, so masking each conv output keeps every conv input zero-padded as when alone
             hidden = apply_mask(conv1(act1(x)), mask)
-            x = x + apply_mask(conv2(act2(hidden)), mask)
+            # x + the branch, added into the branch's fresh tensor (the same sum, one buffer and pass fewer)
+            x = apply_mask(conv2(act2(hidden)), mask).add_(x)
         return x
 
 
@@ -552,12 +555,13 @@ class HiFTGenerator(nn.Module):
                 stage_lengths = stage_lengths + 1
             mask = _padding_mask(stage_lengths, x.shape[-1], dtype)
             x = apply_mask(x, mask)
-            x = x + self.source_resblocks[i](apply_mask(self.source_downs[i](source_spectrum), mask), mask)
+            # the sums in place into fresh tensors, in the official order (a + b is b + a bit for bit)
+            x = self.source_resblocks[i](apply_mask(self.source_downs[i](source_spectrum), mask), mask).add_(x)
             stage = self.resblocks[i * kernels : (i + 1) * kernels]
             total = stage[0](x, mask)
             for block in stage[1:]:
-                total = total + block(x, mask)
-            x = total / kernels
+                total.add_(block(x, mask))
+            x = total.div_(kernels)
         x = self.conv_post(F.leaky_relu(x, _FINAL_LRELU_SLOPE))
         return self._waveform(x, stage_lengths)
 

@@ -224,6 +224,7 @@ def _spec_with(spec: ObjectSpec, **changes: Any) -> ObjectSpec:
     [
         ({"upsample_rates": [8, 8, 2]}, "one entry per stage"),
         ({"fancy_option": 1}, "fancy_option"),
+        ({"resblock_dilation_sizes": [[], [1, 3, 5], [1, 3, 5]]}, "at least one dilation"),
         ({"f0_predictor": ObjectSpec("cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor")}, "f0 predictor"),
     ],
 )
