@@ -26,7 +26,7 @@ from engine.families import MODULE_NAMES, ModelConfig, families
 from engine.loading.checkpoint import load_strict, read_state_dict
 from engine.nn.precision import DecoderDtypes, decoder_dtypes, module_sizes, pack_linear_for_cpu, quantize_linear_int8
 from engine.text.frontend import TextFrontend
-from engine.vocoder.hift import upgrade_legacy_weight_norm
+from engine.vocoder.hift import HiFTGenerator, upgrade_legacy_weight_norm
 from engine.voices.speaker_bank import VoiceBank
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -102,6 +102,8 @@ def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Modu
         path = model_dir / file_name
         # Files saved with the legacy torch.nn.utils.weight_norm carry weight_g / weight_v keys.
         load_strict(module, upgrade_legacy_weight_norm(read_state_dict(path)), path)
+    if isinstance(module, HiFTGenerator):
+        module.fold_weight_norm()  # loaded for inference only: the weight norm is not recomputed on every call
     return module.eval().requires_grad_(False)
 
 

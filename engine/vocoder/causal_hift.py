@@ -134,7 +134,7 @@ class CausalResBlock(nn.Module):
         for act1, conv1, act2, conv2 in zip(
             self.activations1, self.convs1, self.activations2, self.convs2, strict=True
         ):
-            x = x + conv2(act2(conv1(act1(x))))
+            x = conv2(act2(conv1(act1(x)))).add_(x)  # x + the branch, into the branch's fresh tensor
         return x
 
 
@@ -224,6 +224,11 @@ class CausalHiFTGenerator(HiFTGenerator):
         self._initial_phase: Tensor | None = None
         self._noise_blocks: list[Tensor] = []  # fp32 CPU, plain attributes: not in state_dict, never cast
 
+    def _weight_normed(self) -> list[nn.Module]:
+        # the f0 predictor computes its weights from g and v in float64 (`_float64_weight`), as the official one
+        predictor = set(self.f0_predictor.modules())
+        return [m for m in super()._weight_normed() if m not in predictor]
+
     def _pre_conv(self, in_channels: int, out_channels: int) -> nn.Conv1d:
         """Reads the next conv_pre_look_right mel frames."""
         return LookAheadConv1d(in_channels, out_channels, self.config.conv_pre_look_right + 1)
@@ -310,12 +315,12 @@ class CausalHiFTGenerator(HiFTGenerator):
                 x = F.pad(x, (1, 0), mode="reflect")  # the official ReflectionPad1d((1, 0))
                 stage_lengths = stage_lengths + 1
             # causal from here on: what lies past an item's end never reaches its own samples
-            x = x + self.source_resblocks[i](self.source_downs[i](source_spectrum))
+            x = self.source_resblocks[i](self.source_downs[i](source_spectrum)).add_(x)
             stage = self.resblocks[i * kernels : (i + 1) * kernels]
             total = stage[0](x)
             for block in stage[1:]:
-                total = total + block(x)
-            x = total / kernels
+                total.add_(block(x))
+            x = total.div_(kernels)
         x = self.conv_post(F.leaky_relu(x, _FINAL_LRELU_SLOPE))
         speech = self._waveform(x, stage_lengths)
         return speech * _length_mask((lengths - held) * config.hop, speech.shape[-1], speech.dtype)[:, 0]

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from engine.errors import CheckpointError, InvalidInputError
@@ -117,6 +118,8 @@ class HiFTConfig:
         per_stage = (self.upsample_kernel_sizes, self.source_resblock_kernel_sizes, self.source_resblock_dilation_sizes)
         if any(len(values) != stages for values in per_stage):
             raise CheckpointError("HiFT upsample rates, kernel sizes and source resblocks need one entry per stage")
+        if not all(self.resblock_dilation_sizes) or not all(self.source_resblock_dilation_sizes):
+            raise CheckpointError("every HiFT resblock needs at least one dilation")
         if len(self.resblock_kernel_sizes) != len(self.resblock_dilation_sizes):
             raise CheckpointError("HiFT resblock kernel sizes and dilation sizes differ in length")
         if any((k - u) % 2 for u, k in zip(self.upsample_rates, self.upsample_kernel_sizes, strict=True)):
@@ -214,7 +217,8 @@ class ResBlock(nn.Module):
         ):
             # Snake(0) = 0, so masking each conv output keeps every conv input zero-padded as when alone
             hidden = apply_mask(conv1(act1(x)), mask)
-            x = x + apply_mask(conv2(act2(hidden)), mask)
+            # x + the branch, added into the branch's fresh tensor (the same sum, one buffer and pass fewer)
+            x = apply_mask(conv2(act2(hidden)), mask).add_(x)
         return x
 
 
@@ -416,6 +420,18 @@ class HiFTGenerator(nn.Module):
         """Strictly load an official state dict; legacy `weight_g`/`weight_v` weight-norm keys are accepted."""
         load_strict(self, upgrade_legacy_weight_norm(state), source)
 
+    def _weight_normed(self) -> list[nn.Module]:
+        """The modules whose weight `fold_weight_norm` computes once."""
+        return [m for m in self.modules() if parametrize.is_parametrized(m, "weight")]
+
+    def fold_weight_norm(self) -> None:
+        """For inference, after loading: replace each weight-norm parametrization by the plain weight g v / |v| it
+        gives, computed once, instead of on every call (the same values: the outputs stay bit for bit). The module
+        then no longer takes a checkpoint (its state-dict keys change), so load first."""
+        with torch.no_grad():
+            for module in self._weight_normed():
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+
     def _checked_lengths(self, mel: Tensor, lengths: Tensor | None) -> Tensor:
         if mel.dim() != 3 or mel.shape[1] != self.config.in_channels:
             raise InvalidInputError(f"mel must be [B, {self.config.in_channels}, T], got {tuple(mel.shape)}")
@@ -539,12 +555,13 @@ class HiFTGenerator(nn.Module):
                 stage_lengths = stage_lengths + 1
             mask = _padding_mask(stage_lengths, x.shape[-1], dtype)
             x = apply_mask(x, mask)
-            x = x + self.source_resblocks[i](apply_mask(self.source_downs[i](source_spectrum), mask), mask)
+            # the sums in place into fresh tensors, in the official order (a + b is b + a bit for bit)
+            x = self.source_resblocks[i](apply_mask(self.source_downs[i](source_spectrum), mask), mask).add_(x)
             stage = self.resblocks[i * kernels : (i + 1) * kernels]
             total = stage[0](x, mask)
             for block in stage[1:]:
-                total = total + block(x, mask)
-            x = total / kernels
+                total.add_(block(x, mask))
+            x = total.div_(kernels)
         x = self.conv_post(F.leaky_relu(x, _FINAL_LRELU_SLOPE))
         return self._waveform(x, stage_lengths)
 

@@ -12,12 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.loading.checkpoint import read_state_dict
 from engine.loading.loader import CHECKPOINT_FILES, load_module
 from engine.loading.yaml_config import ObjectSpec, load_model_yaml
+from engine.vocoder.causal_hift import CausalHiFTConfig, CausalHiFTGenerator
 from engine.vocoder.hift import HiFTConfig, HiFTGenerator, Snake
+from tests.conftest import v3_kit_cases, v3_kit_dir, v3_yaml
 
 BATCH_ATOL = 1e-4
 # fp32 garbage in the padded region: masking must keep it from reaching the real items
@@ -150,6 +153,42 @@ def test_legacy_weight_norm_keys_load(conformance_kit: Path, kit_hift: HiFTGener
     assert all(torch.equal(loaded[key], official[key]) for key in official)
 
 
+def _weight_normed(model: HiFTGenerator) -> list[str]:
+    return [name for name, m in model.named_modules() if parametrize.is_parametrized(m, "weight")]
+
+
+def test_folded_weight_norm_gives_the_same_audio_bit_for_bit(
+    conformance_kit: Path, hift_spec: ObjectSpec, mixed_inputs: list[tuple[Tensor, Tensor]]
+) -> None:
+    """The app's vocoder (`load_module`) has plain weights; one loaded but not folded gives the same samples."""
+    official = read_state_dict(conformance_kit / "model" / "hift.pt")
+    model = HiFTGenerator(HiFTConfig.from_yaml(hift_spec)).eval()
+    model.load_official_state(official, "hift.pt")
+    assert len(_weight_normed(model)) > 10
+    mels = [mel for mel, _ in mixed_inputs]
+    loaded = load_module(conformance_kit / "model", "hift")
+    assert _weight_normed(loaded) == []
+    seeds = [0] * len(mels)
+    for ours, folded in zip(model.inference(mels, seeds), loaded.inference(mels, seeds), strict=True):
+        assert torch.equal(ours, folded)
+    with pytest.raises(CheckpointError, match="unexpected keys"):  # load first, then fold
+        loaded.load_official_state(official, "hift.pt")
+
+
+def test_folded_causal_vocoder_keeps_its_float64_f0_predictor() -> None:
+    """v3: every weight norm but the f0 predictor's is folded (its weights are computed in float64 from g and v),
+    and the audio is the same bit for bit."""
+    kit = v3_kit_dir()
+    model = load_module(kit / "model", "hift")
+    assert isinstance(model, CausalHiFTGenerator)
+    assert all(name.startswith("f0_predictor.") for name in _weight_normed(model)) and _weight_normed(model)
+    unfolded = CausalHiFTGenerator(CausalHiFTConfig.from_yaml(v3_yaml(kit)["hift"])).eval()
+    unfolded.load_official_state(read_state_dict(kit / "model" / "hift.pt"), "hift.pt")
+    mels = [case["mel"][0] for case in v3_kit_cases(kit)["hift"][:2]]
+    for ours, folded in zip(unfolded.inference(mels), model.inference(mels), strict=True):
+        assert torch.equal(ours, folded)
+
+
 def test_misshaped_or_incomplete_checkpoint_raises(
     conformance_kit: Path, hift_spec: ObjectSpec, tmp_path: Path
 ) -> None:
@@ -185,6 +224,7 @@ def _spec_with(spec: ObjectSpec, **changes: Any) -> ObjectSpec:
     [
         ({"upsample_rates": [8, 8, 2]}, "one entry per stage"),
         ({"fancy_option": 1}, "fancy_option"),
+        ({"resblock_dilation_sizes": [[], [1, 3, 5], [1, 3, 5]]}, "at least one dilation"),
         ({"f0_predictor": ObjectSpec("cosyvoice.hifigan.f0_predictor.CausalConvRNNF0Predictor")}, "f0 predictor"),
     ],
 )

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from engine.errors import CheckpointError, InvalidInputError
+from engine.loading.loader import load_module
 from engine.vocoder.causal_hift import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator, FixedSourceDraws
-from tests.conftest import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
+from tests.conftest import v3_kit_cases, v3_kit_dir, v3_yaml
 from tests.parity.hift_pipeline import assert_pipeline, captured_decode, captured_source
 
 # f0 (Hz) comes before any recorded spread (the kit records f0, not its spread): float32 against the official
@@ -40,7 +41,8 @@ def hift_cases(kit: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def hift(kit: Path) -> CausalHiFTGenerator:
-    return strictly_loaded(CausalHiFTGenerator(CausalHiFTConfig.from_yaml(v3_yaml(kit)["hift"])), kit, "hift")
+    """Strictly loaded as the app loads it (`load_module`: the weight norm folded into plain weights)."""
+    return load_module(kit / "model", "hift")
 
 
 def decoder_mel(case: dict[str, Any]) -> torch.Tensor:

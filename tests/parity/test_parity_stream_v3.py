@@ -22,11 +22,11 @@ from engine.flow.dit import CausalMaskedDiffWithDiT, DiTFlowConfig
 from engine.flow.masked_diff import FlowRequest
 from engine.llm.cosyvoice3_lm import CosyVoice3LM, CosyVoice3LMConfig
 from engine.llm.generation import GenerationRequest, TokenEvent
-from engine.loading.loader import load_model
+from engine.loading.loader import load_model, load_module
 from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.streaming import DecodeStream
-from engine.vocoder.causal_hift import F0_LOOKAHEAD, CausalHiFTConfig, CausalHiFTGenerator
+from engine.vocoder.causal_hift import F0_LOOKAHEAD, CausalHiFTGenerator
 from tests.conftest import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml
 from tests.engine.conftest import Collected
 from tests.parity.test_parity_llm import kit_request
@@ -56,7 +56,8 @@ def flow(kit: Path) -> CausalMaskedDiffWithDiT:
 
 @pytest.fixture(scope="module")
 def hift(kit: Path) -> CausalHiFTGenerator:
-    return strictly_loaded(CausalHiFTGenerator(CausalHiFTConfig.from_yaml(v3_yaml(kit)["hift"])), kit, "hift")
+    """Strictly loaded as the app loads it (`load_module`: the weight norm folded into plain weights)."""
+    return load_module(kit / "model", "hift")
 
 
 def chunks(case: dict[str, Any]) -> list[dict[str, Any]]:
