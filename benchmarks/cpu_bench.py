@@ -198,6 +198,17 @@ def chain_quality(stages, choice: dict[str, str], segments, tokens_fp32, wave_fp
     return compare(wave_fp32[0], stages[choice["hift"]].vocode(segments, mel)[0], waveform=True)
 
 
+def speedup_fields(timings: dict[str, Timing], baseline: str, suffix: str) -> dict[str, Any]:
+    """Each variant's timing fields (`Timing.fields`) and, for every variant but `baseline`, `<variant><suffix>`:
+    the baseline's median over its own."""
+    fields: dict[str, Any] = {}
+    for variant, timing in timings.items():
+        fields |= timing.fields(variant)
+        if variant != baseline:
+            fields[f"{variant}{suffix}"] = timings[baseline].median / timing.median
+    return fields
+
+
 def choice_for(dtype: str, model: LoadedModel) -> tuple[dict[str, str], str]:
     """stage -> variant name of `dtype` ('auto': this CPU's pick for this model), and why."""
     if dtype == "auto":
@@ -256,19 +267,15 @@ def run(
             stage: alternated(calls, repeats, warmup)
             for stage, calls in stage_calls(stages, segments, tokens, mel, skip).items()
         }
-    rtf: dict[str, Any] = {}
-    for stage, per_variant in timings.items():
-        rtf[stage] = {}
-        for variant, seconds in per_variant.items():
-            rtf[stage] |= seconds.map(lambda s: s / audio).fields(variant)
-            if variant != "float32":
-                rtf[stage][f"{variant}_speedup"] = per_variant["float32"].median / seconds.median
+    rtf: dict[str, Any] = {
+        stage: speedup_fields({v: t.map(lambda s: s / audio) for v, t in per_variant.items()}, "float32", "_speedup")
+        for stage, per_variant in timings.items()
+    }
     decoder = {
         name: paired(lambda *s: sum(s) / audio, *(timings[stage][pick[stage]] for stage in ("llm", "flow", "hift")))
         for name, pick in (("float32", {s: "float32" for s in timings}), ("choice", choice))
     }
-    rtf["decoder"] = {**decoder["float32"].fields("float32"), **decoder["choice"].fields("choice")}
-    rtf["decoder"]["choice_speedup"] = decoder["float32"].median / decoder["choice"].median
+    rtf["decoder"] = speedup_fields(decoder, "float32", "_speedup")
     n_tokens = result["speech_tokens"]
     result["llm_ms_per_token"] = {
         variant: 1000 * seconds.median / n_tokens for variant, seconds in timings["llm"].items()

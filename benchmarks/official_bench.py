@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.cpu_bench import choice_for, load_variants
+from benchmarks.cpu_bench import choice_for, load_variants, speedup_fields
 from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
 from benchmarks.timing import Timing, paired
 from engine.families import ModelConfig
@@ -37,6 +37,7 @@ from engine.nn.precision import cpu_capabilities
 from engine.runtime.pipeline import TextEncoderStage
 
 STAGES = ("llm", "flow", "hift")
+OVER_OFFICIAL = "_speedup_over_official"  # the key suffix of a variant's speed-up over the official code
 WORKER = Path(__file__).with_name("official_worker.py")
 
 
@@ -129,24 +130,17 @@ def run(
         finally:
             worker.close()
     timings = {s: {v: Timing(tuple(x)) for v, x in per.items()} for s, per in seconds.items()}
-    rtf: dict[str, Any] = {}
-    for stage, per_variant in timings.items():
-        rtf[stage] = {}
-        for variant, timing in per_variant.items():
-            rtf[stage] |= timing.map(lambda s: s / audio).fields(variant)
-            if variant != "official":
-                rtf[stage][f"{variant}_speedup_over_official"] = per_variant["official"].median / timing.median
+    rtf: dict[str, Any] = {
+        stage: speedup_fields({v: t.map(lambda s: s / audio) for v, t in per.items()}, "official", OVER_OFFICIAL)
+        for stage, per in timings.items()
+    }
     picks = {"official": dict.fromkeys(STAGES, "official"), "float32": dict.fromkeys(STAGES, "float32")}
     picks["choice"] = choice
     decoder = {
         name: paired(lambda *s: sum(s) / audio, *(timings[stage][pick[stage]] for stage in STAGES))
         for name, pick in picks.items()
     }
-    rtf["decoder"] = {}
-    for name, timing in decoder.items():
-        rtf["decoder"] |= timing.fields(name)
-        if name != "official":
-            rtf["decoder"][f"{name}_speedup_over_official"] = decoder["official"].median / timing.median
+    rtf["decoder"] = speedup_fields(decoder, "official", OVER_OFFICIAL)
     n_tokens = inputs["speech_tokens"].shape[1]
     caps = cpu_capabilities()
     return {
