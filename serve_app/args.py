@@ -198,6 +198,13 @@ class SchedulerArgs(_Strict):
         description="a generating sentence is paused for an earlier deadline only if its own is at least this far "
         "off, and this much later than the waiting one's",
     )
+    first_audio_hold_s: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="while a stream waits for its first audio, the flow + vocoder work whose deadline is further off "
+        "than this waits, so the shared cores make that first audio (0: never held)",
+    )
     prompt_cache_share: float = Field(
         0.1,
         ge=0,

@@ -12,8 +12,11 @@ its next audio:
 
 `DeadlinePolicy` admits sentences to the LLM batch, and hands flow + vocoder work to the lanes, earliest deadline
 first, and pauses a sentence whose request has slack to spare when an earlier deadline waits for its slot
-(`Scheduler` resumes it later, its KV cache kept or recomputed). Deadlines are fixed points in time that move only
-when a request's audio is handed on, so the earliest one is always served eventually: nothing starves.
+(`Scheduler` resumes it later, its KV cache kept or recomputed). While a stream waits for its first audio, the lanes
+leave the work whose deadline is more than `first_audio_hold_s` away for later (`may_hold`): the device's cores (on
+CPU the LLM step and both lanes share them) go to that first audio, and the held work is due again once its deadline
+comes that near. Deadlines are fixed points in time that move only when a request's audio is handed on, so the
+earliest one is always served eventually: nothing starves.
 `FcfsPolicy` keeps the first-come order: a running request's next sentence first, then the oldest new request.
 """
 
@@ -82,6 +85,10 @@ class SchedulingPolicy(Protocol):
         """Whether `running`'s generating sentence may be paused to give its slot to `waiting`'s."""
         ...
 
+    def may_hold(self, request: Request, now: float) -> bool:
+        """Whether `request`'s ready flow + vocoder work may wait while a stream waits for its first audio."""
+        ...
+
 
 @dataclass(frozen=True)
 class DeadlinePolicy:
@@ -92,11 +99,13 @@ class DeadlinePolicy:
     # A sentence is paused only if its request can wait this long and its deadline is at least this much later
     # than the one that takes its slot (so two requests never trade a slot back and forth).
     min_preempt_slack_s: float = 2.0
+    # While a stream waits for its first audio, work whose deadline is further off than this waits (0: never).
+    first_audio_hold_s: float = 1.0
     name: Literal["deadline"] = field(default="deadline", init=False)
     by_deadline: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
-        for name in ("target_first_audio_s", "whole_deadline_factor", "min_preempt_slack_s"):
+        for name in ("target_first_audio_s", "whole_deadline_factor", "min_preempt_slack_s", "first_audio_hold_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -116,6 +125,14 @@ class DeadlinePolicy:
         later = self.deadline(running)
         return later - now >= self.min_preempt_slack_s and later - self.deadline(waiting) >= self.min_preempt_slack_s
 
+    def may_hold(self, request: Request, now: float) -> bool:
+        waits_for_first_audio = request.streaming and request.playback.first_audio_at is None
+        return (
+            self.first_audio_hold_s > 0
+            and not waits_for_first_audio
+            and self.deadline(request) - now > self.first_audio_hold_s
+        )
+
 
 @dataclass(frozen=True)
 class FcfsPolicy:
@@ -131,4 +148,7 @@ class FcfsPolicy:
         return (0.0 if continues else 1.0, request.playback.arrived_at)
 
     def may_preempt(self, running: Request, waiting: Request, now: float) -> bool:
+        return False
+
+    def may_hold(self, request: Request, now: float) -> bool:
         return False

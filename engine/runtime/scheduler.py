@@ -22,8 +22,9 @@ at the same time on two vocoding threads, the lanes. One `step`:
 4. hands each free lane one job, a flow + vocoder batch of at most `max_vocode_batch` sentences:
    - the first-audio lane takes the streams of requests that have no audio yet (earliest deadline first);
    - the main lane takes such streams too if the first-audio lane is busy, else the ready work earliest deadline
-     first (fcfs: streams whose audio has started, those waiting longest first, and whole sentences whose tokens
-     are all there, the two kinds in turns).
+     first, leaving for later the work the policy holds while a stream waits for its first audio (fcfs: streams
+     whose audio has started, those waiting longest first, and whole sentences whose tokens are all there, the two
+     kinds in turns).
    A job takes in the stream tokens that waited in the loop thread and emits the chunks they complete.
 
 So neither side waits for the other: the LLM steps on while flow + vocoder batches run, and a batch that is
@@ -808,7 +809,7 @@ class Scheduler:
         running = sorted((s for s in ready if s.request.audio_started), key=lambda s: s.recorded_at)
         whole = [s for s in self._live if s.stream is None and s.tokens_done and not s.done and not s.in_job]
         if by_deadline:
-            self._start_earliest(sorted(first + running + whole, key=self._deadline))
+            self._start_earliest(self._not_held(sorted(first + running + whole, key=self._deadline)))
         elif first:
             self._start_streams_job(MAIN, first[:batch])
         elif running and (not whole or self._main_turn == "streams"):
@@ -820,6 +821,13 @@ class Scheduler:
 
     def _deadline(self, sentence: _Sentence) -> float:
         return self.policy.deadline(sentence.request)
+
+    def _not_held(self, work: list[_Sentence]) -> list[_Sentence]:
+        """`work` but what the policy holds back while a live stream waits for its first audio (`may_hold`)."""
+        if not any(s.stream is not None and not s.request.audio_started for s in self._live):
+            return work
+        now = self.clock()
+        return [s for s in work if not self.policy.may_hold(s.request, now)]
 
     def _start_earliest(self, work: list[_Sentence]) -> None:
         """The main lane's job: the earliest-deadline sentence's kind (streams or whole), the earliest of that kind."""

@@ -184,3 +184,44 @@ def test_the_playback_clock() -> None:
     assert policy.deadline(Request(False, PlaybackClock(10.0, 3.0))) == 16.0  # whole: 2 x its estimated 3 s
     with pytest.raises(ValueError, match="target_first_audio_s"):
         DeadlinePolicy(target_first_audio_s=math.nan)
+
+
+HOLDS = [
+    (DeadlinePolicy(), False, False),
+    (DeadlinePolicy(first_audio_hold_s=0.0), False, True),
+    (DeadlinePolicy(), True, True),
+    (FcfsPolicy(), False, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "near_its_deadline", "started"), HOLDS, ids=["deadline-holds", "hold-off", "deadline-due", "fcfs"]
+)
+def test_work_with_time_to_spare_leaves_the_lanes_to_a_first_audio(
+    policy: DeadlinePolicy | FcfsPolicy, near_its_deadline: bool, started: bool
+) -> None:
+    """A whole request whose tokens are all made while a stream waits for its first audio gets no flow + vocoder job
+    until that audio comes, if its deadline is more than `first_audio_hold_s` away; it does when its deadline is
+    near, without the hold, and under fcfs."""
+    tts = CosyVoice.load("cosyvoice2-tiny")  # a stream's first chunk needs 28 tokens: the whole one has 12 before
+    clock = FakeClock()
+    scheduler = Scheduler(tts.decoder, max_live=2, policy=policy, clock=clock)
+    stream = scheduler.submit(_segments(tts, "Hi there, a newcomer.", 2, 8.0), streaming=True, sink=Collected())
+    [whole_segment] = _segments(tts, "A whole sentence.", 1, 1.0)
+    [whole_segment] = _segments(tts, "A whole sentence.", 1, 12 / whole_segment.text_len)
+    whole = scheduler.submit([whole_segment], streaming=False, sink=Collected())
+    deadline = DeadlinePolicy().deadline
+    assert deadline(whole) > deadline(stream) + 1.0  # 2 x its estimated audio against 1 s
+    if near_its_deadline:
+        clock.now = deadline(whole) - 0.5
+    sentence = whole.sentences[0]
+    seen_in_job = False
+    for _ in range(3000):
+        if stream.playback.first_audio_at is not None:
+            break
+        scheduler.step()
+        seen_in_job |= sentence.in_job
+    assert stream.playback.first_audio_at is not None and sentence.tokens_done
+    assert seen_in_job is started
+    _run(scheduler)  # the held work is done once the first audio came
+    assert whole.ended and stream.ended and whole.playback.audio_s > 0
