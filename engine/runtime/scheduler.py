@@ -162,6 +162,7 @@ class _Sentence:
     recorded_at: int = 0  # streaming sentences: the LLM step count when a job last took in their tokens
     in_job: bool = False  # a flow + vocoder job works on it
     paused: bool = False  # out of the LLM batch until resumed (preempted by an earlier deadline)
+    held: bool = False  # out of the LLM batch while a stream's first audio is made; it keeps its slot and KV cache
     cache_kept: bool = False  # paused with its KV cache set aside (it still holds its memory)
     tokens_done: bool = False
     done: bool = False
@@ -221,6 +222,7 @@ class SchedulerStats:
     cancelled: int = 0
     request_faults: int = 0  # requests ended by a fault of their own (RequestFailedError) while the loop went on
     preempted: int = 0  # generating sentences paused to give their slot to an earlier deadline
+    held_for_first_audio: int = 0  # generating sentences that sat out LLM steps while a stream's first audio was made
     resumed: int = 0
     over_limit: int = 0  # requests ended at their audio or time ceiling
     out_of_memory: int = 0  # LLM steps and flow + vocoder runs that ran out of device memory and were put back
@@ -247,13 +249,15 @@ class Scheduler:
         on_out_of_memory: Callable[[int], None] | None = None,
         oom_backoff_s: float = OOM_BACKOFF_S,
         prompt_cache_bytes: int | None = None,
+        hold_rows: bool | None = None,
     ) -> None:
         """`on_request_end(ticket, error)` is called on the loop thread when a request ends (its `playback` says
         when its audio came and how its listener fared); `on_out_of_memory(live_limit)` when the loop ran out of
         device memory and lowered its live limit to `live_limit`. `prompt_cache_bytes` bounds the cache of prepared
         voice prompts (`engine.runtime.prompt_cache`; 0 turns it off); None: `DEFAULT_PROMPT_CACHE_SHARE` of the
         memory budget (`prompt_cache_bound`). Its bytes count against the budget: a sentence
-        that needs them empties it, oldest entries first."""
+        that needs them empties it, oldest entries first. `hold_rows`: whether the generating sentences the policy may
+        hold sit out of the LLM steps while a stream generates toward its first audio; None: on CPU only."""
         self.stage = stage
         self.policy: SchedulingPolicy = policy or DeadlinePolicy()
         self.clock = clock
@@ -271,6 +275,10 @@ class Scheduler:
         # On CPU the flow and vocoder run ~1.2x faster at batch 8 than 1 (docs/performance.md): small jobs cost little
         # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
         cuda = stage.model.decoder_device.type == "cuda"
+        # On CPU an LLM step costs in proportion to its rows (tiny v1: 0.8 ms at 1 row, 2.3 ms at 8), so the rows the
+        # policy may hold sit out while a stream generates toward its first audio; on a GPU a step costs about the
+        # same at 1 or 8 rows, and setting KV caches aside would only cost copies.
+        self.hold_rows = stage.model.decoder_device.type == "cpu" if hold_rows is None else hold_rows
         self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
         if prompt_cache_bytes is None:
             prompt_cache_bytes = prompt_cache_bound(memory_budget_bytes, DEFAULT_PROMPT_CACHE_SHARE)
@@ -461,6 +469,7 @@ class Scheduler:
         self._take_inbox()
         self._drop_cancelled()
         self._end_overdue()
+        self._hold_rows_for_first_audio()
         if self.llm.active:
             self._llm_step()
         self._admit()  # after the step: a sentence whose last token just came hands its slot on before vocoding
@@ -614,6 +623,9 @@ class Scheduler:
             if not victims:
                 return False
             victim = max(victims, key=lambda s: self.policy.deadline(s.request))
+            if victim.held:  # back into the batch first: it is paused the way its slot's new owner needs
+                self.llm.resume(victim.llm_id)
+                victim.held = False
             budget = self.memory_budget_bytes
             self._pause(victim, keep_cache=budget is None or self.live_bytes + waiting.memory_bytes <= budget)
             self.stats.preempted += 1
@@ -673,8 +685,26 @@ class Scheduler:
             self._queue.remove(ticket)
         return True
 
+    def _hold_rows_for_first_audio(self) -> None:
+        """While a stream that has no audio yet generates, the generating sentences the policy may hold sit out of the
+        LLM batch (`hold_rows`), their KV caches set aside; they rejoin once no such stream generates, or once their
+        deadline comes near."""
+        if not self.hold_rows:
+            return
+        generating = [s for s in self._live if not (s.tokens_done or s.paused or s.llm_id is None)]
+        first_audio_due = any(s.stream is not None and not s.request.audio_started for s in generating)
+        now = self.clock()
+        for sentence in generating:
+            hold = first_audio_due and self.policy.may_hold(sentence.request, now)
+            if hold and not sentence.held:
+                self.llm.pause(sentence.llm_id, keep_cache=True)
+                self.stats.held_for_first_audio += 1
+            elif sentence.held and not hold:
+                self.llm.resume(sentence.llm_id)
+            sentence.held = hold
+
     def _llm_step(self) -> None:
-        generating = [s for s in self._live if not (s.tokens_done or s.paused)]
+        generating = [s for s in self._live if not (s.tokens_done or s.paused or s.held)]
         batch_size = self.llm.active
         while_vocoding = any(not job.future.done() for job in self._jobs.values())
         try:

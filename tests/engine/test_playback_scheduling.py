@@ -202,10 +202,10 @@ def test_work_with_time_to_spare_leaves_the_lanes_to_a_first_audio(
 ) -> None:
     """A whole request whose tokens are all made while a stream waits for its first audio gets no flow + vocoder job
     until that audio comes, if its deadline is more than `first_audio_hold_s` away; it does when its deadline is
-    near, without the hold, and under fcfs."""
+    near, without the hold, and under fcfs. (Its LLM row generates on, as on a GPU: the lanes alone are tested.)"""
     tts = CosyVoice.load("cosyvoice2-tiny")  # a stream's first chunk needs 28 tokens: the whole one has 12 before
     clock = FakeClock()
-    scheduler = Scheduler(tts.decoder, max_live=2, policy=policy, clock=clock)
+    scheduler = Scheduler(tts.decoder, max_live=2, policy=policy, clock=clock, hold_rows=False)
     stream = scheduler.submit(_segments(tts, "Hi there, a newcomer.", 2, 8.0), streaming=True, sink=Collected())
     [whole_segment] = _segments(tts, "A whole sentence.", 1, 1.0)
     [whole_segment] = _segments(tts, "A whole sentence.", 1, 12 / whole_segment.text_len)
@@ -225,3 +225,34 @@ def test_work_with_time_to_spare_leaves_the_lanes_to_a_first_audio(
     assert seen_in_job is started
     _run(scheduler)  # the held work is done once the first audio came
     assert whole.ended and stream.ended and whole.playback.audio_s > 0
+
+
+@pytest.mark.parametrize("hold_rows", [True, False], ids=["held", "not-held"])
+def test_rows_with_time_to_spare_sit_out_the_llm_steps_of_a_first_audio_with_their_audio_unchanged(
+    tiny: CosyVoice, hold_rows: bool
+) -> None:
+    """On CPU (`hold_rows`) a generating whole request whose deadline is far makes no token while a newcomer stream
+    generates toward its first audio; it resumes after (its KV cache kept) and ends with the audio it has alone."""
+    [whole_segment] = _segments(tiny, "A whole sentence of middling length.", 1, 20.0)
+    [stream_segment] = _segments(tiny, "Hi there, a newcomer.", 2, 8.0)
+    alone = Collected()
+    by_itself = Scheduler(tiny.decoder, max_live=1)
+    by_itself.submit([whole_segment], streaming=False, sink=alone)
+    _run(by_itself)
+
+    clock = FakeClock()
+    scheduler = Scheduler(tiny.decoder, max_live=2, clock=clock, hold_rows=hold_rows)
+    whole_sink = Collected()
+    whole = scheduler.submit([whole_segment], streaming=False, sink=whole_sink)
+    tokens = whole.sentences[0].tokens
+    step_until(scheduler, lambda: len(tokens) >= 10, limit=100)
+    stream = scheduler.submit([stream_segment], streaming=True, sink=Collected())
+    step_until(scheduler, lambda: stream.speech_tokens > 0, limit=100)
+    made_before = len(tokens)
+    step_until(scheduler, lambda: stream.sentences[0].tokens_done, limit=3000)
+    assert stream.playback.first_audio_at is None  # its one chunk is made once all its tokens are there
+    assert (len(tokens) == made_before) is hold_rows
+    assert (scheduler.stats.held_for_first_audio == 1) is hold_rows
+    _run(scheduler)
+    assert stream.ended and whole_sink.audio.shape == alone.audio.shape
+    np.testing.assert_allclose(whole_sink.audio, alone.audio, atol=1e-4)
