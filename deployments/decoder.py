@@ -453,6 +453,7 @@ class Decoder:
             "precision_reason": self.stage.model.precision.reason,
             "preempted": stats.preempted,
             "resumed": stats.resumed,
+            "held_for_first_audio": stats.held_for_first_audio,
             "over_limit": stats.over_limit,
             "out_of_memory": stats.out_of_memory,
             "oom_paused": stats.oom_paused,

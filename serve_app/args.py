@@ -192,7 +192,7 @@ class SchedulerArgs(_Strict):
         "token)",
     )
     min_preempt_slack_s: float = Field(
-        2.0,
+        1.0,
         ge=0,
         allow_inf_nan=False,
         description="a generating sentence is paused for an earlier deadline only if its own is at least this far "

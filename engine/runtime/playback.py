@@ -98,7 +98,7 @@ class DeadlinePolicy:
     whole_deadline_factor: float = 2.0
     # A sentence is paused only if its request can wait this long and its deadline is at least this much later
     # than the one that takes its slot (so two requests never trade a slot back and forth).
-    min_preempt_slack_s: float = 2.0
+    min_preempt_slack_s: float = 1.0
     # While a stream waits for its first audio, work whose deadline is further off than this waits (0: never).
     first_audio_hold_s: float = 1.0
     name: Literal["deadline"] = field(default="deadline", init=False)

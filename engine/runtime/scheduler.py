@@ -10,7 +10,8 @@ at the same time on two vocoding threads, the lanes. One `step`:
    submissions, and drops the cancelled requests (their LLM rows and memory leave the live set here, before
    any compute);
 2. runs one LLM step for every sentence that is generating tokens; the ones admitted at the previous step
-   are prefilled in it and join the running batch;
+   are prefilled in it and join the running batch (on CPU, while a stream generates toward its first audio, the
+   sentences the policy may hold sit this step out: `hold_rows`);
 3. admits sentences in the policy's order (`engine.runtime.playback`) while the live set stays within `max_live`
    generating sentences and the memory budget, each sentence counted by its own estimate (`engine.runtime.memory`).
    A request's next sentence may join as soon as the sentence before it has all its tokens, before that one's
@@ -469,11 +470,11 @@ class Scheduler:
         self._take_inbox()
         self._drop_cancelled()
         self._end_overdue()
-        self._hold_rows_for_first_audio()
         if self.llm.active:
             self._llm_step()
         self._admit()  # after the step: a sentence whose last token just came hands its slot on before vocoding
         self._start_jobs()
+        self._hold_rows_for_first_audio()  # here: a loop about to wait for a job knows which rows generate
         for ticket in {sentence.request for sentence in self._live}:
             self._flush(ticket)
         self._live = [s for s in self._live if not s.done]
