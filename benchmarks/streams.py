@@ -467,7 +467,10 @@ def measure_policies(model: str, workload: StreamsWorkload, num_gpus: float = 0.
             **{f"idle_ttfa_s_{kind}_samples": samples for kind, samples in run["idle"].items()},
             "levels": [asdict(level) for level in run["levels"]],
             "late_short": run["late_short"],
-            "decoder_stats": {k: run["decoder_stats"].get(k) for k in ("policy", "preempted", "resumed", "admitted")},
+            "decoder_stats": {
+                k: run["decoder_stats"].get(k)
+                for k in ("policy", "preempted", "resumed", "held_for_first_audio", "admitted")
+            },
         }
         for policy, run in runs.items()
     }
