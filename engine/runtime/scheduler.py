@@ -276,9 +276,10 @@ class Scheduler:
         # On CPU the flow and vocoder run ~1.2x faster at batch 8 than 1 (docs/performance.md): small jobs cost little
         # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
         cuda = stage.model.decoder_device.type == "cuda"
-        # On CPU an LLM step costs in proportion to its rows (tiny v1: 0.8 ms at 1 row, 2.3 ms at 8), so the rows the
-        # policy may hold sit out while a stream generates toward its first audio; on a GPU a step costs about the
-        # same at 1 or 8 rows, and setting KV caches aside would only cost copies.
+        # On CPU an LLM step grows with its rows (tiny v1: 0.8 ms at 1 row, 2.3 ms at 8), so the rows the
+        # policy may hold sit out while a stream generates toward its first audio; on a GPU a decode step is bound by
+        # reading the weights, much the same at 1 or 8 rows (not measured: no GPU yet), so setting KV caches aside
+        # would only cost copies.
         self.hold_rows = stage.model.decoder_device.type == "cpu" if hold_rows is None else hold_rows
         self.max_vocode_batch = max_vocode_batch or (DEFAULT_VOCODE_BATCH_CUDA if cuda else DEFAULT_VOCODE_BATCH_CPU)
         if prompt_cache_bytes is None:
