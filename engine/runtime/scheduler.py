@@ -694,7 +694,7 @@ class Scheduler:
         if not self.hold_rows:
             return
         generating = [s for s in self._live if not (s.tokens_done or s.paused or s.llm_id is None)]
-        first_audio_due = any(s.stream is not None and not s.request.audio_started for s in generating)
+        first_audio_due = _awaits_first_audio(generating)
         now = self.clock()
         for sentence in generating:
             hold = first_audio_due and self.policy.may_hold(sentence.request, now)
@@ -856,7 +856,7 @@ class Scheduler:
 
     def _not_held(self, work: list[_Sentence]) -> list[_Sentence]:
         """`work` but what the policy holds back while a live stream waits for its first audio (`may_hold`)."""
-        if not any(s.stream is not None and not s.request.audio_started for s in self._live):
+        if not _awaits_first_audio(self._live):
             return work
         now = self.clock()
         return [s for s in work if not self.policy.may_hold(s.request, now)]
@@ -1059,3 +1059,8 @@ class Scheduler:
             ticket.sink(item)
         except Exception:
             ticket.cancelled = True
+
+
+def _awaits_first_audio(sentences: list[_Sentence]) -> bool:
+    """Whether one of `sentences` streams a request that has no audio yet."""
+    return any(s.stream is not None and not s.request.audio_started for s in sentences)
