@@ -209,6 +209,25 @@ def speedup_fields(timings: dict[str, Timing], baseline: str, suffix: str) -> di
     return fields
 
 
+def report_settings(
+    model_name: str, threads: int, repeats: int, warmup: int, dtype: str, choice: dict[str, str], reason: str
+) -> dict[str, Any]:
+    """The fields a CPU precision report opens with: the model, this CPU and torch, the run's settings and the choice
+    timed beside float32 (cpu_bench, official_bench)."""
+    caps = cpu_capabilities()
+    return {
+        "model": model_name,
+        "cpu": {"model": caps.model, "flags": sorted(caps.flags), "torch_capability": caps.torch_capability},
+        "torch": torch.__version__,
+        "threads": threads,
+        "repeats": repeats,
+        "warmup": warmup,
+        "dtype": dtype,
+        "choice": choice,
+        "choice_reason": reason,
+    }
+
+
 def choice_for(dtype: str, model: LoadedModel) -> tuple[dict[str, str], str]:
     """stage -> variant name of `dtype` ('auto': this CPU's pick for this model), and why."""
     if dtype == "auto":
@@ -238,20 +257,8 @@ def run(
     else:
         segments = fixed_length_segments(TextEncoderStage(fp32), audio_seconds)
     choice, reason = choice_for(dtype, fp32)
-    caps = cpu_capabilities()
-    result: dict[str, Any] = {
-        "model": model_name,
-        "family": fp32.config.family.name,
-        "cpu": {"model": caps.model, "flags": sorted(caps.flags), "torch_capability": caps.torch_capability},
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "threads": threads,
-        "repeats": repeats,
-        "warmup": warmup,
-        "dtype": dtype,
-        "choice": choice,
-        "choice_reason": reason,
-    }
+    result = report_settings(model_name, threads, repeats, warmup, dtype, choice, reason)
+    result |= {"family": fp32.config.family.name, "machine": platform.machine()}
     with torch.inference_mode():
         reference = stages["float32"]
         tokens = reference.generate_tokens(segments)

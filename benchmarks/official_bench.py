@@ -28,12 +28,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.cpu_bench import choice_for, load_variants, speedup_fields
+from benchmarks.cpu_bench import choice_for, load_variants, report_settings, speedup_fields
 from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
 from benchmarks.timing import Timing, paired
 from engine.families import ModelConfig
 from engine.loading.loader import PRESETS, PRESETS_DIR
-from engine.nn.precision import cpu_capabilities
 from engine.runtime.pipeline import TextEncoderStage
 
 STAGES = ("llm", "flow", "hift")
@@ -142,19 +141,9 @@ def run(
     }
     rtf["decoder"] = speedup_fields(decoder, "official", OVER_OFFICIAL)
     n_tokens = inputs["speech_tokens"].shape[1]
-    caps = cpu_capabilities()
-    return {
-        "model": model_name,
-        "cpu": {"model": caps.model, "flags": sorted(caps.flags), "torch_capability": caps.torch_capability},
-        "torch": torch.__version__,
+    return report_settings(model_name, threads, repeats, warmup, dtype, choice, reason) | {
         "official_worker": worker.info,
         "official_sizes": worker.sizes,
-        "threads": threads,
-        "repeats": repeats,
-        "warmup": warmup,
-        "dtype": dtype,
-        "choice": choice,
-        "choice_reason": reason,
         "audio_seconds": audio,
         "speech_tokens": n_tokens,
         "load_average_before_after": [load_before, os.getloadavg()],
