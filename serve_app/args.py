@@ -205,6 +205,13 @@ class SchedulerArgs(_Strict):
         description="while a stream waits for its first audio, the flow + vocoder work whose deadline is further off "
         "than this waits, so the shared cores make that first audio (0: never held)",
     )
+    first_audio_passover_s: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="among streams waiting for their first audio, the shortest first chunk is made first; one that "
+        "is this far past its first-audio deadline goes first, earliest deadline first (so none starves)",
+    )
     prompt_cache_share: float = Field(
         0.1,
         ge=0,

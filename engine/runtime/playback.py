@@ -15,8 +15,11 @@ first, and pauses a sentence whose request has slack to spare when an earlier de
 (`Scheduler` resumes it later, its KV cache kept or recomputed). While a stream waits for its first audio, the lanes
 leave the work whose deadline is more than `first_audio_hold_s` away for later (`may_hold`): the device's cores (on
 CPU the LLM step and both lanes share them) go to that first audio, and the held work is due again once its deadline
-comes that near. Deadlines are fixed points in time that move only when a request's audio is handed on, so the
-earliest one is always served eventually: nothing starves.
+comes that near. Among the streams waiting for their first audio, the lanes take the shortest first chunk first (the
+least work before a listener hears something, so the least waiting on average: a short text is not queued behind long
+texts' longer first chunks), until one is `first_audio_passover_s` past its deadline: from then on it goes first.
+Deadlines are fixed points in time that move only when a request's audio is handed on, so the earliest one is always
+served eventually: nothing starves.
 `FcfsPolicy` keeps the first-come order: a running request's next sentence first, then the oldest new request.
 """
 
@@ -37,6 +40,7 @@ class PlaybackClock:
 
     arrived_at: float
     estimated_audio_s: float  # before any audio: from the text's length
+    first_chunk_s: float = 0.0  # a stream's estimated first chunk: its first sentence, at most the model's first chunk
     first_audio_at: float | None = None
     audio_s: float = 0.0  # handed on so far
     underruns: int = 0  # chunks handed on after the listener had run out
@@ -89,6 +93,10 @@ class SchedulingPolicy(Protocol):
         """Whether `request`'s ready flow + vocoder work may wait while a stream waits for its first audio."""
         ...
 
+    def first_audio_key(self, request: Request, now: float) -> tuple[float, ...]:
+        """Sort key of a stream's ready work while it waits for its first audio, among such streams (smallest first)."""
+        ...
+
 
 @dataclass(frozen=True)
 class DeadlinePolicy:
@@ -101,11 +109,19 @@ class DeadlinePolicy:
     min_preempt_slack_s: float = 1.0
     # While a stream waits for its first audio, work whose deadline is further off than this waits (0: never).
     first_audio_hold_s: float = 1.0
+    # A first audio may be passed over by shorter first chunks until it is this far past its deadline.
+    first_audio_passover_s: float = 1.0
     name: Literal["deadline"] = field(default="deadline", init=False)
     by_deadline: bool = field(default=True, init=False)
 
     def __post_init__(self) -> None:
-        for name in ("target_first_audio_s", "whole_deadline_factor", "min_preempt_slack_s", "first_audio_hold_s"):
+        for name in (
+            "target_first_audio_s",
+            "whole_deadline_factor",
+            "min_preempt_slack_s",
+            "first_audio_hold_s",
+            "first_audio_passover_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -133,6 +149,12 @@ class DeadlinePolicy:
             and self.deadline(request) - now > self.first_audio_hold_s
         )
 
+    def first_audio_key(self, request: Request, now: float) -> tuple[float, ...]:
+        deadline = self.deadline(request)
+        if now - deadline >= self.first_audio_passover_s:  # passed over long enough: by its deadline, before the rest
+            return (0.0, deadline)
+        return (1.0, request.playback.first_chunk_s, deadline)
+
 
 @dataclass(frozen=True)
 class FcfsPolicy:
@@ -152,3 +174,6 @@ class FcfsPolicy:
 
     def may_hold(self, request: Request, now: float) -> bool:
         return False
+
+    def first_audio_key(self, request: Request, now: float) -> tuple[float, ...]:
+        return (request.playback.arrived_at,)

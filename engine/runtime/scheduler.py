@@ -21,9 +21,10 @@ at the same time on two vocoding threads, the lanes. One `step`:
    KV cache set aside, or dropped and recomputed when memory is short) and resumes it when it is again the
    earliest; `FcfsPolicy` admits a running request's next sentence first, then the oldest new request;
 4. hands each free lane one job, a flow + vocoder batch of at most `max_vocode_batch` sentences:
-   - the first-audio lane takes the streams of requests that have no audio yet (earliest deadline first);
-   - the main lane takes such streams too if the first-audio lane is busy, else the ready work earliest deadline
-     first, leaving for later the work the policy holds while a stream waits for its first audio (fcfs: streams
+   - the first-audio lane takes the streams of requests that have no audio yet, in the policy's order for them
+     (`first_audio_key`: the shortest first chunk first until one has been passed over too long; fcfs: oldest first);
+   - the main lane takes such streams too (in that order) if one of them is due first, else the ready work earliest
+     deadline first, leaving for later the work the policy holds while a stream waits for its first audio (fcfs: streams
      whose audio has started, those waiting longest first, and whole sentences whose tokens are all there, the two
      kinds in turns).
    A job takes in the stream tokens that waited in the loop thread and emits the chunks they complete.
@@ -288,6 +289,7 @@ class Scheduler:
         stage.prompt_cache = self.prompt_cache  # the stage prepares the prompts: the loop owns their memory
         self.llm = _SharedGenerator(TokenGenerator(stage.model.llm), stage.model.decoder_device)
         self.streams = DecodeStream(stage, [], llm=self.llm)
+        self._first_chunk_s = _first_chunk_s(self.streams)
         self.stats = SchedulerStats()
         self._inbox: list[Ticket] = []
         self._late: list[_Late] = []  # for incomplete requests, taken in with the inbox
@@ -343,7 +345,11 @@ class Scheduler:
         if not isinstance(segments, list) or not segments:
             raise InvalidInputError("a request needs a list of at least one segment")
         now = self.clock()
-        playback = PlaybackClock(now, sum(s.text_len for s in segments) * SECONDS_PER_TEXT_TOKEN)
+        playback = PlaybackClock(
+            now,
+            sum(s.text_len for s in segments) * SECONDS_PER_TEXT_TOKEN,
+            first_chunk_s=min(segments[0].text_len * SECONDS_PER_TEXT_TOKEN, self._first_chunk_s),
+        )
         expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
         ticket = Ticket(
             sentences=[], streaming=streaming, sink=sink, playback=playback, expires_at=expires_at, complete=complete
@@ -828,10 +834,11 @@ class Scheduler:
         ready = [
             s for s in self._live if s.stream is not None and not s.in_job and self.streams.may_emit(s.stream, s.events)
         ]
-        first = [s for s in ready if not s.request.audio_started]
+        now = self.clock()
+        first = sorted(
+            (s for s in ready if not s.request.audio_started), key=lambda s: self.policy.first_audio_key(s.request, now)
+        )
         by_deadline = self.policy.by_deadline
-        if by_deadline:
-            first.sort(key=self._deadline)
         batch = self.vocode_batch
         if FIRST not in self._jobs and first:
             self._start_streams_job(FIRST, first[:batch])
@@ -841,7 +848,11 @@ class Scheduler:
         running = sorted((s for s in ready if s.request.audio_started), key=lambda s: s.recorded_at)
         whole = [s for s in self._live if s.stream is None and s.tokens_done and not s.done and not s.in_job]
         if by_deadline:
-            self._start_earliest(self._not_held(sorted(first + running + whole, key=self._deadline)))
+            work = self._not_held(sorted(first + running + whole, key=self._deadline))
+            if work and work[0] in first:  # a first audio is due first: the first audios in their own order
+                self._start_streams_job(MAIN, first[:batch])
+            else:
+                self._start_earliest(work)
         elif first:
             self._start_streams_job(MAIN, first[:batch])
         elif running and (not whole or self._main_turn == "streams"):
@@ -1059,6 +1070,15 @@ class Scheduler:
             ticket.sink(item)
         except Exception:
             ticket.cancelled = True
+
+
+def _first_chunk_s(streams: DecodeStream) -> float:
+    """Seconds of audio in a stream's first full chunk, for this model (inf: it cannot stream)."""
+    if streams.strategy is None:
+        return math.inf
+    schedule = streams.strategy.schedule
+    tokens = schedule.token_hop + schedule.token_overlap + schedule.lookahead
+    return tokens / streams.decoder.model.config.speech_tokens_for(1.0)
 
 
 def _awaits_first_audio(sentences: list[_Sentence]) -> bool:

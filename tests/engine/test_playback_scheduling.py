@@ -18,6 +18,7 @@ from engine.runtime.segment import EncodedSegment
 from tests.engine.conftest import Collected, step_until
 
 TWO_SENTENCES = "This is a much longer request that keeps the decoder busy for a while. " * 8
+LONG_SENTENCE = "This is a much longer request that keeps the decoder busy for a while."
 
 
 class FakeClock:
@@ -256,3 +257,51 @@ def test_rows_with_time_to_spare_sit_out_the_llm_steps_of_a_first_audio_with_the
     _run(scheduler)
     assert stream.ended and whole_sink.audio.shape == alone.audio.shape
     np.testing.assert_allclose(whole_sink.audio, alone.audio, atol=1e-4)
+
+
+def test_the_first_audio_order_puts_the_shortest_first_chunk_first_until_one_is_passed_over_too_long() -> None:
+    long = Ticket(sentences=[], streaming=True, sink=print, playback=PlaybackClock(0.0, 9.6, 2.4), expires_at=math.inf)
+    short = Ticket(sentences=[], streaming=True, sink=print, playback=PlaybackClock(1.0, 0.9, 0.9), expires_at=math.inf)
+
+    def first(policy: DeadlinePolicy | FcfsPolicy, now: float) -> Ticket:
+        return min([long, short], key=lambda request: policy.first_audio_key(request, now))
+
+    assert first(DeadlinePolicy(), now=1.2) is short  # the long one is 0.2 s past its deadline: passed over
+    assert first(DeadlinePolicy(), now=2.0) is long  # 1 s past it: its turn
+    assert first(DeadlinePolicy(first_audio_passover_s=3.0), now=3.9) is short
+    assert first(DeadlinePolicy(first_audio_passover_s=0.0), now=1.0) is long  # due: earliest deadline first
+    assert first(FcfsPolicy(), now=1.2) is long
+
+
+FIRST_AUDIO_ORDERS = [
+    (DeadlinePolicy(), 1.0, {"short", "long-1"}),
+    (DeadlinePolicy(), 2.0, {"long-1", "long-2"}),  # the long ones are 1 s past their deadline: first
+    (DeadlinePolicy(first_audio_passover_s=0.0), 1.0, {"long-1", "long-2"}),
+    (FcfsPolicy(), 1.0, {"long-1", "long-2"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "short_arrives_at", "first_jobs"),
+    FIRST_AUDIO_ORDERS,
+    ids=["shortest-first", "passed-over-too-long", "passover-off", "fcfs"],
+)
+def test_a_short_first_chunk_is_made_before_long_ones_that_came_earlier(
+    tiny: CosyVoice, policy: DeadlinePolicy | FcfsPolicy, short_arrives_at: float, first_jobs: set[str]
+) -> None:
+    """Two long streams and, later, a short one all have their first chunk ready at the same step (120 tokens: a
+    long sentence's first chunk, the short one's whole sentence); the two lanes take two of them, by the policy's
+    first-audio order."""
+    clock = FakeClock()
+    scheduler = Scheduler(tiny.decoder, max_live=3, policy=policy, clock=clock)
+    tickets = {
+        name: scheduler.submit(_segments(tiny, LONG_SENTENCE, seed, 10.0), streaming=True, sink=Collected())
+        for seed, name in enumerate(["long-1", "long-2"])
+    }
+    clock.now = short_arrives_at
+    tickets["short"] = scheduler.submit(_segments(tiny, "Hi there.", 3, 40.0), streaming=True, sink=Collected())
+    sentences = {name: ticket.sentences[0] for name, ticket in tickets.items()}
+    step_until(scheduler, lambda: any(s.in_job for s in sentences.values()), limit=300)
+    assert {name for name, sentence in sentences.items() if sentence.in_job} == first_jobs
+    _run(scheduler)
+    assert all(ticket.ended and ticket.playback.audio_s > 0 for ticket in tickets.values())
