@@ -7,8 +7,9 @@ would; `abort`). The loop thread calls `step` again and again (`run` does it for
 at the same time on two vocoding threads, the lanes. One `step`:
 
 1. takes in the flow + vocoder jobs that finished (their audio goes to their sentences), the new
-   submissions, and drops the cancelled requests (their LLM rows and memory leave the live set here, before
-   any compute);
+   submissions, drops the cancelled requests (their LLM rows and memory leave the live set here, before
+   any compute), and hands on the audio made (so every playback clock, and so every deadline, is current before
+   anything is chosen);
 2. runs one LLM step for every sentence that is generating tokens; the ones admitted at the previous step
    are prefilled in it and join the running batch (on CPU, while a stream generates toward its first audio, the
    sentences the policy may hold sit this step out: `hold_rows`);
@@ -477,13 +478,14 @@ class Scheduler:
         self._take_inbox()
         self._drop_cancelled()
         self._end_overdue()
+        # the audio made is handed on before anything is chosen: a request's deadline moves with its playback clock
+        for ticket in {sentence.request for sentence in self._live}:
+            self._flush(ticket)
         if self.llm.active:
             self._llm_step()
         self._admit()  # after the step: a sentence whose last token just came hands its slot on before vocoding
         self._start_jobs()
         self._hold_rows_for_first_audio()  # here: a loop about to wait for a job knows which rows generate
-        for ticket in {sentence.request for sentence in self._live}:
-            self._flush(ticket)
         self._live = [s for s in self._live if not s.done]
 
     def fail(self, cause: Exception, error: CosyVoiceError) -> None:

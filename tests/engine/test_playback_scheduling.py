@@ -5,6 +5,7 @@ underruns counted."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -305,3 +306,28 @@ def test_a_short_first_chunk_is_made_before_long_ones_that_came_earlier(
     assert {name for name, sentence in sentences.items() if sentence.in_job} == first_jobs
     _run(scheduler)
     assert all(ticket.ended and ticket.playback.audio_s > 0 for ticket in tickets.values())
+
+
+@dataclass(frozen=True)
+class _AuditedDeadlines(DeadlinePolicy):
+    """Notes, at every deadline the loop asks for, whether the request had audio made but not yet handed on."""
+
+    seen: list[bool] = field(default_factory=list)
+
+    def deadline(self, request: Ticket) -> float:
+        pending = request.emitted < len(request.sentences) and bool(request.sentences[request.emitted].outputs)
+        self.seen.append(pending)
+        return super().deadline(request)
+
+
+def test_the_audio_made_is_handed_on_before_any_deadline_is_read(tiny: CosyVoice) -> None:
+    """A request's deadline moves when its audio is handed on (its listener has more to play): the loop hands on
+    what its finished jobs made before it admits or chooses work, so it never orders by a stale deadline."""
+    policy = _AuditedDeadlines()
+    scheduler = Scheduler(tiny.decoder, max_live=2, policy=policy, clock=FakeClock())
+    sinks = [Collected() for _ in range(3)]
+    for seed, sink in enumerate(sinks):
+        scheduler.submit(_segments(tiny, TWO_SENTENCES, seed, 10.0), streaming=True, sink=sink)
+    _run(scheduler)
+    assert all(sink.ended and sink.audio.size for sink in sinks)
+    assert len(policy.seen) > 100 and not any(policy.seen)
