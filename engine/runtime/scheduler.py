@@ -1084,5 +1084,6 @@ def _first_chunk_s(streams: DecodeStream) -> float:
 
 
 def _awaits_first_audio(sentences: list[_Sentence]) -> bool:
-    """Whether one of `sentences` streams a request that has no audio yet."""
-    return any(s.stream is not None and not s.request.audio_started for s in sentences)
+    """Whether one of `sentences` streams a request that has no audio yet and is under way: not paused (a paused one
+    waits for a slot, which the work held for it may be holding)."""
+    return any(s.stream is not None and not s.paused and not s.request.audio_started for s in sentences)
