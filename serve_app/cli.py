@@ -111,25 +111,30 @@ def run(options: argparse.Namespace) -> int:
     # Our own Ray, not a cluster another process started. Its ports listen on every interface whatever the node
     # address (Ray 2.60), so its token auth stays on: a new local cluster gets a token (~/.ray/auth_token).
     ray.init(address="local", include_dashboard=False, _metrics_export_port=options.metrics_port)
-    serve.start(http_options={"host": host, "port": port})
-    name = application.get("name", "cosyvoice")
-    serve.run(build_app(args), name=name, route_prefix=application.get("route_prefix", "/"))
-    url = f"http://{host}:{port}"
-    print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
-    print(f'  cosyvoice-serve say "Hello from CosyVoice." -o out.wav --url {url}')
-    print(f"  curl {url}/v1/voices")
-    print(f"metrics (Prometheus): http://{host}:{metrics_port()}/metrics")
-    if args.get("voices_dir"):
-        print(f"registered voices are kept in {args['voices_dir']}")
-    # SIGTERM (containers, systemd) stops the server as Ctrl-C does: drained, then Serve and Ray shut down, exit 0.
+    # SIGTERM (containers, systemd) stops the server as Ctrl-C does: drained, then Serve and Ray shut down, exit 0;
+    # also while the app deploys (it answers requests before `serve.run` returns, which waits for its status). Set
+    # after `ray.init`, which sets a handler of its own that exits at once.
     signal.signal(signal.SIGTERM, _interrupt)
+    name = application.get("name", "cosyvoice")
+    serving = False
     try:
+        serve.start(http_options={"host": host, "port": port})
+        serving = True
+        serve.run(build_app(args), name=name, route_prefix=application.get("route_prefix", "/"))
+        url = f"http://{host}:{port}"
+        print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
+        print(f'  cosyvoice-serve say "Hello from CosyVoice." -o out.wav --url {url}')
+        print(f"  curl {url}/v1/voices")
+        print(f"metrics (Prometheus): http://{host}:{metrics_port()}/metrics")
+        if args.get("voices_dir"):
+            print(f"registered voices are kept in {args['voices_dir']}")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        drain_s = AppArgs.model_validate(args).limits.max_stream_s + SHUTDOWN_MARGIN_S
-        print(f"stopping: new requests are refused; the running ones may finish (up to {drain_s:g} s)", flush=True)
-        drain(name, drain_s)
+        if serving:  # the app may be taking requests, even while it deploys
+            drain_s = AppArgs.model_validate(args).limits.max_stream_s + SHUTDOWN_MARGIN_S
+            print(f"stopping: new requests are refused; the running ones may finish (up to {drain_s:g} s)", flush=True)
+            drain(name, drain_s)
     finally:
         serve.shutdown()
         ray.shutdown()

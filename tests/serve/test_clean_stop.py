@@ -1,5 +1,6 @@
 """`cosyvoice-serve run` stops cleanly on SIGTERM, the signal containers and systemd stop services with: a stream
-running at that moment completes whole, then Serve and Ray shut down and the process exits 0."""
+running at that moment completes whole, then Serve and Ray shut down and the process exits 0; and on Ctrl-C as soon
+as it answers, while its app may still be deploying."""
 
 from __future__ import annotations
 
@@ -56,3 +57,18 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> No
             process.wait()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/healthz", timeout=5)  # nothing listens any more
+
+
+def test_ctrl_c_as_soon_as_it_answers_drains_and_exits_0(tmp_path: Path) -> None:
+    """The app answers requests before `serve.run` returns (it waits for the app's status): an interrupt then is a
+    stop like any other (it was a traceback, with no drain)."""
+    process, _ = start_cli_server(REPO, tmp_path)
+    try:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(STOP_TIMEOUT_S) == 0
+        output = process.stdout.read().decode()
+        assert "stopping" in output and "stopped" in output and "Traceback" not in output, output[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
