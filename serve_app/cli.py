@@ -111,10 +111,12 @@ def run(options: argparse.Namespace) -> int:
     # Our own Ray, not a cluster another process started. Its ports listen on every interface whatever the node
     # address (Ray 2.60), so its token auth stays on: a new local cluster gets a token (~/.ray/auth_token).
     ray.init(address="local", include_dashboard=False, _metrics_export_port=options.metrics_port)
-    # SIGTERM (containers, systemd) stops the server as Ctrl-C does: drained, then Serve and Ray shut down, exit 0;
-    # also while the app deploys (it answers requests before `serve.run` returns, which waits for its status). Set
-    # after `ray.init`, which sets a handler of its own that exits at once.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Ctrl-C and SIGTERM (containers, systemd) stop the server: drained, then Serve and Ray shut down, exit 0; also
+    # while the app deploys (it answers requests before `serve.run` returns, which waits for its status). Set after
+    # `ray.init`, which sets a SIGTERM handler that exits at once; SIGINT too, because a shell starts a background
+    # job with SIGINT ignored and Python then leaves it ignored.
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, _interrupt)
     name = application.get("name", "cosyvoice")
     serving = False
     try:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -111,15 +113,22 @@ def answers_healthy(url: str) -> bool:
         return False
 
 
-def start_cli_server(checkout: Path, home: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_cli_server(checkout: Path, home: Path, sigint_ignored: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     """`cosyvoice-serve run` of the code in `checkout`, in a process of its own, for a user whose home is `home` ->
     (process, URL) once its /healthz answers 200. Fails, the process killed, if it exits first or is not healthy
-    within CLI_START_TIMEOUT_S."""
+    within CLI_START_TIMEOUT_S. `sigint_ignored`: started as a shell starts a background job, SIGINT ignored."""
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
     env |= {"HOME": str(home), "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "serve_app.cli", "run", "--port", str(port)]
-    process = subprocess.Popen(command, cwd=checkout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        command,
+        cwd=checkout,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=partial(signal.signal, signal.SIGINT, signal.SIG_IGN) if sigint_ignored else None,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + CLI_START_TIMEOUT_S
     while not answers_healthy(url):

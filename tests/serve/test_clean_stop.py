@@ -1,6 +1,6 @@
 """`cosyvoice-serve run` stops cleanly on SIGTERM, the signal containers and systemd stop services with: a stream
 running at that moment completes whole, then Serve and Ray shut down and the process exits 0; and on Ctrl-C as soon
-as it answers, while its app may still be deploying."""
+as it answers, while its app may still be deploying, even if it was started with SIGINT ignored."""
 
 from __future__ import annotations
 
@@ -59,10 +59,11 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> No
         httpx.get(f"{url}/healthz", timeout=5)  # nothing listens any more
 
 
-def test_ctrl_c_as_soon_as_it_answers_drains_and_exits_0(tmp_path: Path) -> None:
+def test_sigint_as_soon_as_it_answers_stops_it_cleanly_even_started_in_the_background(tmp_path: Path) -> None:
     """The app answers requests before `serve.run` returns (it waits for the app's status): an interrupt then is a
-    stop like any other (it was a traceback, with no drain)."""
-    process, _ = start_cli_server(REPO, tmp_path)
+    stop like any other (it was a traceback, with no drain). Started with SIGINT ignored, as a shell starts a
+    background job, it still stops on SIGINT (it ignored it)."""
+    process, _ = start_cli_server(REPO, tmp_path, sigint_ignored=True)
     try:
         process.send_signal(signal.SIGINT)
         assert process.wait(STOP_TIMEOUT_S) == 0
