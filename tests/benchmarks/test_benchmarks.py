@@ -408,5 +408,8 @@ def test_memory_check_measures_a_decode_in_a_fresh_process(tmp_path: Path) -> No
     subprocess.run([*command, "--threads", "1", "--out", str(out)], check=True, capture_output=True, timeout=300)
     [case] = json.loads(out.read_text())["cases"]
     assert case["batch"] == 2 and case["audio_seconds"] == pytest.approx(1.0, abs=0.05)
-    assert case["measured_peak_bytes"] > 0
+    # A second decode at the same shapes grows the resident set by little (0-10 MB here), and the kernel's lazy peak
+    # tracking and reclaim move the figure by a few hundred KB either way (-245 KB once): a growth, not the resident
+    # set itself (hundreds of MB for the tiny model) nor KiB taken for bytes.
+    assert -(1 << 20) < case["measured_peak_bytes"] < 64 << 20
     assert case["estimate_bytes"] == pytest.approx(sum(case["estimate_terms_bytes"].values()) * SAFETY_FACTOR, rel=1e-6)
