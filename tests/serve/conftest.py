@@ -113,10 +113,14 @@ def answers_healthy(url: str) -> bool:
         return False
 
 
-def start_cli_server(checkout: Path, home: Path, sigint_ignored: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+@contextmanager
+def cli_server(
+    checkout: Path, home: Path, sigint_ignored: bool = False
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """`cosyvoice-serve run` of the code in `checkout`, in a process of its own, for a user whose home is `home` ->
-    (process, URL) once its /healthz answers 200. Fails, the process killed, if it exits first or is not healthy
-    within CLI_START_TIMEOUT_S. `sigint_ignored`: started as a shell starts a background job, SIGINT ignored."""
+    (process, URL) once its /healthz answers 200; killed on leaving if it still runs. Fails, the process killed, if
+    it exits first or is not healthy within CLI_START_TIMEOUT_S. `sigint_ignored`: started as a shell starts a
+    background job, SIGINT ignored."""
     port = free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
     env |= {"HOME": str(home), "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
@@ -137,7 +141,12 @@ def start_cli_server(checkout: Path, home: Path, sigint_ignored: bool = False) -
             output = process.communicate()[0].decode()[-3000:]
             raise AssertionError(f"the server did not come up (exit code {process.returncode}): {output}")
         time.sleep(2)
-    return process, url
+    try:
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:

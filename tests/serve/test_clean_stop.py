@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve.conftest import start_cli_server
+from tests.serve.conftest import cli_server
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 120
@@ -26,8 +26,7 @@ BODY = {
 
 
 def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> None:
-    process, url = start_cli_server(REPO, tmp_path)
-    try:
+    with cli_server(REPO, tmp_path) as (process, url):
         expected = httpx.post(f"{url}/v1/tts", json=BODY, timeout=300).content  # seeded: the same bytes again
         assert len(expected) > 0
 
@@ -51,10 +50,6 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> No
         assert process.wait(STOP_TIMEOUT_S) == 0
         output = process.stdout.read().decode()
         assert "stopping" in output and "stopped" in output, output[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/healthz", timeout=5)  # nothing listens any more
 
@@ -63,13 +58,8 @@ def test_sigint_as_soon_as_it_answers_stops_it_cleanly_even_started_in_the_backg
     """The app answers requests before `serve.run` returns (it waits for the app's status): an interrupt then is a
     stop like any other (it was a traceback, with no drain). Started with SIGINT ignored, as a shell starts a
     background job, it still stops on SIGINT (it ignored it)."""
-    process, _ = start_cli_server(REPO, tmp_path, sigint_ignored=True)
-    try:
+    with cli_server(REPO, tmp_path, sigint_ignored=True) as (process, _):
         process.send_signal(signal.SIGINT)
         assert process.wait(STOP_TIMEOUT_S) == 0
         output = process.stdout.read().decode()
         assert "stopping" in output and "stopped" in output and "Traceback" not in output, output[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()

@@ -6,6 +6,7 @@ The clone is of the committed HEAD, so this checks what a new user gets; it skip
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import signal
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.serve.conftest import start_cli_server
+from tests.serve.conftest import cli_server
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 60
@@ -44,16 +45,11 @@ def fresh_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(fresh_clone: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """(URL, home dir) of `cosyvoice-serve run` started in the clone, for a user with an empty home."""
     home = tmp_path_factory.mktemp("home")
-    process, url = start_cli_server(fresh_clone, home)
-    try:
+    with cli_server(fresh_clone, home) as (process, url):
         yield url, home
-    finally:
-        process.send_signal(signal.SIGINT)  # the CLI shuts Serve and Ray down on Ctrl-C
-        try:
+        process.send_signal(signal.SIGINT)  # the CLI shuts Serve and Ray down on Ctrl-C (killed if still running)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_the_clone_ships_the_cloning_models(fresh_clone: Path) -> None:
