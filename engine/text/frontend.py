@@ -35,13 +35,15 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import inflect
 import tiktoken
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.loading.yaml_config import ObjectSpec
+
+if TYPE_CHECKING:
+    import inflect
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +220,8 @@ def spell_out_numbers(text: str, inflect_engine: inflect.engine) -> str:
 
 
 def _number_words(digits: str, inflect_engine: inflect.engine) -> str:
+    import inflect  # loaded by `TextFrontend` already
+
     try:
         return inflect_engine.number_to_words(digits)
     except inflect.NumOutOfRangeError:  # beyond decillions: read it digit by digit instead of failing
@@ -333,6 +337,10 @@ class TextFrontend:
             raise ValueError(f"max_text_chars must be positive, got {max_text_chars}")
         self.max_text_chars = max_text_chars
         self.tokenizer = tokenizer if tokenizer is not None else WhisperTokenizer()
+        # Imported here: it takes ~1.8 s (its API is type-checked at import), which the processes that import the
+        # engine without a text front end (the ingress, the decoders) need not pay.
+        import inflect
+
         self._inflect = inflect.engine()
         normalizers = _load_wetext(use_wetext)
         self._zh_wetext, self._en_wetext = normalizers or (None, None)
