@@ -7,6 +7,7 @@ completion on top of it. `SilentRunFilter` passes tokens on to the flow as the o
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -232,32 +233,39 @@ class TokenGenerator:
         self._retain(rows)
         return True
 
-    def pause(self, request_id: int, keep_cache: bool) -> None:
-        """Take an active request out of the batch between steps, until `resume`: its KV cache rows are set aside
-        (`keep_cache`), or dropped and recomputed from its prompt and tokens on resume (vLLM's recompute
-        preemption). Either way it resumes with the tokens it would have had unpaused (up to float rounding)."""
-        for index, sequence in enumerate(self._pending):
-            if sequence.request_id == request_id:  # not prefilled yet: nothing to keep
-                del self._pending[index]
-                self._paused[request_id] = (sequence, None)
-                return
-        [row] = [i for i, s in enumerate(self._running) if s.request_id == request_id]
-        cache = self._cache.take([row]) if keep_cache else None
-        self._paused[request_id] = (self._running[row], cache)
-        self._retain([i for i in range(len(self._running)) if i != row])
+    def pause(self, request_ids: Collection[int], keep_cache: bool) -> None:
+        """Take active requests out of the batch between steps, until `resume`: their KV cache rows are set aside
+        (`keep_cache`), or dropped and recomputed from their prompts and tokens on resume (vLLM's recompute
+        preemption). Either way they resume with the tokens they would have had unpaused (up to float rounding).
+        Pausing several in one call shrinks the batch's cache once."""
+        wanted = set(request_ids)
+        pending = [s for s in self._pending if s.request_id in wanted]  # not prefilled yet: nothing to keep
+        rows = [i for i, s in enumerate(self._running) if s.request_id in wanted]
+        if missing := wanted - {s.request_id for s in pending} - {self._running[i].request_id for i in rows}:
+            raise KeyError(f"not active: {sorted(missing)}")
+        caches = [self._cache.take([row]) if keep_cache else None for row in rows]  # out of memory here: no change
+        for sequence in pending:
+            self._pending.remove(sequence)
+            self._paused[sequence.request_id] = (sequence, None)
+        for row, cache in zip(rows, caches, strict=True):
+            self._paused[self._running[row].request_id] = (self._running[row], cache)
+        self._retain([i for i in range(len(self._running)) if i not in rows])
 
-    def resume(self, request_id: int) -> None:
-        """A paused request rejoins the batch: it gets its next token in the next `step`. With no device memory to
-        merge its kept cache rows into the batch's, they are dropped and it is prefilled again instead."""
-        sequence, cache = self._paused.pop(request_id)
-        if cache is not None:
-            try:
-                self._cache = cache if self._cache is None else KVCache.concat(self._cache, cache)
-                self._running.append(sequence)
-                return
-            except torch.cuda.OutOfMemoryError:
-                pass
-        self._pending.append(sequence)  # prefilled again over its prompt and its tokens so far
+    def resume(self, request_ids: Collection[int]) -> None:
+        """Paused requests rejoin the batch: they get their next token in the next `step`. Their kept cache rows are
+        merged into the batch's in one copy; with no device memory for it, they are dropped and the requests
+        prefilled again instead."""
+        paused = [self._paused.pop(request_id) for request_id in request_ids]
+        kept = [(sequence, cache) for sequence, cache in paused if cache is not None]
+        self._pending += [sequence for sequence, cache in paused if cache is None]
+        if not kept:
+            return
+        try:
+            caches = [cache for _, cache in kept]
+            self._cache = KVCache.concat(caches if self._cache is None else [self._cache, *caches])
+            self._running += [sequence for sequence, _ in kept]
+        except torch.cuda.OutOfMemoryError:
+            self._pending += [sequence for sequence, _ in kept]  # prefilled again over their prompts and tokens so far
 
     @property
     def paused(self) -> int:
@@ -313,7 +321,7 @@ class TokenGenerator:
             hidden.append(model.llm.forward_incremental(x, valid, self._cache)[:, -1])
         if joined:
             hidden.append(joined_hidden)
-            self._cache = joined_cache if self._cache is None else KVCache.concat(self._cache, joined_cache)
+            self._cache = joined_cache if self._cache is None else KVCache.concat([self._cache, joined_cache])
             self._running += joined
         if not hidden:
             return None
@@ -379,9 +387,7 @@ class TokenGenerator:
             cache = prefix.cache.take([0])  # a copy: the prefix serves other requests
             valid = torch.ones(1, rest.shape[1], dtype=torch.bool, device=rest.device)
             parts.append((self.model.llm.forward_incremental(rest, valid, cache)[:, -1], cache))
-        cache = parts[0][1]
-        for _, more in parts[1:]:
-            cache = KVCache.concat(cache, more)
+        cache = KVCache.concat([cache for _, cache in parts])
         return plain + prefixed, torch.cat([hidden for hidden, _ in parts]), cache
 
     def _prefill_input(self, sequence: _Sequence) -> Tensor:

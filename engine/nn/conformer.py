@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -186,22 +187,24 @@ class KVCache:
         return part
 
     @classmethod
-    def concat(cls, first: KVCache, second: KVCache) -> KVCache:
-        """The rows of both (filled) caches in one, left-padded to the longer one."""
-        length = max(first.length, second.length)
+    def concat(cls, caches: Sequence[KVCache]) -> KVCache:
+        """The rows of all these (filled) caches in one, in order, left-padded to the longest; one copy of each row."""
+        if len(caches) == 1:
+            return caches[0]
+        length = max(cache.length for cache in caches)
         capacity = _headroom(length)
-        merged = cls(len(first.keys), 0, first.valid.device)
+        merged = cls(len(caches[0].keys), 0, caches[0].valid.device)
 
-        def joined(a: Tensor, b: Tensor, dim: int) -> Tensor:
+        def joined(tensors: list[Tensor], dim: int) -> Tensor:
             parts = [
                 _placed(x.narrow(dim, 0, c.length), dim, length - c.length, capacity)
-                for x, c in ((a, first), (b, second))
+                for x, c in zip(tensors, caches, strict=True)
             ]
             return torch.cat(parts, dim=0)
 
-        merged.valid = joined(first.valid, second.valid, 1)
-        merged.keys = [joined(a, b, 2) for a, b in zip(first.keys, second.keys, strict=True)]
-        merged.values = [joined(a, b, 2) for a, b in zip(first.values, second.values, strict=True)]
+        merged.valid = joined([c.valid for c in caches], 1)
+        merged.keys = [joined(list(blocks), 2) for blocks in zip(*(c.keys for c in caches), strict=True)]
+        merged.values = [joined(list(blocks), 2) for blocks in zip(*(c.values for c in caches), strict=True)]
         merged.length = length
         return merged
 

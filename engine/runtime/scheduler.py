@@ -140,13 +140,13 @@ class _SharedGenerator:
         with self._lock, on_stream(self._stream):
             return self.generator.cancel(request_id)
 
-    def pause(self, request_id: int, keep_cache: bool) -> None:
+    def pause(self, request_ids: list[int], keep_cache: bool) -> None:
         with self._lock, on_stream(self._stream):
-            self.generator.pause(request_id, keep_cache)
+            self.generator.pause(request_ids, keep_cache)
 
-    def resume(self, request_id: int) -> None:
+    def resume(self, request_ids: list[int]) -> None:
         with self._lock, on_stream(self._stream):
-            self.generator.resume(request_id)
+            self.generator.resume(request_ids)
 
     def step(self) -> list[TokenEvent]:
         with self._lock, on_stream(self._stream):
@@ -613,7 +613,7 @@ class Scheduler:
             if not self._fits(sentence) and not self._preempt_for(sentence, now):
                 return
             if sentence.paused:
-                self.llm.resume(sentence.llm_id)
+                self.llm.resume([sentence.llm_id])
                 sentence.paused = sentence.cache_kept = False
                 self.stats.resumed += 1
             elif not self._start_generating(sentence):
@@ -634,7 +634,7 @@ class Scheduler:
                 return False
             victim = max(victims, key=lambda s: self.policy.deadline(s.request))
             if victim.held:  # back into the batch first: it is paused the way its slot's new owner needs
-                self.llm.resume(victim.llm_id)
+                self.llm.resume([victim.llm_id])
                 victim.held = False
             budget = self.memory_budget_bytes
             self._pause(victim, keep_cache=budget is None or self.live_bytes + waiting.memory_bytes <= budget)
@@ -645,10 +645,10 @@ class Scheduler:
         """Take a generating sentence out of the LLM batch until it is admitted again; its KV cache is set aside if
         `keep_cache` and there is device memory for the copy, else recomputed on resume."""
         try:
-            self.llm.pause(sentence.llm_id, keep_cache=keep_cache)
+            self.llm.pause([sentence.llm_id], keep_cache=keep_cache)
         except torch.cuda.OutOfMemoryError:  # the copy of its rows did not fit; nothing changed
             keep_cache = False
-            self.llm.pause(sentence.llm_id, keep_cache=False)
+            self.llm.pause([sentence.llm_id], keep_cache=False)
         sentence.paused, sentence.cache_kept = True, keep_cache
 
     def _add_to_generator(self, sentence: _Sentence) -> bool:
@@ -698,20 +698,23 @@ class Scheduler:
     def _hold_rows_for_first_audio(self) -> None:
         """While a stream that has no audio yet generates, the generating sentences the policy may hold sit out of the
         LLM batch (`hold_rows`), their KV caches set aside; they rejoin once no such stream generates, or once their
-        deadline comes near."""
+        deadline comes near. Those that leave or rejoin at a step do so together: the batch's cache is copied once."""
         if not self.hold_rows:
             return
         generating = [s for s in self._live if not (s.tokens_done or s.paused or s.llm_id is None)]
         first_audio_due = _awaits_first_audio(generating)
         now = self.clock()
+        to_hold, to_release = [], []
         for sentence in generating:
             hold = first_audio_due and self.policy.may_hold(sentence.request, now)
-            if hold and not sentence.held:
-                self.llm.pause(sentence.llm_id, keep_cache=True)
-                self.stats.held_for_first_audio += 1
-            elif sentence.held and not hold:
-                self.llm.resume(sentence.llm_id)
+            if hold != sentence.held:
+                (to_hold if hold else to_release).append(sentence)
             sentence.held = hold
+        if to_hold:
+            self.llm.pause([s.llm_id for s in to_hold], keep_cache=True)
+            self.stats.held_for_first_audio += len(to_hold)
+        if to_release:
+            self.llm.resume([s.llm_id for s in to_release])
 
     def _llm_step(self) -> None:
         generating = [s for s in self._live if not (s.tokens_done or s.paused or s.held)]

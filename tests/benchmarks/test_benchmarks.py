@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks import hold_cycle
 from benchmarks.batching_bench import (
     cloned_voice_segment,
     measure_batches,
@@ -277,6 +278,15 @@ def test_bistream_bench_times_first_audio_of_text_as_it_arrives_against_the_text
     # the audio began while the text was still arriving (all of it takes 3.6 s at 50 tokens/s)
     assert timing["text_tokens"] > 100
     assert all(0 < arrived < timing["text_tokens"] for arrived in timing["text_tokens_arrived_at_first_audio"])
+
+
+def test_hold_cycle_times_rows_leaving_and_rejoining_one_by_one_and_together_beside_a_step() -> None:
+    report = hold_cycle.run("tiny", tokens=20, threads=1, repeats=REPEATS, warmup=0)
+
+    json.dumps(report, allow_nan=False)
+    assert report["failed_measurements"] == [] and report["rows"] > report["held_rows"] > 1
+    for name in ("llm_step_s", "hold_cycle_s_one_by_one", "hold_cycle_s_together", "hold_cycle_ratio"):
+        assert report[name] > 0 and report[f"{name}_spread"]["n"] == REPEATS, name
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

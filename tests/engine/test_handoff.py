@@ -141,8 +141,8 @@ def test_every_generator_call_runs_on_the_loop_stream_whichever_thread_makes_it(
     shared = _SharedGenerator(generator, torch.device("cpu"))
     shared.add("request")
     shared.step()
-    shared.pause(1, True)
-    shared.resume(1)
+    shared.pause([1], True)
+    shared.resume([1])
     lane = threading.Thread(target=shared.cancel, args=(1,), name="vocoder-main_0")  # a lane stops a stream
     lane.start()
     lane.join()

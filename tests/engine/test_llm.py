@@ -155,6 +155,37 @@ def test_cancel_frees_the_slot(llm: nn.Module, kit_llm_cases: list[dict[str, Any
     assert generator.step() == []
 
 
+@pytest.mark.parametrize("keep_cache", [True, False], ids=["kv-kept", "recomputed"])
+def test_requests_paused_together_resume_with_the_decoding_they_have_unpaused(
+    llm: nn.Module, kit_llm_cases: list[dict[str, Any]], keep_cache: bool
+) -> None:
+    """Every running request but the first and one not yet prefilled leave the batch in one `pause` while the first
+    steps on, then rejoin in one `resume`: each decodes as it does alone."""
+    requests = [kit_request(llm, case) for case in kit_llm_cases]
+    generator = TokenGenerator(llm)
+    ids = [generator.add(r) for r in requests]
+    events: dict[int, list[TokenEvent]] = {i: [] for i in ids}
+    for _ in range(3):
+        for event in generator.step():
+            events[event.request_id].append(event)
+    late = generator.add(requests[0])
+    events[late] = []
+    paused = [*ids[1:], late]
+    generator.pause(paused, keep_cache)
+    assert generator.paused == len(paused) and generator.batch_size == 1 and generator.active == 1
+    for _ in range(4):
+        for event in generator.step():
+            assert event.request_id == ids[0]
+            events[event.request_id].append(event)
+    generator.resume(paused)
+    assert generator.paused == 0 and generator.active == len(paused) + 1
+    collect(generator, events)
+    for request_id, request in zip([*ids, late], [*requests, requests[0]], strict=True):
+        assert_same_decoding(events[request_id], run_alone(llm, request), f"request {request_id}")
+    with pytest.raises(KeyError, match="not active"):
+        generator.pause([ids[0]], keep_cache)
+
+
 def test_sampled_request_is_reproducible_in_any_batch(llm: nn.Module, kit_llm_cases: list[dict[str, Any]]) -> None:
     options = SamplingOptions(seed=1234, max_token_text_ratio=6.0)
     request = kit_request(llm, kit_llm_cases[0], options)

@@ -186,11 +186,11 @@ def test_a_resumed_request_without_room_for_its_kept_cache_is_recomputed_with_th
         out: dict[int, list[int]] = {i: [] for i in ids}
         for step in range(1000):
             if interrupt and step == 5:
-                generator.pause(ids[1], keep_cache=True)
+                generator.pause([ids[1]], keep_cache=True)
             if interrupt and step == 8:
                 with monkeypatch.context() as patch:  # only this resume's merge runs out
                     patch.setattr(KVCache, "concat", _out_of_memory_when(lambda *_: True, KVCache.concat))
-                    generator.resume(ids[1])
+                    generator.resume([ids[1]])
             if not generator.active and not generator.paused:
                 break
             for event in generator.step():
