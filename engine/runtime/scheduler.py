@@ -704,17 +704,16 @@ class Scheduler:
         generating = [s for s in self._live if not (s.tokens_done or s.paused or s.llm_id is None)]
         first_audio_due = _awaits_first_audio(generating)
         now = self.clock()
-        to_hold, to_release = [], []
-        for sentence in generating:
-            hold = first_audio_due and self.policy.may_hold(sentence.request, now)
-            if hold != sentence.held:
-                (to_hold if hold else to_release).append(sentence)
-            sentence.held = hold
+        hold = [s for s in generating if first_audio_due and self.policy.may_hold(s.request, now)]
+        to_hold = [s for s in hold if not s.held]
+        to_release = [s for s in generating if s.held and s not in hold]
         if to_hold:
             self.llm.pause([s.llm_id for s in to_hold], keep_cache=True)
             self.stats.held_for_first_audio += len(to_hold)
         if to_release:
             self.llm.resume([s.llm_id for s in to_release])
+        for sentence in generating:
+            sentence.held = sentence in hold
 
     def _llm_step(self) -> None:
         generating = [s for s in self._live if not (s.tokens_done or s.paused or s.held)]
