@@ -255,6 +255,8 @@ class TokenGenerator:
         """Paused requests rejoin the batch: they get their next token in the next `step`. Their kept cache rows are
         merged into the batch's in one copy; with no device memory for it, they are dropped and the requests
         prefilled again instead."""
+        if missing := set(request_ids) - set(self._paused):
+            raise KeyError(f"not paused: {sorted(missing)}")
         paused = [self._paused.pop(request_id) for request_id in request_ids]
         kept = [(sequence, cache) for sequence, cache in paused if cache is not None]
         self._pending += [sequence for sequence, cache in paused if cache is None]

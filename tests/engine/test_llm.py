@@ -184,6 +184,8 @@ def test_requests_paused_together_resume_with_the_decoding_they_have_unpaused(
         assert_same_decoding(events[request_id], run_alone(llm, request), f"request {request_id}")
     with pytest.raises(KeyError, match="not active"):
         generator.pause([ids[0]], keep_cache)
+    with pytest.raises(KeyError, match="not paused"):
+        generator.resume([ids[0]])
 
 
 def test_sampled_request_is_reproducible_in_any_batch(llm: nn.Module, kit_llm_cases: list[dict[str, Any]]) -> None:
