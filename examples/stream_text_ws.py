@@ -7,7 +7,9 @@ as soon as it is complete, so the first audio comes before the text is done:
     python examples/stream_text_ws.py "Hello there. This is spoken as it is typed." --out speech.wav
     some-llm | python examples/stream_text_ws.py - --words-per-s 0 --format pcm --out speech.pcm
 
-It needs only the `websockets` library. With API keys on, pass `--api-key` (or set $COSYVOICE_API_KEY).
+`--url` is the server (`http://host:port`, as `cosyvoice-serve run` prints it; default $COSYVOICE_URL, else
+http://127.0.0.1:8000) or the WebSocket's own URL (`ws://host:port/v1/audio/speech/stream`). It needs only the
+`websockets` library. With API keys on, pass `--api-key` (or set $COSYVOICE_API_KEY).
 """
 
 from __future__ import annotations
@@ -24,7 +26,19 @@ from typing import Any, BinaryIO
 
 import websockets
 
-DEFAULT_URL = "ws://127.0.0.1:8000/v1/audio/speech/stream"
+DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
+STREAM_PATH = "/v1/audio/speech/stream"
+
+
+def stream_url(url: str) -> str:
+    """The text stream's WebSocket URL for a server URL (http -> ws, https -> wss, the endpoint's path added);
+    a ws:// or wss:// URL is taken as it is."""
+    if url.startswith(("ws://", "wss://")):
+        return url
+    for http, ws in (("https://", "wss://"), ("http://", "ws://")):
+        if url.startswith(http):
+            return ws + url.removeprefix(http).rstrip("/") + STREAM_PATH
+    raise ValueError(f"--url {url!r}: give the server's http(s):// URL or the stream's ws(s):// URL")
 
 
 class StreamError(Exception):
@@ -115,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("text", help='the text to speak; "-" reads it from stdin, word by word as it comes')
     parser.add_argument("--out", "-o", required=True, help="the audio file to write")
-    parser.add_argument("--url", default=DEFAULT_URL)
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("COSYVOICE_URL") or DEFAULT_SERVER_URL,
+        help="the server, or the stream's ws:// URL (default: $COSYVOICE_URL, else http://127.0.0.1:8000)",
+    )
     parser.add_argument("--api-key", default=os.environ.get("COSYVOICE_API_KEY"))
     parser.add_argument("--model", default="tts-1", help="the served model's name or an alias (OpenAI's names)")
     parser.add_argument("--voice", default="alloy", help="a built-in speaker, registered voice id or OpenAI name")
@@ -124,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instructions")
     parser.add_argument("--words-per-s", type=float, default=5.0, help="how fast words are sent (0: all at once)")
     options = parser.parse_args(argv)
+    try:
+        url = stream_url(options.url)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     start = {"model": options.model, "voice": options.voice, "response_format": options.format}
     start |= {"speed": options.speed} | ({"instructions": options.instructions} if options.instructions else {})
@@ -131,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> StreamResult:
         words = stdin_words() if options.text == "-" else words_of(options.text)
         with open(options.out, "wb") as out:
-            return await stream_text(options.url, paced(words, options.words_per_s), out, start, options.api_key)
+            return await stream_text(url, paced(words, options.words_per_s), out, start, options.api_key)
 
     try:
         result = asyncio.run(run())

@@ -27,6 +27,12 @@ from engine.voices.spec import CAMPPLUS_FILE
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 API_KEY_ENV = "COSYVOICE_API_KEY"  # the key `say` and `bench` send to a server with API keys
+URL_ENV = "COSYVOICE_URL"  # the server `say`, `voices` and `bench` talk to (and the examples)
+
+
+def default_server_url(environ: Mapping[str, str] = os.environ) -> str:
+    """The client commands' server: $COSYVOICE_URL, else the address `run` serves on by default."""
+    return environ.get(URL_ENV) or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
 def read_serve_config(path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,7 +131,8 @@ def run(options: argparse.Namespace) -> int:
         serve.run(build_app(args), name=name, route_prefix=application.get("route_prefix", "/"))
         url = f"http://{host}:{port}"
         print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
-        print(f'  cosyvoice-serve say "Hello from CosyVoice." -o out.wav --url {url}')
+        print(f"  export {URL_ENV}={url}   # for cosyvoice-serve say / voices / bench and the examples")
+        print('  cosyvoice-serve say "Hello from CosyVoice." -o out.wav')
         print(f"  curl {url}/v1/voices")
         print(f"metrics (Prometheus): http://{host}:{metrics_port()}/metrics")
         if args.get("voices_dir"):
@@ -145,8 +152,12 @@ def run(options: argparse.Namespace) -> int:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """Whether something already listens on `port` (checked before Ray starts, which would fail 20 s later)."""
+    """Whether something already listens on `port` (checked before Ray starts, which would fail 20 s later). The probe
+    binds as Serve's proxy and Ray's metrics server do, with SO_REUSEADDR: the TIME_WAIT sockets a stopped server's
+    connections leave for a minute do not stop them binding, while a listener does (without SO_REUSEPORT, which
+    would share the port with a running proxy)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:
@@ -282,6 +293,14 @@ def add_api_key_option(command: argparse.ArgumentParser) -> None:
     )
 
 
+def add_url_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--url",
+        default=default_server_url(),
+        help=f"the server (default: ${URL_ENV}, else http://{DEFAULT_HOST}:{DEFAULT_PORT})",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     main_parser = argparse.ArgumentParser(prog="cosyvoice-serve", description=__doc__.split("\n")[0])
     commands = main_parser.add_subparsers(dest="command", required=True)
@@ -318,7 +337,7 @@ def parser() -> argparse.ArgumentParser:
     say_parser = commands.add_parser("say", help="synthesise text through a running server")
     say_parser.add_argument("text")
     say_parser.add_argument("-o", "--output", default="out.wav")
-    say_parser.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}")
+    add_url_option(say_parser)
     say_parser.add_argument("--voice", default=None, help="default: the model's first voice")
     say_parser.add_argument("--format", default="wav")
     say_parser.add_argument("--stream", action="store_true", help="write audio as it arrives (every format but flac)")
@@ -330,7 +349,11 @@ def parser() -> argparse.ArgumentParser:
     say_parser.set_defaults(handler=say)
 
     bench_parser = commands.add_parser("bench", help="HTTP load benchmark: concurrency sweep, whole and streaming")
-    bench_parser.add_argument("--url", default=None, help="a running server (default: start the local app)")
+    bench_parser.add_argument(
+        "--url",
+        default=os.environ.get(URL_ENV),
+        help=f"a running server (default: ${URL_ENV}, else start the local app)",
+    )
     bench_parser.add_argument("--model", default="tiny", help="model of the local app when no --url")
     bench_parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     bench_parser.add_argument("--modes", nargs="+", choices=["whole", "stream"], default=["whole", "stream"])
@@ -358,7 +381,7 @@ def parser() -> argparse.ArgumentParser:
     rm_parser = actions.add_parser("rm", help="delete a registered voice")
     rm_parser.add_argument("voice_id")
     for action in actions.choices.values():
-        action.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}")
+        add_url_option(action)
         action.add_argument("--timeout", type=float, default=120.0)
         add_api_key_option(action)
     voices_parser.set_defaults(handler=voices)

@@ -115,13 +115,13 @@ def answers_healthy(url: str) -> bool:
 
 @contextmanager
 def cli_server(
-    checkout: Path, home: Path, sigint_ignored: bool = False
+    checkout: Path, home: Path, sigint_ignored: bool = False, port: int | None = None
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """`cosyvoice-serve run` of the code in `checkout`, in a process of its own, for a user whose home is `home` ->
     (process, URL) once its /healthz answers 200; killed on leaving if it still runs. Fails, the process killed, if
     it exits first or is not healthy within CLI_START_TIMEOUT_S. `sigint_ignored`: started as a shell starts a
-    background job, SIGINT ignored."""
-    port = free_port()
+    background job, SIGINT ignored. `port`: default a free one."""
+    port = port or free_port()
     env = {key: value for key, value in os.environ.items() if key not in ("XDG_DATA_HOME", "RAY_ADDRESS")}
     env |= {"HOME": str(home), "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "serve_app.cli", "run", "--port", str(port)]

@@ -1,11 +1,13 @@
 """`cosyvoice-serve run` stops cleanly on SIGTERM, the signal containers and systemd stop services with: a stream
-running at that moment completes whole, then Serve and Ray shut down and the process exits 0; and on Ctrl-C as soon
-as it answers, while its app may still be deploying, even if it was started with SIGINT ignored."""
+running at that moment completes whole, then Serve and Ray shut down and the process exits 0; on Ctrl-C as soon
+as it answers, while its app may still be deploying, even if it was started with SIGINT ignored; and started again
+at once on the same port, it comes up though the connections of the stopped one hold the port in TIME_WAIT."""
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -63,3 +65,29 @@ def test_sigint_as_soon_as_it_answers_stops_it_cleanly_even_started_in_the_backg
         assert process.wait(STOP_TIMEOUT_S) == 0
         output = process.stdout.read().decode()
         assert "stopping" in output and "stopped" in output and "Traceback" not in output, output[-3000:]
+
+
+TIME_WAIT = "06"  # the state column of /proc/net/tcp
+
+
+def sockets_in_time_wait(port: int) -> int:
+    """TCP sockets whose local port is `port` and that wait out TIME_WAIT (IPv4, this network namespace)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    fields = [line.split() for line in lines]
+    return sum(1 for row in fields if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == TIME_WAIT)
+
+
+def test_a_server_stopped_and_started_again_at_once_on_the_same_port_comes_up(tmp_path: Path) -> None:
+    """The first server's kept-alive connections are closed by its side when it stops, so their sockets on its port
+    wait out TIME_WAIT (a minute) when the second starts, less than a second later; `run`'s port check must not
+    take them for a listener (it refused such a restart with 'port ... is in use' for about a minute)."""
+    with cli_server(REPO, tmp_path) as (first, url), httpx.Client(base_url=url, timeout=60) as client:
+        port = int(url.rsplit(":", 1)[1])
+        assert client.get("/v1/voices").status_code == 200  # a connection kept alive until the server goes
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(STOP_TIMEOUT_S) == 0
+        stopped_at = time.monotonic()
+    assert sockets_in_time_wait(port) > 0, "the stop left no TIME_WAIT socket on the port: the test proves nothing"
+    assert time.monotonic() - stopped_at < 1.0  # the second start follows within a second
+    with cli_server(REPO, tmp_path, port=port) as (_, again):
+        assert httpx.get(f"{again}/v1/voices", timeout=60).status_code == 200

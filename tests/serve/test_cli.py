@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks.http_bench import free_port
-from serve_app.cli import API_KEY_ENV, parser
+from serve_app.cli import API_KEY_ENV, URL_ENV, parser, port_in_use
 from serve_app.cli import main as cli_main
 
 
@@ -35,3 +37,44 @@ def test_say_and_bench_take_the_api_key_from_the_environment(monkeypatch: pytest
     monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
     assert parser().parse_args(["say", "Hi."]).api_key == "sk-from-env"
     assert parser().parse_args(["bench", "--api-key", "sk-given"]).api_key == "sk-given"
+
+
+def test_the_port_check_passes_a_stopped_servers_time_wait_sockets_but_not_a_listener() -> None:
+    """A server's listener has SO_REUSEADDR (Serve's proxy, uvicorn), so the connections it closed first leave
+    TIME_WAIT sockets that a plain bind still counts as the port in use, but the proxy's own bind does not."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert port_in_use("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its socket on `port` goes to TIME_WAIT
+            assert client.recv(1) == b""
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # the TIME_WAIT socket is there
+    assert not port_in_use("127.0.0.1", port)
+
+
+def test_the_client_commands_take_the_server_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parser().parse_args(["say", "Hi."]).url == "http://127.0.0.1:8000"
+    monkeypatch.setenv(URL_ENV, "http://127.0.0.1:8123")
+    assert parser().parse_args(["say", "Hi."]).url == "http://127.0.0.1:8123"
+    assert parser().parse_args(["voices", "list"]).url == "http://127.0.0.1:8123"
+    assert parser().parse_args(["bench"]).url == "http://127.0.0.1:8123"
+    assert parser().parse_args(["say", "Hi.", "--url", "http://h:1"]).url == "http://h:1"
+
+
+def test_the_example_client_streams_to_the_servers_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = Path(__file__).parents[2] / "examples" / "stream_text_ws.py"
+    spec = importlib.util.spec_from_file_location("stream_text_ws_url", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # its dataclasses look their module up
+    spec.loader.exec_module(example)
+    assert example.stream_url("http://127.0.0.1:8123") == "ws://127.0.0.1:8123/v1/audio/speech/stream"
+    assert example.stream_url("https://tts.example/") == "wss://tts.example/v1/audio/speech/stream"
+    assert example.stream_url("ws://h:1/v1/audio/speech/stream") == "ws://h:1/v1/audio/speech/stream"
+    with pytest.raises(ValueError, match="ftp://h"):
+        example.stream_url("ftp://h")
