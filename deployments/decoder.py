@@ -36,6 +36,7 @@ from engine.errors import (
     as_request_error,
 )
 from engine.loading.loader import load_model
+from engine.loading.model_source import LLM_CHECKPOINT_AUTO
 from engine.nn.precision import FALLBACKS
 from engine.runtime.bistream import BistreamStart
 from engine.runtime.memory import device_memory_budget
@@ -114,15 +115,18 @@ class Decoder:
         max_audio_s: float | None = None,
         max_request_s: float | None = None,
         scheduling: dict[str, Any] | None = None,
+        llm_checkpoint: str = LLM_CHECKPOINT_AUTO,
     ) -> None:
-        """`scheduling`: the app args' `scheduler` section (policy name and its settings)."""
+        """`scheduling`: the app args' `scheduler` section (policy name and its settings); `llm_checkpoint`: the LLM's
+        checkpoint in an official model dir (`engine.loading.model_source.llm_checkpoint_file`)."""
         device, dtype = resolve_device_and_dtype(use_gpu, dtype)
         self.device = torch.device(device)
         if self.device.type == "cuda" and gpu_fraction:
             # Ray's GPU fraction is only a scheduling hint: cap this process so replicas sharing a card cannot
             # starve each other (the allocator raises OOM in this replica instead).
             torch.cuda.set_per_process_memory_fraction(gpu_fraction, self.device)
-        self.stage = SpeechDecoderStage(load_model(model, dtype=dtype, device=device, components=("decoder",)))
+        loaded = load_model(model, dtype=dtype, device=device, components=("decoder",), llm_checkpoint=llm_checkpoint)
+        self.stage = SpeechDecoderStage(loaded)
         self.gpu_fraction = gpu_fraction
         scheduling = scheduling or {}
         self.prompt_cache_share = float(scheduling.get("prompt_cache_share", DEFAULT_PROMPT_CACHE_SHARE))
@@ -166,7 +170,9 @@ class Decoder:
         self.set_max_batch_size(max_batch_size)
         precision = self.stage.model.precision
         logger.info(
-            "Decoder on %s, precision %s (dtype %s: %s), max batch %d",
+            "Decoder of %s (LLM checkpoint %s) on %s, precision %s (dtype %s: %s), max batch %d",
+            loaded.name,
+            loaded.llm_checkpoint or "none: dummy weights",
             device,
             precision.describe(),
             dtype,

@@ -12,6 +12,7 @@ from ray import serve
 
 from engine.errors import CosyVoiceError, InvalidInputError
 from engine.loading.loader import load_model
+from engine.loading.model_source import LLM_CHECKPOINT_AUTO, model_directory
 from engine.runtime.bistream import BistreamStart
 from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
@@ -54,7 +55,7 @@ class VoiceCloningConfig:
     """Where the cloning models and the registered voices are, and what an uploaded prompt recording may be."""
 
     voices_dir: str  # a local directory or an object-store URL (s3://bucket/prefix)
-    models_dir: str
+    models_dir: str  # a directory, or the hub id of the model whose directory holds them
     max_voices: int
     max_voices_per_key: int | None
     prompt_audio: PromptAudioLimits
@@ -74,9 +75,19 @@ def read_voice_file(location: str) -> bytes:
 @serve.deployment(name="Encoder", ray_actor_options={"num_gpus": 0}, logging_config=STRUCTURED_LOGGING)
 class Encoder:
     def __init__(
-        self, model: str, int8: bool, max_text_chars: int, voice_cloning: VoiceCloningConfig | None = None
+        self,
+        model: str,
+        int8: bool,
+        max_text_chars: int,
+        voice_cloning: VoiceCloningConfig | None = None,
+        llm_checkpoint: str = LLM_CHECKPOINT_AUTO,
     ) -> None:
-        loaded = load_model(model, components=("encoder",), int8=int8, max_text_chars=max_text_chars)
+        """`model`: a preset, a model dir or a hub id; `llm_checkpoint`: the LLM checkpoint the text encoder's weights
+        come from (the decoders load the same one)."""
+        loaded = load_model(
+            model, components=("encoder",), int8=int8, max_text_chars=max_text_chars, llm_checkpoint=llm_checkpoint
+        )
+        self.llm_checkpoint = loaded.llm_checkpoint
         self.model_name = loaded.name
         self.stage = TextEncoderStage(loaded)
         self.max_text_chars = max_text_chars
@@ -86,7 +97,7 @@ class Encoder:
         if voice_cloning is not None:
             config = loaded.config
             self.cloner = VoiceCloner.from_model_dir(
-                Path(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size
+                model_directory(voice_cloning.models_dir), config.family, config.sample_rate, config.flow.vocab_size
             )
             self.registry = VoiceRegistry(
                 voice_cloning.voices_dir, voice_cloning.max_voices, voice_cloning.max_voices_per_key
@@ -206,6 +217,7 @@ class Encoder:
             "sample_rate": self.stage.sample_rate,
             "speech_tokens_per_s": self.stage.model.config.speech_token_rate,
             "voice_cloning": self.cloner is not None,
+            "llm_checkpoint": self.llm_checkpoint,
         }
 
     def ping(self) -> bool:

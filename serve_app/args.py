@@ -8,7 +8,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from autoscaling.policy import ScalingRules, WakeRule, decoder_autoscaling_config
+from engine.errors import CheckpointError
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
+from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
 from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
 from engine.voices.registry import provisioned_voice_id
 from engine.voices.store import is_store_url
@@ -491,8 +493,20 @@ class ProvisionedVoiceArgs(_Strict):
 
 
 def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> None:
-    """A preset, or a path without '..' that resolves inside one of `allowed_roots` (when given)."""
+    """A preset; a hub id (`engine.loading.model_source`) when no `allowed_roots` are given (they admit local
+    directories only); or a path without '..' that resolves inside one of `allowed_roots` (when given)."""
     if model in PRESETS:
+        return
+    try:
+        hub = hub_model(model)
+    except CheckpointError as exc:  # a malformed modelscope: id
+        raise ValueError(exc.message) from None
+    if hub is not None:
+        if allowed_roots is not None:
+            raise ValueError(
+                f"model {model!r} is a hub id, but security.allowed_model_roots admits only directories inside "
+                f"{list(allowed_roots)}: download it there and give its directory"
+            )
         return
     path = Path(model)
     if ".." in path.parts:
@@ -509,9 +523,19 @@ class AppArgs(_Strict):
 
     model: str = Field(
         "tiny",
-        description="an official CosyVoice model dir, or a preset (tiny, dummy, cosyvoice2-tiny, cosyvoice3-tiny...)",
+        description="an official CosyVoice model dir, a Hugging Face id of one (FunAudioLLM/Fun-CosyVoice3-0.5B-2512, "
+        "resolved into the Hugging Face cache by every replica), modelscope:<id> (the modelscope extra), or a preset "
+        "(tiny, dummy, cosyvoice2-tiny, cosyvoice3-tiny...)",
     )
-    served_model_name: str | None = Field(None, description="name shown by /v1/models (default: from `model`)")
+    llm_checkpoint: str = Field(
+        LLM_CHECKPOINT_AUTO,
+        pattern=r"^(auto|[\w.-]+\.pt)$",
+        description="the LLM checkpoint of an official model dir: auto (the RL-tuned llm.rl.pt where the model has it, "
+        "as Fun-CosyVoice3-0.5B-2512 does, else llm.pt) or a file name in the dir (llm.pt: the official code's)",
+    )
+    served_model_name: str | None = Field(
+        None, description="name shown by /v1/models (default: from `model`: a hub id's repo name, a dir's name)"
+    )
     ingress: IngressArgs = IngressArgs()
     encoder: EncoderArgs = EncoderArgs()
     decoder: DecoderArgs = DecoderArgs()
@@ -553,7 +577,7 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _voice_models_located(self) -> AppArgs:
-        if self.voices_dir is not None and self.voice_models_path is None:
+        if self.voices_dir is not None and self.voice_models_source is None:
             shipped = ", ".join(PRESET_VOICE_MODELS)
             raise ValueError(
                 f"voice cloning (voices_dir) with the preset model {self.model!r} needs voice_models_dir: "
@@ -582,11 +606,12 @@ class AppArgs(_Strict):
         return self.openai.voices | provisioned
 
     @property
-    def voice_models_path(self) -> Path | None:
-        """Where the cloning models are: `voice_models_dir`, a preset's shipped ones, or the model dir (None: a
-        preset that ships none)."""
+    def voice_models_source(self) -> str | None:
+        """Where the cloning models are: `voice_models_dir`, a preset's shipped ones, or the model (its dir, or the hub
+        id whose resolved dir holds them); None: a preset that ships none."""
         if self.voice_models_dir is not None:
-            return Path(self.voice_models_dir)
+            return self.voice_models_dir
         if self.model in PRESETS:
-            return PRESET_VOICE_MODELS.get(self.model)
-        return Path(self.model)
+            shipped = PRESET_VOICE_MODELS.get(self.model)
+            return None if shipped is None else str(shipped)
+        return self.model

@@ -1,6 +1,7 @@
 """Console entry point `cosyvoice-serve`.
 
-cosyvoice-serve run [--model DIR|PRESET] [--config FILE]   start a local Ray and the app (tiny model by default)
+cosyvoice-serve run [--model DIR|ID|PRESET] [--config FILE]   start a local Ray and the app (tiny model by default)
+cosyvoice-serve download ID                            download a hub model into its cache
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
 cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
 cosyvoice-serve voices add FILE --transcript TEXT | list | rm ID   registered voices of a running server
@@ -16,14 +17,19 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
 from benchmarks.http_bench import auth_headers
 from benchmarks.timing import add_repeat_options
+from engine.errors import CosyVoiceError
+from engine.loading.model_source import model_directory, served_name
 from engine.voices.spec import CAMPPLUS_FILE
+
+if TYPE_CHECKING:
+    from serve_app.args import AppArgs
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 API_KEY_ENV = "COSYVOICE_API_KEY"  # the key `say` and `bench` send to a server with API keys
@@ -66,8 +72,8 @@ def with_default_voices_dir(args: dict[str, Any]) -> dict[str, Any]:
 
     if args.get("voices_dir") is not None:
         return args
-    models = AppArgs.model_validate(args).voice_models_path
-    if models is None or not (models / CAMPPLUS_FILE).is_file():
+    models = AppArgs.model_validate(args).voice_models_source
+    if models is None or not (model_directory(models) / CAMPPLUS_FILE).is_file():
         return args
     return {**args, "voices_dir": str(default_voices_dir(args.get("model", "tiny")))}
 
@@ -91,12 +97,8 @@ def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str]
 
 
 def run(options: argparse.Namespace) -> int:
-    # Imported here so that `say` stays light.
-    import ray
-    from ray import serve
-
+    # Imported here so that `say` stays light; Ray and the app only once the model is there.
     from serve_app.args import AppArgs
-    from serve_app.ingress import SHUTDOWN_MARGIN_S, build_app
 
     application, http_options = read_serve_config(options.config)
     args = dict(application.get("args") or {})
@@ -105,13 +107,26 @@ def run(options: argparse.Namespace) -> int:
     for key in ("voices_dir", "voice_models_dir"):
         if getattr(options, key) is not None:
             args[key] = str(getattr(options, key))
-    args = with_default_voices_dir(args)
+    if options.llm_checkpoint is not None:
+        args["llm_checkpoint"] = options.llm_checkpoint
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
     for what, number, option in (("port", port, "--port"), ("metrics port", options.metrics_port, "--metrics-port")):
         if number is not None and port_in_use(host, number):
             print(f"error: {what} {number} is in use on {host}; pass {option} with a free one", file=sys.stderr)
             return 2
+    try:
+        model_line = fetch_model(AppArgs.model_validate(args))
+    except (ValueError, CosyVoiceError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    print(model_line, flush=True)
+    args = with_default_voices_dir(args)
+    import ray
+    from ray import serve
+
+    from serve_app.ingress import SHUTDOWN_MARGIN_S, build_app
+
     for warning in startup_warnings(args, host):
         print(f"warning: {warning}", file=sys.stderr)
     # Our own Ray, not a cluster another process started. Its ports listen on every interface whatever the node
@@ -130,7 +145,7 @@ def run(options: argparse.Namespace) -> int:
         serving = True
         serve.run(build_app(args), name=name, route_prefix=application.get("route_prefix", "/"))
         url = f"http://{host}:{port}"
-        print(f"cosyvoice-serve is up at {url} (model: {args.get('model', 'tiny')}); Ctrl-C stops it")
+        print(f"cosyvoice-serve is up at {url} (model: {served_name(args.get('model', 'tiny'))}); Ctrl-C stops it")
         print(f"  export {URL_ENV}={url}   # for cosyvoice-serve say / voices / bench and the examples")
         print('  cosyvoice-serve say "Hello from CosyVoice." -o out.wav')
         print(f"  curl {url}/v1/voices")
@@ -148,6 +163,29 @@ def run(options: argparse.Namespace) -> int:
         serve.shutdown()
         ray.shutdown()
     print("stopped", flush=True)
+    return 0
+
+
+def fetch_model(args: AppArgs) -> str:
+    """Make the app's model ready before Ray starts: a hub id is downloaded here, in the foreground with its progress
+    bar (the replicas then find it in the cache), and a model dir is checked as the replicas will load it; -> the line
+    `run` prints of it (where it is, which LLM checkpoint). A CosyVoiceError, one line, where it cannot be had."""
+    from engine.loading.loader import locate_model
+
+    load_format, config_path, llm_file = locate_model(args.model, None, args.llm_checkpoint)
+    if load_format == "dummy":
+        return f"model {args.model}: seeded random weights ({config_path.name})"
+    return f"model {served_name(args.model)} from {config_path.parent}, LLM checkpoint {llm_file}"
+
+
+def download(options: argparse.Namespace) -> int:
+    """Resolve a hub model into its cache (what `run` and every replica do): the step a cluster's nodes run first."""
+    try:
+        directory = model_directory(options.model)
+    except CosyVoiceError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    print(directory)
     return 0
 
 
@@ -311,7 +349,14 @@ def parser() -> argparse.ArgumentParser:
         "--model-dir",
         dest="model",
         default=None,
-        help="an official model dir, or a preset: tiny (the default), cosyvoice2-tiny, cosyvoice3-tiny, ...",
+        help="an official model dir, a Hugging Face id (FunAudioLLM/Fun-CosyVoice3-0.5B-2512: downloaded into the "
+        "Hugging Face cache, HF_HOME), modelscope:<id>, or a preset: tiny (the default), cosyvoice2-tiny, ...",
+    )
+    run_parser.add_argument(
+        "--llm-checkpoint",
+        default=None,
+        help="the LLM checkpoint of an official model: auto (llm.rl.pt where the model has it, else llm.pt; the "
+        "default) or a file name such as llm.pt",
     )
     run_parser.add_argument("--config", type=Path, default=None, help="Serve config file (its `args` are used)")
     run_parser.add_argument(
@@ -333,6 +378,12 @@ def parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, default=None, help="Prometheus metrics port (default: one Ray picks, printed)"
     )
     run_parser.set_defaults(handler=run)
+
+    download_parser = commands.add_parser(
+        "download", help="download a hub model into its cache (HF_HOME; what run does first) and print its directory"
+    )
+    download_parser.add_argument("model", help="a Hugging Face id, or modelscope:<id>")
+    download_parser.set_defaults(handler=download)
 
     say_parser = commands.add_parser("say", help="synthesise text through a running server")
     say_parser.add_argument("text")

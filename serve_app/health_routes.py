@@ -47,6 +47,11 @@ class HealthRoutes(IngressBase):
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        """The served model, then its aliases (openai.model_aliases): `model` may be any of them."""
-        data = [{"id": name, "object": "model", "owned_by": "cosyvoice-serve"} for name in self.model_names]
+        """The served model, then its aliases (openai.model_aliases): `model` may be any of them; each says which LLM
+        checkpoint the model runs (None: dummy weights)."""
+        checkpoint = (await self.model_info())["llm_checkpoint"]
+        data = [
+            {"id": name, "object": "model", "owned_by": "cosyvoice-serve", "llm_checkpoint": checkpoint}
+            for name in self.model_names
+        ]
         return {"object": "list", "data": data}

@@ -15,6 +15,7 @@ from ray.serve import Application
 from autoscaling.policy import cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
+from engine.loading.model_source import hub_model, served_name
 from engine.voices.cloning import PromptAudioLimits
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
@@ -44,14 +45,14 @@ def queue_bound(max_queued_requests: int | None) -> int:
 
 def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
     """The encoders' cloning setup; None (registering answers 501) without `voices_dir`."""
-    models_dir = args.voice_models_path
-    if args.voices_dir is None or models_dir is None:  # AppArgs refuses voices_dir without models
+    models_source = args.voice_models_source
+    if args.voices_dir is None or models_source is None:  # AppArgs refuses voices_dir without models
         return None
     # Absolute paths: the replicas need not share the caller's working directory (a URL stays as it is).
     voices_dir = args.voices_dir if is_store_url(args.voices_dir) else str(Path(args.voices_dir).resolve())
     return VoiceCloningConfig(
         voices_dir=voices_dir,
-        models_dir=str(models_dir.resolve()),
+        models_dir=models_source if hub_model(models_source) else str(Path(models_source).resolve()),
         max_voices=args.limits.max_voices,
         max_voices_per_key=args.limits.max_voices_per_key,
         prompt_audio=PromptAudioLimits(
@@ -106,11 +107,18 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         backpressure_config=backpressure,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,  # its requests are short: Serve's default timeout (20 s)
         ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.encoder.resources),
-    ).bind(args.model, args.encoder.int8, args.limits.max_input_chars, voice_cloning_config(args))
+    ).bind(
+        args.model,
+        args.encoder.int8,
+        args.limits.max_input_chars,
+        voice_cloning_config(args),
+        llm_checkpoint=args.llm_checkpoint,
+    )
     decoder_loop = {
         "max_audio_s": args.limits.max_audio_s,
         "max_request_s": args.limits.max_stream_s,
         "scheduling": args.scheduler.model_dump(),
+        "llm_checkpoint": args.llm_checkpoint,
     }
     decoder_scaling = args.decoder.autoscaling
     gpu_rules = decoder_scaling.scaling_rules() if decoder_scaling else None
@@ -173,7 +181,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     ).bind(
         encoder,
         decoder,
-        args.served_model_name or Path(args.model).name,
+        args.served_model_name or served_name(args.model),
         args.limits,
         security=args.security,
         openai=args.openai.model_copy(update={"voices": args.openai_voices}),

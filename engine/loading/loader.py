@@ -4,7 +4,8 @@ Load formats (like vLLM's `--load-format`):
 - `official`: a CosyVoice v1 model dir (`cosyvoice.yaml`, `llm.pt`, `flow.pt`, `hift.pt`, optional `spk2info.pt`)
   or a CosyVoice2 / CosyVoice3 one (`cosyvoice2.yaml` / `cosyvoice3.yaml`, the same checkpoints, and
   `CosyVoice-BlankEN/` with the Qwen2 config and tokenizer), every checkpoint loaded strictly with
-  `weights_only=True`;
+  `weights_only=True`; or a hub id of one, resolved into its hub's cache (`engine.loading.model_source`). The LLM's
+  checkpoint is `llm_checkpoint`'s pick (`auto`: the RL-tuned `llm.rl.pt` where the model has one);
 - `dummy`: the real architecture from a preset (`cosyvoice-300m`, `tiny`, `cosyvoice2-0.5b`, `cosyvoice2-tiny`,
   `cosyvoice3-0.5b`, `cosyvoice3-tiny`) or a yaml file, seeded random weights (a v2/v3 dummy model gets a
   byte-level stand-in for the Qwen2 tokenizer).
@@ -24,6 +25,13 @@ from torch import nn
 from engine.errors import CheckpointError
 from engine.families import MODULE_NAMES, ModelConfig, families
 from engine.loading.checkpoint import load_strict, read_state_dict
+from engine.loading.model_source import (
+    LLM_CHECKPOINT_AUTO,
+    OFFICIAL_LLM_CHECKPOINT,
+    llm_checkpoint_file,
+    model_directory,
+    served_name,
+)
 from engine.nn.precision import DecoderDtypes, decoder_dtypes, module_sizes, pack_linear_for_cpu, quantize_linear_int8
 from engine.text.frontend import TextFrontend
 from engine.vocoder.hift import HiFTGenerator, upgrade_legacy_weight_norm
@@ -49,7 +57,7 @@ PRESET_VOICE_MODELS = {
     "cosyvoice2-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice2-tiny",
     "cosyvoice3-tiny": PRESET_VOICE_MODELS_DIR / "cosyvoice3-tiny",
 }
-CHECKPOINT_FILES = tuple(f"{name}.pt" for name in MODULE_NAMES)
+CHECKPOINT_FILES = tuple(f"{name}.pt" for name in MODULE_NAMES)  # the official names; llm_checkpoint may pick another
 COMPONENTS = ("encoder", "decoder")
 
 
@@ -69,20 +77,25 @@ class LoadedModel:
     decoder_device: torch.device
     text_device: torch.device
     precision: DecoderDtypes | None = None  # each decoder module's precision, and why (`auto`)
+    llm_checkpoint: str | None = None  # the LLM's checkpoint file of an official model dir (None: dummy weights)
 
 
-def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
-    """-> (format, path): the yaml of a preset / dummy file, or an official model directory."""
+def locate_model(
+    source: str | Path, load_format: str | None, llm_checkpoint: str = LLM_CHECKPOINT_AUTO
+) -> tuple[str, Path, str | None]:
+    """-> (format, path, LLM checkpoint file): the yaml of a preset / dummy file (no checkpoint), or the config of an
+    official model directory (a hub id's resolved in its cache) with the LLM checkpoint `llm_checkpoint` picks."""
     text = str(source)
     if load_format in (None, "dummy") and text in PRESETS:
-        return "dummy", PRESETS_DIR / PRESETS[text]
+        return "dummy", PRESETS_DIR / PRESETS[text], None
     path = Path(source)
     if load_format == "dummy" or (load_format is None and path.suffix in (".yaml", ".yml")):
         if not path.is_file():
             raise CheckpointError(f"dummy model config {path} not found (presets: {', '.join(PRESETS)})")
-        return "dummy", path
+        return "dummy", path, None
     if load_format not in (None, "official"):
         raise CheckpointError(f"unknown load format {load_format!r}; use 'official' or 'dummy'")
+    path = model_directory(text)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} not found (or use one of the presets: {', '.join(PRESETS)})")
     configs = [path / family.config_file for family in families() if (path / family.config_file).is_file()]
@@ -90,10 +103,11 @@ def _resolve(source: str | Path, load_format: str | None) -> tuple[str, Path]:
         expected = ", ".join(f"{family.config_file} ({family.name})" for family in families())
         found = ", ".join(config.name for config in configs) or "none"
         raise CheckpointError(f"model directory {path} must hold exactly one of {expected}; it holds {found}")
-    missing = [name for name in CHECKPOINT_FILES if not (path / name).is_file()]
+    llm_file = llm_checkpoint_file(path, llm_checkpoint)
+    missing = [name for name in (llm_file, "flow.pt", "hift.pt") if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
-    return "official", configs[0]
+    return "official", configs[0], llm_file
 
 
 def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Module:
@@ -111,7 +125,7 @@ def load_module(model_dir: str | Path, name: str) -> nn.Module:
     """One official module ("llm", "flow" or "hift") of a model dir, strictly loaded, in eval mode."""
     if name not in MODULE_NAMES:
         raise CheckpointError(f"unknown module {name!r}; use one of {MODULE_NAMES}")
-    _, config_path = _resolve(model_dir, "official")
+    _, config_path, _ = locate_model(model_dir, "official", llm_checkpoint=OFFICIAL_LLM_CHECKPOINT)
     config = ModelConfig.from_yaml_file(config_path)
     return _build(config.family.modules[name](getattr(config, name)), config_path.parent, f"{name}.pt")
 
@@ -127,6 +141,7 @@ def load_model(
     seed: int = 0,
     max_text_chars: int = 2000,
     cpu_packing: bool = True,
+    llm_checkpoint: str = LLM_CHECKPOINT_AUTO,
 ) -> LoadedModel:
     """Load a model for the given stage `components` ("encoder": frontend + text encoder, "decoder").
 
@@ -135,11 +150,13 @@ def load_model(
     the text encoder always runs in float32 on CPU, INT8-quantized when `int8` (then a CPU float32
     decoder LLM is quantized too). `cpu_packing` packs the float32 CPU LLM's Linear weights for oneDNN (faster
     batched decode steps); turn it off to keep plain `nn.Linear` weights for casts, copies or state dicts.
+    `llm_checkpoint`: the LLM's checkpoint in an official model dir, `auto` (`llm.rl.pt` where the model has it, else
+    `llm.pt`) or a file name (`engine.loading.model_source.llm_checkpoint_file`).
     """
     unknown = set(components) - set(COMPONENTS)
     if unknown or not components:
         raise CheckpointError(f"components must be among {COMPONENTS}, got {components}")
-    fmt, config_path = _resolve(source, load_format)
+    fmt, config_path, llm_file = locate_model(source, load_format, llm_checkpoint)
     config = ModelConfig.from_yaml_file(config_path)
     model_dir = config_path.parent if fmt == "official" else None
     decoder_device = torch.device(device)
@@ -149,7 +166,7 @@ def load_model(
     decoding = "decoder" in components
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        llm = _build(classes["llm"](config.llm), model_dir, "llm.pt")
+        llm = _build(classes["llm"](config.llm), model_dir, llm_file or OFFICIAL_LLM_CHECKPOINT)
         flow = _build(classes["flow"](config.flow), model_dir, "flow.pt") if decoding else None
         hift = _build(classes["hift"](config.hift), model_dir, "hift.pt") if decoding else None
     # `auto` on CPU weighs each module's size (engine.nn.precision.cpu_auto_choice)
@@ -188,7 +205,7 @@ def load_model(
     else:
         voices = VoiceBank.dummy(config.spk_embed_dim, seed=seed) if model_dir is None else VoiceBank({})
     return LoadedModel(
-        name=str(source) if fmt == "dummy" else Path(source).name,
+        name=str(source) if fmt == "dummy" else served_name(str(source)),
         config=config,
         frontend=TextFrontend(max_text_chars, tokenizer=config.family.tokenizer(config, config_path, fmt == "official"))
         if "encoder" in components
@@ -202,4 +219,5 @@ def load_model(
         decoder_device=decoder_device,
         text_device=cpu,
         precision=replace(dtypes, llm_int8=int8_decoder) if decoding else None,
+        llm_checkpoint=llm_file,
     )

@@ -110,11 +110,26 @@ def test_app_args_defaults_and_validation() -> None:
 def test_tiny_presets_use_their_shipped_cloning_models() -> None:
     for preset in ("tiny", "cosyvoice2-tiny"):
         args = AppArgs.model_validate({"model": preset, "voices_dir": "/tmp/voices"})
-        assert args.voice_models_path == PRESET_VOICE_MODELS[preset]
-        assert (args.voice_models_path / "campplus.onnx").is_file()
+        assert args.voice_models_source == str(PRESET_VOICE_MODELS[preset])
+        assert (PRESET_VOICE_MODELS[preset] / "campplus.onnx").is_file()
     with pytest.raises(ValidationError, match="needs voice_models_dir"):
         AppArgs.model_validate({"model": "cosyvoice2-0.5b", "voices_dir": "/tmp/voices"})
-    assert AppArgs(model="/models/CosyVoice-300M").voice_models_path == Path("/models/CosyVoice-300M")
+    assert AppArgs(model="/models/CosyVoice-300M").voice_models_source == "/models/CosyVoice-300M"
+    # a hub id's cloning models are in its directory, resolved where the encoder runs
+    hub = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+    assert AppArgs(model=hub).voice_models_source == hub
+
+
+def test_models_by_hub_id_and_the_llm_checkpoint_in_the_app_args() -> None:
+    assert AppArgs(model="FunAudioLLM/Fun-CosyVoice3-0.5B-2512").llm_checkpoint == "auto"
+    assert AppArgs(llm_checkpoint="llm.pt").llm_checkpoint == "llm.pt"
+    for bad in ("../llm.pt", "llm", "/models/llm.pt"):
+        with pytest.raises(ValidationError, match="llm_checkpoint"):
+            AppArgs(llm_checkpoint=bad)
+    with pytest.raises(ValidationError, match=r"a hub id, but security\.allowed_model_roots admits only directories"):
+        AppArgs.model_validate(
+            {"model": "FunAudioLLM/Fun-CosyVoice3-0.5B-2512", "security": {"allowed_model_roots": ["/models"]}}
+        )
 
 
 def test_openai_args_cover_every_openai_voice_for_the_presets() -> None:
