@@ -81,15 +81,17 @@ class Encoder:
         max_text_chars: int,
         voice_cloning: VoiceCloningConfig | None = None,
         llm_checkpoint: str = LLM_CHECKPOINT_AUTO,
+        max_text_tokens: int | None = None,
     ) -> None:
         """`model`: a preset, a model dir or a hub id; `llm_checkpoint`: the LLM checkpoint the text encoder's weights
-        come from (the decoders load the same one)."""
+        come from (the decoders load the same one); `max_text_tokens`: the most tokens a request's text may have
+        (`TextEncoderStage`)."""
         loaded = load_model(
             model, components=("encoder",), int8=int8, max_text_chars=max_text_chars, llm_checkpoint=llm_checkpoint
         )
         self.llm_checkpoint = loaded.llm_checkpoint
         self.model_name = loaded.name
-        self.stage = TextEncoderStage(loaded)
+        self.stage = TextEncoderStage(loaded, max_text_tokens)
         self.max_text_chars = max_text_chars
         self.voice_cloning = voice_cloning
         self.cloner: VoiceCloner | None = None

@@ -43,6 +43,13 @@ class NonFiniteOutputError(CosyVoiceError):
     http_status = 500
 
 
+class TextTooLongError(CosyVoiceError):
+    """The text has more tokens than its bound, in all or in one sentence: refused before the encoder works on it
+    (its memory grows with the square of a sentence's tokens)."""
+
+    http_status = 413
+
+
 class RequestTooLargeError(CosyVoiceError):
     """The request needs more decoder memory than the replica's whole budget: it could never be admitted."""
 

@@ -227,6 +227,13 @@ class SchedulerArgs(_Strict):
 
 class LimitsArgs(_Strict):
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
+    max_input_tokens: int = Field(
+        6144,
+        ge=1,
+        description="inputs with more tokens (the model's tokenizer on the text as sent, counted before anything "
+        "else is done with it; a text stream's pieces in all) are rejected with 413: 1.5 a character of the default "
+        "max_input_chars, where Chinese takes ~1.1, English ~0.25, emoji 2 and rare scripts up to 4",
+    )
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
     health_timeout_s: float = Field(2.0, gt=0, description="how long /healthz waits for each stage")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")

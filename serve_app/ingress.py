@@ -113,6 +113,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         args.limits.max_input_chars,
         voice_cloning_config(args),
         llm_checkpoint=args.llm_checkpoint,
+        max_text_tokens=args.limits.max_input_tokens,
     )
     decoder_loop = {
         "max_audio_s": args.limits.max_audio_s,

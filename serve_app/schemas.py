@@ -4,13 +4,29 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from engine.llm.sampling import MAX_SEED, MAX_TOKEN_TEXT_RATIO, MAX_TOP_K, MAX_WIN_SIZE
 from engine.runtime.pipeline import MAX_SPEED, MIN_SPEED
+from engine.text.frontend import lone_surrogate_at
 from serve_app.audio import FORMATS
 
 OPENAI_DEFAULT_FORMAT = "mp3" if "mp3" in FORMATS else "wav"
+
+
+def unicode_text(text: str) -> str:
+    """`text`; ValueError for one holding a lone surrogate (JSON's "\\ud800" escape alone), which is no character."""
+    index = lone_surrogate_at(text)
+    if index is not None:
+        raise ValueError(
+            f"holds a lone surrogate (U+{ord(text[index]):04X}) at character {index}: half of a UTF-16 pair is not "
+            "text; send the whole pair or the character itself"
+        )
+    return text
+
+
+# Every string of a request: a 400 naming the field instead of a tokenizer's TypeError (a 500) further on.
+Text = Annotated[str, AfterValidator(unicode_text)]
 
 
 class _Body(BaseModel):
@@ -23,16 +39,16 @@ Speed = Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED, description="speaking
 
 
 class VoiceRef(_Body):
-    id: str
+    id: Text
 
 
 class SpeechOptions(_Body):
     """The options of OpenAI's speech endpoint, the text aside: its body's and a text stream's `start` message's."""
 
-    model: str
-    voice: str | VoiceRef
-    instructions: str | None = None
-    response_format: str = OPENAI_DEFAULT_FORMAT
+    model: Text
+    voice: Text | VoiceRef
+    instructions: Text | None = None
+    response_format: Text = OPENAI_DEFAULT_FORMAT
     speed: Speed = 1.0
 
     @property
@@ -47,7 +63,7 @@ class SpeechRequest(SpeechOptions):
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    input: str
+    input: Text
     stream_format: Literal["audio", "sse"] = "audio"
 
 
@@ -59,7 +75,7 @@ class StreamStart(SpeechOptions):
 
 class StreamText(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class StreamFlush(_Body):
@@ -91,13 +107,13 @@ class SamplingBody(_Body):
 class TTSRequest(_Body):
     """The native body: every engine option, and `stream` for a chunked response."""
 
-    text: str
-    voice: str | None = Field(
+    text: Text
+    voice: Text | None = Field(
         None, description="built-in speaker or registered voice id; default: the model's first built-in voice"
     )
-    format: str = "wav"
+    format: Text = "wav"
     stream: bool = False
-    instruct_text: str | None = None
+    instruct_text: Text | None = None
     cross_lingual: bool = Field(
         False, description="with a registered voice: keep its timbre but not its transcript (text in another language)"
     )

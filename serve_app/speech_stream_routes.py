@@ -27,12 +27,12 @@ from functools import partial
 from typing import Any
 
 import ray
-from fastapi import WebSocket
+from fastapi import WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
 from deployments.text_relay import TextRelay
-from engine.errors import InvalidInputError, UnknownVoiceError
+from engine.errors import InvalidInputError, TextTooLongError, UnknownVoiceError
 from engine.runtime.bistream import BistreamStart
 from engine.runtime.pipeline import SynthesisRequest
 from engine.text.frontend import complete_sentences, is_speakable
@@ -122,6 +122,8 @@ class TextStream:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InvalidInputError(f"malformed JSON message: {exc}") from None
+        except RecursionError:  # the parser's own depth bound, which an HTTP body meets as a 400 too
+            raise InvalidInputError("malformed JSON message: nested too deeply") from None
         return MESSAGES.validate_python(data)
 
     def close(self) -> None:
@@ -143,7 +145,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
             usage = await self.speak_stream(stream, request_id)
             await ws.send_json({"type": "speech.audio.done", "usage": usage})
             await ws.close()
-        except ClientLeftError:
+        except (ClientLeftError, WebSocketDisconnect):  # the latter: a send after the client left
             logger.info("the client left the text stream", extra={"request_id": request_id})
         except Exception as exc:
             status, event = error_event(exc, request_id)
@@ -247,6 +249,11 @@ class SpeechStreamRoutes(OpenAIRoutes):
                 spoken = spoken or is_speakable(message.text)
                 tokens = await self.call(partial(self.encoder.text_piece_tokens.remote, message.text))
                 stream.bistream_tokens += len(tokens)
+                if stream.bistream_tokens > self.limits.max_input_tokens:
+                    raise TextTooLongError(
+                        f"the text has passed {self.limits.max_input_tokens} tokens, the limit (emoji and rare scripts "
+                        "take several tokens a character)"
+                    )
                 await relay.put.remote(session, tokens)
             elif isinstance(message, StreamEnd):
                 break

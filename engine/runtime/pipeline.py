@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from engine.errors import InvalidInputError, NonFiniteOutputError
+from engine.errors import InvalidInputError, NonFiniteOutputError, TextTooLongError
 from engine.flow.masked_diff import FlowRequest
 from engine.llm.generation import GenerationRequest, SilentRunFilter, prefill_prompt_prefix
 from engine.llm.sampling import MAX_SEED, SamplingOptions
@@ -41,6 +41,13 @@ MAX_SEGMENT_TEXT_TOKENS = 8192
 MAX_PROMPT_SPEECH_TOKENS = 4096
 MAX_PROMPT_MEL_FRAMES = 8192
 MAX_VOICE_KEY_CHARS = 256  # a voice name or prompt key, as a segment carries it
+# The text ids of one sentence, its prompt included, that the text encoder takes: its attention's memory grows with
+# their square (v1, measured on the tiny model: 25 MB at 512, 77 MB at 1024, 301 MB at 2048, 4.7 GB at 8192). A
+# split sentence has at most ~80 tokens; only a long run of text without sentence marks comes near this.
+MAX_SENTENCE_TOKENS = 1024
+# Sentences encoded in one call at most: rows x longest row^2 (padding makes every row the longest) within what one
+# sentence of MAX_SENTENCE_TOKENS may take, so a long sentence beside many short ones costs no more than alone.
+ENCODER_BATCH_TOKEN_PAIRS = MAX_SENTENCE_TOKENS**2
 
 
 @dataclass(frozen=True)
@@ -138,11 +145,28 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.array(array)).to(device)
 
 
+def encoder_batches(lengths: list[int], max_token_pairs: int) -> list[slice]:
+    """Runs of consecutive rows, in order, each of which pads within `max_token_pairs` (rows x longest row^2), or
+    is one row alone."""
+    batches: list[slice] = []
+    start = longest = 0
+    for index, length in enumerate(lengths):
+        if index > start and (index - start + 1) * max(longest, length) ** 2 > max_token_pairs:
+            batches.append(slice(start, index))
+            start, longest = index, 0
+        longest = max(longest, length)
+    return [*batches, slice(start, len(lengths))] if lengths else []
+
+
 class TextEncoderStage:
     """Frontend + text encoder + voice features. Runs on CPU (optionally INT8)."""
 
-    def __init__(self, model: LoadedModel) -> None:
+    def __init__(self, model: LoadedModel, max_text_tokens: int | None = None) -> None:
+        """`max_text_tokens`: the most tokens a request's text may have, as the tokenizer reads it before any
+        normalisation (a cheap count that refuses token-heavy text, such as emoji, at once); None: no bound but each
+        sentence's (MAX_SENTENCE_TOKENS)."""
         self.model = model
+        self.max_text_tokens = max_text_tokens
 
     @property
     def voices(self) -> list[str]:
@@ -167,8 +191,10 @@ class TextEncoderStage:
 
     @torch.inference_mode()
     def plan(self, request: SynthesisRequest, prompt: VoicePrompt | None = None) -> EncodingPlan:
-        """Validate, normalise and split a request (as `encode`), encoding no sentence yet."""
+        """Validate, normalise and split a request (as `encode`), encoding no sentence yet; TextTooLongError (413) for
+        a text over `max_text_tokens` (before it is normalised) or a sentence over MAX_SENTENCE_TOKENS."""
         request = request.validated()
+        self._check_token_count(request.text)
         voice = self._voice_conditioning(request, prompt)
         return EncodingPlan(request, voice, tuple(self._segment_texts(request, voice)))
 
@@ -223,6 +249,7 @@ class TextEncoderStage:
             voice=request.voice,
         )
         prompt_text = np.asarray(list(voice.prompt_text_tokens) + list(voice.text_lead_tokens), dtype=np.int64)
+        _check_sentence_tokens(len(prompt_text), "the prompt")
         return BistreamStart(prompt_text, segment)
 
     def text_piece_tokens(self, text: str) -> list[int]:
@@ -236,7 +263,20 @@ class TextEncoderStage:
 
     def _segment_texts(self, request: SynthesisRequest, voice: _VoiceConditioning) -> list[SegmentText]:
         segments = self.model.frontend.segment_tokens(request.text)
-        return [SegmentText(voice.prompt_text_tokens, voice.text_lead_tokens + tokens) for tokens in segments]
+        texts = [SegmentText(voice.prompt_text_tokens, voice.text_lead_tokens + tokens) for tokens in segments]
+        for text in texts:
+            _check_sentence_tokens(len(text.prompt) + len(text.text), "a sentence with its prompt")
+        return texts
+
+    def _check_token_count(self, text: str) -> None:
+        if self.max_text_tokens is None:
+            return
+        count = len(self.model.frontend.tokenize(text))
+        if count > self.max_text_tokens:
+            raise TextTooLongError(
+                f"the input text is {count} tokens long; the limit is {self.max_text_tokens} (emoji and rare scripts "
+                "take several tokens a character)"
+            )
 
     def _voice_conditioning(self, request: SynthesisRequest, prompt: VoicePrompt | None) -> _VoiceConditioning:
         """The official frontend modes (sft, zero-shot, cross-lingual, instruct, instruct2) as one table of rules;
@@ -300,12 +340,24 @@ class TextEncoderStage:
         )
 
     def _encode_batch(self, token_lists: list[list[int]]) -> list[np.ndarray]:
-        """All sentences through the text encoder as one padded batch -> [T_i, D] float32 each."""
+        """The sentences through the text encoder in padded batches (`encoder_batches`) -> [T_i, D] float32 each."""
         device = self.model.text_device
-        lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
-        ids = pad_sequence([torch.tensor(tokens, dtype=torch.long) for tokens in token_lists], batch_first=True)
-        encoded = self.model.text_llm.encode_text(ids.to(device), lengths).float().cpu().numpy()
-        return [encoded[i, :length] for i, length in enumerate(lengths.tolist())]
+        encoded_rows: list[np.ndarray] = []
+        for batch in encoder_batches([len(tokens) for tokens in token_lists], ENCODER_BATCH_TOKEN_PAIRS):
+            rows = token_lists[batch]
+            lengths = torch.tensor([len(tokens) for tokens in rows], device=device)
+            ids = pad_sequence([torch.tensor(tokens, dtype=torch.long) for tokens in rows], batch_first=True)
+            encoded = self.model.text_llm.encode_text(ids.to(device), lengths).float().cpu().numpy()
+            encoded_rows += [encoded[i, :length] for i, length in enumerate(lengths.tolist())]
+        return encoded_rows
+
+
+def _check_sentence_tokens(count: int, what: str) -> None:
+    if count > MAX_SENTENCE_TOKENS:
+        raise TextTooLongError(
+            f"{what} is {count} tokens long; the limit is {MAX_SENTENCE_TOKENS}: end sentences with punctuation (a "
+            "sentence is cut at its marks), or send a shorter instruction or transcript"
+        )
 
 
 def _checked_array(name: str, value: object, shape: tuple[int | None, ...], integer: bool = False) -> np.ndarray:

@@ -198,6 +198,20 @@ def has_special_token_markup(text: str) -> bool:
     return "<|" in text and "|>" in text
 
 
+def lone_surrogate_at(text: str) -> int | None:
+    """Where `text` holds its first lone surrogate (U+D800-U+DFFF: half of a UTF-16 pair, not a character; JSON's
+    "\\ud800" escape makes one, and the Qwen tokenizers raise on it), None when it holds none."""
+    try:
+        text.encode("utf-8")  # only a lone surrogate cannot be encoded
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
+def without_lone_surrogates(text: str) -> str:
+    return text.encode("utf-8", "ignore").decode("utf-8")
+
+
 def strip_control_characters(text: str) -> str:
     """Drop control, format and lone-surrogate characters (never speech; NUL crashes wetext); keep newline, tab."""
     return "".join(
@@ -354,9 +368,10 @@ class TextFrontend:
         return self.tokenizer.encoding
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of `text` as is (no normalisation); special tokens such as `<|en|>` are allowed."""
+        """Token ids of `text` as is (no normalisation, lone surrogates dropped); special tokens such as `<|en|>` are
+        allowed."""
         self._check_length(text)
-        return self._encode(text)
+        return self._encode(without_lone_surrogates(text))
 
     def normalize(self, text: str) -> str:
         """The whole normalised text (official `text_normalize(text, split=False)`)."""

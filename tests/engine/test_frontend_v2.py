@@ -184,3 +184,13 @@ def test_the_instruction_end_marker_per_version(tiny: QwenTokenizer) -> None:
     assert v1.encoding.n_vocab == 51866
     with pytest.raises(AttributeError, match="whisper"):
         _ = v2.encoding
+
+
+def test_lone_surrogates_are_dropped_before_the_tokenizer_which_would_raise(tiny: QwenTokenizer) -> None:
+    """A JSON "\\ud800" escape makes a lone surrogate, which the Qwen tokenizer refuses with a TypeError (a 500 for
+    any client that sent one in an instruction or a text stream's piece)."""
+    with pytest.raises(TypeError):
+        tiny.encode("Hi\ud800 there.")
+    frontend = TextFrontend(use_wetext=False, tokenizer=tiny)
+    assert frontend.tokenize("Hi\ud800 there\udfff.") == frontend.tokenize("Hi there.")
+    assert frontend.split("Hi\ud800 there.") == frontend.split("Hi there.")

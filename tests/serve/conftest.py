@@ -1,10 +1,12 @@
 """Shared helpers of the serving tests: the real application on one small local Ray (Serve on a free 127.0.0.1
-port), the CLI server, and audio files: reading responses back (every format but pcm through FFmpeg, PyAV) and
-writing small uploads that decode to much more audio."""
+port), the CLI server, audio files (reading responses back, every format but pcm through FFmpeg, PyAV; writing small
+uploads that decode to much more audio), and a bound on a block's time and peak memory."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +24,7 @@ import httpx
 import numpy as np
 import ray
 import soundfile as sf
+import websockets
 from ray import serve
 
 from benchmarks.http_bench import free_port
@@ -147,6 +150,49 @@ def cli_server(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+@contextmanager
+def bounded_in_time_and_memory(max_s: float, max_growth_bytes: int) -> Iterator[None]:
+    """Fails unless the block ends within `max_s` and its peak resident memory stays under `max_growth_bytes` above
+    the memory at its start (writing 5 to clear_refs resets the peak, VmHWM, to the current VmRSS)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before, start = _status_bytes("VmRSS"), time.monotonic()
+    yield
+    elapsed, growth = time.monotonic() - start, _status_bytes("VmHWM") - before
+    assert elapsed < max_s, f"took {elapsed:.1f} s"
+    assert growth < max_growth_bytes, f"peak memory grew by {growth / 2**20:.0f} MiB"
+
+
+TEXT_STREAM_PATH = "/v1/audio/speech/stream"
+
+
+async def text_stream_exchange(
+    base_url: str, messages: list[str | dict[str, Any]], timeout_s: float = 60.0
+) -> tuple[list[dict[str, Any]], bytes, int | None]:
+    """A text stream session (`/v1/audio/speech/stream`) that sends `messages` (a str as it is: raw JSON, possibly
+    malformed) and reads until the server closes -> (its JSON events, its audio, the close code)."""
+    events: list[dict[str, Any]] = []
+    audio = bytearray()
+    async with websockets.connect(base_url.replace("http://", "ws://", 1) + TEXT_STREAM_PATH) as ws:
+        for message in messages:
+            await ws.send(message if isinstance(message, str) else json.dumps(message))
+        try:
+            while True:
+                frame = await asyncio.wait_for(ws.recv(), timeout_s)
+                if isinstance(frame, bytes):
+                    audio += frame
+                else:
+                    events.append(json.loads(frame))
+        except websockets.ConnectionClosed as closed:
+            return events, bytes(audio), closed.rcvd.code if closed.rcvd else None
 
 
 def decode_audio_file(data: bytes) -> tuple[np.ndarray, int]:

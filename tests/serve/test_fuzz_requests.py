@@ -4,10 +4,13 @@ failed decoder loop, and a stream running beside them completes whole.
 Hypothesis draws both request bodies (native `/v1/tts` and OpenAI's `/v1/audio/speech`) with non-finite and extreme
 numbers, huge integers, odd and long strings and unknown values, sent as raw JSON (Python's parser takes NaN,
 Infinity and integers of any length, as a client may send them). Derandomized, so a CI run replays the same cases.
+Known attacks (token-heavy text, lone surrogates, JSON nested too deep, on both HTTP APIs and the text stream
+WebSocket) run beside a seeded stream, whose bytes must be those of a quiet run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +23,11 @@ from hypothesis import strategies as st
 from ray import serve
 
 from serve_app.audio import FORMATS
-from tests.serve.conftest import running_app
+from tests.serve.conftest import running_app, text_stream_exchange
 
 APP = "fuzz"
 MAX_INPUT_CHARS = 200
+MAX_INPUT_TOKENS = 300  # below the 399 of EMOJI_TEXT's 200 characters
 MAX_AUDIO_S = 3.0  # every accepted request is short: the fuzz run stays quick on CPU
 EXAMPLES = 80
 
@@ -35,7 +39,12 @@ def base_url() -> Iterator[str]:
         "ingress": {"num_cpus": 0.25},
         "encoder": {"num_cpus": 0.25},
         "decoder": {"num_cpus": 0.5, "max_batch_size": 4},
-        "limits": {"max_input_chars": MAX_INPUT_CHARS, "max_audio_s": MAX_AUDIO_S, "max_stream_s": 60},
+        "limits": {
+            "max_input_chars": MAX_INPUT_CHARS,
+            "max_input_tokens": MAX_INPUT_TOKENS,
+            "max_audio_s": MAX_AUDIO_S,
+            "max_stream_s": 60,
+        },
     }
     with running_app(args, APP) as url:
         yield url
@@ -124,28 +133,43 @@ def test_no_request_gets_a_5xx_breaks_a_stream_or_the_decoder_loop(
     assert stats["loop_failed"] is False and stats["request_faults"] == 0, (path, body)
 
 
-HOSTILE = [
-    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": NaN}}'),
-    ("/v1/tts", '{"text": "Hi.", "sampling": {"win_size": 1' + "0" * 400 + "}}"),
-    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": 100000, "max_token_text_ratio": 100000}}'),
-    ("/v1/audio/speech", '{"model": "tiny", "input": "Hi.", "voice": "alloy", "speed": NaN}'),
+EMOJI_TEXT = "a" + "\U0001f600" * (MAX_INPUT_CHARS - 1)
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # 200 KB: within the body limit, beyond the parser's depth
+HOSTILE = [  # (path, raw body, status)
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": NaN}}', 400),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"win_size": 1' + "0" * 400 + "}}", 400),
+    ("/v1/tts", '{"text": "Hi.", "sampling": {"min_token_text_ratio": 100000, "max_token_text_ratio": 100000}}', 400),
+    ("/v1/audio/speech", '{"model": "tiny", "input": "Hi.", "voice": "alloy", "speed": NaN}', 400),
+    ("/v1/tts", json.dumps({"text": EMOJI_TEXT}), 413),
+    ("/v1/audio/speech", '{"model": "tiny", "input": "Hi \\ud800.", "voice": "alloy"}', 400),
+    ("/v1/tts", DEEP_JSON, 400),
+]
+START = {"type": "start", "model": "tiny", "voice": "alloy", "response_format": "pcm"}
+HOSTILE_TEXT_STREAMS = [  # the messages of a session, and the code of its error event
+    ([DEEP_JSON], "InvalidInputError"),
+    (['{"type": "start", "model": ' + DEEP_JSON + "}"], "InvalidInputError"),
+    ([START, '{"type": "text", "text": "Hello \\ud800 there."}'], "invalid_request"),
+    ([START, {"type": "text", "text": EMOJI_TEXT}, {"type": "end"}], "TextTooLongError"),
 ]
 
 
-def test_a_stream_beside_hostile_requests_completes_whole(client: httpx.Client) -> None:
+def test_a_stream_beside_hostile_requests_completes_whole(base_url: str, client: httpx.Client) -> None:
     body = {"text": "A stream that runs while others attack.", "format": "pcm", "stream": True, "seed": 3}
     body["sampling"] = {"max_token_text_ratio": 5}  # within the app's MAX_AUDIO_S
     alone = client.post("/v1/tts", json=body)
     assert alone.status_code == 200 and alone.content
 
-    def attack(path_raw: tuple[str, str]) -> int:
-        path, raw = path_raw
+    def attack(path_raw: tuple[str, str, int]) -> int:
+        path, raw, _ = path_raw
         return client.post(path, content=raw.encode(), headers={"content-type": "application/json"}).status_code
 
     with ThreadPoolExecutor(len(HOSTILE) + 1) as pool:
         streamed = pool.submit(client.post, "/v1/tts", json=body)
         statuses = list(pool.map(attack, HOSTILE))
+        sessions = [asyncio.run(text_stream_exchange(base_url, messages)) for messages, _ in HOSTILE_TEXT_STREAMS]
         beside = streamed.result()
-    assert statuses == [400] * len(HOSTILE)
+    assert statuses == [status for _, _, status in HOSTILE]
+    for (events, audio, close_code), (_, error_code) in zip(sessions, HOSTILE_TEXT_STREAMS, strict=True):
+        assert close_code == 1008 and not audio and events[-1]["error"]["code"] == error_code, events
     assert beside.status_code == 200 and beside.content == alone.content  # seeded: the same audio, byte for byte
     assert _decoder_stats()["loop_failed"] is False

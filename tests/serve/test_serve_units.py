@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fastapi import WebSocketDisconnect
 from pydantic import ValidationError
 from ray.exceptions import (
     ObjectReconstructionFailedError,
@@ -40,8 +42,18 @@ from serve_app.cli import with_default_voices_dir
 from serve_app.errors import StreamIdleError, error_payload, unavailable_error
 from serve_app.openai_routes import openai_mode, served_model
 from serve_app.responses import speech_usage
-from serve_app.speech_stream_routes import TextStream, close_code, error_event
+from serve_app.speech_stream_routes import SpeechStreamRoutes, TextStream, close_code, error_event
 from serve_app.synthesis import check_streams, mapped_voice
+
+
+@pytest.fixture
+def serve_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """`caplog` with what Serve's logger logs from INFO up (it does not propagate to the root logger)."""
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(caplog.handler)
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        yield caplog
+    serve_logger.removeHandler(caplog.handler)
 
 
 def test_cpu_replica_keeps_the_dtype_asked_auto_chosen_at_load() -> None:
@@ -75,16 +87,12 @@ def test_engine_errors_map_to_openai_error_bodies(error: CosyVoiceError, status:
     ],
 )
 def test_500s_say_internal_error_and_log_the_traceback_with_the_request_id(
-    error: Exception, code: str, caplog: pytest.LogCaptureFixture
+    error: Exception, code: str, serve_log: pytest.LogCaptureFixture
 ) -> None:
-    serve_logger = logging.getLogger("ray.serve")  # Serve's logger does not propagate to the root one
-    serve_logger.addHandler(caplog.handler)
     try:
         raise error
     except Exception as raised:
         status, body = error_payload(RayTaskError("decode", "traceback", raised), "req-9")
-    finally:
-        serve_logger.removeHandler(caplog.handler)
     assert status == 500
     assert body["error"] == {
         "message": "internal error (request id req-9)",
@@ -92,7 +100,7 @@ def test_500s_say_internal_error_and_log_the_traceback_with_the_request_id(
         "code": code,
         "param": None,
     }
-    [record] = [r for r in caplog.records if r.getMessage() == "internal error"]
+    [record] = [r for r in serve_log.records if r.getMessage() == "internal error"]
     assert record.request_id == "req-9" and record.exc_info is not None
 
 
@@ -304,17 +312,12 @@ def test_speech_usage_counts_text_tokens_and_the_audio_in_speech_tokens() -> Non
     assert speech_usage(12, 2.0, 25) == {"input_tokens": 12, "output_tokens": 50, "total_tokens": 62}
 
 
-def test_a_503_says_our_message_and_logs_serves_text(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_503_says_our_message_and_logs_serves_text(serve_log: pytest.LogCaptureFixture) -> None:
     serve_text = BackPressureError(num_queued_requests=64, max_queued_requests=64)
-    serve_logger = logging.getLogger("ray.serve")  # Serve's logger does not propagate to the root one
-    serve_logger.addHandler(caplog.handler)
-    try:
-        status, body = error_payload(serve_text, "req-9")
-    finally:
-        serve_logger.removeHandler(caplog.handler)
+    status, body = error_payload(serve_text, "req-9")
     assert status == 503
     assert body["error"]["message"] == "the server is at capacity; retry later (request id req-9)"
-    assert "64" in caplog.text  # Serve's own words stay in the log
+    assert "64" in serve_log.text  # Serve's own words stay in the log
     assert unavailable_error(ValueError("not Serve's")) is None
 
 
@@ -420,6 +423,35 @@ def test_a_silent_text_stream_ends_after_the_idle_time_but_not_while_its_audio_i
     status, event = error_event(StreamIdleError("idle"), "req-1")
     assert status == 408 and event["type"] == "error" and event["error"]["code"] == "StreamIdleError"
     assert close_code(status) == 1008 and close_code(503) == 1013 and close_code(500) == 1011
+
+
+class _LeftSocket:
+    """A text stream's socket whose client has gone: every send fails as Starlette's does then."""
+
+    def __init__(self) -> None:
+        self.scope = {"state": {"request_id": "req-left"}, "subprotocols": []}
+
+    async def accept(self, subprotocol: str | None = None) -> None:
+        pass
+
+    async def send_json(self, data: Any) -> None:
+        raise WebSocketDisconnect(1006)
+
+    async def close(self, code: int = 1000) -> None:
+        raise WebSocketDisconnect(1006)
+
+
+def test_a_client_that_left_is_logged_at_info_without_a_traceback_even_when_a_send_failed_first(
+    serve_log: pytest.LogCaptureFixture,
+) -> None:
+    async def speak_stream(stream: TextStream, request_id: str) -> dict[str, int]:
+        await stream.ws.send_json({"type": "speech.audio.delta"})  # the speaker's send met the gone client first
+        return {}
+
+    routes = SimpleNamespace(limits=LimitsArgs(), speak_stream=speak_stream)
+    asyncio.run(SpeechStreamRoutes.speech_stream(routes, _LeftSocket()))
+    assert [record.getMessage() for record in serve_log.records] == ["the client left the text stream"]
+    assert serve_log.records[0].levelno == logging.INFO and serve_log.records[0].exc_info is None
 
 
 class FakeRelay:

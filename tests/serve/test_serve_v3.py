@@ -4,8 +4,10 @@ a registered voice, `cosyvoice-serve say`, and a voice of another family refused
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from ray import serve
 from serve_app import build_app
 from serve_app.cli import main as cli_main
 from serve_app.cli import parser, with_default_voices_dir
-from tests.serve.conftest import running_app
+from tests.serve.conftest import running_app, text_stream_exchange
 
 SMALL = {"ingress": {"num_cpus": 0.1}, "encoder": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights speak until max_len
@@ -101,6 +103,43 @@ def test_openai_instructions_with_a_registered_voice(client: httpx.Client) -> No
     builtin = client.post("/v1/audio/speech", json={**body, "voice": "alloy"})
     assert builtin.status_code == 400, builtin.text
     assert "registered (cloned) voice only" in builtin.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_in_any_text_is_a_400_and_the_neighbour_hears_its_audio(
+    base_url: str, client: httpx.Client
+) -> None:
+    """JSON's "\\ud800" escape alone is half a UTF-16 pair: CosyVoice3's Qwen tokenizer raised a TypeError on it
+    (500 on both HTTP APIs, 1011 on the text stream); now the field is named in a 400 before anything runs."""
+    voice = register(client)
+    neighbour = {"text": "In my voice.", "voice": voice, "format": "wav", "seed": 5, **SHORT}
+    neighbour["instruct_text"] = "Speak happily."
+    quiet = client.post("/v1/tts", json=neighbour)
+    assert quiet.status_code == 200, quiet.text
+    # Raw JSON with the escapes, as a client sends them (a lone surrogate itself cannot be encoded in UTF-8).
+    http_attacks = [
+        ("/v1/audio/speech", f'{{"model": "tts-1", "input": "Hi.", "voice": "{voice}", "instructions": "x\\ud800"}}'),
+        ("/v1/audio/speech", f'{{"model": "tts-1", "input": "Hi \\udfff.", "voice": "{voice}"}}'),
+        ("/v1/tts", f'{{"text": "Hi.", "voice": "{voice}", "instruct_text": "\\udc00 Speak happily."}}'),
+    ]
+    start = f'{{"type": "start", "model": "tts-1", "voice": "{voice}", "response_format": "pcm"'
+    stream_attacks = [
+        [start + ', "instructions": "Speak \\ud800 happily."}'],
+        [start + "}", '{"type": "text", "text": "Hello \\udc00 there."}', {"type": "end"}],
+    ]
+
+    def post(path_raw: tuple[str, str]) -> httpx.Response:
+        path, raw = path_raw
+        return client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+
+    with ThreadPoolExecutor(len(http_attacks) + 1) as pool:
+        beside = pool.submit(client.post, "/v1/tts", json=neighbour)
+        refused = list(pool.map(post, http_attacks))
+        streams = [asyncio.run(text_stream_exchange(base_url, messages)) for messages in stream_attacks]
+        assert beside.result().content == quiet.content  # seeded: the same audio, byte for byte
+    for response in refused:
+        assert response.status_code == 400 and "lone surrogate" in response.json()["error"]["message"], response.text
+    for events, audio, code in streams:
+        assert code == 1008 and not audio and "lone surrogate" in events[-1]["error"]["message"], events
 
 
 def test_cosyvoice_serve_say(base_url: str, tmp_path: Path) -> None:

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import io
 import re
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -23,29 +20,11 @@ from engine.voices.cloning import PROMPT_SAMPLE_RATES, PromptAudioLimits, VoiceC
 from engine.voices.registry import EVERYONE
 from serve_app.args import AppArgs, LimitsArgs
 from serve_app.ingress import voice_cloning_config
-from tests.serve.conftest import constant_flac
+from tests.serve.conftest import bounded_in_time_and_memory, constant_flac
 
 MAX_GROWTH_BYTES = 200 << 20  # the refused uploads below would take 300 MB to gigabytes if decoded whole
 MAX_REFUSAL_S = 5.0  # generous: the bounded refusals take milliseconds
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")
-
-
-@contextmanager
-def bounded_in_time_and_memory() -> Iterator[None]:
-    """Fails unless the block ends within MAX_REFUSAL_S and its peak resident memory stays under MAX_GROWTH_BYTES
-    above the memory at its start (writing 5 to clear_refs resets the peak, VmHWM, to the current VmRSS)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    before, start = _status_bytes("VmRSS"), time.monotonic()
-    yield
-    elapsed, growth = time.monotonic() - start, _status_bytes("VmHWM") - before
-    assert elapsed < MAX_REFUSAL_S, f"took {elapsed:.1f} s"
-    assert growth < MAX_GROWTH_BYTES, f"peak memory grew by {growth / 2**20:.0f} MiB"
+BOUNDS = (MAX_REFUSAL_S, MAX_GROWTH_BYTES)
 
 
 def without_length(flac: bytes) -> bytes:
@@ -87,14 +66,14 @@ def test_a_flac_bomb_is_refused_in_little_time_and_memory(
     long_8_channel_flac: bytes, make: Callable[[bytes], bytes], limits: PromptAudioLimits, message: str
 ) -> None:
     upload = make(long_8_channel_flac)
-    with bounded_in_time_and_memory(), pytest.raises(InvalidInputError, match=re.escape(message)):
+    with bounded_in_time_and_memory(*BOUNDS), pytest.raises(InvalidInputError, match=re.escape(message)):
         decode_prompt_audio(upload, limits)
 
 
 @pytest.mark.parametrize("rate", [8000, 16001, 20011, 96000])
 def test_a_rate_outside_the_list_is_refused_before_decoding(rate: int) -> None:
     message = f"sample rate is {rate} Hz; it must be one of 16000, 22050, 24000, 32000, 44100, 48000 Hz"
-    with bounded_in_time_and_memory(), pytest.raises(InvalidInputError, match=re.escape(message)):
+    with bounded_in_time_and_memory(*BOUNDS), pytest.raises(InvalidInputError, match=re.escape(message)):
         decode_prompt_audio(tone_wav(2.0, rate))
 
 
@@ -131,7 +110,7 @@ def cloners() -> dict[str, VoiceCloner]:
 @pytest.mark.parametrize("rate", [16001, 20011, 48001])
 def test_cloning_refuses_a_rate_whose_resampling_kernel_is_huge(cloners: dict[str, VoiceCloner], rate: int) -> None:
     waveform = np.random.default_rng(0).uniform(-0.3, 0.3, 2 * rate).astype(np.float32)
-    with bounded_in_time_and_memory(), pytest.raises(InvalidInputError, match=f"from {rate} Hz to 16000 Hz"):
+    with bounded_in_time_and_memory(*BOUNDS), pytest.raises(InvalidInputError, match=f"from {rate} Hz to 16000 Hz"):
         cloners["v1"].clone(waveform, rate, "Hello there.")
 
 
@@ -140,7 +119,7 @@ def test_cloning_refuses_a_rate_whose_resampling_kernel_is_huge(cloners: dict[st
 def test_every_listed_rate_clones_in_bounded_memory(cloners: dict[str, VoiceCloner], family: str, rate: int) -> None:
     waveform, decoded_rate = decode_prompt_audio(tone_wav(2.0, rate, channels=2))
     assert decoded_rate == rate and waveform.shape == (2 * rate,)
-    with bounded_in_time_and_memory():
+    with bounded_in_time_and_memory(*BOUNDS):
         prompt = cloners[family].clone(waveform, rate, "Hello there.")
     assert prompt.sample_rate == cloners[family].sample_rate and prompt.speech_tokens.size > 0
 
@@ -164,7 +143,7 @@ UPLOADS = {  # name: (file, message)
 @pytest.mark.parametrize(("make", "message"), UPLOADS.values(), ids=UPLOADS.keys())
 def test_the_encoder_refuses_bad_uploads_fast(encoder: Encoder, make: Callable[[], bytes], message: str) -> None:
     upload = make()
-    with bounded_in_time_and_memory(), pytest.raises(InvalidInputError, match=re.escape(message)) as refused:
+    with bounded_in_time_and_memory(*BOUNDS), pytest.raises(InvalidInputError, match=re.escape(message)) as refused:
         encoder.register_voice(upload, "Hello there.", None, EVERYONE)
     assert refused.value.http_status == 400
     assert encoder.list_voices(EVERYONE) == []
