@@ -3,17 +3,19 @@
 The official code is imported at run time from a checkout given by path (never copied here), inside a throwaway
 venv outside this repo that has the official dependencies, for example:
 
-    python -m venv /tmp/offvenv --system-site-packages
-    /tmp/offvenv/bin/pip install hyperpyyaml==1.2.3 transformers==4.51.3 diffusers==0.29.0 omegaconf einops scipy \\
-        conformer librosa openai-whisper==20250625
-    /tmp/offvenv/bin/pip install hydra-core lightning rich gdown wget pyarrow pyworld
+    python -m venv /tmp/offvenv --system-site-packages  # reuses the installed torch
+    /tmp/offvenv/bin/pip freeze | grep '^torch==' > /tmp/torch.txt  # a constraint: pip keeps that torch
+    /tmp/offvenv/bin/pip install -c /tmp/torch.txt hyperpyyaml==1.2.3 transformers==4.51.3 diffusers==0.29.0 \\
+        omegaconf einops scipy conformer librosa openai-whisper==20250625
+    /tmp/offvenv/bin/pip install -c /tmp/torch.txt hydra-core lightning rich gdown wget pyarrow pyworld
     /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; a separate step (see README.md)
     /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official \\
         --model tests/fixtures/cosyvoice1-tiny/model --out tests/fixtures/cosyvoice1-tiny
 
 `--official` is a checkout of FunAudioLLM/CosyVoice with its `third_party/Matcha-TTS` submodule in place.
 `--model` is a model dir in the official layout (`cosyvoice.yaml` or `cosyvoice2.yaml`, `llm.pt`, `flow.pt`,
-`hift.pt`): an existing kit's weights or real ones. The kit is written to `--out` in the existing format:
+`hift.pt`; by default `--out/model`): an existing kit's weights or real ones. The kit is written to `--out` in the
+existing format:
 `model/` (copied unless it is `--out/model` already), `cases.pt` and `README.md`. When `--out/cases.pt` exists,
 its groups are kept and the groups made here are added, so a kit can be extended in place; groups and hift cases
 made here that the kit already has stay as they were recorded (another machine's rounding differs) unless
@@ -27,13 +29,24 @@ Groups made here (every value a tensor, int, float or str; see the README sectio
 - `hift`: one more case, `HiFTGenerator.inference` with a non-empty `cache_source` and its random draws; for v2
   the longer cases `mel30_long`, `mel60_long`, `mel120_long` (random mels, draws recorded). Every hift case then
   gets the official HiFT's hidden tensors in pipeline order (HIFT_INTERMEDIATES, recomputed on the case's own
-  inputs) and `spread_<tensor>`: how much the official code itself varies with two threads and with the native
-  convolution kernels, from which the parity tests take their tolerances (tests/parity/hift_pipeline.py).
+  inputs) and `spread_<tensor>`: how much the official code itself varies, on the machine running this, over
+  SPREAD_VARIANTS (two threads, the native convolution kernels, the AVX2 kernels of ATen and oneDNN, MKL's AVX2
+  kernels), per stage and end to end (`spread_e2e_f0`, `spread_e2e_speech`), from which the parity tests take
+  their tolerances (tests/parity/hift_pipeline.py). Spreads are measured afresh on every run (`measure_spreads`).
 - `llm_bistream` (v2, only with `--bistream-only`, which leaves every other group as it is): the official
   `llm.inference_bistream` with its text a generator of pieces, greedy and with the yaml's sampler (BISTREAM_MARKER's
   README section describes the fields).
 - `frontend` (v2, and v1 kits that have none): `text_normalize` with wetext + the yaml's tokenizer (v2: the Qwen2
   files of `model/CosyVoice-BlankEN`; `--qwen-tokenizer` copies tokenizer files there first).
+
+A kit without the spreads a parity test needs (an older kit, or one whose spreads were measured on another kind of
+CPU) gets them, and nothing else changes, with (the CosyVoice3 kit: tools/make_cosyvoice3_kit.py, same flags):
+
+    /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official --out KIT --respread
+
+which measures every `spread_*` of every hift case again on this machine, keeps every recorded tensor as it is,
+records the machine in the kit's meta (`spread_cpu`, `spread_variants`, `spread_kernels`) and writes RESPREAD_MARKER's
+README section.
 """
 
 from __future__ import annotations
@@ -43,9 +56,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -66,7 +81,25 @@ LONG_CASE_OMITTED = ("s_stft", "conv_post_out")
 # l_linear's input and output in the source module, then the magnitude and phase `_istft` gets.
 HIFT_INTERMEDIATES = ("source_sine", "source_linear", "magnitude", "phase")
 # Runs of the official code other than the one-thread default, whose differences from it are each tensor's spread.
-SPREAD_VARIANTS = ("threads2", "no_mkldnn")
+# These run in this process (`spread_variant`):
+IN_PROCESS_VARIANTS = {
+    "threads2": "two intra-op threads",
+    "no_mkldnn": "the native convolution kernels instead of oneDNN's",
+}
+# These in a fresh process (`child_runs`), because ATen, oneDNN and MKL read their variable once, when they start.
+# MKL has a variant of its own: the convolutions oneDNN leaves to ATen (conv_pre's among them) are MKL GEMMs, which
+# ATen's and oneDNN's variables do not reach.
+PROCESS_VARIANTS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "mkl_avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+SPREAD_VARIANTS = (*IN_PROCESS_VARIANTS, *PROCESS_VARIANTS)
+# The library each variable of PROCESS_VARIANTS sets, in the names `kernel_isas` gives what they report.
+KERNEL_VARIABLES = {"ATEN_CPU_CAPABILITY": "ATen", "ONEDNN_MAX_CPU_ISA": "oneDNN", "MKL_ENABLE_INSTRUCTIONS": "MKL"}
+# The hidden flag on which the tools run as the child of `child_runs`.
+SPREAD_CHILD_FLAG = "--spread-child"
+GROUPS_MARKER = "## Groups made by tools/make_conformance_kit.py"
+RESPREAD_MARKER = "## HiFT spreads measured again (made with --respread)"
 SPREAD_VIEW = "the log of `magnitude`, the others as they are"
 FRONTEND_TEXTS = (
     "Hello world, this is a streaming test.",
@@ -376,15 +409,10 @@ class Maker:
             case[f"rand_draw_{k}"] = value
         return case
 
-    def hift_intermediates(self, case: dict[str, Any]) -> dict[str, Any]:
-        """The official HiFT's hidden tensors of a recorded case (HIFT_INTERMEDIATES) and the spread of each.
-
-        Recomputed from the case's own inputs, so that they fit its recorded tensors whichever machine recorded
-        those: the source module on the recorded f0 with the recorded draws replayed (cases with draws), and
-        decode on the recorded mel and source. `spread_<key>`: the largest difference of a tensor over
-        SPREAD_VARIANTS (other thread counts and convolution kernels) from this one-thread default run.
-        """
-        return hidden_with_spread(lambda: official_hift_hidden(self.model.hift, case), case)
+    def hift_run(self, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """`official_hift_run` on this model's HiFT (what `measure_spreads` compares). Recomputed from the case's
+        own inputs, so that the hidden tensors fit its recorded tensors whichever machine recorded those."""
+        return official_hift_run(self.model.hift, case)
 
     # ---- v2 frontend ------------------------------------------------------------------------------------------
 
@@ -616,9 +644,7 @@ def write_bistream_group(
     section."""
     cases["llm_bistream"] = made
     torch.save(cases, out / "cases.pt")
-    readme = out / "README.md"
-    text = readme.read_text(encoding="utf-8").split("\n" + BISTREAM_MARKER)[0].rstrip("\n") + "\n"
-    readme.write_text(text + bistream_readme(made, out, command, commit), encoding="utf-8")
+    replace_readme_section(out / "README.md", BISTREAM_MARKER, bistream_readme(made, out, command, commit))
 
 
 @contextlib.contextmanager
@@ -650,6 +676,11 @@ def replay(draws: list[torch.Tensor]) -> Any:
     assert not pending, f"{len(pending)} recorded draws left unused"
 
 
+def recorded_draws(case: dict[str, Any]) -> list[torch.Tensor]:
+    """The random draws recorded in a v1/v2 hift case, in the order the official code drew them."""
+    return [case[f"rand_draw_{k}"] for k in range(len(case["rand_draw_order"].split(",")))]
+
+
 def official_hift_hidden(hift: Any, case: dict[str, Any]) -> dict[str, torch.Tensor]:
     """One official run over a recorded hift case: with recorded draws, `m_source` on the recorded f0
     (`source_sine`, `source_linear`: l_linear's input and output; `source`: after tanh and the cache overwrite);
@@ -658,12 +689,11 @@ def official_hift_hidden(hift: Any, case: dict[str, Any]) -> dict[str, torch.Ten
     out: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
         if case["rand_draw_order"]:
-            draws = [case[f"rand_draw_{k}"] for k in range(len(case["rand_draw_order"].split(",")))]
             hook = hift.m_source.l_linear.register_forward_hook(
                 lambda _m, i, o: out.update(source_sine=i[0].clone(), source_linear=o.clone())
             )
             try:
-                with replay(draws):
+                with replay(recorded_draws(case)):
                     source = hift.m_source(hift.f0_upsamp(case["f0"][:, None]).transpose(1, 2))[0]
             finally:
                 hook.remove()
@@ -691,9 +721,33 @@ def official_hift_hidden(hift: Any, case: dict[str, Any]) -> dict[str, torch.Ten
     return out
 
 
+def official_e2e(hift: Any, **inference_args: Any) -> dict[str, torch.Tensor]:
+    """One official `hift.inference(**inference_args)`, from the mel with f0 predicted: the f0 its predictor gives
+    (`e2e_f0`) and the speech (`e2e_speech`)."""
+    out: dict[str, torch.Tensor] = {}
+    hook = hift.f0_predictor.register_forward_hook(lambda _m, _i, o: out.update(e2e_f0=o.clone()))
+    try:
+        with torch.inference_mode():
+            out["e2e_speech"] = hift.inference(**inference_args)[0]
+    finally:
+        hook.remove()
+    return out
+
+
+def official_hift_run(hift: Any, case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """What `measure_spreads` compares of a v1/v2 hift case: its hidden tensors (`official_hift_hidden`) and, where
+    the case has recorded draws, the official inference from its mel and cache_source with them replayed
+    (`official_e2e`)."""
+    out = official_hift_hidden(hift, case)
+    if case["rand_draw_order"]:
+        with replay(recorded_draws(case)):
+            out |= official_e2e(hift, speech_feat=case["mel"], cache_source=case["cache_source"])
+    return out
+
+
 @contextlib.contextmanager
 def spread_variant(variant: str) -> Any:
-    """One of SPREAD_VARIANTS around a one-thread default run."""
+    """One of IN_PROCESS_VARIANTS around a one-thread default run."""
     if variant == "threads2":
         torch.set_num_threads(2)
         try:
@@ -707,34 +761,214 @@ def spread_variant(variant: str) -> Any:
         raise ValueError(variant)
 
 
+def kernel_isas(child_output: str, capability: str) -> dict[str, str]:
+    """The instruction sets a child run used, by library (KERNEL_VARIABLES): ATen's CPU capability, and what oneDNN
+    and MKL say in their verbose output ("not reported" for a library the run did not call)."""
+    onednn = re.search(r"^onednn_verbose,.*,isa:(.+)$", child_output, re.MULTILINE)
+    mkl = re.search(r"^MKL_VERBOSE .* architecture (.+), \S+ [\d.]+GHz", child_output, re.MULTILINE)
+    return {
+        "ATen": capability,
+        "oneDNN": onednn[1].strip() if onednn else "not reported",
+        "MKL": mkl[1].strip() if mkl else "not reported",
+    }
+
+
+def child_runs(
+    variant: str, cases: list[dict[str, Any]], child_command: list[str]
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, str]]:
+    """The official runs over `cases` in one of PROCESS_VARIANTS: `child_command` (the tool, its model on the
+    command line) started with SPREAD_CHILD_FLAG and the variant's variables, oneDNN's and MKL's verbose output on,
+    so that what each library ran is checked against the variable set for it. Returns the runs and `kernel_isas`."""
+    with tempfile.TemporaryDirectory() as scratch:
+        exchange = Path(scratch) / "cases.pt"
+        torch.save(cases, exchange)
+        env = os.environ | PROCESS_VARIANTS[variant] | {"ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"}
+        child = subprocess.run(
+            [*child_command, SPREAD_CHILD_FLAG, str(exchange)], env=env, capture_output=True, text=True
+        )
+        if child.returncode:
+            sys.exit(f"the {variant} run of the official code failed:\n{child.stderr[-4000:]}")
+        answer = torch.load(exchange, weights_only=True)
+    isas = kernel_isas(child.stdout, answer["capability"])
+    for variable, value in PROCESS_VARIANTS[variant].items():
+        library = KERNEL_VARIABLES[variable]
+        if value.upper() not in isas[library].upper():
+            sys.exit(f"{variant}: {library} did not honour {variable}={value}: it ran {isas[library]}")
+    return answer["runs"], isas
+
+
+def serve_spread_child(exchange: Path, run: Callable[[dict[str, Any]], dict[str, torch.Tensor]]) -> None:
+    """The child's side of `child_runs`: `run` over the cases in `exchange`, written back there with ATen's CPU
+    capability (this process's variables decide the kernels)."""
+    cases = torch.load(exchange, weights_only=True)
+    runs = [run(case) for case in cases]
+    torch.save({"capability": torch.backends.cpu.get_cpu_capability(), "runs": runs}, exchange)
+
+
 def spread_view(key: str, value: torch.Tensor) -> torch.Tensor:
     """What a spread and a parity test compare: the log of magnitudes (exp() of conv_post, up to e^5 and more),
     everything else as it is."""
     return value.double().log() if key == "magnitude" else value.double()
 
 
-def hidden_with_spread(run: Callable[[], dict[str, torch.Tensor]], case: dict[str, Any]) -> dict[str, Any]:
-    """The HIFT_INTERMEDIATES of `run()` (a one-thread default run of the official code over `case`) that `case`
-    lacks, and `spread_<key>` for every tensor the run gives: its largest difference (`spread_view`) over the runs
-    of SPREAD_VARIANTS. Checks that the run reproduces the case's recorded source and speech."""
-    reference = run()
-    variants = {}
+def largest_difference(key: str, value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((spread_view(key, value) - spread_view(key, reference)).abs().max())
+
+
+def cpu_description() -> str:
+    """This machine's CPU as /proc/cpuinfo names it (model, vendor, AMX flags) and torch's CPU capability."""
+    cpuinfo = Path("/proc/cpuinfo")
+    first = cpuinfo.read_text().split("\n\n")[0] if cpuinfo.is_file() else ""
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {name.strip(): value.strip() for name, value in fields.items()}
+    amx = [flag for flag in fields.get("flags", "").split() if flag.startswith("amx")]
+    return (
+        f"{fields.get('model name', 'unknown CPU')} ({fields.get('vendor_id', 'unknown vendor')}; "
+        f"AMX {' '.join(amx) if amx else 'none'}; torch CPU capability {torch.backends.cpu.get_cpu_capability()})"
+    )
+
+
+def measure_spreads(
+    run: Callable[[dict[str, Any]], dict[str, torch.Tensor]],
+    cases: dict[str, list[dict[str, Any]]],
+    child_command: list[str],
+) -> None:
+    """Measure the official code's spread on every hift case of `cases` on this machine, in place.
+
+    `run(case)` is one official run over a case (`official_hift_run`: the hidden tensors on the case's recorded
+    inputs, and `e2e_f0`, `e2e_speech` where it has draws to replay); it runs here at one thread (the reference) and
+    in every one of SPREAD_VARIANTS (`child_command` starts the tool again for PROCESS_VARIANTS). Each case gets the
+    HIFT_INTERMEDIATES it lacks, `<variant>_spread_<key>`: the largest difference (`spread_view`) of the variant's
+    tensor from the reference's, `spread_<key>` the largest over the variants, and `spread_variants`; any spread
+    measured before is dropped. The kit's meta records what measured them. Checks that the reference reproduces
+    the case's recorded tensors, and prints how far this machine's end-to-end run is from them.
+    """
+    hift_cases = cases["hift"]
+    references = [run(case) for case in hift_cases]
+    for case, reference in zip(hift_cases, references, strict=True):
+        check_reproduced(case, reference)
+    runs, kernels = {}, {}
     for variant in SPREAD_VARIANTS:
-        with spread_variant(variant):
-            variants[variant] = run()
+        if variant in PROCESS_VARIANTS:
+            runs[variant], isas = child_runs(variant, hift_cases, child_command)
+            kernels[variant] = ", ".join(f"{library} {isa}" for library, isa in isas.items())
+        else:
+            with spread_variant(variant):
+                runs[variant] = [run(case) for case in hift_cases]
+    for k, (case, reference) in enumerate(zip(hift_cases, references, strict=True)):
+        for key in [key for key in case if key.startswith("spread_") or "_spread_" in key]:
+            del case[key]
+        case.update({key: reference[key] for key in HIFT_INTERMEDIATES if key in reference and key not in case})
+        for variant, variant_runs in runs.items():
+            for key, value in reference.items():
+                case[f"{variant}_spread_{key}"] = largest_difference(key, variant_runs[k][key], value)
+        for key in reference:
+            case[f"spread_{key}"] = max(case[f"{variant}_spread_{key}"] for variant in runs)
+        case["spread_variants"] = ",".join(runs)
+    cases["meta"][0].update(
+        spread_cpu=cpu_description(),
+        spread_torch_version=str(torch.__version__),
+        spread_variants=",".join(SPREAD_VARIANTS),
+        spread_kernels="; ".join(f"{variant}: {isas}" for variant, isas in kernels.items()),
+    )
+
+
+def check_reproduced(case: dict[str, Any], reference: dict[str, torch.Tensor]) -> None:
+    """Check that a one-thread run here reproduces the case's recorded source (from the recorded f0 and draws) and
+    speech (decode of the recorded mel and source); print how far its end-to-end run is from the recorded f0 and
+    speech (0 on the machine that recorded the case, another CPU's rounding grown through the stages elsewhere)."""
     name = case["name"]
     if "source" in reference:
         gap = float((reference["source"] - case["source"]).abs().max())
         assert gap < 1e-4, f"{name}: the source from the recorded draws is {gap} off the recorded one"
     gap = float((reference["speech"][..., : case["speech"].shape[-1]] - case["speech"]).abs().max())
     assert gap < 1e-3, f"{name}: decode of the recorded mel and source is {gap} off the recorded speech"
-    out: dict[str, Any] = {key: reference[key] for key in HIFT_INTERMEDIATES if key in reference and key not in case}
-    for key, value in reference.items():
-        out[f"spread_{key}"] = max(
-            float((spread_view(key, other[key]) - spread_view(key, value)).abs().max()) for other in variants.values()
+    if "e2e_speech" in reference:
+        speech_gap = float((reference["e2e_speech"] - case["speech"]).abs().max())
+        f0_gap = float((reference["e2e_f0"] - case["f0"]).abs().max())
+        print(f"{name}: this machine's end-to-end run against the recorded: f0 {f0_gap:.1e}, speech {speech_gap:.1e}")
+
+
+def variant_description(variant: str) -> str:
+    if variant in IN_PROCESS_VARIANTS:
+        return IN_PROCESS_VARIANTS[variant]
+    return " and ".join(f"{name}={value}" for name, value in PROCESS_VARIANTS[variant].items())
+
+
+def spread_readme(cases: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """README lines on the spreads of the hift cases: what measured them, and tables of them (largest and by
+    variant)."""
+    meta = cases["meta"][0]
+    hift_cases = cases["hift"]
+    keys = list(
+        dict.fromkeys(
+            key.removeprefix("spread_")
+            for case in hift_cases
+            for key in case
+            if key.startswith("spread_") and key != "spread_variants"
         )
-    out["spread_variants"] = ",".join(SPREAD_VARIANTS)
-    return out
+    )
+    variants = meta["spread_variants"].split(",")
+    described = "; ".join(f"`{variant}`: {variant_description(variant)}" for variant in variants)
+
+    def row(case: dict[str, Any], prefix: str) -> str:
+        return " | ".join(f"{case[prefix + key]:.1e}" if prefix + key in case else "-" for key in keys)
+
+    lines = [
+        f"`spread_<tensor>`: the official code's own spread, the largest difference of that tensor ({SPREAD_VIEW}) "
+        f"between a one-thread run and each run of `spread_variants` ({described}); `<variant>_spread_<tensor>`: "
+        "that of one variant. The stages are run on the case's recorded inputs (the source module on the recorded "
+        "f0 and draws, decode on the recorded mel and source); `spread_e2e_f0` and `spread_e2e_speech` (cases with "
+        "recorded draws or fixed source buffers) are of the official inference from the mel, f0 predicted, the "
+        f"draws replayed. Measured on {meta['spread_cpu']}, torch {meta['spread_torch_version']}, one thread (meta "
+        f"`spread_cpu`); the variants in a fresh process ran {meta['spread_kernels']} (meta `spread_kernels`). "
+        "Another CPU kind rounds differently: these are one machine's spreads.",
+        "",
+        "| case | frames | " + " | ".join(keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+        *(f"| {case['name']} | {case['mel'].shape[-1]} | {row(case, 'spread_')} |" for case in hift_cases),
+        "",
+        "By variant:",
+        "",
+        "| case | variant | " + " | ".join(keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+        *(
+            f"| {case['name']} | {variant} | {row(case, f'{variant}_spread_')} |"
+            for case in hift_cases
+            for variant in variants
+        ),
+    ]
+    return lines
+
+
+def replace_readme_section(readme: Path, marker: str, section: str) -> None:
+    """Put `section` (its first line the heading `marker`; "" drops the section) in place of the README's section
+    under `marker`, or at its end; every other section stays as it is."""
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    head, found, rest = text.partition("\n" + marker + "\n")
+    next_section = rest.find("\n## ")
+    tail = rest[next_section:] if found and next_section >= 0 else ""
+    separator = "\n\n" if section else ""
+    readme.write_text(head.rstrip("\n") + separator + section.strip("\n") + "\n" + tail, encoding="utf-8")
+
+
+def write_respread(out: Path, cases: dict[str, list[dict[str, Any]]], command: str, commit: str) -> None:
+    """Save `cases` (their spreads measured again) as `out/cases.pt` and write RESPREAD_MARKER's README section."""
+    cases_path = out / "cases.pt"
+    torch.save(cases, cases_path)
+    lines = [
+        RESPREAD_MARKER,
+        "",
+        f"Made by `{command}` with the official code at commit `{commit}`: every `spread_*` field of every hift "
+        "case measured again on the machine below, and the `spread_*` fields of `meta` set to say so; every recorded "
+        "tensor is as it was (a hidden tensor a case lacked was added). This supersedes any spread and `cases.pt` "
+        "checksum above. `cases.pt` is now:",
+        "",
+        f"| `cases.pt` | {cases_path.stat().st_size} | `{sha256(cases_path)}` |",
+        "",
+        *spread_readme(cases),
+    ]
+    replace_readme_section(out / "README.md", RESPREAD_MARKER, "\n".join(lines))
 
 
 def official_text_frontend(configs: dict[str, Any]) -> Any:
@@ -788,14 +1022,13 @@ def describe(value: Any) -> str:
 
 def readme_section(
     made: dict[str, list[dict[str, Any]]],
-    hift_cases: list[dict[str, Any]],
+    cases: dict[str, list[dict[str, Any]]],
     meta: dict[str, Any],
     out: Path,
     command: str,
 ) -> str:
     lines = [
-        "",
-        "## Groups made by tools/make_conformance_kit.py",
+        GROUPS_MARKER,
         "",
         f"Made by `{command}` with the official code at commit `{meta['official_commit']}`, torch "
         f"{meta['torch_version']}, {meta['num_threads']} thread, seed {meta['seed']}, on the weights in `model/`.",
@@ -828,10 +1061,8 @@ def readme_section(
         "(the source module on the recorded f0 with the recorded draws replayed; `decode` on the recorded mel and "
         "source): `source_sine` [1, L, harmonics + 1] and `source_linear` [1, L, 1] (the input and output of "
         "`m_source.l_linear`, before tanh and any cache overwrite; cases with draws only), `magnitude` and `phase` "
-        "[1, n_fft/2 + 1, frames] (the arguments of `_istft`: exp of conv_post before the clip at 100, and sin). "
-        f"`spread_<tensor>`: the official code's own spread, the largest difference of that tensor ({SPREAD_VIEW}) "
-        f"between this one-thread run and each of the runs `spread_variants` ({', '.join(SPREAD_VARIANTS)}: two "
-        "intra-op threads; the native convolution kernels instead of oneDNN's).",
+        "[1, n_fft/2 + 1, frames] (the arguments of `_istft`: exp of conv_post before the clip at 100, and sin); "
+        "their spreads below the table of cases.",
         "* `frontend`: `text_normalize` with wetext and the yaml's `get_tokenizer` (v2: the Qwen2 files in "
         "`model/CosyVoice-BlankEN`), when made by this tool.",
         "",
@@ -843,24 +1074,14 @@ def readme_section(
             name = case.get("name", case.get("text", "")[:30])
             summary = ", ".join(f"{k}: {describe(v)}" for k, v in case.items() if not k.startswith("chunk_"))
             lines.append(f"| {group} | {name} | {summary[:400]} |")
-    spread_keys = [key for key in hift_cases[0] if key.startswith("spread_") and key != "spread_variants"]
-    lines += [
-        "",
-        "The official code's spread per hift case (see above):",
-        "",
-        "| case | frames | " + " | ".join(key.removeprefix("spread_") for key in spread_keys) + " |",
-        "|---|---|" + "---|" * len(spread_keys),
-    ]
-    for case in hift_cases:
-        spreads = " | ".join(f"{case[key]:.1e}" if key in case else "-" for key in spread_keys)
-        lines.append(f"| {case['name']} | {case['mel'].shape[-1]} | {spreads} |")
+    lines += ["", "The official code's spread per hift case:", "", *spread_readme(cases)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--official", type=Path, required=True, help="a FunAudioLLM/CosyVoice checkout")
-    parser.add_argument("--model", type=Path, required=True, help="a model dir in the official layout")
+    parser.add_argument("--model", type=Path, help="a model dir in the official layout (default: --out/model)")
     parser.add_argument("--out", type=Path, required=True, help="the kit directory to write or extend")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--qwen-tokenizer", type=Path, help="v2: Qwen2 tokenizer files for model/CosyVoice-BlankEN")
@@ -872,31 +1093,46 @@ def main() -> None:
         action="store_true",
         help="v2: make only the llm_bistream group (added or replaced); every other group stays as it is",
     )
+    parser.add_argument(
+        "--respread",
+        action="store_true",
+        help="measure only the spread_* fields of every hift case again, on this machine; the rest stays as it is",
+    )
+    parser.add_argument(SPREAD_CHILD_FLAG, type=Path, help=argparse.SUPPRESS)  # see child_runs
     args = parser.parse_args()
     torch.set_num_threads(1)
     import_official(args.official.resolve())
     out = args.out.resolve()
     model_dir = out / "model"
-    if args.model.resolve() != model_dir:
+    if args.spread_child:
+        serve_spread_child(args.spread_child, Maker(model_dir, args.seed).hift_run)
+        return
+    if args.model and args.model.resolve() != model_dir:
         shutil.copytree(args.model, model_dir, dirs_exist_ok=True)
     if args.qwen_tokenizer:
         copy_qwen_tokenizer(args.qwen_tokenizer, model_dir)
     maker = Maker(model_dir, args.seed)
     cases_path = out / "cases.pt"
     cases = torch.load(cases_path, weights_only=True) if cases_path.is_file() else {}
+    command = command_line(args)
+    commit = official_commit(args.official)
+    # the tool again, on the kit's model, for the spread variants that need a fresh process
+    child_command = [sys.executable, str(Path(__file__).resolve()), "--official", str(args.official), "--out", str(out)]
     if args.bistream_only:
         if maker.version != 2 or not cases:
             sys.exit("--bistream-only extends an existing CosyVoice2 kit")
-        command = (
-            f"python tools/make_conformance_kit.py --official {args.official} --model {args.model} --out {args.out} "
-            f"--seed {args.seed} --bistream-only"
-        )
-        write_bistream_group(out, cases, maker.llm_bistream(), command, official_commit(args.official))
+        write_bistream_group(out, cases, maker.llm_bistream(), command, commit)
         print(json.dumps({group: len(c) for group, c in cases.items()}))
+        return
+    if args.respread:
+        if not cases.get("hift"):
+            sys.exit("--respread measures the spreads of an existing kit's hift cases again")
+        measure_spreads(maker.hift_run, cases, child_command)
+        write_respread(out, cases, command, commit)
+        print("\n".join(spread_readme(cases)))
         return
     import transformers
 
-    commit = official_commit(args.official)
     meta = {
         "kit": out.name,
         "model_version": "CosyVoice2 (CosyVoice2-0.5B style)"
@@ -936,9 +1172,7 @@ def main() -> None:
         if args.remake or case["name"] not in kept_hift:
             kept_hift[case["name"]] = case
     cases["hift"] = list(kept_hift.values())
-    for case in cases["hift"]:
-        if args.remake or "spread_speech" not in case:
-            case.update(maker.hift_intermediates(case))
+    measure_spreads(maker.hift_run, cases, child_command)
     for group in cases.values():
         for case in group:
             for key, value in case.items():
@@ -949,18 +1183,22 @@ def main() -> None:
     made = {group: cases[group] for group in made} | {
         "hift": [case for case in cases["hift"] if case["name"] in made_names]
     }
-    command = "python tools/make_conformance_kit.py " + " ".join(
+    readme = out / "README.md"
+    if not readme.is_file():
+        readme.write_text(f"# Conformance kit `{out.name}`\n", encoding="utf-8")
+    replace_readme_section(readme, RESPREAD_MARKER, "")  # the spreads were measured again just now
+    section = readme_section(made, cases, {**meta, "official_commit": commit}, out, command)
+    replace_readme_section(readme, GROUPS_MARKER, section)
+    print(json.dumps({group: len(c) for group, c in cases.items()}))
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """This tool's command line as given (for the README)."""
+    return "python tools/make_conformance_kit.py " + " ".join(
         f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
         for k, v in vars(args).items()
         if v is not None and v is not False
     )
-    readme = out / "README.md"
-    text = readme.read_text(encoding="utf-8") if readme.is_file() else f"# Conformance kit `{out.name}`\n"
-    marker = "\n## Groups made by tools/make_conformance_kit.py"
-    text = text.split(marker)[0].rstrip("\n") + "\n"
-    section = readme_section(made, cases["hift"], {**meta, "official_commit": commit}, out, command)
-    readme.write_text(text + section, encoding="utf-8")
-    print(json.dumps({group: len(c) for group, c in cases.items()}))
 
 
 if __name__ == "__main__":

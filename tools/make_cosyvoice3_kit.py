@@ -16,11 +16,14 @@ Without ``--out/cases.pt`` the script writes ``model/`` (laid out like an offici
 as they are and the groups of MADE_GROUPS (``stream``: the official streaming loop; ``frontend``: the official
 text path; ``llm_sampled``: the LLM with the yaml's own sampler, recorded as the v1/v2 kits record it) are added or
 replaced, computed on the kit's own files. The longer hift cases (HIFT_LONG_FRAMES) are added where missing, and
-every hift case without them gets the official HiFT's hidden tensors and their spread (as the v1/v2 tool does:
-``hidden_with_spread``). The README next to them is written by hand
+every hift case gets the official HiFT's hidden tensors it lacks and its spreads, measured afresh on this machine
+(as the v1/v2 tool does: ``measure_spreads``). The README next to them is written by hand
 from what this prints. ``--bistream-only`` makes only the ``llm_bistream`` group (the official
 ``inference_bistream``, as the v1/v2 tool makes it: ``bistream_case``), leaves every other group as it is and writes
-its README section itself.
+its README section itself. ``--respread`` measures only the spreads of the hift cases again, on this machine, and
+writes its README section itself (as the v1/v2 tool does; every recorded tensor stays as it is)::
+
+    python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny --respread
 """
 
 from __future__ import annotations
@@ -38,17 +41,20 @@ from typing import Any
 import torch
 from make_conformance_kit import (  # the sibling tool, on sys.path when this runs as a script
     HIFT_LONG_FRAMES,
-    SPREAD_VARIANTS,
-    SPREAD_VIEW,
+    SPREAD_CHILD_FLAG,
     bistream_case,
     copy_qwen_tokenizer,
-    hidden_with_spread,
+    measure_spreads,
     official_commit,
+    official_e2e,
     official_text_frontend,
     sampled_llm_case,
+    serve_spread_child,
     sha256,
+    spread_readme,
     text_path_case,
     write_bistream_group,
+    write_respread,
 )
 from torch import Tensor, nn
 
@@ -429,6 +435,15 @@ def official_hift_hidden(hift: nn.Module, case: dict[str, Any]) -> dict[str, Ten
         for hook in hooks:
             hook.remove()
     return out
+
+
+def official_hift_run(model: Any, case: dict[str, Any]) -> dict[str, Tensor]:
+    """What `measure_spreads` compares of a hift case: its hidden tensors (`official_hift_hidden`) and the official
+    inference from its mel, f0 predicted (`official_e2e`); the source's draws are the model's fixed buffers, checked
+    against the case's first (a process whose kernels differ must draw them the same)."""
+    check_fixed_draws(model, [case])
+    e2e = official_e2e(model.hift, speech_feat=case["mel"], finalize=bool(case["finalize"]))
+    return official_hift_hidden(model.hift, case) | e2e
 
 
 def calibrate_hift(hift: nn.Module, generator: torch.Generator) -> None:
@@ -877,9 +892,33 @@ def main() -> None:
         action="store_true",
         help="make only the llm_bistream group of an existing kit (added or replaced); the rest stays as it is",
     )
+    parser.add_argument(
+        "--respread",
+        action="store_true",
+        help="measure only the spread_* fields of every hift case again, on this machine; the rest stays as it is",
+    )
+    parser.add_argument(SPREAD_CHILD_FLAG, type=Path, help=argparse.SUPPRESS)  # see make_conformance_kit.child_runs
     args = parser.parse_args()
     torch.set_num_threads(1)
     import_official(args.official)
+    # the tool again, on the kit's model, for the spread variants that need a fresh process
+    tool = Path(__file__).resolve()
+    child_command = [sys.executable, str(tool), "--official", str(args.official), "--out", str(args.out.resolve())]
+    if args.spread_child:
+        model, _ = load_official_model(args.out / "model")
+        serve_spread_child(args.spread_child, lambda case: official_hift_run(model, case))
+        return
+    if args.respread:
+        cases_path = args.out / "cases.pt"
+        if not cases_path.is_file():
+            sys.exit("--respread measures the spreads of an existing kit's hift cases again")
+        model, _ = load_official_model(args.out / "model")
+        cases = torch.load(cases_path, weights_only=True)
+        measure_spreads(lambda case: official_hift_run(model, case), cases, child_command)
+        command = f"python tools/make_cosyvoice3_kit.py --official {args.official} --out {args.out} --respread"
+        write_respread(args.out, cases, command, official_commit(args.official))
+        print("\n".join(spread_readme(cases)))
+        return
     if args.bistream_only:
         cases_path = args.out / "cases.pt"
         if not cases_path.is_file():
@@ -904,10 +943,8 @@ def main() -> None:
     # the longer hift cases (issue 33), added to a kit that lacks them; the kit's other cases stay as they are
     names = {case["name"] for case in cases["hift"]}
     cases["hift"] += [case for case in hift_long_cases(model.hift) if case["name"] not in names]
-    check_fixed_draws(model, cases["hift"])
-    for case in cases["hift"]:  # the HiFT hidden tensors and their spread, on each case's own inputs
-        if "spread_speech" not in case:
-            case.update(hidden_with_spread(lambda case=case: official_hift_hidden(model.hift, case), case))
+    # the HiFT hidden tensors and their spreads, on each case's own inputs
+    measure_spreads(lambda case: official_hift_run(model, case), cases, child_command)
     cases = {group: value for group, value in cases.items() if group not in MADE_GROUPS}
     sampled = llm_sampled_cases(model)  # first: the stream cases leave a greedy sampler on the model
     cases["stream"] = stream_cases(model, cases["llm"])
@@ -938,12 +975,7 @@ def print_summary(cases: dict[str, list[dict[str, Any]]], out: Path) -> None:
             f"hift {case['name']}: speech {list(case['speech'].shape)}, voiced {case['voiced_fraction']:.2f}, "
             f"clamped {case['clamped_fraction']:.4f}, |speech| max {case['speech'].abs().max():.3f}"
         )
-    print(f"hift spread over {', '.join(SPREAD_VARIANTS)} ({SPREAD_VIEW}):")
-    keys = [key for key in cases["hift"][0] if key.startswith("spread_") and key != "spread_variants"]
-    print("| case | frames | " + " | ".join(key.removeprefix("spread_") for key in keys) + " |")
-    for case in cases["hift"]:
-        spreads = " | ".join(f"{case[key]:.1e}" for key in keys)
-        print(f"| {case['name']} | {case['mel'].shape[-1]} | {spreads} |")
+    print("\n".join(spread_readme(cases)))
     for case in cases["stream"]:
         chunks = [
             f"{len(case[f'chunk_{k}_tokens'])} tokens from {case[f'chunk_{k}_token_offset']}"
