@@ -164,13 +164,15 @@ class Encoder:
         transcript = transcript.strip()
         if not transcript or len(transcript) > self.max_text_chars:
             raise InvalidInputError(f"the transcript must have 1 to {self.max_text_chars} characters")
+        self.registry.check_admission(name, caller, shared, openai_name)  # before the costly decoding and cloning
         waveform, sample_rate = decode_prompt_audio(audio, self.voice_cloning.prompt_audio)
         duration_s = len(waveform) / sample_rate
         prompt = self.cloner.clone(waveform, sample_rate, transcript)
         return self.registry.add(prompt, name, duration_s, caller, shared, openai_name).shown()
 
     def named_voice(self, openai_name: str, caller: Caller) -> str | None:
-        """The id of the newest voice `caller` sees that was registered with `openai_name`; None without one."""
+        """The id of the voice `caller` hears for `openai_name` (`VoiceRegistry.named`: its own, then a shared one);
+        None without one."""
         return None if self.registry is None else self.registry.named(openai_name, caller)
 
     def provision(self, voice: ProvisionedVoice) -> None:

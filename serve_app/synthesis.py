@@ -95,7 +95,7 @@ def check_streams(info: dict[str, Any], speed: float) -> None:
 class Synthesis(IngressBase):
     async def resolve_voice(self, voice: str, caller: Caller) -> str:
         """A built-in speaker or registered voice id as is; an OpenAI name through the app args' table, else the
-        newest voice `caller` sees that was registered with that `openai_name`."""
+        voice registered with that `openai_name` that `caller` hears for it (`VoiceRegistry.named`)."""
         built_in = (await self.model_info())["voices"]
         if (
             voice not in built_in

@@ -7,10 +7,12 @@ from fastapi import File, Form, Request, UploadFile
 
 from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import UnknownVoiceError
+from engine.voices.registry import check_choices
 from serve_app.api import api
 from serve_app.audio import FORMATS
 from serve_app.errors import UploadTooLargeError
 from serve_app.ingress_base import VOICES_PATH, IngressBase
+from serve_app.schemas import Text
 from serve_app.synthesis import openai_voice_table
 from serve_app.tenancy import caller_of
 
@@ -45,23 +47,24 @@ class VoiceRoutes(IngressBase):
                 "(wav, flac, ogg, mp3)"
             ),
         ],
-        transcript: Annotated[str, Form(description="what the recording says")],
+        transcript: Annotated[Text, Form(description="what the recording says")],
         http: Request,
-        name: Annotated[str | None, Form(description="a display name")] = None,
+        name: Annotated[Text | None, Form(description="a display name")] = None,
         shared: Annotated[bool, Form(description="usable by every API key (admin keys only)")] = False,
         openai_name: Annotated[
-            str | None, Form(description="a name OpenAI clients may send as `voice` for it, e.g. narrator")
+            Text | None, Form(description="a name OpenAI clients may send as `voice` for it, e.g. narrator")
         ] = None,
     ) -> dict[str, Any]:
         """Clone a voice from a short recording and its transcript; the returned `id` is usable as `voice` (with API
         keys, by this key only, unless an admin key makes it `shared`)."""
         if not (await self.model_info())["voice_cloning"]:
             raise VoiceCloningNotConfiguredError()
+        caller = caller_of(http.scope)
+        check_choices(name, caller, shared, openai_name)  # the cheap refusals first (the encoder's per-key cap too)
         limit = self.limits.max_prompt_audio_bytes
         audio = await file.read(limit + 1)  # the size is checked before anything decodes the file
         if len(audio) > limit:
             raise UploadTooLargeError(f"the audio file is larger than the limit of {limit} bytes")
-        caller = caller_of(http.scope)
         register = partial(self.encoder.register_voice.remote, audio, transcript, name, caller, shared, openai_name)
         return await self.call(register)
 

@@ -140,6 +140,15 @@ def display_name(name: str | None, voice_id: str) -> str:
     return name
 
 
+def check_choices(name: str | None, caller: Caller, shared: bool, openai_name: str | None) -> None:
+    """What a caller chooses for a voice it registers, checked: InvalidInputError for a display or OpenAI name that
+    cannot be one, VoiceForbiddenError for a shared voice asked for by a key that is not an admin's."""
+    if shared and not caller.admin:
+        raise VoiceForbiddenError("only an admin key may register a shared voice")
+    display_name(name, "")
+    checked_openai_name(openai_name)
+
+
 @dataclass
 class _Cached:
     """What a replica keeps of a voice: the version of the record it read, the owner, the prompt once loaded."""
@@ -224,8 +233,7 @@ class VoiceRegistry:
         """Store `prompt` under a new id, owned by `caller` (or by nobody: `shared`, an admin's choice), with the
         `openai_name` clients may send for it; VoiceRegistryFullError when `max_voices` are registered, or
         `max_voices_per_key` of the owner's."""
-        if shared and not caller.admin:
-            raise VoiceForbiddenError("only an admin key may register a shared voice")
+        check_choices(name, caller, shared, openai_name)
         voice_id = f"voice_{secrets.token_hex(6)}"
         record = VoiceRecord(
             id=voice_id,
@@ -237,21 +245,32 @@ class VoiceRegistry:
             openai_name=checked_openai_name(openai_name),
         )
         with self.store.exclusive():
-            voice_ids = self._voice_ids()
-            if len(voice_ids) >= self.max_voices:
-                raise VoiceRegistryFullError(
-                    f"the voice registry is full ({self.max_voices} voices); delete one (DELETE /v1/voices/<id>) first"
-                )
-            if record.owner is not None and self.max_voices_per_key is not None:
-                owned = sum(1 for existing in self._read_records(voice_ids) if existing.owner == record.owner)
-                if owned >= self.max_voices_per_key:
-                    raise VoiceRegistryFullError(
-                        f"this API key has registered {owned} voices, the limit; delete one (DELETE /v1/voices/<id>) "
-                        "first"
-                    )
+            self._check_room(record.owner)
             self._write(prompt, record)
         logger.info("registered voice %s (%.1f s of prompt audio)", voice_id, record.duration_s)
         return record
+
+    def check_admission(self, name: str | None, caller: Caller, shared: bool, openai_name: str | None) -> None:
+        """What `add` would refuse (the caller's choices, no room left), checked without the store's lock: so that a
+        registration it refuses is refused before its recording is decoded and cloned (`add` checks again, under the
+        lock)."""
+        check_choices(name, caller, shared, openai_name)
+        self._check_room(None if shared else caller.owner)
+
+    def _check_room(self, owner: str | None) -> None:
+        """VoiceRegistryFullError when `max_voices` are registered, or `max_voices_per_key` of `owner`'s (None:
+        shared, outside that bound)."""
+        voice_ids = self._voice_ids()
+        if len(voice_ids) >= self.max_voices:
+            raise VoiceRegistryFullError(
+                f"the voice registry is full ({self.max_voices} voices); delete one (DELETE /v1/voices/<id>) first"
+            )
+        if owner is not None and self.max_voices_per_key is not None:
+            owned = sum(1 for existing in self._read_records(voice_ids) if existing.owner == owner)
+            if owned >= self.max_voices_per_key:
+                raise VoiceRegistryFullError(
+                    f"this API key has registered {owned} voices, the limit; delete one (DELETE /v1/voices/<id>) first"
+                )
 
     def provision(
         self, voice_id: str, name: str | None, source: str, clone: Callable[[], tuple[VoicePrompt, float]]
@@ -305,9 +324,15 @@ class VoiceRegistry:
         return sorted(visible, key=lambda record: (record.created_at, record.id))
 
     def named(self, openai_name: str, caller: Caller) -> str | None:
-        """The id of the newest voice `caller` sees that was registered with `openai_name`; None when there is none."""
-        matches = [record for record in self.records(caller) if record.openai_name == openai_name]
-        return max(matches, key=lambda record: record.created_at).id if matches else None
+        """The id of the voice `caller` hears for `openai_name`: the newest of its own registered with that name, else
+        the newest shared one; never another key's, though an admin sees them all, so that no key changes what another
+        hears for a name. None when there is none."""
+        matches = [record for record in self.records(caller) if record.openai_name == openai_name]  # oldest first
+        for owner in (caller.owner, None):
+            owned = [record for record in matches if record.owner == owner]
+            if owned:
+                return owned[-1].id
+        return None
 
     def delete(self, voice_id: str, caller: Caller) -> bool:
         """Remove a voice; False when `caller` sees no such voice, VoiceForbiddenError when it sees it but only an

@@ -13,11 +13,11 @@ import pytest
 import soundfile as sf
 
 from deployments.encoder import Encoder
-from engine.errors import InvalidInputError
+from engine.errors import CosyVoiceError, InvalidInputError
 from engine.families import COSYVOICE1, COSYVOICE2
 from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.voices.cloning import PROMPT_SAMPLE_RATES, PromptAudioLimits, VoiceCloner, decode_prompt_audio
-from engine.voices.registry import EVERYONE
+from engine.voices.registry import EVERYONE, Caller, VoiceForbiddenError, VoiceRegistryFullError
 from serve_app.args import AppArgs, LimitsArgs
 from serve_app.ingress import voice_cloning_config
 from tests.serve.conftest import bounded_in_time_and_memory, constant_flac
@@ -147,6 +147,33 @@ def test_the_encoder_refuses_bad_uploads_fast(encoder: Encoder, make: Callable[[
         encoder.register_voice(upload, "Hello there.", None, EVERYONE)
     assert refused.value.http_status == 400
     assert encoder.list_voices(EVERYONE) == []
+
+
+ALICE = Caller(owner="a" * 32, admin=False)
+NOT_AUDIO = b"RIFF, but no recording at all"  # decoding would refuse it: a refusal that names it came later
+REFUSED_CHOICES = {  # name: (form fields, caller, error, message)
+    "an invalid openai_name": ({"openai_name": "Not A Name"}, EVERYONE, InvalidInputError, "invalid openai_name"),
+    "a control character in the name": ({"name": "a\x07b"}, EVERYONE, InvalidInputError, "invalid voice name"),
+    "shared by a key that is no admin's": ({"shared": True}, ALICE, VoiceForbiddenError, "only an admin key"),
+}
+
+
+@pytest.mark.parametrize(("fields", "caller", "error", "message"), REFUSED_CHOICES.values(), ids=REFUSED_CHOICES.keys())
+def test_the_forms_choices_are_refused_before_the_recording_is_decoded(
+    encoder: Encoder, fields: dict[str, object], caller: Caller, error: type[CosyVoiceError], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        encoder.register_voice(NOT_AUDIO, "Hello there.", **{"name": None, "caller": caller, **fields})
+
+
+def test_a_key_at_its_voice_cap_is_refused_before_its_recording_is_decoded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    args = AppArgs(model="tiny", voices_dir=str(tmp_path_factory.mktemp("capped")), limits={"max_voices_per_key": 1})
+    capped = Encoder.func_or_class("tiny", False, args.limits.max_input_chars, voice_cloning_config(args))
+    capped.register_voice(tone_wav(2.0, 16000), "Hello there.", None, ALICE)
+    with pytest.raises(VoiceRegistryFullError, match="has registered 1 voices, the limit"):
+        capped.register_voice(NOT_AUDIO, "Hello there.", None, ALICE)
 
 
 def test_the_encoder_registers_a_stereo_44100_hz_upload(encoder: Encoder) -> None:

@@ -194,7 +194,7 @@ def test_a_voice_belongs_to_the_key_that_registered_it(tmp_path: Path) -> None:
     assert registry.delete(own.id, ALICE)
 
 
-def test_an_openai_name_finds_the_newest_voice_its_caller_sees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_openai_name_finds_the_newest_of_its_callers_voices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     registry = VoiceRegistry(tmp_path)
     clock = iter(range(1000, 2000))
     monkeypatch.setattr(registry_module.time, "time", lambda: next(clock))  # distinct creation times
@@ -204,12 +204,31 @@ def test_an_openai_name_finds_the_newest_voice_its_caller_sees(tmp_path: Path, m
     assert registry.named("narrator", ALICE) == newer.id != older.id
     assert registry.named("narrator", BOB) == bobs.id  # each key its own
     assert registry.named("alloy", ALICE) is None
+    assert registry.named("narrator", ADMIN) is None  # an admin sees both keys' voices, and hears neither's name
     assert newer.shown()["openai_name"] == "narrator"
     plain = registry.add(make_prompt(4), None, duration_s=1.0, caller=ALICE)
     assert "openai_name" not in json.loads((tmp_path / f"{plain.id}.json").read_text())  # older records' shape
     for bad in ("Narrator", "voice_0123456789ab", "x" * 33, "two words"):
         with pytest.raises(InvalidInputError, match="invalid openai_name"):
             registry.add(make_prompt(5), None, duration_s=1.0, caller=ALICE, openai_name=bad)
+
+
+def test_an_openai_name_is_the_callers_own_voice_then_a_shared_one_and_never_another_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant's private voice named like an admin's shared one used to be what the admin (who sees every voice)
+    heard for that name, being the newest: a tenant could change what another key hears."""
+    registry = VoiceRegistry(tmp_path)
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(registry_module.time, "time", lambda: next(clock))
+    shared = registry.add(make_prompt(1), None, duration_s=1.0, caller=ADMIN, shared=True, openai_name="narrator")
+    alices = registry.add(make_prompt(2), None, duration_s=1.0, caller=ALICE, openai_name="narrator")
+    assert registry.named("narrator", ADMIN) == shared.id
+    assert registry.named("narrator", BOB) == shared.id
+    assert registry.named("narrator", ALICE) == alices.id  # her own first
+    admins = registry.add(make_prompt(3), None, duration_s=1.0, caller=ADMIN, openai_name="narrator")
+    assert registry.named("narrator", ADMIN) == admins.id  # the admin's own private one, for the admin alone
+    assert registry.named("narrator", BOB) == shared.id and registry.named("narrator", ALICE) == alices.id
 
 
 def test_shared_voices_old_records_and_keys_off(tmp_path: Path) -> None:
