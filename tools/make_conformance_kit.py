@@ -7,8 +7,10 @@ venv outside this repo that has the official dependencies, for example:
     /tmp/offvenv/bin/pip freeze | grep '^torch==' > /tmp/torch.txt  # a constraint: pip keeps that torch
     /tmp/offvenv/bin/pip install -c /tmp/torch.txt hyperpyyaml==1.2.3 transformers==4.51.3 diffusers==0.29.0 \\
         omegaconf einops scipy conformer librosa openai-whisper==20250625
-    /tmp/offvenv/bin/pip install -c /tmp/torch.txt hydra-core lightning rich gdown wget pyarrow pyworld
-    /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; a separate step (see README.md)
+    /tmp/offvenv/bin/pip install -c /tmp/torch.txt hydra-core lightning rich gdown wget pyarrow pyworld \\
+        x-transformers==2.11.24  # CosyVoice3's DiT (tools/make_cosyvoice3_kit.py)
+    /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; last and alone (see README.md): a step that
+                                                   # resolves torch's requirements brings setuptools>=77 back
     /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official \\
         --model tests/fixtures/cosyvoice1-tiny/model --out tests/fixtures/cosyvoice1-tiny
 
@@ -1069,8 +1071,8 @@ def readme_section(
         "| group | case | fields |",
         "|---|---|---|",
     ]
-    for group, cases in made.items():
-        for case in cases:
+    for group, made_cases in made.items():
+        for case in made_cases:
             name = case.get("name", case.get("text", "")[:30])
             summary = ", ".join(f"{k}: {describe(v)}" for k, v in case.items() if not k.startswith("chunk_"))
             lines.append(f"| {group} | {name} | {summary[:400]} |")
