@@ -1,6 +1,7 @@
 """Console entry point `cosyvoice-serve`.
 
 cosyvoice-serve run [--model DIR|ID|PRESET] [--config FILE]   start a local Ray and the app (tiny model by default)
+cosyvoice-serve plan [--model M] [--gpus N --gpu-memory-gb G] [--json]   what runs where on this machine
 cosyvoice-serve download ID                            download a hub model into its cache
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
 cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
@@ -10,12 +11,14 @@ cosyvoice-serve voices add FILE --transcript TEXT | list | rm ID   registered vo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,7 @@ from engine.voices.spec import CAMPPLUS_FILE
 
 if TYPE_CHECKING:
     from serve_app.args import AppArgs
+    from serve_app.plan import Device, Inventory
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 API_KEY_ENV = "COSYVOICE_API_KEY"  # the key `say` and `bench` send to a server with API keys
@@ -101,14 +105,10 @@ def run(options: argparse.Namespace) -> int:
     from serve_app.args import AppArgs
 
     application, http_options = read_serve_config(options.config)
-    args = dict(application.get("args") or {})
-    if options.model is not None:
-        args["model"] = options.model
+    args = app_args_of(application, options)
     for key in ("voices_dir", "voice_models_dir"):
         if getattr(options, key) is not None:
             args[key] = str(getattr(options, key))
-    if options.llm_checkpoint is not None:
-        args["llm_checkpoint"] = options.llm_checkpoint
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
     for what, number, option in (("port", port, "--port"), ("metrics port", options.metrics_port, "--metrics-port")):
@@ -126,6 +126,7 @@ def run(options: argparse.Namespace) -> int:
     from ray import serve
 
     from serve_app.ingress import SHUTDOWN_MARGIN_S, build_app
+    from serve_app.plan import inventory_here
 
     for warning in startup_warnings(args, host):
         print(f"warning: {warning}", file=sys.stderr)
@@ -138,6 +139,13 @@ def run(options: argparse.Namespace) -> int:
     # job with SIGINT ignored and Python then leaves it ignored.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, _interrupt)
+    resources = ray.cluster_resources()
+    try:
+        args = follow_plan(args, options.device, inventory_here(int(resources.get("GPU", 0)), resources["CPU"]))
+    except (ValueError, CosyVoiceError) as exc:  # PlanError, a ValueError
+        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        ray.shutdown()
+        return 2
     name = application.get("name", "cosyvoice")
     serving = False
     try:
@@ -163,6 +171,52 @@ def run(options: argparse.Namespace) -> int:
         serve.shutdown()
         ray.shutdown()
     print("stopped", flush=True)
+    return 0
+
+
+def app_args_of(application: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
+    """The app args of a Serve config's application with the command line's model and LLM checkpoint over them."""
+    args = dict(application.get("args") or {})
+    if options.model is not None:
+        args["model"] = options.model
+    if options.llm_checkpoint is not None:
+        args["llm_checkpoint"] = options.llm_checkpoint
+    return args
+
+
+def follow_plan(args: dict[str, Any], device: Device, inventory: Inventory) -> dict[str, Any]:
+    """`args` with the decoder section of the plan for `inventory` (printed); PlanError where the machine cannot."""
+    from engine.loading.loader import model_sizes
+    from serve_app.args import AppArgs
+    from serve_app.plan import plan_for
+
+    app_args = AppArgs.model_validate(args)
+    plan = plan_for(inventory, model_sizes(app_args.model), app_args, device)
+    print("\n".join(plan.lines()), flush=True)
+    return {**args, "decoder": plan.decoder_args}
+
+
+def show_plan(options: argparse.Namespace) -> int:
+    """`cosyvoice-serve plan`: the plan for this machine, or for one described by --gpus and --gpu-memory-gb."""
+    from engine.loading.loader import model_sizes
+    from serve_app.args import AppArgs
+    from serve_app.plan import Gpu, inventory_here, plan_for
+
+    application, _ = read_serve_config(options.config)
+    if options.gpus and options.gpu_memory_gb is None:
+        print("error: --gpus needs --gpu-memory-gb (each card's memory)", file=sys.stderr)
+        return 2
+    inventory = inventory_here(cpus=options.cpus)
+    if options.gpus is not None:
+        card = Gpu(options.gpu_name, int((options.gpu_memory_gb or 0) * 2**30), not options.no_native_bfloat16)
+        inventory = replace(inventory, gpus=(card,) * options.gpus)
+    try:
+        app_args = AppArgs.model_validate(app_args_of(application, options))
+        plan = plan_for(inventory, model_sizes(app_args.model), app_args, options.device)
+    except (ValueError, CosyVoiceError) as exc:
+        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_json(), indent=2) if options.json else "\n".join(plan.lines()))
     return 0
 
 
@@ -331,6 +385,15 @@ def add_api_key_option(command: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the decoders run: auto (the GPUs Ray sees, else CPU), cpu, or cuda (refused without a GPU)",
+    )
+
+
 def add_url_option(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--url",
@@ -359,6 +422,7 @@ def parser() -> argparse.ArgumentParser:
         "default) or a file name such as llm.pt",
     )
     run_parser.add_argument("--config", type=Path, default=None, help="Serve config file (its `args` are used)")
+    add_device_option(run_parser)
     run_parser.add_argument(
         "--voices-dir",
         type=Path,
@@ -378,6 +442,23 @@ def parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, default=None, help="Prometheus metrics port (default: one Ray picks, printed)"
     )
     run_parser.set_defaults(handler=run)
+
+    plan_parser = commands.add_parser(
+        "plan", help="what runs where on this machine (or one described by --gpus, --gpu-memory-gb), as run would"
+    )
+    plan_parser.add_argument("--model", default=None, help="as run's --model (default: the config's, else tiny)")
+    plan_parser.add_argument("--llm-checkpoint", default=None)
+    plan_parser.add_argument("--config", type=Path, default=None, help="Serve config file (its `args` are used)")
+    add_device_option(plan_parser)
+    plan_parser.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs (0: none) instead")
+    plan_parser.add_argument("--gpu-memory-gb", type=float, default=None, help="each such GPU's memory, GiB")
+    plan_parser.add_argument("--gpu-name", default="GPU", help="their name, for the printout")
+    plan_parser.add_argument(
+        "--no-native-bfloat16", action="store_true", help="they predate Ampere (no native bfloat16: CosyVoice3 float16)"
+    )
+    plan_parser.add_argument("--cpus", type=float, default=None, help="CPUs Ray has (default: this machine's)")
+    plan_parser.add_argument("--json", action="store_true", help="the plan as JSON")
+    plan_parser.set_defaults(handler=show_plan)
 
     download_parser = commands.add_parser(
         "download", help="download a hub model into its cache (HF_HOME; what run does first) and print its directory"

@@ -96,6 +96,16 @@ def locate_model(
     if load_format not in (None, "official"):
         raise CheckpointError(f"unknown load format {load_format!r}; use 'official' or 'dummy'")
     path = model_directory(text)
+    config = family_config_file(path)
+    llm_file = llm_checkpoint_file(path, llm_checkpoint)
+    missing = [name for name in (llm_file, "flow.pt", "hift.pt") if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
+    return "official", config, llm_file
+
+
+def family_config_file(path: Path) -> Path:
+    """The one family config (cosyvoice.yaml, cosyvoice2.yaml, ...) of an official model directory."""
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} not found (or use one of the presets: {', '.join(PRESETS)})")
     configs = [path / family.config_file for family in families() if (path / family.config_file).is_file()]
@@ -103,11 +113,39 @@ def locate_model(
         expected = ", ".join(f"{family.config_file} ({family.name})" for family in families())
         found = ", ".join(config.name for config in configs) or "none"
         raise CheckpointError(f"model directory {path} must hold exactly one of {expected}; it holds {found}")
-    llm_file = llm_checkpoint_file(path, llm_checkpoint)
-    missing = [name for name in (llm_file, "flow.pt", "hift.pt") if not (path / name).is_file()]
-    if missing:
-        raise CheckpointError(f"model directory {path} is missing {', '.join(missing)}")
-    return "official", configs[0], llm_file
+    return configs[0]
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What a deployment plan needs of a model: its config (each module's shapes, the per-request memory estimates)
+    and each decoder module's parameter count (`parameters`: all weights; `gemm`: those of its Linear and
+    convolution layers, which `auto`'s CPU choice weighs)."""
+
+    config: ModelConfig
+    parameters: dict[str, int]
+    gemm: dict[str, int]
+
+    def weight_bytes(self, dtypes: DecoderDtypes) -> int:
+        """The decoder modules' weights cast to `dtypes` (an INT8 LLM's Linear weights at a byte each)."""
+        llm_bytes = 1 if dtypes.llm_int8 else dtypes.llm.itemsize
+        return (
+            self.parameters["llm"] * llm_bytes
+            + self.parameters["flow"] * dtypes.flow.itemsize
+            + self.parameters["hift"] * dtypes.hift.itemsize
+        )
+
+
+def model_sizes(source: str) -> ModelSizes:
+    """The sizes of a preset, a model dir or a hub id (of which only the configs are fetched), from its modules built
+    on the meta device: no weights are read or allocated."""
+    text = str(source)
+    config_path = PRESETS_DIR / PRESETS[text] if text in PRESETS else family_config_file(model_directory(text, True))
+    config = ModelConfig.from_yaml_file(config_path)
+    with torch.device("meta"):
+        modules = {name: config.family.modules[name](getattr(config, name)) for name in MODULE_NAMES}
+    parameters = {name: sum(p.numel() for p in module.parameters()) for name, module in modules.items()}
+    return ModelSizes(config, parameters, module_sizes(modules["llm"], modules["flow"], modules["hift"]))
 
 
 def _build(module: nn.Module, model_dir: Path | None, file_name: str) -> nn.Module:

@@ -25,6 +25,8 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 # Files of the official repos the engine never reads: the JIT and TensorRT/ONNX exports of the official runtimes,
 # the batched speech tokenizer, and the Qwen2 weights beside the tokenizer (the LLM's weights are in llm.pt).
 UNUSED_FILES = ("*.zip", "*.plan", "flow.decoder.estimator*", "*.batch.onnx", "CosyVoice-BlankEN/*.safetensors")
+# What the model's sizes are read from (engine.loading.loader.model_sizes): its yaml and the Qwen2 config of v2 / v3.
+CONFIG_FILES = ("*.yaml", "CosyVoice-BlankEN/config.json")
 
 LLM_CHECKPOINT_AUTO = "auto"
 OFFICIAL_LLM_CHECKPOINT = "llm.pt"
@@ -72,25 +74,27 @@ def served_name(source: str) -> str:
     return model.name if model is not None else Path(source).name
 
 
-def model_directory(source: str) -> Path:
+def model_directory(source: str, config_only: bool = False) -> Path:
     """The local directory of `source`: a path as it is; a hub id's snapshot in its hub's cache, downloaded first
     where it is missing or stale (ModelNotAvailableError, one line naming the id, where it looked and how to fetch it
-    by hand, where it can be neither found nor downloaded)."""
+    by hand, where it can be neither found nor downloaded). `config_only`: of a hub id only CONFIG_FILES (a plan
+    needs no weights)."""
     model = hub_model(source)
     if model is None:
         return Path(source)
+    wanted = list(CONFIG_FILES) if config_only else None
     if model.hub == "modelscope":
-        return _modelscope_snapshot(model)
-    return _huggingface_snapshot(model)
+        return _modelscope_snapshot(model, wanted)
+    return _huggingface_snapshot(model, wanted)
 
 
-def _huggingface_snapshot(model: HubModel) -> Path:
+def _huggingface_snapshot(model: HubModel, wanted: list[str] | None) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     endpoint = constants.ENDPOINT
     try:
-        return Path(snapshot_download(model.repo_id, ignore_patterns=list(UNUSED_FILES)))
+        return Path(snapshot_download(model.repo_id, allow_patterns=wanted, ignore_patterns=list(UNUSED_FILES)))
     except GatedRepoError as exc:
         reason = f"{endpoint} refuses it without access (HTTP {exc.response.status_code}; set HF_TOKEN)"
     except RepositoryNotFoundError:
@@ -107,7 +111,7 @@ def _huggingface_snapshot(model: HubModel) -> Path:
     ) from None
 
 
-def _modelscope_snapshot(model: HubModel) -> Path:
+def _modelscope_snapshot(model: HubModel, wanted: list[str] | None) -> Path:
     try:
         from modelscope import snapshot_download
     except ImportError:
@@ -115,7 +119,7 @@ def _modelscope_snapshot(model: HubModel) -> Path:
             f"model {model}: ModelScope's client is not installed: pip install 'cosyvoice-serve[modelscope]'"
         ) from None
     try:
-        return Path(snapshot_download(model.repo_id, ignore_file_pattern=list(UNUSED_FILES)))
+        return Path(snapshot_download(model.repo_id, allow_file_pattern=wanted, ignore_file_pattern=list(UNUSED_FILES)))
     except Exception as exc:  # its client raises many kinds (HTTP, offline, unknown id): all mean "not available"
         cache = os.environ.get("MODELSCOPE_CACHE", "~/.cache/modelscope")
         raise ModelNotAvailableError(

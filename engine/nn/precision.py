@@ -192,7 +192,13 @@ def decoder_dtypes(
         return cpu_auto_choice(cpu or cpu_capabilities(), sizes)
     if device.type != "cuda":
         return DecoderDtypes(torch.float32, torch.float32, torch.float32, reason="float32 (no sizes given)")
-    if prefers_bfloat16 and torch.cuda.is_bf16_supported(including_emulation=False):
+    return gpu_auto_dtypes(prefers_bfloat16, torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def gpu_auto_dtypes(prefers_bfloat16: bool, native_bfloat16: bool) -> DecoderDtypes:
+    """`auto` on a GPU (see `decoder_dtypes`), for a GPU with or without native bfloat16 (compute capability 8.0 or
+    later): what a deployment plan reads for a card it does not run on."""
+    if prefers_bfloat16 and native_bfloat16:
         return DecoderDtypes(
             llm=torch.bfloat16,
             flow=torch.bfloat16,

@@ -9,6 +9,7 @@ flow config's `mel_frames_of` and `activation_bytes`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from engine.families.base import ModelConfig
 from engine.runtime.segment import EncodedSegment
+from engine.text.frontend import SEGMENT_MAX_LEN
 
 SAFETY_FACTOR = 1.5  # allocator fragmentation and short-lived temporaries
 # What a replica's share keeps beside its weights and its requests' estimates: cuBLAS workspaces, the vocoding lanes'
@@ -73,6 +75,41 @@ def segment_memory(config: ModelConfig, segment: EncodedSegment, dtype_bytes: in
         dtype_bytes=dtype_bytes,
         speed=segment.speed,
     )
+
+
+def share_for_budget(used_bytes: int, budget_bytes: int) -> int:
+    """The smallest share of memory in which `memory_budget_for` leaves `budget_bytes` for requests beside
+    `used_bytes` (its inverse: the reserve is a tenth of the share, at least _MIN_RESERVE_BYTES)."""
+    needed = used_bytes + budget_bytes
+    return max(math.ceil(needed / (1 - _RESERVE_FRACTION)), needed + _MIN_RESERVE_BYTES)
+
+
+# What a decoder replica is planned for (serve_app.plan): live sentences of the split's longest text
+# (SEGMENT_MAX_LEN tokens) that make about this much speech, each after a voice prompt of this length; the loop
+# admits longer ones fewer at a time, and the budget holds at least one as long as the sampling allows.
+PLANNED_SPEECH_S = 15.0
+PLANNED_PROMPT_S = 10.0
+PLANNED_PROMPT_TEXT_TOKENS = 30
+# The CUDA context and the kernels CUDA loads into it: memory a replica's process holds outside its allocator's
+# share. An estimate (PyTorch's context is a few hundred MiB, by GPU and CUDA version) until the GPU check measures it.
+CUDA_CONTEXT_BYTES = 512 << 20
+
+
+def planned_budget_bytes(config: ModelConfig, max_batch_size: int, dtype_bytes: int) -> int:
+    """The memory budget a decoder replica's loop needs for `max_batch_size` planned sentences (PLANNED_SPEECH_S of
+    speech each), and for at least one sentence of the split's longest text at the sampling's longest speech
+    (`max_token_text_ratio` 20), which a smaller budget would refuse with 413."""
+    rate = config.speech_token_rate
+    prompt = {"prompt_text_tokens": PLANNED_PROMPT_TEXT_TOKENS, "prompt_speech_tokens": int(PLANNED_PROMPT_S * rate)}
+    planned = estimate_request_memory(
+        config,
+        SEGMENT_MAX_LEN,
+        max_token_text_ratio=PLANNED_SPEECH_S * rate / SEGMENT_MAX_LEN,
+        dtype_bytes=dtype_bytes,
+        **prompt,
+    )
+    longest = estimate_request_memory(config, SEGMENT_MAX_LEN, dtype_bytes=dtype_bytes, **prompt)
+    return max(max_batch_size * planned.total_bytes, longest.total_bytes)
 
 
 def memory_budget_for(share_bytes: int, used_bytes: int, where: str = "the decoder's device share") -> int:

@@ -1,0 +1,338 @@
+"""The plan for the machine `cosyvoice-serve run` serves on: what runs where, how many decoder replicas share each
+GPU and at which fraction, their dtypes and memory, and the decoders' autoscaling range.
+
+`plan_for` is a pure function of the inventory (the GPUs and CPUs Ray sees), the model's sizes
+(`engine.loading.loader.model_sizes`) and the app args. The ingress and the encoders run on CPU. With a GPU the
+decoders go on it (`decoder.dtype` auto: float16, CosyVoice3 bfloat16 where the card has it natively), as many per
+card as its memory holds replicas of the model's footprint (`DecoderMemory`: the weights in those dtypes, the loop's
+memory budget for `decoder.max_batch_size` live sentences and its reserve, which the replica's allocator share must
+hold, and the CUDA context outside it) and the CPUs leave room for, scaled between 1 and that count on the decoder
+policy (`autoscaling.policy`). A card too small for one replica is a `PlanError` with the numbers and the CPU choice.
+`decoder.num_gpus` set in the args is kept (and checked); `device` cpu or cuda overrides the choice.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from engine.loading.loader import ModelSizes
+from engine.nn.precision import (
+    AUTO_DTYPE,
+    CpuCapabilities,
+    DecoderDtypes,
+    cpu_auto_choice,
+    cpu_capabilities,
+    gpu_auto_dtypes,
+    parse_dtype,
+)
+from engine.runtime.memory import (
+    CUDA_CONTEXT_BYTES,
+    PLANNED_PROMPT_S,
+    PLANNED_SPEECH_S,
+    planned_budget_bytes,
+    share_for_budget,
+)
+from serve_app.args import AppArgs
+
+Device = Literal["auto", "cpu", "cuda"]
+GIB = 2**30
+# Native bfloat16 from Ampere (compute capability 8.0) on.
+BFLOAT16_CAPABILITY = 8.0
+GPU_FRACTION_STEPS = 10_000  # Ray keeps fractional resources to 1e-4
+
+
+class PlanError(ValueError):
+    """The machine cannot run the app as asked (a card too small for one decoder replica, cuda without a GPU)."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: int
+    native_bfloat16: bool
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What the app can use: the GPUs and CPUs Ray sees, and the CPU's units (the CPU decoders' `auto` dtypes)."""
+
+    gpus: tuple[Gpu, ...]
+    cpus: float
+    cpu: CpuCapabilities
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return f"no GPU, {self.cpus:g} CPUs"
+        cards = ", ".join(
+            f"{gpu.name} {gpu.memory_bytes / GIB:.1f} GiB{'' if gpu.native_bfloat16 else ' (no native bfloat16)'}"
+            for gpu in self.gpus
+        )
+        return f"{len(self.gpus)} GPU(s): {cards}; {self.cpus:g} CPUs"
+
+
+@dataclass(frozen=True)
+class DecoderMemory:
+    """One GPU decoder replica's memory: its allocator's share holds the weights, the loop's budget and the reserve
+    beside them (`engine.runtime.memory.memory_budget_for`); the CUDA context lies outside the share."""
+
+    weights_bytes: int
+    budget_bytes: int
+    share_bytes: int
+    context_bytes: int
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.share_bytes - self.weights_bytes - self.budget_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.share_bytes + self.context_bytes
+
+    def describe(self) -> str:
+        return (
+            f"weights {self.weights_bytes / GIB:.2f} GiB + loop budget {self.budget_bytes / GIB:.2f} GiB + reserve "
+            f"{self.reserve_bytes / GIB:.2f} GiB (the allocator's share, {self.share_bytes / GIB:.2f} GiB) + CUDA "
+            f"context ~{self.context_bytes / GIB:.2f} GiB (an estimate) = {self.total_bytes / GIB:.2f} GiB"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    inventory: Inventory
+    device: Literal["cpu", "cuda"]
+    dtypes: dict[str, str]  # each decoder module's precision (DecoderDtypes.describe)
+    dtype_reason: str
+    replicas_per_gpu: int  # 0 on CPU
+    gpu_fraction: float  # each GPU replica's num_gpus; 0 on CPU
+    memory: DecoderMemory | None  # None on CPU
+    min_replicas: int
+    max_replicas: int
+    max_batch_size: int
+    decoder_args: dict[str, Any]  # the app args' `decoder` section that runs it
+
+    def lines(self) -> list[str]:
+        """The plan as `run` and `plan` print it."""
+        scaling = (
+            f"{self.min_replicas}-{self.max_replicas} replicas, on GPU utilization and queue (autoscaling.policy)"
+            if self.max_replicas > self.min_replicas
+            else f"{self.max_replicas} replica(s), fixed"
+        )
+        dtypes = ", ".join(f"{stage} {dtype}" for stage, dtype in self.dtypes.items())
+        where = (
+            f"GPU, {self.replicas_per_gpu} per card at num_gpus {self.gpu_fraction:g}"
+            if self.device == "cuda"
+            else "CPU"
+        )
+        lines = [
+            f"plan for {self.model} on {self.inventory.describe()}:",
+            "  ingress and encoder: CPU",
+            f"  decoder: {where}; {dtypes} ({self.dtype_reason}); batches of at most {self.max_batch_size}",
+            f"  decoder replicas: {scaling}",
+        ]
+        if self.memory is not None:
+            lines.append(f"  memory per decoder replica: {self.memory.describe()}")
+            lines.append(
+                f"    (the loop's budget holds {self.max_batch_size} live sentences of ~{PLANNED_SPEECH_S:g} s of "
+                f"speech with a {PLANNED_PROMPT_S:g} s voice prompt, or one of the longest a sentence may make; more "
+                "of shorter ones)"
+            )
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        values = asdict(self)
+        values["inventory"]["cpu"] = self.inventory.cpu.describe()
+        if self.memory is not None:
+            values["memory"] |= {"reserve_bytes": self.memory.reserve_bytes, "total_bytes": self.memory.total_bytes}
+        return values
+
+
+def plan_for(inventory: Inventory, sizes: ModelSizes, args: AppArgs, device: Device = "auto") -> Plan:
+    """Where the app runs on `inventory` (see the module docstring). PlanError where it cannot."""
+    decoder = args.decoder
+    pinned_fraction = decoder.num_gpus if "num_gpus" in decoder.model_fields_set else None
+    on_gpu = device == "cuda" or (device == "auto" and bool(inventory.gpus) and pinned_fraction != 0)
+    if on_gpu and not inventory.gpus:
+        raise PlanError("--device cuda, but Ray sees no GPU on this machine; run with --device cpu")
+    if not on_gpu:
+        return _cpu_plan(inventory, sizes, args)
+    if pinned_fraction == 0:
+        raise PlanError("--device cuda, but the app args pin decoder.num_gpus to 0")
+    family = sizes.config.family
+    if decoder.dtype == AUTO_DTYPE:
+        dtypes = gpu_auto_dtypes(family.prefers_bfloat16, all(gpu.native_bfloat16 for gpu in inventory.gpus))
+    else:
+        dtypes = DecoderDtypes(*(parse_dtype(decoder.dtype),) * 3, reason="as asked")
+    card = min(gpu.memory_bytes for gpu in inventory.gpus)
+    # The args' batch size where they set it, else the largest up to the default that one replica fits on the card
+    batch_sizes = [decoder.max_batch_size] if "max_batch_size" in decoder.model_fields_set else None
+    for batch in batch_sizes or range(decoder.max_batch_size, 0, -1):
+        memory = _decoder_memory(sizes, dtypes, args, batch)
+        if memory.total_bytes <= card:
+            break
+    else:
+        cpu = cpu_auto_choice(inventory.cpu, sizes.gemm).describe()
+        lower = f"or lower decoder.max_batch_size ({batch})" if batch > 1 else "or a GPU with more memory"
+        raise PlanError(
+            f"the GPU's {card / GIB:.2f} GiB cannot hold one decoder replica of {args.model} with batches of {batch}: "
+            f"{memory.describe()}; serve it on CPU with --device cpu (decoders in "
+            f"{', '.join(f'{stage} {dtype}' for stage, dtype in cpu.items())}), {lower}"
+        )
+    if pinned_fraction is not None:
+        per_gpu, fraction = _pinned_share(pinned_fraction, card, memory)
+    else:
+        per_gpu, fraction = _shares(card, memory, _decoders_the_cpus_hold(inventory, args) // len(inventory.gpus))
+    count = per_gpu * len(inventory.gpus)
+    decoder_args = _scaled(args, count) | {"num_gpus": fraction, "max_batch_size": batch}
+    scaling = decoder_args.get("autoscaling")
+    fixed = decoder_args.get("num_replicas")
+    low, high = (scaling["rules"]["min_replicas"], scaling["rules"]["max_replicas"]) if scaling else (fixed, fixed)
+    return Plan(
+        model=args.model,
+        inventory=inventory,
+        device="cuda",
+        dtypes=dtypes.describe(),
+        dtype_reason=dtypes.reason,
+        replicas_per_gpu=per_gpu,
+        gpu_fraction=fraction,
+        memory=memory,
+        min_replicas=low,
+        max_replicas=high,
+        max_batch_size=batch,
+        decoder_args=decoder_args,
+    )
+
+
+def _decoder_memory(sizes: ModelSizes, dtypes: DecoderDtypes, args: AppArgs, max_batch_size: int) -> DecoderMemory:
+    weights = sizes.weight_bytes(dtypes)
+    asked = args.decoder.memory_budget_gb
+    if isinstance(asked, float):
+        budget = int(asked * 1e9)
+    else:  # `auto` (and None, no byte bound) still needs room for the planned sentences
+        budget = planned_budget_bytes(sizes.config, max_batch_size, dtypes.llm.itemsize)
+    return DecoderMemory(weights, budget, share_for_budget(weights, budget), CUDA_CONTEXT_BYTES)
+
+
+def _shares(card: int, memory: DecoderMemory, cpu_bound: int) -> tuple[int, float]:
+    """(replicas per card, num_gpus of each): as many as the card holds and the CPUs leave room for, at least one,
+    each at an equal part of what their CUDA contexts leave of the card, rounded down to Ray's resource precision."""
+    per_gpu = max(1, min(card // memory.total_bytes, cpu_bound))
+    while True:
+        fraction = math.floor(GPU_FRACTION_STEPS * (card / per_gpu - memory.context_bytes) / card) / GPU_FRACTION_STEPS
+        if fraction * card >= memory.share_bytes or per_gpu == 1:
+            return per_gpu, fraction
+        per_gpu -= 1
+
+
+def _pinned_share(fraction: float, card: int, memory: DecoderMemory) -> tuple[int, float]:
+    """The app args' own num_gpus, checked against the footprint: (replicas it fits on a card, it)."""
+    if fraction * card < memory.share_bytes:
+        raise PlanError(
+            f"decoder.num_gpus {fraction:g} gives a replica {fraction * card / GIB:.2f} GiB of the GPU's "
+            f"{card / GIB:.2f} GiB; it needs {memory.share_bytes / GIB:.2f} GiB ({memory.describe()}): raise "
+            "num_gpus, lower decoder.max_batch_size, or leave num_gpus out for the plan's"
+        )
+    return int(1 // fraction), fraction
+
+
+def _decoders_the_cpus_hold(inventory: Inventory, args: AppArgs) -> int:
+    """How many decoder replicas Ray can place beside the ingress and the encoders' floor, by their num_cpus."""
+    encoders = args.encoder.autoscaling.min_replicas if args.encoder.autoscaling else args.encoder.num_replicas
+    taken = args.ingress.num_replicas * args.ingress.num_cpus + encoders * args.encoder.num_cpus
+    return int((inventory.cpus - taken) // args.decoder.num_cpus)
+
+
+def _scaled(args: AppArgs, count: int) -> dict[str, Any]:
+    """The decoder section with its replicas: autoscaled 1-`count` on the decoder policy (the args' own rules kept,
+    their max capped at `count`; a schedule of the args' own, else none: a night at 0 needs the CPU fallback), or
+    fixed at 1 where only one fits."""
+    section = args.decoder.model_dump(exclude={"autoscaling", "num_replicas", "num_gpus"}, exclude_unset=True)
+    scaling = args.decoder.autoscaling
+    if scaling is None and count == 1:
+        return section | {"num_replicas": 1}
+    rules = {"min_replicas": 1, "schedule": {"windows": []}} | (scaling.rules if scaling else {})
+    rules["max_replicas"] = min(rules.get("max_replicas", count), count)
+    rules["min_replicas"] = min(rules["min_replicas"], rules["max_replicas"])
+    reporting = scaling.model_dump(exclude={"rules"}) if scaling else {}
+    return section | {"autoscaling": reporting | {"rules": rules}}
+
+
+def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs) -> Plan:
+    decoder = args.decoder
+    if decoder.dtype == AUTO_DTYPE:
+        dtypes = cpu_auto_choice(inventory.cpu, sizes.gemm)
+    else:
+        dtypes = DecoderDtypes(*(parse_dtype(decoder.dtype),) * 3, reason="as asked")
+    scaling = decoder.autoscaling
+    rules = scaling.scaling_rules() if scaling else None
+    section = decoder.model_dump(exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
+    return Plan(
+        model=args.model,
+        inventory=inventory,
+        device="cpu",
+        dtypes=dtypes.describe(),
+        dtype_reason=dtypes.reason,
+        replicas_per_gpu=0,
+        gpu_fraction=0.0,
+        memory=None,
+        min_replicas=rules.min_replicas if rules else decoder.num_replicas,
+        max_replicas=rules.max_replicas if rules else decoder.num_replicas,
+        max_batch_size=decoder.max_batch_size,
+        decoder_args=section,
+    )
+
+
+def gpus_from_nvidia_smi(
+    environ: Mapping[str, str] = os.environ, command: str = "nvidia-smi", timeout_s: float = 10.0
+) -> tuple[Gpu, ...]:
+    """The GPUs `nvidia-smi` lists (none where it is missing or fails), those CUDA_VISIBLE_DEVICES names (by index or
+    UUID) where it is set: what a CUDA process here, and Ray, sees. nvidia-smi, not CUDA: this process must not hold a
+    CUDA context on the card it is planning for."""
+    if shutil.which(command, path=environ.get("PATH")) is None:
+        return ()
+    query = "--query-gpu=index,uuid,name,memory.total,compute_cap"
+    try:
+        result = subprocess.run(
+            [command, query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=dict(environ),
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    if result.returncode != 0:
+        return ()
+    rows = [[field.strip() for field in row] for row in csv.reader(result.stdout.splitlines()) if len(row) == 5]
+    cards = {
+        (index, uuid): Gpu(name, int(float(mib)) * 2**20, float(capability) >= BFLOAT16_CAPABILITY)
+        for index, uuid, name, mib, capability in rows
+    }
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return tuple(cards.values())
+    chosen = []
+    for wanted in (item.strip() for item in visible.split(",") if item.strip()):
+        match = [gpu for (index, uuid), gpu in cards.items() if wanted == index or uuid.startswith(wanted)]
+        if not match:  # CUDA stops at the first device it cannot find
+            break
+        chosen.append(match[0])
+    return tuple(chosen)
+
+
+def inventory_here(gpus_seen: int | None = None, cpus: float | None = None) -> Inventory:
+    """This machine's inventory: the GPUs nvidia-smi lists (the first `gpus_seen`: those Ray sees, in `run`) and
+    `cpus` (default the CPUs this process may run on)."""
+    gpus = gpus_from_nvidia_smi()
+    return Inventory(
+        gpus=gpus if gpus_seen is None else gpus[:gpus_seen],
+        cpus=float(len(os.sched_getaffinity(0))) if cpus is None else cpus,
+        cpu=cpu_capabilities(),
+    )
