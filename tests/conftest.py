@@ -10,6 +10,8 @@ a module (dtype, weights, attributes) must work on a `copy.deepcopy` of it.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +30,7 @@ from engine.loading.yaml_config import load_model_yaml
 from engine.vocoder.hift import HiFTGenerator
 
 FIXTURES = Path(__file__).parent / "fixtures"
+PARITY_TESTS = Path(__file__).parent / "parity"
 DEFAULT_KITS = {1: FIXTURES / "cosyvoice1-tiny", 2: FIXTURES / "cosyvoice2-tiny", 3: FIXTURES / "cosyvoice3-tiny"}
 KIT_YAMLS = {family.version: family.config_file for family in families()}  # the model yaml names the version
 KIT_FIXTURES = {1: "conformance_kit", 2: "v2_kit", 3: "v3_kit"}
@@ -76,6 +79,18 @@ def version_kit(version: int) -> Path:
             f"conformance kit {path} is not a {KIT_MODEL_VERSIONS[version]} kit (no model/{KIT_YAMLS[version]})"
         )
     return path
+
+
+def kit_reference_sets(kit: Path, group: str) -> dict[str, list[dict[str, Any]]]:
+    """The `group` cases of the kit's `cases.pt` and of each file in its `references/`: the same inputs with the
+    official outputs recorded on another CPU kind (each case's `recorded_cpu` says which), by file name relative
+    to the kit; a file without the group is left out."""
+    sets = {}
+    for path in [kit / "cases.pt", *sorted((kit / "references").glob("*.pt"))]:
+        cases = torch.load(path, weights_only=True).get(group)
+        if cases:
+            sets[str(path.relative_to(kit))] = cases
+    return sets
 
 
 def kit_group(cases: dict[str, list[dict[str, Any]]], group: str) -> list[dict[str, Any]]:
@@ -208,3 +223,27 @@ def strictly_loaded(module: nn.Module, kit: Path, name: str) -> nn.Module:
     path = kit / "model" / f"{name}.pt"
     load_strict(module, read_state_dict(path), path)
     return module.eval().requires_grad_(False)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/parity is a parity test."""
+    for item in items:
+        if PARITY_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.parity)
+
+
+def _fail_if_ray_runs_unmarked(request: pytest.FixtureRequest) -> None:
+    ray = sys.modules.get("ray")  # looked up, never imported here
+    if ray is not None and ray.is_initialized() and request.node.get_closest_marker("serve") is None:
+        pytest.fail(
+            f"{request.node.nodeid} runs with Ray started but is not marked serve (pytestmark = pytest.mark.serve)"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_in_serve_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that runs with Ray started in this process must be marked `serve`, so that `-m "not serve"` (the unit
+    run) never starts Ray: checked before the test (Ray started by its fixtures) and after it (by its body)."""
+    _fail_if_ray_runs_unmarked(request)
+    yield
+    _fail_if_ray_runs_unmarked(request)

@@ -66,11 +66,12 @@ CPU_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512_vnni", "
 class CpuCapabilities:
     """The CPU's matrix and vector units that matter for the decoder's precision: the /proc/cpuinfo flags among
     CPU_FLAGS, torch's own dispatch level (`torch.backends.cpu.get_cpu_capability()`: DEFAULT, AVX2, AVX512,
-    ...) and the model name."""
+    ...), the model name and the vendor (`vendor_id`: GenuineIntel, AuthenticAMD)."""
 
     flags: frozenset[str]
     torch_capability: str = ""
     model: str = ""
+    vendor: str = ""
 
     @property
     def amx(self) -> bool:
@@ -86,10 +87,10 @@ class CpuCapabilities:
         return f"{self.model or 'unknown CPU'} ({', '.join(units) or 'no AVX2'}; torch {self.torch_capability})"
 
 
-def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
-    """(the flags among CPU_FLAGS, the model name) of the first processor in a /proc/cpuinfo text."""
+def parse_cpuinfo(text: str) -> tuple[frozenset[str], str, str]:
+    """(the flags among CPU_FLAGS, the model name, the vendor) of the first processor in a /proc/cpuinfo text."""
     flags: set[str] = set()
-    model = ""
+    model = vendor = ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -97,17 +98,19 @@ def parse_cpuinfo(text: str) -> tuple[frozenset[str], str]:
             flags = set(value.split()) & set(CPU_FLAGS)
         elif key == "model name" and not model:
             model = value.strip()
-    return frozenset(flags), model
+        elif key == "vendor_id" and not vendor:
+            vendor = value.strip()
+    return frozenset(flags), model, vendor
 
 
 @lru_cache(maxsize=1)
 def cpu_capabilities() -> CpuCapabilities:
     """This machine's CPU (read once). Without /proc/cpuinfo (not Linux) no flags: `auto` stays float32."""
     try:
-        flags, model = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        flags, model, vendor = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        flags, model = frozenset(), platform.processor()
-    return CpuCapabilities(flags, torch.backends.cpu.get_cpu_capability(), model)
+        flags, model, vendor = frozenset(), platform.processor(), ""
+    return CpuCapabilities(flags, torch.backends.cpu.get_cpu_capability(), model, vendor)
 
 
 def gemm_parameters(module: nn.Module | None) -> int:

@@ -26,6 +26,8 @@ from benchmarks.http_bench import free_port
 from serve_app import build_app
 from tests.serve.conftest import OBJECT_STORE_BYTES, wait_until
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP = "cosyvoice"
 PROFILE = Path(__file__).resolve().parents[2] / "configs" / "gpu_cluster.yaml"
 CPU_NODE = {"cpu_node": 100}

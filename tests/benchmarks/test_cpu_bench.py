@@ -23,6 +23,7 @@ def test_compare_gives_cosine_max_error_and_for_a_waveform_the_spectrum() -> Non
     assert compare(wave, -wave)["cosine"] == pytest.approx(-1.0)
 
 
+@pytest.mark.slow
 def test_a_tiny_run_reports_every_stage_variant_and_the_choice(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "cpu.json"
     argv = ["cpu_bench", "--model", "tiny", "--seconds", "0.2", "--repeats", "1", "--warmup", "0", "--out", str(out)]

@@ -31,6 +31,7 @@ def test_a_batching_gain_past_its_bound_is_a_failed_measurement() -> None:
     assert entry["name"] == "batches.4.throughput_vs_b1" and entry["value"] == pytest.approx(8.0)
 
 
+@pytest.mark.slow
 def test_a_tiny_run_times_every_batch_size_side_by_side(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "rates.json"
     argv = ["fallback_rates", "--model", "tiny", "--seconds", "0.2", "--repeats", "2", "--warmup", "0"]

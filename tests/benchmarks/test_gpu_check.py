@@ -10,6 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +25,7 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 600) ->
     )
 
 
+@pytest.mark.slow
 def test_the_cpu_dry_run_runs_every_part_and_merges_their_json(tmp_path: Path) -> None:
     out = tmp_path / "check"
     result = _run("--cpu", "--quick", str(out))

@@ -39,14 +39,15 @@ flags		: fpu
 """
 
 
-def test_cpuinfo_flags_and_model_of_the_first_processor() -> None:
-    flags, model = parse_cpuinfo(CPUINFO)
+def test_cpuinfo_flags_model_and_vendor_of_the_first_processor() -> None:
+    flags, model, vendor = parse_cpuinfo(CPUINFO)
     assert flags == {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}
     assert model == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert vendor == "GenuineIntel"
     caps = CpuCapabilities(flags, "AVX512", model)
     assert caps.amx and caps.native_bfloat16
     assert "amx_bf16" in caps.describe() and "8481C" in caps.describe()
-    assert parse_cpuinfo("") == (frozenset(), "")
+    assert parse_cpuinfo("") == (frozenset(), "", "")
 
 
 @pytest.mark.parametrize(("caps", "unit"), [(AMX, "AMX"), (ZEN4, "AVX512-BF16")])

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [1, 2, 3])
 def test_reduced_precision_stages_stay_close_to_float32(version: int) -> None:
     kit = version_kit(version)

@@ -95,6 +95,7 @@ FAULTS = {  # where -> whether the poisoned request streams
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", list(FAULTS))
 def test_a_fault_in_one_requests_work_fails_that_request_alone(
     tts: CosyVoice, where: str, monkeypatch: pytest.MonkeyPatch

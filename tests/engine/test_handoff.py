@@ -64,6 +64,7 @@ def test_on_cpu_take_over_and_hand_over_do_nothing() -> None:
     assert state.written is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "cosyvoice2-tiny", "cosyvoice3-tiny"])
 def test_every_state_a_lane_works_on_was_taken_over_by_that_lane_in_that_job(
     model: str, monkeypatch: pytest.MonkeyPatch

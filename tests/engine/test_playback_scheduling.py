@@ -111,6 +111,7 @@ def _audio_until(scheduler: Scheduler, ticket: Ticket, sink: Collected, seconds:
     return np.concatenate([chunk for chunk in sink.outputs if isinstance(chunk, np.ndarray) and chunk.size])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_cache", [True, False], ids=["kv-kept", "recomputed"])
 @pytest.mark.parametrize("model", MODELS)
 def test_a_preempted_stream_resumes_with_the_audio_it_has_unpreempted(model: str, keep_cache: bool) -> None:
@@ -145,6 +146,7 @@ def test_a_preempted_stream_resumes_with_the_audio_it_has_unpreempted(model: str
     np.testing.assert_allclose(audio[:samples], alone_audio[:samples], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_no_request_starves_under_a_stream_of_arrivals(tiny: CosyVoice) -> None:
     clock = FakeClock()
     scheduler = Scheduler(tiny.decoder, max_live=2, policy=DeadlinePolicy(), clock=clock)

@@ -15,6 +15,8 @@ import pytest
 
 from tests.serve.conftest import cli_server
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 120
 # ~30 s of speech: the stream is still running when the signal comes

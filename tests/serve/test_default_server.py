@@ -21,6 +21,8 @@ import soundfile as sf
 
 from tests.serve.conftest import cli_server
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 60
 

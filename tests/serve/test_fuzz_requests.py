@@ -25,6 +25,8 @@ from ray import serve
 from serve_app.audio import FORMATS
 from tests.serve.conftest import running_app, text_stream_exchange
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP = "fuzz"
 MAX_INPUT_CHARS = 200
 MAX_INPUT_TOKENS = 300  # below the 399 of EMOJI_TEXT's 200 characters

@@ -29,6 +29,8 @@ from benchmarks.http_bench import free_port
 from serve_app import build_app
 from tests.serve.conftest import OBJECT_STORE_BYTES, wait_until, wait_until_healthy
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP = "nodeloss"
 CPU_NODE = {"cpu_node": 100}
 # A fixed length long enough that the load is still decoding when the node goes.

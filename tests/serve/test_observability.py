@@ -25,6 +25,8 @@ from serve_app.cli import main as cli_main  # noqa: E402
 from tests.autoscaling.test_autoscaling_policy import NO_SCHEDULE, NOON, make_context  # noqa: E402
 from tests.serve.conftest import running_app  # noqa: E402
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP_NAME = "observability-test"
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # keeps dummy-weight decodes short on 2 CPUs
 POLL_S = 60.0  # Ray exports metrics every few seconds, and replica logs land in files

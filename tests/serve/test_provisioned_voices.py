@@ -23,6 +23,8 @@ from serve_app.args import AppArgs
 from serve_app.synthesis import mapped_voice, openai_voice_table
 from tests.serve.conftest import running_app
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 NARRATOR = provisioned_voice_id("narrator")
 
 

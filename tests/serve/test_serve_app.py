@@ -32,6 +32,8 @@ from serve_app.cli import main as cli_main  # noqa: E402
 from serve_app.ingress import TTSIngress  # noqa: E402
 from tests.serve.conftest import wait_until_healthy  # noqa: E402
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP_NAME = "tts-test"
 BROKEN_APP = "tts-broken"
 SECRET = "secret-internal-detail-/opt/model/state"

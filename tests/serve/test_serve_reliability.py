@@ -30,6 +30,8 @@ from autoscaling.schedule import Schedule  # noqa: E402
 from serve_app import build_app  # noqa: E402
 from tests.serve.conftest import running_app  # noqa: E402
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP = "reliability"
 API_KEY = "test-key-7f3a91c2e5"  # must never appear in any log
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

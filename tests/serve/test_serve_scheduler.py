@@ -28,6 +28,8 @@ from serve_app.audio import PCM_MAX
 from serve_app.errors import engine_error
 from tests.serve.conftest import running_app, wait_until
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP = "scheduler"
 BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; the 29-token sentence at 100 per token ~660
 

@@ -20,6 +20,8 @@ import pytest
 
 from tests.serve.conftest import running_app
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP = "slow_clients"
 INGRESS_ONGOING = 8
 STALLED = 12  # more than the ingress takes at once: without the timeout, they would hold every slot for good

@@ -23,6 +23,8 @@ from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 from tests.serve.conftest import running_app
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 APP = "v3-stream"
 KIT_MODEL = Path(__file__).parents[1] / "fixtures" / "cosyvoice3-tiny" / "model"
 TEXT = "Hi<|endofprompt|>a b c"  # greedy on the kit's LLM: 84 tokens at 12 per text token, 3 chunks

@@ -31,6 +31,8 @@ from serve_app.tenancy import (
 from tests.serve.conftest import running_app, wait_until
 from tests.serve.test_voice_registry import wav_bytes
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 ALICE = "alice-key-5c1f0e27b9d34a68"
 BOB = "bob-key-9e3d41a7c2b85f06"
 ADMIN = "admin-key-1b7e93c05f2d48a6"

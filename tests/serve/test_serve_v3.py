@@ -22,6 +22,8 @@ from serve_app.cli import main as cli_main
 from serve_app.cli import parser, with_default_voices_dir
 from tests.serve.conftest import running_app, text_stream_exchange
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 SMALL = {"ingress": {"num_cpus": 0.1}, "encoder": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights speak until max_len
 

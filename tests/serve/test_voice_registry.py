@@ -34,6 +34,8 @@ from serve_app.cli import main as cli_main
 from serve_app.guard import check_voice_name
 from tests.serve.conftest import concurrent_adds, constant_flac, running_app
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 TRAVERSAL_IDS = [
     "../outside",
     "voice_../../outside",

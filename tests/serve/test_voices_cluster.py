@@ -34,6 +34,8 @@ from engine.voices.registry import provisioned_voice_id
 from serve_app import build_app
 from tests.serve.conftest import OBJECT_STORE_BYTES, s3_server, wait_until_healthy
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}
 NARRATOR = provisioned_voice_id("narrator")
 PROFILE = Path(__file__).resolve().parents[2] / "configs" / "gpu_cluster.yaml"

@@ -39,6 +39,8 @@ from ray import serve
 from serve_app.guard import WEBSOCKET_KEY_PROTOCOL_PREFIX, WEBSOCKET_PROTOCOL
 from tests.serve.conftest import running_app, wait_until
 
+pytestmark = pytest.mark.serve  # starts Ray and a Serve app
+
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Headless, and nothing that reaches outside the machine (updates, sync, QUIC probes).
 BROWSER_ARGS = [
