@@ -17,6 +17,12 @@ from engine.runtime.bistream import BistreamStart
 from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
+from engine.voices.default_voice import (
+    DEFAULT_VOICE_FILE,
+    DEFAULT_VOICE_ID,
+    DEFAULT_VOICE_NAME,
+    DEFAULT_VOICE_TRANSCRIPT,
+)
 from engine.voices.registry import Caller, VoiceRegistry
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
@@ -60,6 +66,15 @@ class VoiceCloningConfig:
     max_voices_per_key: int | None
     prompt_audio: PromptAudioLimits
     voices: tuple[ProvisionedVoice, ...] = ()  # registered at start-up, idempotently
+    default_voice: bool = True  # a model without built-in speakers is provisioned DEFAULT_VOICE too
+
+
+DEFAULT_VOICE = ProvisionedVoice(
+    file=str(DEFAULT_VOICE_FILE),
+    transcript=DEFAULT_VOICE_TRANSCRIPT,
+    voice_id=DEFAULT_VOICE_ID,
+    name=DEFAULT_VOICE_NAME,
+)
 
 
 def read_voice_file(location: str) -> bytes:
@@ -96,6 +111,7 @@ class Encoder:
         self.voice_cloning = voice_cloning
         self.cloner: VoiceCloner | None = None
         self.registry: VoiceRegistry | None = None
+        self.default_voice: str | None = None  # the id OpenAI's voice names fall back to (DEFAULT_VOICE), if any
         if voice_cloning is not None:
             config = loaded.config
             self.cloner = VoiceCloner.from_model_dir(
@@ -106,6 +122,9 @@ class Encoder:
             )
             for voice in voice_cloning.voices:
                 self.provision(voice)
+            if voice_cloning.default_voice and not self.stage.voices:
+                self.provision(DEFAULT_VOICE)
+                self.default_voice = DEFAULT_VOICE.voice_id
 
     def encode(self, request: SynthesisRequest, request_id: str, caller: Caller) -> list[EncodedSegment]:
         """One encoded segment per sentence, in order (engine errors propagate to the caller); a registered voice
@@ -222,6 +241,7 @@ class Encoder:
             "speech_tokens_per_s": self.stage.model.config.speech_token_rate,
             "voice_cloning": self.cloner is not None,
             "llm_checkpoint": self.llm_checkpoint,
+            "default_voice": self.default_voice,
         }
 
     def ping(self) -> bool:

@@ -563,6 +563,12 @@ class AppArgs(_Strict):
         description="voices registered at start-up (needs voices_dir), e.g. the voice behind OpenAI's alloy on a model "
         "without built-in speakers (CosyVoice3)",
     )
+    default_voice: bool = Field(
+        True,
+        description="a model without built-in speakers (CosyVoice3) is provisioned the official zero-shot prompt "
+        "voice at start-up (engine/voices/assets, needs voices_dir) and answers the OpenAI voice names that nothing "
+        "else stands for (openai.voices to a registered id, a provisioned or registered voice's openai_name) in it",
+    )
     voice_models_dir: str | None = Field(
         None,
         description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2, v3: _v2.onnx, _v3.onnx); default: the "

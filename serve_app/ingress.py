@@ -70,6 +70,7 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
             )
             for voice in args.voices
         ),
+        default_voice=args.default_voice,
     )
 
 

@@ -34,25 +34,32 @@ Mode = Literal["whole", "stream", "sse"]
 REROUTE_BACKOFF_S = 1.0  # between two tries of a stream whose decoder replica was lost (Serve replaces it in ~10 s)
 
 
-def openai_voice_table(table: dict[str, str], built_in: list[str]) -> dict[str, str]:
+def openai_voice_table(table: dict[str, str], built_in: list[str], default_voice: str | None = None) -> dict[str, str]:
     """The OpenAI voice names the served model answers (`/v1/voices` shows them): the app args' table (with the
-    voices provisioned at deploy) for a model with built-in speakers; for one without (CosyVoice3), only the names
-    that stand for a registered voice id, such as a provisioned voice's `openai_name`."""
-    return dict(table) if built_in else {name: target for name, target in table.items() if is_voice_id(target)}
+    voices provisioned at deploy) for a model with built-in speakers; for one without (CosyVoice3), the names that
+    stand for a registered voice id, such as a provisioned voice's `openai_name`, and every other name of the table
+    for the `default_voice` where one was provisioned (app args `default_voice`)."""
+    if built_in:
+        return dict(table)
+    registered = {name: target for name, target in table.items() if is_voice_id(target)}
+    return registered if default_voice is None else dict.fromkeys(table, default_voice) | registered
 
 
-def mapped_voice(voice: str, table: dict[str, str], built_in: list[str]) -> str:
+def mapped_voice(voice: str, table: dict[str, str], built_in: list[str], default_voice: str | None = None) -> str:
     """A built-in speaker or registered voice as is; an OpenAI voice name (a key of `table`, the app args'
-    `openai.voices`) as the voice it stands for, which must be a built-in speaker or a registered voice id."""
+    `openai.voices`) as the voice it stands for (`openai_voice_table`), which must be a built-in speaker or a
+    registered voice id."""
     if voice in built_in or voice not in table:
         return voice
-    if voice not in openai_voice_table(table, built_in):
+    answered = openai_voice_table(table, built_in, default_voice)
+    if voice not in answered:
         raise UnknownVoiceError(
             f"voice {voice!r} is an OpenAI voice name, and this model has no built-in speakers: it stands for a voice "
-            "only where the server provisions one for it (app args voices, with openai_name) or openai.voices maps it "
-            "to a registered voice id; use a registered voice's id (GET /v1/voices)"
+            "only where the server provisions one for it (app args voices, with openai_name; the default voice, app "
+            "args default_voice, with voices_dir) or openai.voices maps it to a registered voice id; use a registered "
+            "voice's id (GET /v1/voices)"
         )
-    target = table[voice]
+    target = answered[voice]
     if target not in built_in and not is_voice_id(target):
         raise UnknownVoiceError(
             f"voice {voice!r} stands for {target!r} (openai.voices), which this model does not have; its voices: "
@@ -95,8 +102,10 @@ def check_streams(info: dict[str, Any], speed: float) -> None:
 class Synthesis(IngressBase):
     async def resolve_voice(self, voice: str, caller: Caller) -> str:
         """A built-in speaker or registered voice id as is; an OpenAI name through the app args' table, else the
-        voice registered with that `openai_name` that `caller` hears for it (`VoiceRegistry.named`)."""
-        built_in = (await self.model_info())["voices"]
+        voice registered with that `openai_name` that `caller` hears for it (`VoiceRegistry.named`), else the
+        default voice (a model without built-in speakers)."""
+        info = await self.model_info()
+        built_in = info["voices"]
         if (
             voice not in built_in
             and not is_voice_id(voice)
@@ -105,7 +114,7 @@ class Synthesis(IngressBase):
             named = await self.call(partial(self.encoder.named_voice.remote, voice, caller))
             if named is not None:
                 return named
-        return mapped_voice(voice, self.openai.voices, built_in)
+        return mapped_voice(voice, self.openai.voices, built_in, info["default_voice"])
 
     async def respond(
         self, request: SynthesisRequest, format_name: str, mode: Mode, http: Request, output_rate: int | None = None

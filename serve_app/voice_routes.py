@@ -32,7 +32,7 @@ class VoiceRoutes(IngressBase):
             "formats": sorted(FORMATS),
             "stream_formats": [name for name, fmt in FORMATS.items() if fmt.streamable],
             "registered_voices": registered,
-            "openai_voices": openai_voice_table(self.openai.voices, info["voices"]),
+            "openai_voices": openai_voice_table(self.openai.voices, info["voices"], info["default_voice"]),
             "voice_cloning": info["voice_cloning"],
             "instructions": info["instructions"],
         }

@@ -1,10 +1,11 @@
 """Shared helpers of the engine tests: a sink for the decoder loop (engine.runtime.scheduler) and stepping it
 until a condition holds; a tiny Qwen2-style tokenizer directory (the conformance kit's CosyVoice-BlankEN has no
-tokenizer files)."""
+tokenizer files); a Hugging Face cache laid out on disk."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,3 +133,19 @@ def write_tiny_qwen_tokenizer(directory: Path, *, with_tokenizer_json: bool = Fa
         tokenizer.add_special_tokens([special_token(token) for token in CONFIG_ADDED_TOKENS])
         tokenizer.save(str(directory / "tokenizer.json"))
     return directory
+
+
+V3_KIT_MODEL = Path(__file__).resolve().parents[1] / "fixtures" / "cosyvoice3-tiny" / "model"
+REPO_ID = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
+CACHED_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hugging_face_cache(home: Path, repo_id: str, model_dir: Path) -> Path:
+    """An HF_HOME whose hub cache holds `model_dir` as the `main` snapshot of `repo_id`, laid out as huggingface_hub
+    writes it (refs/main naming the commit, snapshots/<commit>/ the files) -> the snapshot's directory."""
+    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(CACHED_COMMIT)
+    snapshot = repo / "snapshots" / CACHED_COMMIT
+    shutil.copytree(model_dir, snapshot)
+    return snapshot

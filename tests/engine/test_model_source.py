@@ -28,24 +28,11 @@ from engine.loading.model_source import (
     model_directory,
     served_name,
 )
+from tests.engine.conftest import REPO_ID, V3_KIT_MODEL, hugging_face_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 V1_KIT_MODEL = ROOT / "tests" / "fixtures" / "cosyvoice1-tiny" / "model"
-V3_KIT_MODEL = ROOT / "tests" / "fixtures" / "cosyvoice3-tiny" / "model"
-REPO_ID = "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ERROR_WITHIN_S = 15.0  # "in seconds": the CLI's whole run, Python's start included, on a busy 2-core machine
-
-
-def hugging_face_cache(home: Path, repo_id: str, model_dir: Path) -> Path:
-    """An HF_HOME whose hub cache holds `model_dir` as the `main` snapshot of `repo_id`, laid out as huggingface_hub
-    writes it (refs/main naming the commit, snapshots/<commit>/ the files) -> the snapshot's directory."""
-    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    snapshot = repo / "snapshots" / COMMIT
-    shutil.copytree(model_dir, snapshot)
-    return snapshot
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
