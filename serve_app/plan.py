@@ -39,7 +39,7 @@ from engine.runtime.memory import (
     planned_budget_bytes,
     share_for_budget,
 )
-from serve_app.args import AppArgs
+from serve_app.args import AppArgs, DecoderArgs
 
 Device = Literal["auto", "cpu", "cuda"]
 GIB = 2**30
@@ -113,17 +113,18 @@ class Plan:
     replicas_per_gpu: int  # 0 on CPU
     gpu_fraction: float  # each GPU replica's num_gpus; 0 on CPU
     memory: DecoderMemory | None  # None on CPU
-    min_replicas: int
-    max_replicas: int
     max_batch_size: int
     decoder_args: dict[str, Any]  # the app args' `decoder` section that runs it
+    min_replicas: int
+    max_replicas: int
+    windows: tuple[str, ...]  # the autoscaling schedule's windows, in words
 
     def lines(self) -> list[str]:
         """The plan as `run` and `plan` print it."""
         scaling = (
             f"{self.min_replicas}-{self.max_replicas} replicas, on GPU utilization and queue (autoscaling.policy)"
             if self.max_replicas > self.min_replicas
-            else f"{self.max_replicas} replica(s), fixed"
+            else f"{self.max_replicas} replica(s)"
         )
         dtypes = ", ".join(f"{stage} {dtype}" for stage, dtype in self.dtypes.items())
         where = (
@@ -136,6 +137,7 @@ class Plan:
             "  ingress and encoder: CPU",
             f"  decoder: {where}; {dtypes} ({self.dtype_reason}); batches of at most {self.max_batch_size}",
             f"  decoder replicas: {scaling}",
+            *(f"    {window}" for window in self.windows),
         ]
         if self.memory is not None:
             lines.append(f"  memory per decoder replica: {self.memory.describe()}")
@@ -191,9 +193,6 @@ def plan_for(inventory: Inventory, sizes: ModelSizes, args: AppArgs, device: Dev
         per_gpu, fraction = _shares(card, memory, _decoders_the_cpus_hold(inventory, args) // len(inventory.gpus))
     count = per_gpu * len(inventory.gpus)
     decoder_args = _scaled(args, count) | {"num_gpus": fraction, "max_batch_size": batch}
-    scaling = decoder_args.get("autoscaling")
-    fixed = decoder_args.get("num_replicas")
-    low, high = (scaling["rules"]["min_replicas"], scaling["rules"]["max_replicas"]) if scaling else (fixed, fixed)
     return Plan(
         model=args.model,
         inventory=inventory,
@@ -203,10 +202,9 @@ def plan_for(inventory: Inventory, sizes: ModelSizes, args: AppArgs, device: Dev
         replicas_per_gpu=per_gpu,
         gpu_fraction=fraction,
         memory=memory,
-        min_replicas=low,
-        max_replicas=high,
         max_batch_size=batch,
         decoder_args=decoder_args,
+        **_replica_range(DecoderArgs.model_validate(decoder_args), args.decoder_cpu.enabled),
     )
 
 
@@ -270,8 +268,6 @@ def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs) -> Plan:
         dtypes = cpu_auto_choice(inventory.cpu, sizes.gemm)
     else:
         dtypes = DecoderDtypes(*(parse_dtype(decoder.dtype),) * 3, reason="as asked")
-    scaling = decoder.autoscaling
-    rules = scaling.scaling_rules() if scaling else None
     section = decoder.model_dump(exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
     return Plan(
         model=args.model,
@@ -282,11 +278,28 @@ def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs) -> Plan:
         replicas_per_gpu=0,
         gpu_fraction=0.0,
         memory=None,
-        min_replicas=rules.min_replicas if rules else decoder.num_replicas,
-        max_replicas=rules.max_replicas if rules else decoder.num_replicas,
         max_batch_size=decoder.max_batch_size,
         decoder_args=section,
+        **_replica_range(decoder, args.decoder_cpu.enabled),
     )
+
+
+def _replica_range(decoder: DecoderArgs, fallback: bool) -> dict[str, Any]:
+    """The decoders' replica bounds, and the schedule's windows in words."""
+    if decoder.autoscaling is None:
+        return {"min_replicas": decoder.num_replicas, "max_replicas": decoder.num_replicas, "windows": ()}
+    rules = decoder.autoscaling.scaling_rules()
+    windows = tuple(
+        f"{window.name} {window.start}-{window.end} {rules.schedule.timezone}: "
+        + ", ".join(
+            f"{bound} {getattr(window, bound + '_replicas')}"
+            for bound in ("min", "max")
+            if getattr(window, bound + "_replicas") is not None
+        )
+        + (" (the CPU fallback decoder serves at 0)" if fallback and window.min_replicas == 0 else "")
+        for window in rules.schedule.windows
+    )
+    return {"min_replicas": rules.min_replicas, "max_replicas": rules.max_replicas, "windows": windows}
 
 
 def gpus_from_nvidia_smi(

@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine.loading.loader import ModelSizes, model_sizes
 from engine.nn.precision import CpuCapabilities
@@ -210,3 +211,18 @@ def test_the_plan_command_on_this_machine_and_a_described_one(tmp_path: Path) ->
     assert none.returncode == 0 and "decoder: CPU" in none.stdout
     small = plan("--gpus", "1", "--gpu-memory-gb", "4")
     assert small.returncode == 2 and small.stderr.startswith("error: the GPU's 4.00 GiB cannot hold one decoder")
+
+
+def test_the_single_gpu_profile_on_an_8_gb_card_and_a_larger_one() -> None:
+    """configs/single_gpu.yaml: the article's settings (batches of at most 4, the 70%/5 min and 30%/20 min rules, the
+    night on the CPU fallback) kept; the card decides the GPU fraction and how many replicas."""
+    (application,) = yaml.safe_load((ROOT / "configs" / "single_gpu.yaml").read_text())["applications"]
+    args = AppArgs.model_validate(application["args"] | {"model": MODELS["v3"]})
+    small = plan_for(machine(CARDS[8], cpus=8), sizes_of("v3"), args)
+    assert (small.replicas_per_gpu, small.max_batch_size, small.max_replicas) == (1, BATCH, 1)
+    assert small.windows == ("night 02:00-06:00 UTC: min 0 (the CPU fallback decoder serves at 0)",)
+    rules = AppArgs.model_validate(application["args"] | {"decoder": small.decoder_args}).decoder.autoscaling.rules
+    assert (rules["scale_up_utilization"], rules["scale_up_window_s"]) == (0.7, 300)
+    assert (rules["scale_down_utilization"], rules["scale_down_window_s"]) == (0.3, 1200)
+    large = plan_for(machine(CARDS[24], cpus=8), sizes_of("v3"), args)
+    assert large.replicas_per_gpu == large.max_replicas > 1 and large.gpu_fraction < small.gpu_fraction
