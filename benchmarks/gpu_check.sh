@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first check on a GPU machine that holds nothing but this repository and a CUDA build of torch, in under 8 min:
+# The first check on a GPU machine that holds nothing but this repository and a CUDA build of torch, in under 10 min:
 #
 #   bash benchmarks/gpu_check.sh [--cpu] [--quick] [--wheels DIR] [OUTDIR]     # OUTDIR: default $OUT
 #
@@ -21,8 +21,12 @@
 #      clients: requests/s, audio s/s, first-audio p50/p95, peak memory per replica against its cap,
 #      `mps_throughput_ratio` (also at the top of gpu_check.json, with `per_replica_peak_gb`);
 #   5. streams (benchmarks.streams, Ray Serve, decoder at num_gpus 0.25): Poisson streams at 2 rates, both policies;
-#   6. compare (benchmarks.compare, Ray Serve at 0.25): closed loops of 1, 4 and 16 clients against the baseline.
-# Each part has its own time limit, cut to what is left of GPU_CHECK_TOTAL_S (default 435 s), so a slow part still
+#   6. compare (benchmarks.compare, Ray Serve at 0.25): closed loops of 1, 4 and 16 clients against the baseline;
+#   7. plan_check (benchmarks.plan_check): `cosyvoice-serve run --model cosyvoice3-0.5b` (the real-size v3, dummy
+#      weights) as the reader runs it, its printed plan against the plan for this card, the GPU processes nvidia-smi
+#      shows against the plan's replicas, 8 streamed requests 4 at a time: first audio, each replica's peak memory
+#      against the plan's footprint per replica.
+# Each part has its own time limit, cut to what is left of GPU_CHECK_TOTAL_S (default 555 s), so a slow part still
 # leaves the others' results; a part writes its JSON as it goes. Everything lands in OUTDIR: <part>.json and
 # <part>.log, nvidia_smi_*.csv, and gpu_check.json (all parts merged, with each part's status). Exit 0 when every
 # part ran to its end, 1 when one failed or ran out of time, 2 for a usage error, 3-7 for a failed preflight.
@@ -71,7 +75,7 @@ if [[ -z "$python" ]]; then
   exit 3
 fi
 
-total_s=${GPU_CHECK_TOTAL_S:-435}
+total_s=${GPU_CHECK_TOTAL_S:-555}
 start=$SECONDS
 status=0
 : > "$out/parts.tsv"
@@ -109,7 +113,7 @@ from pathlib import Path
 out, device, quick, elapsed = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
 parts = dict(line.split("\t", 1) for line in (out / "parts.tsv").read_text().splitlines() if "\t" in line)
 merged = {"device": device, "quick": quick, "elapsed_s": elapsed, "parts": parts}
-for name in ("preflight", "install", "precision", "engine", "replica", "sharing", "streams", "compare"):
+for name in ("preflight", "install", "precision", "engine", "replica", "sharing", "streams", "compare", "plan_check"):
     path = out / f"{name}.json"
     try:
         merged[name] = json.loads(path.read_text()) if path.exists() else None
@@ -264,9 +268,9 @@ fi
 
 # --- 2-4. the engine in process -----------------------------------------------------------------------------------
 if [[ "$device" == cuda ]]; then
-  model=dummy num_gpus=0.25
+  model=dummy num_gpus=0.25 planned_model=cosyvoice3-0.5b
 else
-  model=tiny num_gpus=0
+  model=tiny num_gpus=0 planned_model=tiny
 fi
 check=("$python" -m benchmarks.gpu_check --device "$device")
 if ((quick)); then
@@ -274,8 +278,9 @@ if ((quick)); then
   engine_args=(--seconds 0.25 --stream-seconds 0.5 --repeats 1 --warmup 0)
   replica_args=(--requests 4 --loop-timeout-s 30)
   sharing_args=(--replicas 2 --clients 1 2 --period-s 0.5 --duration-s 0.5)
+  plan_check_args=(--requests 2 --concurrency 2)
 else
-  precision_args=() engine_args=() replica_args=() sharing_args=()
+  precision_args=() engine_args=() replica_args=() sharing_args=() plan_check_args=()
 fi
 if [[ -z "$engine_missing" ]]; then
   run_part precision 100 "${check[@]}" --part precision --out "$out/precision.json" "${precision_args[@]}"
@@ -298,8 +303,10 @@ if [[ -z "$serve_missing" ]]; then
     "${serve_dry[@]}"
   run_part compare 90 "$python" -m benchmarks.compare --model "$model" --device "$device" --num-gpus "$num_gpus" \
     --clients 1 4 16 --requests 4 --rates 2 --repeats 1 --warmup 0 --out "$out/compare.json" "${serve_dry[@]}"
+  run_part plan_check 120 "$python" -m benchmarks.plan_check --model "$planned_model" --device "$device" \
+    --out "$out/plan_check.json" "${plan_check_args[@]}"
 else
-  for part in streams compare; do record "$part" "skipped: $serve_missing"; done
+  for part in streams compare plan_check; do record "$part" "skipped: $serve_missing"; done
   status=1
 fi
 

@@ -101,9 +101,6 @@ def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str]
 
 
 def run(options: argparse.Namespace) -> int:
-    # Imported here so that `say` stays light; Ray and the app only once the model is there.
-    from serve_app.args import AppArgs
-
     application, http_options = read_serve_config(options.config)
     args = app_args_of(application, options)
     for key in ("voices_dir", "voice_models_dir"):
@@ -116,6 +113,11 @@ def run(options: argparse.Namespace) -> int:
             print(f"error: {what} {number} is in use on {host}; pass {option} with a free one", file=sys.stderr)
             return 2
     try:
+        # A hub id first, before torch is imported: its download, or at once its one-line refusal
+        model_directory(args.get("model", "tiny"))
+        # Imported here so that `say` stays light; Ray and the app only once the model is there.
+        from serve_app.args import AppArgs
+
         model_line = fetch_model(AppArgs.model_validate(args))
     except (ValueError, CosyVoiceError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)

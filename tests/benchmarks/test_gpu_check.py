@@ -34,7 +34,7 @@ def test_the_cpu_dry_run_runs_every_part_and_merges_their_json(tmp_path: Path) -
     assert merged["device"] == "cpu" and merged["quick"] is True
     parts = merged["parts"]
     assert parts.pop("install").startswith("not needed")
-    ran = ("preflight", "precision", "engine", "replica", "sharing", "streams", "compare")
+    ran = ("preflight", "precision", "engine", "replica", "sharing", "streams", "compare", "plan_check")
     assert parts == dict.fromkeys(ran, "ok")
     assert merged["preflight"]["ok"] and merged["preflight"]["torch"] == torch.__version__
 
@@ -76,7 +76,14 @@ def test_the_cpu_dry_run_runs_every_part_and_merges_their_json(tmp_path: Path) -
 
     for part in ("streams", "compare"):
         assert merged[part]["dry_run"] and merged[part]["num_gpus"] == 0, part
-    for name in ("precision", "engine", "replica", "sharing", "streams", "compare"):
+
+    # `cosyvoice-serve run` as the reader starts it: on CPU its plan puts the decoders there, nvidia-smi shows nothing
+    plan_check = merged["plan_check"]
+    assert plan_check["complete"] and plan_check["printed_plan_matches"] and plan_check["server_exit"] == 0
+    assert plan_check["plan"]["device"] == "cpu" and plan_check["plan"]["decoder_args"]["num_gpus"] == 0
+    assert len(plan_check["first_audio_s"]) == 2 and all(wait > 0 for wait in plan_check["first_audio_s"])
+    assert plan_check["per_replica_peak_bytes"] is None and plan_check["within_plan"] is None
+    for name in ("precision", "engine", "replica", "sharing", "streams", "compare", "plan_check"):
         assert (out / f"{name}.log").exists(), name
 
 
@@ -85,6 +92,7 @@ def test_the_gpu_run_uses_every_profiles_quarter_gpu() -> None:
     assert "model=dummy num_gpus=0.25" in script
     assert "--fraction 0.25" in script
     assert "sharing_args=()" in script  # the GPU run: the part's defaults, 4 replicas at 1, 4 and 16 clients
+    assert "planned_model=cosyvoice3-0.5b" in script  # the plan check: the real-size v3 as `run` serves it
     assert "--num-gpus 0.5" not in script and "num_gpus=0.5" not in script
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import ray
 import soundfile as sf
@@ -94,3 +95,28 @@ def test_alloy_speaks_in_the_default_voice_from_the_first_request(served: tuple[
     assert listing["openai_voices"] == dict.fromkeys(OPENAI_VOICE_NAMES, DEFAULT_VOICE_ID)
     (default,) = [voice for voice in listing["registered_voices"] if voice["id"] == DEFAULT_VOICE_ID]
     assert default["name"] == DEFAULT_VOICE_NAME and default["transcript"] == "希望你以后能够做的比我还好呦。"
+
+
+def test_the_default_voice_comes_after_a_voice_registered_for_a_name(served: tuple[str, dict[str, Any]]) -> None:
+    """echo, which nothing else takes, speaks the default voice; nova, once a voice is registered with that OpenAI
+    name, speaks that voice instead (the same seed, another prompt: other audio)."""
+    url, _ = served
+
+    def speak(voice: str) -> bytes:
+        body = {"text": "Hello there.", "voice": voice, "format": "pcm", "seed": 3}
+        response = httpx.post(f"{url}/v1/tts", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.content
+
+    assert speak("echo") == speak(DEFAULT_VOICE_ID) == speak("nova")
+    rate = 16000
+    tone = (0.3 * np.sin(2 * np.pi * 170 * np.arange(2 * rate) / rate)).astype(np.float32)
+    recording = io.BytesIO()
+    sf.write(recording, tone, rate, format="WAV")
+    form = {"transcript": "Hello there.", "openai_name": "nova"}
+    registered = httpx.post(
+        f"{url}/v1/voices", data=form, files={"file": ("me.wav", recording.getvalue())}, timeout=300
+    )
+    assert registered.status_code == 201, registered.text
+    assert speak("nova") == speak(registered.json()["id"]) != speak(DEFAULT_VOICE_ID)
+    assert speak("echo") == speak(DEFAULT_VOICE_ID)
