@@ -35,6 +35,8 @@ Groups made here (every value a tensor, int, float or str; see the README sectio
   SPREAD_VARIANTS (two threads, the native convolution kernels, the AVX2 kernels of ATen and oneDNN, MKL's AVX2
   kernels), per stage and end to end (`spread_e2e_f0`, `spread_e2e_speech`), from which the parity tests take
   their tolerances (tests/parity/hift_pipeline.py). Spreads are measured afresh on every run (`measure_spreads`).
+  A hift case made here records the machine: `recorded_cpu_kind` (`CpuCapabilities.kernel_kind` of this project's
+  engine, installed in the venv: the kind of CPU whose float32 rounding its tensors carry) and `recorded_cpu`.
 - `llm_bistream` (v2, only with `--bistream-only`, which leaves every other group as it is): the official
   `llm.inference_bistream` with its text a generator of pieces, greedy and with the yaml's sampler (BISTREAM_MARKER's
   README section describes the fields).
@@ -48,7 +50,18 @@ CPU) gets them, and nothing else changes, with (the CosyVoice3 kit: tools/make_c
 
 which measures every `spread_*` of every hift case again on this machine, keeps every recorded tensor as it is,
 records the machine in the kit's meta (`spread_cpu`, `spread_variants`, `spread_kernels`) and writes RESPREAD_MARKER's
-README section.
+README section. It adds no `recorded_cpu_kind`: a kit's tensors may come from several machines.
+
+The official code's float32 outputs differ between kinds of CPU (AMD EPYC, Intel Xeon with AMX) by more than within
+one machine. References of this machine's kind are recorded, and nothing of the kit changes but REFERENCES_MARKER's
+README section, with (tools/make_cosyvoice3_kit.py likewise):
+
+    /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official --out KIT --references
+
+which makes the hift cases a run makes (for the cache_source case the llm_sampled and stream cases before it, as
+their draws come first) afresh, exits unless their inputs (`mel`, `cache_source`, `rand_draw_*`) are the kit's
+cases' to the bit, adds their hidden tensors and spreads (`measure_spreads`) and writes them to
+`KIT/references/<CPU kind>.pt` (`{"meta": [...], "hift": [cases]}`, e.g. `genuineintel-avx512-amx.pt`).
 """
 
 from __future__ import annotations
@@ -102,6 +115,9 @@ KERNEL_VARIABLES = {"ATEN_CPU_CAPABILITY": "ATen", "ONEDNN_MAX_CPU_ISA": "oneDNN
 SPREAD_CHILD_FLAG = "--spread-child"
 GROUPS_MARKER = "## Groups made by tools/make_conformance_kit.py"
 RESPREAD_MARKER = "## HiFT spreads measured again (made with --respread)"
+REFERENCES_MARKER = "## HiFT references per CPU kind (made with --references)"
+# The inputs of a hift case (with its `rand_draw_*`): a reference file's case must hold the kit's case's to the bit.
+CASE_INPUTS = ("mel", "cache_source", "finalize", "source_initial_phase", "source_noise")
 SPREAD_VIEW = "the log of `magnitude`, the others as they are"
 FRONTEND_TEXTS = (
     "Hello world, this is a streaming test.",
@@ -123,6 +139,16 @@ def official_commit(checkout: Path) -> str:
     except OSError:
         commit = ""
     return commit or os.environ.get("OFFICIAL_COMMIT", "unknown")
+
+
+def recorded_cpu() -> dict[str, str]:
+    """What every hift case made here records of this machine: `recorded_cpu_kind`, the kind of CPU whose float32
+    rounding its tensors carry (`CpuCapabilities.kernel_kind`: the parity tests hold a case of their own kind to the
+    float32 floor), and `recorded_cpu`, the CPU in words."""
+    from engine.nn.precision import cpu_capabilities  # this project's, installed in the venv
+
+    cpu = cpu_capabilities()
+    return {"recorded_cpu_kind": cpu.kernel_kind, "recorded_cpu": cpu.describe()}
 
 
 def copy_qwen_tokenizer(files: Path, model_dir: Path) -> None:
@@ -319,7 +345,24 @@ class Maker:
         case["out_tokens"] = torch.tensor(generated, dtype=torch.int64)
         return case
 
+    def sampled_and_stream(self) -> dict[str, list[dict[str, Any]]]:
+        """The `llm_sampled` and `stream` groups, in the order a run makes them: each draws its inputs from `seed`
+        after the one before, and the hift cases (`hift_cases`) draw on the global RNG after both."""
+        made = {"llm_sampled": [self.llm_sampled(text_tokens=6, ratio=(8.0, 10.0))]}
+        if self.version == 1:  # v1 hop 100 + 20 overlap: chunks at 120 and 220 tokens, then the rest
+            made["stream"] = [self.stream("zero_shot_three_chunks", text_tokens=10, ratio=26.0, prompt_tokens=12)]
+        else:  # 10 prompt tokens: a first hop of 25 + 15, then 50, then the final chunk
+            made["stream"] = [self.stream("zero_shot_padded_first_hop", text_tokens=8, ratio=14.0, prompt_tokens=10)]
+        return made
+
     # ---- hift cases with recorded draws -----------------------------------------------------------------------
+
+    def hift_cases(self, stream_case: dict[str, Any]) -> list[dict[str, Any]]:
+        """The hift cases made here: `hift_with_cache` on the stream case just made, and for v2 `hift_long`."""
+        cases = [self.hift_with_cache(stream_case)]
+        if self.version == 2:
+            cases += [self.hift_long(frames) for frames in HIFT_LONG_FRAMES]
+        return cases
 
     def hift_with_cache(self, stream_case: dict[str, Any]) -> dict[str, Any]:
         cache_frames = 8 if self.version == 2 else 20  # the official HiFT cache of each version
@@ -396,7 +439,7 @@ class Maker:
             "name": name,
             "function": "cosyvoice.hifigan.generator.HiFTGenerator.inference",
             "mel": mel,
-            "cache_source": cache.contiguous(),
+            "cache_source": cache.clone(memory_format=torch.contiguous_format),  # not a view of the stream's
             "f0": f0,
             "source": source.clone(),
             "speech": speech.clone(),
@@ -406,6 +449,7 @@ class Maker:
             "voiced_fraction": float((f0 > 10).float().mean()),
             "rand_draw_order": ",".join(kind for kind, _ in draws),
             **({} if e2e_source is None else {"e2e_source": e2e_source}),
+            **recorded_cpu(),
         }
         for k, (_, value) in enumerate(draws):
             case[f"rand_draw_{k}"] = value
@@ -973,6 +1017,90 @@ def write_respread(out: Path, cases: dict[str, list[dict[str, Any]]], command: s
     replace_readme_section(out / "README.md", RESPREAD_MARKER, "\n".join(lines))
 
 
+def write_references(
+    out: Path,
+    kit: dict[str, list[dict[str, Any]]],
+    made: list[dict[str, Any]],
+    run: Callable[[dict[str, Any]], dict[str, torch.Tensor]],
+    child_command: list[str],
+    command: str,
+    commit: str,
+) -> None:
+    """Write `made` (the hift cases a tool makes, made afresh on this machine) to `out/references/<CPU kind>.pt`
+    with their hidden tensors and spreads (`measure_spreads`, as a normal run), and REFERENCES_MARKER's README
+    section; `cases.pt` and every other file stay as they are. Exits, writing nothing, unless every case's inputs
+    are those of the case of its name in `kit` (the kit's `cases.pt`) to the bit (`input_difference`)."""
+    recorded = {case["name"]: case for case in kit.get("hift", [])}
+    for case in made:
+        kept = recorded.get(case["name"])
+        if kept is None:
+            sys.exit(f"--references: the kit has no hift case {case['name']!r} (a run without --references adds it)")
+        inputs = sorted(key for key in {*case, *kept} if key in CASE_INPUTS or key.startswith("rand_draw_"))
+        why = "; ".join(f"{key}: {gap}" for key in inputs if (gap := input_difference(case.get(key), kept.get(key))))
+        if why:
+            sys.exit(
+                f"--references: hift case {case['name']!r} made here has other inputs than the kit's ({why}); "
+                "nothing written"
+            )
+    cpu = recorded_cpu()
+    meta = {
+        "kit": out.name,
+        "model_version": kit["meta"][0]["model_version"],
+        "official_commit": commit,
+        "torch_version": str(torch.__version__),
+        "command": command,
+        **cpu,
+    }
+    references = {"meta": [meta], "hift": made}
+    measure_spreads(run, references, child_command)
+    path = out / "references" / f"{re.sub('[^a-z0-9]+', '-', cpu['recorded_cpu_kind'].lower()).strip('-')}.pt"
+    path.parent.mkdir(exist_ok=True)
+    torch.save(references, path)
+    replace_readme_section(out / "README.md", REFERENCES_MARKER, references_readme(out))
+    print(f"{path}: {path.stat().st_size} bytes, `{sha256(path)}`; {', '.join(case['name'] for case in made)}")
+
+
+def input_difference(made: Any, recorded: Any) -> str:
+    """'' where a value made here is the kit's to the bit, else how it differs."""
+    if isinstance(made, torch.Tensor) and isinstance(recorded, torch.Tensor) and made.shape == recorded.shape:
+        gap = float((made.double() - recorded.double()).abs().max()) if made.numel() else 0.0
+        return "" if torch.equal(made, recorded) else f"up to {gap:.1e} apart"
+    same = not isinstance(made, torch.Tensor) and type(made) is type(recorded) and made == recorded
+    return "" if same else f"{describe(made)} here, {describe(recorded)} in the kit"
+
+
+def references_readme(out: Path) -> str:
+    """REFERENCES_MARKER's README section: every file of `out/references`, the machine that made it and its cases."""
+    lines = [
+        REFERENCES_MARKER,
+        "",
+        "`references/<CPU kind>.pt`, `{'meta': [...], 'hift': [cases]}`: the hift cases the kit tool makes, made "
+        "afresh on one machine with `--references`. Each case's inputs (`mel`, `cache_source`, the random draws or "
+        "the fixed source buffers) are those of the kit's case of that name, checked to the bit by the tool; every "
+        "other tensor, the hidden tensors and the spreads were recorded on that machine, whose CPU kind the meta and "
+        "each case hold "
+        "(`recorded_cpu_kind`, `CpuCapabilities.kernel_kind`; `recorded_cpu` in words). The parity tests hold the "
+        "cases of their own machine's kind to the float32 floor and the others to the bound across CPU kinds "
+        "(tests/parity/hift_pipeline.py). `--references` leaves `cases.pt` as it is.",
+        "",
+        "| file | bytes | sha256 | CPU kind | CPU | cases (frames) | made by |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted((out / "references").glob("*.pt")):
+        references = torch.load(path, weights_only=True)
+        meta = references["meta"][0]
+        cpu = [str(meta.get(key, "not recorded")).replace("|", "\\|") for key in ("recorded_cpu_kind", "recorded_cpu")]
+        cases = ", ".join(f"{case['name']} ({case['mel'].shape[-1]})" for case in references.get("hift", []))
+        made_by = "not recorded"
+        if "command" in meta:
+            made_by = f"`{meta['command']}`, official code `{meta['official_commit']}`, torch {meta['torch_version']}"
+        lines.append(
+            f"| `{path.relative_to(out)}` | {path.stat().st_size} | `{sha256(path)}` | {cpu[0]} | {cpu[1]} | {cases} "
+            f"| {made_by} |"
+        )
+    return "\n".join(lines)
+
+
 def official_text_frontend(configs: dict[str, Any]) -> Any:
     """The text half of the official `CosyVoiceFrontEnd` (no ONNX models needed) with the yaml's tokenizer, set up as
     its constructor does where ttsfrd is not installed: wetext for Chinese and English, inflect."""
@@ -1100,6 +1228,12 @@ def main() -> None:
         action="store_true",
         help="measure only the spread_* fields of every hift case again, on this machine; the rest stays as it is",
     )
+    parser.add_argument(
+        "--references",
+        action="store_true",
+        help="record the hift cases made here afresh on this machine into KIT/references/<its CPU kind>.pt; "
+        "cases.pt stays as it is",
+    )
     parser.add_argument(SPREAD_CHILD_FLAG, type=Path, help=argparse.SUPPRESS)  # see child_runs
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -1133,6 +1267,10 @@ def main() -> None:
         write_respread(out, cases, command, commit)
         print("\n".join(spread_readme(cases)))
         return
+    if args.references:
+        made_hift = maker.hift_cases(maker.sampled_and_stream()["stream"][0])
+        write_references(out, cases, made_hift, maker.hift_run, child_command, command, commit)
+        return
     import transformers
 
     meta = {
@@ -1155,16 +1293,10 @@ def main() -> None:
         cases["meta"][0].update({f"kit_maker_{k}": v for k, v in meta.items() if k in ("official_commit", "seed")})
     else:
         cases["meta"] = [meta]
-    made = {"llm_sampled": [maker.llm_sampled(text_tokens=6, ratio=(8.0, 10.0))]}
-    if maker.version == 1:  # v1 hop 100 + 20 overlap: chunks at 120 and 220 tokens, then the rest
-        made["stream"] = [maker.stream("zero_shot_three_chunks", text_tokens=10, ratio=26.0, prompt_tokens=12)]
-    else:  # 10 prompt tokens: a first hop of 25 + 15, then 50, then the final chunk
-        made["stream"] = [maker.stream("zero_shot_padded_first_hop", text_tokens=8, ratio=14.0, prompt_tokens=10)]
+    made = maker.sampled_and_stream()
     if maker.version == 2 or not cases.get("frontend"):  # v1 kits made before this tool have their own
         made["frontend"] = maker.frontend_cases()
-    made_hift = [maker.hift_with_cache(made["stream"][0])]
-    if maker.version == 2:
-        made_hift += [maker.hift_long(frames) for frames in HIFT_LONG_FRAMES]
+    made_hift = maker.hift_cases(made["stream"][0])
     # What the kit has stays as recorded (another machine's rounding differs: see the README), unless --remake.
     for group, made_cases in made.items():
         if args.remake or not cases.get(group):

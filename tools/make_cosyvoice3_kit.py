@@ -24,11 +24,21 @@ its README section itself. ``--respread`` measures only the spreads of the hift 
 writes its README section itself (as the v1/v2 tool does; every recorded tensor stays as it is)::
 
     python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny --respread
+
+Every hift case made here records the machine (``recorded_cpu_kind``, ``recorded_cpu``: the v1/v2 tool's
+``recorded_cpu``); ``--respread`` adds neither. ``--references`` makes every hift case of the kit afresh (the llm and
+flow cases before them too: ``e2e_zero_shot_from_flow`` decodes the flow's mel), exits unless their inputs (``mel``,
+the fixed source buffers) are the kit's cases' to the bit, and writes them with their hidden tensors and spreads to
+``references/<CPU kind>.pt``, nothing else of the kit but its README section (the v1/v2 tool's
+``write_references``)::
+
+    python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny --references
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import re
@@ -48,12 +58,14 @@ from make_conformance_kit import (  # the sibling tool, on sys.path when this ru
     official_commit,
     official_e2e,
     official_text_frontend,
+    recorded_cpu,
     sampled_llm_case,
     serve_spread_child,
     sha256,
     spread_readme,
     text_path_case,
     write_bistream_group,
+    write_references,
     write_respread,
 )
 from torch import Tensor, nn
@@ -385,6 +397,7 @@ def hift_case(hift: nn.Module, name: str, mel: Tensor, finalize: bool) -> dict[s
         "speech": speech,
         "voiced_fraction": float((f0 > sine.voiced_threshold).float().mean()),
         "clamped_fraction": float((speech.abs() >= hift.audio_limit).float().mean()),
+        **recorded_cpu(),
     }
 
 
@@ -897,6 +910,11 @@ def main() -> None:
         action="store_true",
         help="measure only the spread_* fields of every hift case again, on this machine; the rest stays as it is",
     )
+    parser.add_argument(
+        "--references",
+        action="store_true",
+        help="record the hift cases afresh on this machine into KIT/references/<its CPU kind>.pt; cases.pt stays",
+    )
     parser.add_argument(SPREAD_CHILD_FLAG, type=Path, help=argparse.SUPPRESS)  # see make_conformance_kit.child_runs
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -908,27 +926,28 @@ def main() -> None:
         model, _ = load_official_model(args.out / "model")
         serve_spread_child(args.spread_child, lambda case: official_hift_run(model, case))
         return
-    if args.respread:
+    mode = next((mode for mode in ("respread", "bistream_only", "references") if getattr(args, mode)), None)
+    if mode:  # a mode that works on an existing kit, with its own model
+        option = "--" + mode.replace("_", "-")
         cases_path = args.out / "cases.pt"
         if not cases_path.is_file():
-            sys.exit("--respread measures the spreads of an existing kit's hift cases again")
+            sys.exit(f"{option} works on an existing kit")
         model, _ = load_official_model(args.out / "model")
         cases = torch.load(cases_path, weights_only=True)
-        measure_spreads(lambda case: official_hift_run(model, case), cases, child_command)
-        command = f"python tools/make_cosyvoice3_kit.py --official {args.official} --out {args.out} --respread"
-        write_respread(args.out, cases, command, official_commit(args.official))
-        print("\n".join(spread_readme(cases)))
-        return
-    if args.bistream_only:
-        cases_path = args.out / "cases.pt"
-        if not cases_path.is_file():
-            sys.exit("--bistream-only extends an existing kit")
-        model, _ = load_official_model(args.out / "model")
-        cases = torch.load(cases_path, weights_only=True)
-        command = f"python tools/make_cosyvoice3_kit.py --official {args.official} --out {args.out} --bistream-only"
-        write_bistream_group(args.out, cases, llm_bistream_cases(model), command, official_commit(args.official))
-        for case in cases["llm_bistream"]:
-            print(f"llm_bistream {case['name']}: {len(case['out_tokens'])} tokens, {case['num_steps']} steps")
+        command = f"python tools/make_cosyvoice3_kit.py --official {args.official} --out {args.out} {option}"
+        commit = official_commit(args.official)
+        run = functools.partial(official_hift_run, model)
+        if args.respread:
+            measure_spreads(run, cases, child_command)
+            write_respread(args.out, cases, command, commit)
+            print("\n".join(spread_readme(cases)))
+        elif args.bistream_only:
+            write_bistream_group(args.out, cases, llm_bistream_cases(model), command, commit)
+            for case in cases["llm_bistream"]:
+                print(f"llm_bistream {case['name']}: {len(case['out_tokens'])} tokens, {case['num_steps']} steps")
+        else:  # the hift cases a new kit gets, made afresh
+            made = reference_cases(model, args.official)["hift"] + hift_long_cases(model.hift)
+            write_references(args.out, cases, made, run, child_command, command, commit)
         return
 
     model_dir = args.out / "model"
