@@ -76,6 +76,7 @@ from benchmarks.http_bench import (
     print_table,
     run_sweep,
     summarize,
+    wait_until_answering,
 )
 from benchmarks.timing import (
     BATCH_RATIO_BOUND,
@@ -125,18 +126,7 @@ def baseline_server(model: str, device: str, ready_timeout_s: float = 300.0) -> 
     process = subprocess.Popen([*command, *options])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the baseline server exited with {process.returncode}")
-            try:
-                if httpx.get(f"{url}/v1/voices", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the baseline server did not start")
-            time.sleep(0.5)
+        wait_until_answering(f"{url}/v1/voices", process, "the baseline server", ready_timeout_s)
         yield url
     finally:
         process.terminate()

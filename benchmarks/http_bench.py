@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -234,6 +235,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until_answering(url: str, process: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
+    """Poll GET `url` until it answers 200; RuntimeError naming `what` if `process` exits first or `timeout_s` pass."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} before it answered")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {url} within {timeout_s:g} s")
+        time.sleep(0.5)
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.http_bench import free_port
+from benchmarks.http_bench import free_port, wait_until_answering
 from engine.loading.loader import model_sizes
 from serve_app.args import AppArgs
 from serve_app.plan import Plan, inventory_here, plan_for
@@ -95,20 +95,6 @@ def first_audio_s(url: str, timeout_s: float) -> float:
     return first
 
 
-def wait_healthy(url: str, server: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before it answered")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"the server did not answer /healthz within {timeout_s:g} s")
-
-
 def check(options: argparse.Namespace, report: dict[str, Any], write: Any) -> None:
     args = AppArgs(model=options.model)
     plan: Plan = plan_for(inventory_here(), model_sizes(options.model), args, options.device)
@@ -123,7 +109,7 @@ def check(options: argparse.Namespace, report: dict[str, Any], write: Any) -> No
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, server, options.start_timeout_s)
+            wait_until_answering(f"{url}/healthz", server, "the server", options.start_timeout_s)
             printed = log_path.read_text(errors="replace")
             # the lines after the first, which names the CPUs as this process counts them (Ray may count others)
             report["printed_plan_matches"] = all(line in printed for line in plan.lines()[1:])

@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -167,11 +167,8 @@ def plan_for(inventory: Inventory, sizes: ModelSizes, args: AppArgs, device: Dev
         return _cpu_plan(inventory, sizes, args)
     if pinned_fraction == 0:
         raise PlanError("--device cuda, but the app args pin decoder.num_gpus to 0")
-    family = sizes.config.family
-    if decoder.dtype == AUTO_DTYPE:
-        dtypes = gpu_auto_dtypes(family.prefers_bfloat16, all(gpu.native_bfloat16 for gpu in inventory.gpus))
-    else:
-        dtypes = DecoderDtypes(*(parse_dtype(decoder.dtype),) * 3, reason="as asked")
+    native_bfloat16 = all(gpu.native_bfloat16 for gpu in inventory.gpus)
+    dtypes = _dtypes(decoder.dtype, lambda: gpu_auto_dtypes(sizes.config.family.prefers_bfloat16, native_bfloat16))
     card = min(gpu.memory_bytes for gpu in inventory.gpus)
     # The args' batch size where they set it, else the largest up to the default that one replica fits on the card
     batch_sizes = [decoder.max_batch_size] if "max_batch_size" in decoder.model_fields_set else None
@@ -193,18 +190,37 @@ def plan_for(inventory: Inventory, sizes: ModelSizes, args: AppArgs, device: Dev
         per_gpu, fraction = _shares(card, memory, _decoders_the_cpus_hold(inventory, args) // len(inventory.gpus))
     count = per_gpu * len(inventory.gpus)
     decoder_args = _scaled(args, count) | {"num_gpus": fraction, "max_batch_size": batch}
+    return _plan(args, inventory, dtypes, decoder_args, memory=memory, per_gpu=per_gpu, fraction=fraction)
+
+
+def _dtypes(name: str, auto: Callable[[], DecoderDtypes]) -> DecoderDtypes:
+    """The decoder's dtypes: `auto`'s choice for the device, or the one named for all three modules."""
+    return auto() if name == AUTO_DTYPE else DecoderDtypes(*(parse_dtype(name),) * 3, reason="as asked")
+
+
+def _plan(
+    args: AppArgs,
+    inventory: Inventory,
+    dtypes: DecoderDtypes,
+    decoder_args: dict[str, Any],
+    memory: DecoderMemory | None = None,
+    per_gpu: int = 0,
+    fraction: float = 0.0,
+) -> Plan:
+    """The plan of a decoder section: on the GPUs with a `memory` footprint, else on CPU."""
+    decoder = DecoderArgs.model_validate(decoder_args)
     return Plan(
         model=args.model,
         inventory=inventory,
-        device="cuda",
+        device="cpu" if memory is None else "cuda",
         dtypes=dtypes.describe(),
         dtype_reason=dtypes.reason,
         replicas_per_gpu=per_gpu,
         gpu_fraction=fraction,
         memory=memory,
-        max_batch_size=batch,
+        max_batch_size=decoder.max_batch_size,
         decoder_args=decoder_args,
-        **_replica_range(DecoderArgs.model_validate(decoder_args), args.decoder_cpu.enabled),
+        **_replica_range(decoder, args.decoder_cpu.enabled),
     )
 
 
@@ -263,25 +279,9 @@ def _scaled(args: AppArgs, count: int) -> dict[str, Any]:
 
 
 def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs) -> Plan:
-    decoder = args.decoder
-    if decoder.dtype == AUTO_DTYPE:
-        dtypes = cpu_auto_choice(inventory.cpu, sizes.gemm)
-    else:
-        dtypes = DecoderDtypes(*(parse_dtype(decoder.dtype),) * 3, reason="as asked")
-    section = decoder.model_dump(exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
-    return Plan(
-        model=args.model,
-        inventory=inventory,
-        device="cpu",
-        dtypes=dtypes.describe(),
-        dtype_reason=dtypes.reason,
-        replicas_per_gpu=0,
-        gpu_fraction=0.0,
-        memory=None,
-        max_batch_size=decoder.max_batch_size,
-        decoder_args=section,
-        **_replica_range(decoder, args.decoder_cpu.enabled),
-    )
+    dtypes = _dtypes(args.decoder.dtype, lambda: cpu_auto_choice(inventory.cpu, sizes.gemm))
+    section = args.decoder.model_dump(exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
+    return _plan(args, inventory, dtypes, section)
 
 
 def _replica_range(decoder: DecoderArgs, fallback: bool) -> dict[str, Any]:
