@@ -228,7 +228,7 @@ def _decoder_memory(sizes: ModelSizes, dtypes: DecoderDtypes, args: AppArgs, max
     weights = sizes.weight_bytes(dtypes)
     asked = args.decoder.memory_budget_gb
     if isinstance(asked, float):
-        budget = int(asked * 1e9)
+        budget = int(asked * GIB)  # as the decoder reads it
     else:  # `auto` (and None, no byte bound) still needs room for the planned sentences
         budget = planned_budget_bytes(sizes.config, max_batch_size, dtypes.llm.itemsize)
     return DecoderMemory(weights, budget, share_for_budget(weights, budget), CUDA_CONTEXT_BYTES)

@@ -226,3 +226,9 @@ def test_the_single_gpu_profile_on_an_8_gb_card_and_a_larger_one() -> None:
     assert (rules["scale_down_utilization"], rules["scale_down_window_s"]) == (0.3, 1200)
     large = plan_for(machine(CARDS[24], cpus=8), sizes_of("v3"), args)
     assert large.replicas_per_gpu == large.max_replicas > 1 and large.gpu_fraction < small.gpu_fraction
+
+
+def test_an_explicit_memory_budget_is_the_loops_as_the_decoder_reads_it() -> None:
+    plan = plan_for(machine(CARDS[24]), sizes_of("v1"), args_for("v1", memory_budget_gb=2.0))
+    assert plan.memory is not None and plan.memory.budget_bytes == 2 * 2**30
+    assert memory_budget_for(int(plan.gpu_fraction * CARDS[24].memory_bytes), plan.memory.weights_bytes) >= 2 * 2**30
