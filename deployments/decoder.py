@@ -27,6 +27,7 @@ from ray import serve
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError, TaskCancelledError
 
 from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
+from deployments.text_relay import TextSessionClosedError
 from engine.errors import (
     CosyVoiceError,
     DecodeLimitError,
@@ -151,9 +152,6 @@ class Decoder:
         self.metrics = DecoderMetrics()
         FALLBACKS.add_listener(self.metrics.record_precision_fallback)
         self._utilization_from_busy_time = 0 if sampler is not None else 1
-        # Ray exports a gauge only while it is set again and again: one that stays unset drops out of the scrape
-        # (about 30 s after the last request here), so dashboards would read "No data" instead of an idle 0.
-        threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
         # Built per replica so that max_concurrent_batches comes from the app's arguments. The loop starts idle:
         # the queues wait for no batch to fill until the loop is busy (`_loop_busy`), and a stream's never does:
         # its first audio is what the deadline policy protects, and the loop takes it in at its next step anyway.
@@ -168,6 +166,9 @@ class Decoder:
         self._loop_thread: threading.Thread | None = None
         self._bistreams = 0  # bi-streamed utterances decoding now (beside the loop: `bistream`)
         self.set_max_batch_size(max_batch_size)
+        # Ray exports a gauge only while it is set again and again: one that stays unset drops out of the scrape
+        # (about 30 s after the last request here), so dashboards would read "No data" instead of an idle 0.
+        threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
         precision = self.stage.model.precision
         logger.info(
             "Decoder of %s (LLM checkpoint %s) on %s, precision %s (dtype %s: %s), max batch %d",
@@ -301,18 +302,26 @@ class Decoder:
         """One bi-streamed utterance (CosyVoice2/3): its text ids come through `relay` (a `TextRelay`, piece by piece
         until None); audio chunks as they are made. It decodes on worker threads beside the scheduler's loop, one push
         at a time: not in the loop's batch, its admission or its memory budget, so at most `max_batch_size` of them
-        decode at once (each holds a KV cache and a share of the cores); one more is refused with a 503."""
+        decode at once (each holds a KV cache and a share of the cores); one more is refused with a 503.
+
+        Its slot is a lease, taken and given back here alone, however the call ends: its audio done, a ceiling passed
+        (checked on a timer while it waits for text, not only as audio comes), its session closed by the ingress, or
+        the call cancelled (the ingress cancels it when its client leaves)."""
         if self._bistreams >= self.max_batch_size:
             raise UnavailableError(
                 f"this decoder replica is bi-streaming its most utterances at once ({self.max_batch_size}); retry, "
                 "or send the text whole"
             )
         self._bistreams += 1
+        self._publish_load()
         try:
             async for chunk in self._bistream(start, relay, session, request_id):
                 yield chunk
+        except TextSessionClosedError:  # its client left: nobody listens for the rest
+            logger.info("bi-streamed utterance ended: its session was closed", extra={"request_id": request_id})
         finally:
             self._bistreams -= 1
+            self._publish_load()
 
     async def _bistream(
         self, start: BistreamStart, relay: ray.actor.ActorHandle, session: str, request_id: str
@@ -323,6 +332,9 @@ class Decoder:
         max_samples = math.inf if scheduler.max_audio_s is None else scheduler.max_audio_s * self.stage.sample_rate
         deadline = time.monotonic() + (math.inf if scheduler.max_request_s is None else scheduler.max_request_s)
         samples = 0
+        over_time = DecodeLimitError(
+            f"the utterance took longer than the limit of {scheduler.max_request_s} s; send a shorter text"
+        )
 
         def checked(chunk: np.ndarray) -> np.ndarray:
             nonlocal samples
@@ -332,13 +344,18 @@ class Decoder:
                     f"the utterance passed the limit of {scheduler.max_audio_s:g} s of audio; send a shorter text"
                 )
             if time.monotonic() > deadline:
-                raise DecodeLimitError(
-                    f"the utterance decoded for longer than the limit of {scheduler.max_request_s:g} s; send a "
-                    "shorter text"
-                )
+                raise over_time
             return chunk
 
-        while (tokens := await relay.get.remote(session)) is not None:
+        async def next_text() -> list[int] | None:
+            """The next piece's ids, waited for until the deadline at most (a client that sends nothing more)."""
+            try:
+                left_s = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                return await asyncio.wait_for(relay.get.remote(session), left_s)
+            except asyncio.TimeoutError:  # on Python 3.10 not the built-in TimeoutError
+                raise over_time from None
+
+        while (tokens := await next_text()) is not None:
             for chunk in await asyncio.to_thread(synthesis.push_text, tokens):
                 yield checked(chunk)
         rest = synthesis.finish()
@@ -413,6 +430,7 @@ class Decoder:
             time.sleep(GAUGE_REFRESH_S)
 
     def _publish_load(self) -> None:
+        self.metrics.bistream_slots_free.set(self.max_batch_size - self._bistreams)
         self.metrics.utilization_from_busy_time.set(self._utilization_from_busy_time)
         self.metrics.queue_depth.set(self.load.waiting)
         self.metrics.ongoing.set(self.load.ongoing)
@@ -466,6 +484,7 @@ class Decoder:
             "oom_ended": stats.oom_ended,
             "live_limit": self.scheduler.live_limit,
             "loop_failed": self.scheduler.failure is not None,
+            "bistreams": self._bistreams,
             "live": self.scheduler.live,
             "queued": self.scheduler.queued,
             "awaiting_sentences": self.scheduler.awaiting_sentences,

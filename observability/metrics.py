@@ -31,6 +31,7 @@ PRECISION_FALLBACKS = "cosyvoice_decoder_precision_fallbacks_total"
 DECODER_LOOP_FAILURES = "cosyvoice_decoder_loop_failures_total"
 DECODER_OUT_OF_MEMORY = "cosyvoice_decoder_out_of_memory_total"
 DECODER_LIVE_LIMIT = "cosyvoice_decoder_live_limit"
+DECODER_BISTREAM_SLOTS_FREE = "cosyvoice_decoder_bistream_slots_free"
 DECODER_FIRST_AUDIO = "cosyvoice_decoder_time_to_first_audio_seconds"
 STREAM_UNDERRUNS = "cosyvoice_decoder_stream_underruns_total"
 STREAM_MIN_SLACK = "cosyvoice_decoder_stream_min_slack_seconds"
@@ -122,6 +123,11 @@ class DecoderMetrics:
             DECODER_LIVE_LIMIT,
             "Live sentences the replica's loop admits now: its max batch size, lower for a while after running out of "
             "GPU memory",
+        )
+        self.bistream_slots_free = Gauge(
+            DECODER_BISTREAM_SLOTS_FREE,
+            "Bi-streamed utterances (text streams on CosyVoice2/3) the replica can still take: its max batch size less "
+            "those it decodes; every session that ends, however, gives its slot back",
         )
         self.precision_fallbacks = Counter(
             PRECISION_FALLBACKS,

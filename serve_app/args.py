@@ -295,8 +295,23 @@ class LimitsArgs(_Strict):
     text_stream_idle_s: float = Field(
         60.0,
         gt=0,
-        description="a text stream (/v1/audio/speech/stream) that sends no message for this long while it has no "
-        "audio in the making ends with an error event (408), freeing its ingress slot",
+        description="a text stream (/v1/audio/speech/stream) that sends no text to speak for this long while it has "
+        "no audio in the making ends with an error event (408), freeing its ingress slot, whatever else it sends "
+        "(flush with nothing to speak, empty text)",
+    )
+    max_text_streams: int | None = Field(
+        None,
+        ge=1,
+        description="text streams one ingress replica holds at once; one more is refused at its handshake with 503 "
+        "(1013 where the handshake cannot be answered). Below ingress.max_ongoing_requests, so that sockets never "
+        "take the slots plain requests need; None: half of them (32 of the default 64)",
+    )
+    max_text_streams_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="with API keys on, text streams one key may hold at once in one ingress replica (one more: 503); "
+        "below max_concurrent_requests_per_key, which counts them too; None: half of that (4 of the default 8), or "
+        "no bound of its own where that is None",
     )
     max_concurrent_requests_per_key: int | None = Field(
         8,
@@ -587,6 +602,38 @@ class AppArgs(_Strict):
     def _model_inside_allowed_roots(self) -> AppArgs:
         check_model_source(self.model, self.security.allowed_model_roots)
         return self
+
+    @model_validator(mode="after")
+    def _text_streams_leave_slots_to_requests(self) -> AppArgs:
+        limits, ingress_slots = self.limits, self.ingress.max_ongoing_requests
+        if ingress_slots < 2:
+            raise ValueError("ingress.max_ongoing_requests must be at least 2: text streams may hold only some")
+        if limits.max_text_streams is not None and limits.max_text_streams >= ingress_slots:
+            raise ValueError(
+                f"limits.max_text_streams ({limits.max_text_streams}) must be below ingress.max_ongoing_requests "
+                f"({ingress_slots}): text streams would take every slot plain requests need"
+            )
+        per_key, per_key_requests = limits.max_text_streams_per_key, limits.max_concurrent_requests_per_key
+        if per_key is not None and per_key_requests is not None and per_key >= per_key_requests:
+            raise ValueError(
+                f"limits.max_text_streams_per_key ({per_key}) must be below limits.max_concurrent_requests_per_key "
+                f"({per_key_requests}), which counts a key's text streams too"
+            )
+        return self
+
+    @property
+    def ingress_limits(self) -> LimitsArgs:
+        """`limits` with the text stream caps left to their defaults worked out: half of the ingress replica's slots,
+        and half of a key's requests in flight (at least 1)."""
+        limits = self.limits
+        per_key_requests = limits.max_concurrent_requests_per_key
+        default_per_key = None if per_key_requests is None else max(1, per_key_requests // 2)
+        return limits.model_copy(
+            update={
+                "max_text_streams": limits.max_text_streams or self.ingress.max_ongoing_requests // 2,
+                "max_text_streams_per_key": limits.max_text_streams_per_key or default_per_key,
+            }
+        )
 
     @model_validator(mode="after")
     def _voice_models_located(self) -> AppArgs:

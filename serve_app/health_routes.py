@@ -36,14 +36,16 @@ class HealthRoutes(IngressBase):
         except Exception as exc:  # the last view stands
             logger.warning("could not re-read the replica counts for /healthz: %s", exc)
         ready = self.router.ready()
+        relay_problem = await self.text_relays.problem(self.limits.health_timeout_s)
         polled_at = self.router.polled_at
         body = {
-            "status": "ok" if ready else "unavailable",
+            "status": "unavailable" if not ready else "degraded" if relay_problem else "ok",
             "running_replicas": self.router.running,
             "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
-            "warnings": list(self.serving_warnings),  # e.g. serving beyond loopback without API keys
+            # e.g. serving beyond loopback without API keys; a lost text relay
+            "warnings": [*self.serving_warnings, *([relay_problem] if relay_problem else [])],
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(body, status_code=200 if ready and not relay_problem else 503)
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -184,7 +184,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         encoder,
         decoder,
         args.served_model_name or served_name(args.model),
-        args.limits,
+        args.ingress_limits,
         security=args.security,
         openai=args.openai.model_copy(update={"voices": args.openai_voices}),
         audio=args.audio,

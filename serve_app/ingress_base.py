@@ -9,6 +9,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from autoscaling.policy import RayWakeBoard, ScalingRules, WakeRule
+from deployments.text_relay import TextRelays
 from serve_app.args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import (
@@ -96,6 +97,7 @@ class IngressBase:
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
         self.router = DecoderRouter(decoders, routing_poll_s, gpu_rules, RayWakeBoard() if wake else None)
         self.router.start(serve.get_replica_context().app_name)
+        self.text_relays = TextRelays()  # the text streams' relay to the decoders (CosyVoice2/3)
 
     async def model_info(self) -> dict[str, Any]:
         """Voices and sample rate, asked once from an encoder replica."""

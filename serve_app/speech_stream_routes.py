@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import replace
@@ -29,9 +30,10 @@ from typing import Any
 import ray
 from fastapi import WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
+from ray.exceptions import RayActorError
 
-from deployments.text_relay import TextRelay
 from engine.errors import InvalidInputError, TextTooLongError, UnknownVoiceError
 from engine.runtime.bistream import BistreamStart
 from engine.runtime.pipeline import SynthesisRequest
@@ -43,6 +45,7 @@ from serve_app.audio import OPENAI_SAMPLE_RATE, StreamEncoder
 from serve_app.errors import (
     REPLICA_LOST,
     SERVE_UNAVAILABLE,
+    ServiceUnavailableError,
     StreamIdleError,
     error_body,
     error_payload,
@@ -54,7 +57,7 @@ from serve_app.guard import WEBSOCKET_PROTOCOL
 from serve_app.openai_routes import OpenAIRoutes
 from serve_app.responses import OutputAudio
 from serve_app.schemas import StreamEnd, StreamFlush, StreamMessage, StreamStart, StreamText
-from serve_app.tenancy import caller_of
+from serve_app.tenancy import KeySlots, caller_of
 
 logger = logging.getLogger("ray.serve")
 
@@ -70,6 +73,16 @@ class ClientLeftError(Exception):
 
 def close_code(status: int) -> int:
     return CLOSE_POLICY if status < 500 else CLOSE_TRY_LATER if status == 503 else CLOSE_ERROR
+
+
+async def refuse_text_stream(ws: WebSocket, message: str, retry_after_s: float) -> None:
+    """Refuse a handshake at once with a 503 and `Retry-After` (1013 where the server cannot answer a handshake with a
+    response: it can only close it, which the client sees as a 403)."""
+    headers = {"Retry-After": str(max(0, math.ceil(retry_after_s)))}
+    try:
+        await ws.send_denial_response(JSONResponse(error_body(503, message, "text_streams_at_capacity"), 503, headers))
+    except RuntimeError:  # no ASGI WebSocket denial response
+        await ws.close(CLOSE_TRY_LATER)
 
 
 def error_event(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any]]:
@@ -88,7 +101,9 @@ def error_event(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any
 
 class TextStream:
     """One session's messages: a single pending receive (a cancelled one could lose a message), bounded frames, and
-    the idle clock, which runs only while no sentence is waiting or being spoken."""
+    the idle clock. Only what makes audio starts that clock again (text to speak, audio sent: `active`), not any
+    message, so a session that sends `flush` or empty text forever still ends; it does not run out while a sentence
+    waits to be spoken or is spoken."""
 
     def __init__(self, ws: WebSocket, max_frame_bytes: int, idle_s: float) -> None:
         self.ws = ws
@@ -97,18 +112,27 @@ class TextStream:
         self.pending = 0  # sentences queued and not yet spoken
         self.bistream_tokens = 0  # bi-streaming: the text ids sent to the decoder
         self._receiving: asyncio.Future[Any] | None = None
+        self._active_at = time.monotonic()
+
+    def active(self) -> None:
+        """The session did something that makes audio: its idle clock starts again."""
+        self._active_at = time.monotonic()
 
     async def next_message(self, idle: bool = True) -> StreamMessage:
-        """The next message, parsed; ClientLeftError when the client went, StreamIdleError past the idle time."""
+        """The next message, parsed; ClientLeftError when the client went, StreamIdleError once the session has made
+        no audio for the idle time."""
         if self._receiving is None:
             self._receiving = asyncio.ensure_future(self.ws.receive())
         while True:
-            done, _ = await asyncio.wait({self._receiving}, timeout=self.idle_s if idle else None)
+            timeout = max(0.0, self._active_at + self.idle_s - time.monotonic()) if idle else None
+            done, _ = await asyncio.wait({self._receiving}, timeout=timeout)
             if done:
                 break
-            if not self.pending:
+            if self.pending:  # a sentence waits or is spoken: the client may wait for its audio
+                self.active()
+            elif time.monotonic() >= self._active_at + self.idle_s:
                 raise StreamIdleError(
-                    f"no message for {self.idle_s:g} s with no audio in the making (limits.text_stream_idle_s)"
+                    f"nothing to speak for {self.idle_s:g} s and no audio in the making (limits.text_stream_idle_s)"
                 )
         message, self._receiving = self._receiving.result(), None
         if message["type"] == "websocket.disconnect":
@@ -131,10 +155,55 @@ class TextStream:
             self._receiving.cancel()
 
 
+class TextStreamSlots:
+    """The text streams an ingress replica holds: at most `limit` (limits.max_text_streams, below the replica's
+    max_ongoing_requests, so that sockets never take the slots plain requests need), and at most `per_key` of one API
+    key's (limits.max_text_streams_per_key; None: no bound per key)."""
+
+    def __init__(self, limit: int, per_key: int | None) -> None:
+        self.limit = limit
+        self.per_key = per_key
+        self.held = 0
+        self._keys = KeySlots()
+
+    def acquire(self, owner: str | None) -> str | None:
+        """Take a slot for a session of `owner` (None: keys off) -> None, or why there is none."""
+        if self.held >= self.limit:
+            return f"this server holds its most text streams at once ({self.limit}, limits.max_text_streams); retry"
+        if owner is not None and self.per_key is not None and not self._keys.acquire(owner, self.per_key):
+            return (
+                f"this API key holds its most text streams at once ({self.per_key}, limits.max_text_streams_per_key); "
+                "retry when one has ended"
+            )
+        self.held += 1
+        return None
+
+    def release(self, owner: str | None) -> None:
+        self.held -= 1
+        if owner is not None and self.per_key is not None:
+            self._keys.release(owner)
+
+
 class SpeechStreamRoutes(OpenAIRoutes):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.text_stream_slots = TextStreamSlots(self.limits.max_text_streams, self.limits.max_text_streams_per_key)
+
     @api.websocket(STREAM_PATH)
     async def speech_stream(self, ws: WebSocket) -> None:
         """Text deltas in, audio out as each sentence is complete (the module's docstring has the protocol)."""
+        owner = caller_of(ws.scope).owner
+        refusal = self.text_stream_slots.acquire(owner)
+        if refusal is not None:
+            await refuse_text_stream(ws, refusal, self.limits.retry_after_s)
+            return
+        try:
+            await self.serve_text_stream(ws)
+        finally:
+            self.text_stream_slots.release(owner)
+
+    async def serve_text_stream(self, ws: WebSocket) -> None:
+        """One text stream, from its handshake to its close, whatever ends it."""
         # A browser offers `WEBSOCKET_PROTOCOL` beside the one that carries its key: the server must pick one.
         await ws.accept(
             subprotocol=WEBSOCKET_PROTOCOL if WEBSOCKET_PROTOCOL in ws.scope.get("subprotocols", ()) else None
@@ -207,7 +276,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
         comes (engine.runtime.bistream), through this replica's `TextRelay` to one decoder call; the usage."""
         caller = caller_of(stream.ws.scope)
         start = await self.call(partial(self.encoder.bistream_start.remote, request, request_id, caller))
-        relay, session = self.text_relay(), uuid.uuid4().hex
+        relay, session = self.text_relays.relay(), uuid.uuid4().hex
         speaker = asyncio.create_task(self.speak_relayed(stream, start, relay, session, encoder, timer, request_id))
         reader = asyncio.create_task(self.relay_text(stream, relay, session, timer))
         try:
@@ -215,7 +284,10 @@ class SpeechStreamRoutes(OpenAIRoutes):
             if reader in done:  # as in speak_stream: a client who left is not reported as a failed send
                 reader.result()
             speaker.result()
-        finally:  # cancelling the speaker cancels its decoder call; a decoder waiting for text gets None
+        except ServiceUnavailableError:  # a lost replica: the decoder's, or the relay the decoder read from
+            await self.text_relays.problem(self.limits.health_timeout_s)  # found lost: the next session makes one
+            raise
+        finally:  # cancelling the speaker cancels its decoder call; a decoder call yet to wait for text ends too
             for task in (speaker, reader):
                 task.cancel()
             await asyncio.gather(speaker, reader, return_exceptions=True)
@@ -223,11 +295,14 @@ class SpeechStreamRoutes(OpenAIRoutes):
         timer.done()
         return self.usage_of(timer, stream.bistream_tokens)
 
-    def text_relay(self) -> ray.actor.ActorHandle:
-        """This replica's `TextRelay`, made on its first bi-streamed session."""
-        if getattr(self, "_text_relay", None) is None:
-            self._text_relay = TextRelay.remote()
-        return self._text_relay
+    async def put_text(self, relay: ray.actor.ActorHandle, session: str, tokens: list[int] | None) -> None:
+        """A piece's ids (None: the end) to the session's relay; a lost relay is a 503 (1013), and the next session
+        gets a new one."""
+        try:
+            await relay.put.remote(session, tokens)
+        except RayActorError as exc:
+            self.text_relays.lost(relay)
+            raise unavailable_error(exc) from exc
 
     async def relay_text(
         self, stream: TextStream, relay: ray.actor.ActorHandle, session: str, timer: SynthesisTimer
@@ -254,7 +329,9 @@ class SpeechStreamRoutes(OpenAIRoutes):
                         f"the text has passed {self.limits.max_input_tokens} tokens, the limit (emoji and rare scripts "
                         "take several tokens a character)"
                     )
-                await relay.put.remote(session, tokens)
+                await self.put_text(relay, session, tokens)
+                if is_speakable(message.text):
+                    stream.active()
             elif isinstance(message, StreamEnd):
                 break
             elif not isinstance(message, StreamFlush):
@@ -262,7 +339,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
         if not spoken:
             self.check_text(received)  # empty, or punctuation only
             raise InvalidInputError("the input text has nothing to speak")
-        await relay.put.remote(session, None)
+        await self.put_text(relay, session, None)
         message = await stream.next_message(idle=False)
         raise InvalidInputError(f"a {message.type!r} message after end")
 
@@ -281,10 +358,16 @@ class SpeechStreamRoutes(OpenAIRoutes):
         try:
             async for chunk in response:
                 timer.audio(chunk)
+                stream.active()
                 if data := encoder.encode(chunk):
                     await stream.ws.send_bytes(data)
         except (*REPLICA_LOST, *SERVE_UNAVAILABLE) as exc:  # a bi-streamed utterance cannot be sent again
             raise unavailable_error(exc) from exc
+        finally:
+            # Serve goes on with a call whose iteration was cancelled: the client left or the session failed, so the
+            # decoder's call is cancelled (a no-op once it ended; one that failed re-raises its error here).
+            with contextlib.suppress(Exception):
+                response.cancel()
         if data := encoder.finish():
             await stream.ws.send_bytes(data)
 
@@ -298,6 +381,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
             nonlocal spoken
             if is_speakable(text):  # a piece of punctuation alone has no sound
                 stream.pending += 1
+                stream.active()
                 spoken = True
                 sentences.put_nowait(text)
 
@@ -348,6 +432,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
                 if data := encoder.encode(chunk):
                     await stream.ws.send_bytes(data)
             stream.pending -= 1
+            stream.active()  # the idle time counts from its audio's end
         if data := encoder.finish():
             await stream.ws.send_bytes(data)
         return input_tokens

@@ -11,25 +11,30 @@ WebSocket) run beside a seeded stream, whose bytes must be those of a quiet run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
+import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
 
 from serve_app.audio import FORMATS
-from tests.serve.conftest import running_app, text_stream_exchange
+from tests.serve.conftest import TEXT_STREAM_PATH, running_app, text_stream_exchange
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
 APP = "fuzz"
 MAX_INPUT_CHARS = 200
 MAX_INPUT_TOKENS = 300  # below the 399 of EMOJI_TEXT's 200 characters
+MAX_TEXT_STREAMS = 2
+TEXT_STREAM_IDLE_S = 2.0
 MAX_AUDIO_S = 3.0  # every accepted request is short: the fuzz run stays quick on CPU
 EXAMPLES = 80
 
@@ -44,6 +49,8 @@ def base_url() -> Iterator[str]:
         "limits": {
             "max_input_chars": MAX_INPUT_CHARS,
             "max_input_tokens": MAX_INPUT_TOKENS,
+            "max_text_streams": MAX_TEXT_STREAMS,
+            "text_stream_idle_s": TEXT_STREAM_IDLE_S,
             "max_audio_s": MAX_AUDIO_S,
             "max_stream_s": 60,
         },
@@ -175,3 +182,68 @@ def test_a_stream_beside_hostile_requests_completes_whole(base_url: str, client:
         assert close_code == 1008 and not audio and events[-1]["error"]["code"] == error_code, events
     assert beside.status_code == 200 and beside.content == alone.content  # seeded: the same audio, byte for byte
     assert _decoder_stats()["loop_failed"] is False
+
+
+async def idle_flushing_and_one_more(base_url: str, held: threading.Event) -> tuple[int | None, list[str], int]:
+    """Every text stream slot held (`held` set then), one socket silent and one sending `flush` with nothing to speak
+    every 0.3 s; one more socket -> (its handshake's status, None if it opened; the held sockets' last error codes;
+    the flushes sent)."""
+    url = base_url.replace("http://", "ws://", 1) + TEXT_STREAM_PATH
+    silent = await websockets.connect(url)
+    flushing = await websockets.connect(url)
+    await flushing.send(json.dumps(START))
+    try:
+        await websockets.connect(url)
+        refused = None
+    except websockets.InvalidStatus as exc:
+        refused = exc.response.status_code
+    held.set()
+    flushes = 0
+
+    async def flush_until_closed() -> None:
+        nonlocal flushes
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                await flushing.send(json.dumps({"type": "flush"}))
+                flushes += 1
+                await asyncio.sleep(0.3)
+
+    async def last_event(ws: websockets.ClientConnection) -> str:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                if isinstance(frame := await ws.recv(), str):
+                    last = json.loads(frame)["error"]["code"]
+        return last
+
+    sending = asyncio.create_task(flush_until_closed())
+    events = await asyncio.wait_for(asyncio.gather(last_event(silent), last_event(flushing)), 60)
+    await sending
+    return refused, list(events), flushes
+
+
+def test_idle_and_flush_only_text_streams_end_and_never_take_the_slots_requests_need(
+    base_url: str, client: httpx.Client
+) -> None:
+    """64 sockets that sent nothing held all 64 ingress slots (a neighbour got no answer in 20 s), and a flush every
+    20 s kept them past the idle limit: text streams now have their own cap below the replica's slots, and only text
+    to speak (or audio) keeps one open."""
+    body = {
+        "text": "A request while sockets hold on.",
+        "format": "pcm",
+        "seed": 4,
+        "sampling": {"max_token_text_ratio": 5},
+    }
+    quiet = client.post("/v1/tts", json=body)
+    held = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        sockets = pool.submit(asyncio.run, idle_flushing_and_one_more(base_url, held))
+        assert held.wait(60)
+        beside = client.post("/v1/tts", json=body)  # answered while the sockets hold every text stream slot
+        refused, events, flushes = sockets.result()
+    assert refused == 503  # the one over the cap, at its handshake
+    assert beside.status_code == 200 and beside.content == quiet.content
+    assert events == ["StreamIdleError", "StreamIdleError"] and flushes > TEXT_STREAM_IDLE_S / 0.3
+    events, audio, code = asyncio.run(
+        text_stream_exchange(base_url, [START, {"type": "text", "text": "Hi."}, {"type": "end"}])
+    )
+    assert code == 1000 and audio and events[-1]["type"] == "speech.audio.done"  # their slots came back

@@ -169,6 +169,7 @@ def test_metrics_are_exported_with_their_tags(client: httpx.Client, server: tupl
     assert any(s.name == "ray_" + metrics.GPU_MEMORY_ALLOCATED and s.value == 0 for s in samples)
     assert any(s.name == "ray_" + metrics.DECODER_QUEUE_DEPTH for s in samples)
     assert any(s.name == "ray_" + metrics.DECODER_LIVE_LIMIT and s.value >= 1 for s in samples)  # no OOM: max batch
+    assert any(s.name == "ray_" + metrics.DECODER_BISTREAM_SLOTS_FREE and s.value >= 1 for s in samples)  # none taken
 
 
 def test_dashboard_charts_every_metric() -> None:

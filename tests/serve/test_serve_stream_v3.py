@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,13 @@ import pytest
 import websockets
 
 pytest.importorskip("ray")
+import ray
+from ray import serve
+
+from deployments.text_relay import RELAY_NAME_PREFIX
 from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
-from tests.serve.conftest import running_app
+from tests.serve.conftest import TEXT_STREAM_PATH, running_app, wait_until
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -31,6 +36,7 @@ TEXT = "Hi<|endofprompt|>a b c"  # greedy on the kit's LLM: 84 tokens at 12 per 
 VOICE = "spk3_a"
 GREEDY = {"greedy": True, "min_token_text_ratio": 1.0, "max_token_text_ratio": 12.0}
 HOP = 480
+SLOTS_BACK_S = 10.0  # generous: the ingress cancels a left client's decoder call at once
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +154,97 @@ def test_a_bistream_session_left_or_refused_ends_cleanly(base_url: str) -> None:
     assert event["type"] == "error" and "nothing to speak" in event["error"]["message"], event
     first, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))  # and the next one is spoken
     assert done["type"] == "speech.audio.done" and first is not None and audio
+
+
+def decoder_stats() -> dict[str, Any]:
+    return serve.get_deployment_handle("Decoder", APP).batch_stats.remote().result(timeout_s=60)
+
+
+async def abandoned(url: str, stage: str) -> None:
+    """A session whose client leaves at `stage`: right after start, after one piece, or once its audio flows."""
+    start = {"type": "start", "model": KIT_MODEL.name, "voice": VOICE, "response_format": "pcm"}
+    words = [{"type": "text", "text": word + " "} for word in TEXT_STREAM.split(" ")]
+    async with websockets.connect(url.replace("http://", "ws://", 1) + TEXT_STREAM_PATH) as ws:
+        await ws.send(json.dumps(start))
+        if stage == "after start":
+            await asyncio.sleep(0.05)
+            return
+        await ws.send(json.dumps(words[0]))
+        if stage == "after one piece":
+            await asyncio.sleep(0.3)
+            return
+        for message in [*words[1:], {"type": "end"}]:
+            await ws.send(json.dumps(message))
+        while not isinstance(frame := await asyncio.wait_for(ws.recv(), 120), bytes):  # mid-audio: its first frame
+            raise AssertionError(f"an event before any audio: {frame}")
+
+
+def test_abandoned_sessions_give_every_bistream_slot_back_and_leave_the_neighbour_alone(
+    base_url: str, client: httpx.Client
+) -> None:
+    """A client that left 20-200 ms after start lost its decoder slot for good, and one that left mid-text left its
+    decode running until the ceiling: the decoder's slots are a lease now, and the ingress cancels the call."""
+    neighbour = {"text": TEXT, "voice": VOICE, "format": "pcm", "seed": 1, "sampling": GREEDY}
+    quiet = client.post("/v1/tts", json=neighbour).content
+    full = decoder_stats()["max_batch_size"]
+
+    async def abandon_all() -> None:
+        stages = ["after start", "after one piece", "mid-audio"] * 2
+        await asyncio.gather(*(abandoned(base_url, stage) for stage in stages))
+
+    with ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(client.post, "/v1/tts", json=neighbour)
+        asyncio.run(abandon_all())
+        left_at = time.monotonic()
+        assert beside.result().content == quiet  # seeded: the same audio, byte for byte
+    wait_until(lambda: decoder_stats()["bistreams"] == 0, SLOTS_BACK_S, "every bi-stream slot to come back")
+    print(f"bi-stream slots back {time.monotonic() - left_at:.2f} s after the last client left")
+    assert decoder_stats()["max_batch_size"] == full
+    _, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))  # and the next one is spoken
+    assert done["type"] == "speech.audio.done" and audio
+
+
+def text_relays() -> list[dict[str, str]]:
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return [actor for actor in named if actor["name"].startswith(RELAY_NAME_PREFIX)]
+
+
+def kill_text_relay() -> None:
+    [relay] = text_relays()  # one ingress replica, one relay
+    ray.kill(ray.get_actor(relay["name"], namespace=relay["namespace"]))
+    wait_until(lambda: not text_relays(), 30, "the killed relay to be dead")
+
+
+def test_a_lost_text_relay_fails_its_sessions_alone_and_healthz_says_so_until_it_is_back(
+    base_url: str, client: httpx.Client
+) -> None:
+    """A killed relay failed every text stream (1013) for over a minute while /healthz said 200."""
+    asyncio.run(bistream_session(base_url, pause_s=0.0))  # the relay exists
+
+    async def in_flight_when_the_relay_dies() -> tuple[list[dict[str, Any]], bytes, int | None]:
+        start = {"type": "start", "model": KIT_MODEL.name, "voice": VOICE, "response_format": "pcm"}
+        async with websockets.connect(base_url.replace("http://", "ws://", 1) + TEXT_STREAM_PATH) as ws:
+            await ws.send(json.dumps(start))
+            await ws.send(json.dumps({"type": "text", "text": "Hello there, "}))
+            await asyncio.to_thread(kill_text_relay)
+            await ws.send(json.dumps({"type": "text", "text": "this text comes after the relay died."}))
+            await ws.send(json.dumps({"type": "end"}))
+            events: list[dict[str, Any]] = []
+            try:
+                while True:
+                    if isinstance(frame := await asyncio.wait_for(ws.recv(), 120), str):
+                        events.append(json.loads(frame))
+            except websockets.ConnectionClosed as closed:
+                return events, b"", closed.rcvd.code if closed.rcvd else None
+
+    events, _, code = asyncio.run(in_flight_when_the_relay_dies())
+    assert code == 1013 and events[-1]["type"] == "error", events
+    _, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))  # the next session: a new relay
+    assert done["type"] == "speech.audio.done" and audio
+    kill_text_relay()  # with no session to notice: /healthz's probe does
+    degraded = client.get("/healthz")
+    assert degraded.status_code == 503 and degraded.json()["status"] == "degraded", degraded.text
+    assert any("text relay" in warning for warning in degraded.json()["warnings"])
+    wait_until(lambda: client.get("/healthz").status_code == 200, 30, "/healthz to answer 200 with a new relay")
+    _, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))
+    assert done["type"] == "speech.audio.done" and audio

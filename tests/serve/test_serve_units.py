@@ -25,6 +25,7 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments.decoder import Decoder, resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
+from deployments.text_relay import TextSessionClosedError
 from engine.errors import (
     CosyVoiceError,
     DecodeLimitError,
@@ -42,7 +43,8 @@ from serve_app.cli import with_default_voices_dir
 from serve_app.errors import StreamIdleError, error_payload, unavailable_error
 from serve_app.openai_routes import openai_mode, served_model
 from serve_app.responses import speech_usage
-from serve_app.speech_stream_routes import SpeechStreamRoutes, TextStream, close_code, error_event
+from serve_app.schemas import StreamFlush
+from serve_app.speech_stream_routes import SpeechStreamRoutes, TextStream, TextStreamSlots, close_code, error_event
 from serve_app.synthesis import check_streams, mapped_voice
 
 
@@ -425,6 +427,59 @@ def test_a_silent_text_stream_ends_after_the_idle_time_but_not_while_its_audio_i
     assert close_code(status) == 1008 and close_code(503) == 1013 and close_code(500) == 1011
 
 
+class _FlushingSocket:
+    """A WebSocket whose client sends `flush` (with nothing to speak) every few milliseconds, for ever."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.sleep(0.01)
+        self.sent += 1
+        return {"type": "websocket.receive", "text": '{"type": "flush"}'}
+
+
+def test_a_text_stream_that_sends_only_flush_still_ends_after_the_idle_time() -> None:
+    """Any message used to start the idle clock again: a flush every 20 s held a socket (and its ingress slot) for
+    ever. Only what makes audio starts it again now."""
+
+    async def run(stream: TextStream) -> None:
+        while True:
+            assert isinstance(await stream.next_message(), StreamFlush)
+
+    socket = _FlushingSocket()
+    stream = TextStream(socket, max_frame_bytes=1000, idle_s=0.2)
+    with pytest.raises(StreamIdleError, match=r"nothing to speak for 0\.2 s"):
+        asyncio.run(asyncio.wait_for(run(stream), 30))
+    assert socket.sent > 5  # it kept sending all along
+    stream.close()
+
+
+def test_text_streams_are_capped_below_the_slots_of_requests_by_default_and_by_choice() -> None:
+    limits = AppArgs().ingress_limits
+    assert (limits.max_text_streams, limits.max_text_streams_per_key) == (32, 4)  # of 64 slots, of 8 per key
+    small = AppArgs(ingress={"max_ongoing_requests": 8}, limits={"max_concurrent_requests_per_key": 2}).ingress_limits
+    assert (small.max_text_streams, small.max_text_streams_per_key) == (4, 1)
+    assert AppArgs(limits={"max_concurrent_requests_per_key": None}).ingress_limits.max_text_streams_per_key is None
+    with pytest.raises(ValidationError, match=r"must be below ingress\.max_ongoing_requests"):
+        AppArgs(limits={"max_text_streams": 64})
+    with pytest.raises(ValidationError, match=r"must be below limits\.max_concurrent_requests_per_key"):
+        AppArgs(limits={"max_text_streams_per_key": 8})
+
+
+def test_text_streams_are_held_to_their_replicas_and_their_keys_caps() -> None:
+    slots = TextStreamSlots(limit=3, per_key=2)
+    assert slots.acquire("alice") is None and slots.acquire("alice") is None
+    assert "max_text_streams_per_key" in slots.acquire("alice")  # her third
+    assert slots.acquire("bob") is None  # another key's
+    assert "(3, limits.max_text_streams)" in slots.acquire(None)  # the replica's fourth, keys off or on
+    slots.release("alice")
+    assert slots.acquire("alice") is None and slots.held == 3
+    for owner in ("alice", "alice", "bob"):
+        slots.release(owner)
+    assert slots.held == 0 and slots.acquire(None) is None
+
+
 class _LeftSocket:
     """A text stream's socket whose client has gone: every send fails as Starlette's does then."""
 
@@ -449,17 +504,23 @@ def test_a_client_that_left_is_logged_at_info_without_a_traceback_even_when_a_se
         return {}
 
     routes = SimpleNamespace(limits=LimitsArgs(), speak_stream=speak_stream)
-    asyncio.run(SpeechStreamRoutes.speech_stream(routes, _LeftSocket()))
+    asyncio.run(SpeechStreamRoutes.serve_text_stream(routes, _LeftSocket()))
     assert [record.getMessage() for record in serve_log.records] == ["the client left the text stream"]
     assert serve_log.records[0].levelno == logging.INFO and serve_log.records[0].exc_info is None
 
 
 class FakeRelay:
-    """`TextRelay`'s `get` as the decoder calls it (`relay.get.remote(session)`, awaited), over a fixed list."""
+    """`TextRelay`'s `get` as the decoder calls it (`relay.get.remote(session)`, awaited), over a fixed list: an
+    exception in it is raised; past its end, `get` waits for ever (a client that sends nothing more)."""
 
-    def __init__(self, items: list[list[int] | None]) -> None:
+    def __init__(self, items: list[list[int] | Exception | None]) -> None:
         async def get(_session: str) -> list[int] | None:
-            return items.pop(0)
+            if not items:
+                await asyncio.Event().wait()
+            item = items.pop(0)
+            if isinstance(item, Exception):
+                raise item
+            return item
 
         self.get = SimpleNamespace(remote=get)
 
@@ -471,19 +532,32 @@ def test_decoder_bistream_speaks_the_relayed_text_within_the_ceilings() -> None:
     pieces = [tts.encoder.text_piece_tokens(word) for word in ("Hello ", "there, ", "this is ", "a test.")]
     bistream = Decoder.func_or_class.bistream
 
-    def replica(max_audio_s: float | None, decoding: int = 0) -> SimpleNamespace:
-        scheduler = SimpleNamespace(max_audio_s=max_audio_s, max_request_s=None)
+    def replica(max_audio_s: float | None, decoding: int = 0, max_request_s: float | None = None) -> SimpleNamespace:
+        scheduler = SimpleNamespace(max_audio_s=max_audio_s, max_request_s=max_request_s)
         replica = SimpleNamespace(stage=tts.decoder, scheduler=scheduler, max_batch_size=2, _bistreams=decoding)
         replica._bistream = partial(Decoder.func_or_class._bistream, replica)
+        replica.published = []  # the slots in use each time the gauges were set
+        replica._publish_load = lambda: replica.published.append(replica._bistreams)
         return replica
 
-    async def run(replica: SimpleNamespace) -> list[np.ndarray]:
-        return [chunk async for chunk in bistream(replica, start, FakeRelay([*pieces, None]), "s", "req-1")]
+    async def run(
+        replica: SimpleNamespace, items: list[list[int] | Exception | None] | None = None
+    ) -> list[np.ndarray]:
+        relay = FakeRelay([*pieces, None] if items is None else items)
+        return [chunk async for chunk in bistream(replica, start, relay, "s", "req-1")]
 
     spoken = replica(None)
     audio = np.concatenate(asyncio.run(run(spoken)))
     assert np.isfinite(audio).all() and len(audio) > tts.sample_rate // 10
-    assert spoken._bistreams == 0  # its session no longer counts
+    assert spoken._bistreams == 0 and spoken.published == [1, 0]  # its slot was taken, then given back
+    # A client that sends a piece and then nothing: the wall-clock ceiling ends it while it waits for text.
+    waiting = replica(None, max_request_s=0.2)
+    with pytest.raises(DecodeLimitError, match=r"took longer than the limit of 0\.2 s"):
+        asyncio.run(asyncio.wait_for(run(waiting, pieces[:1]), 30))
+    assert waiting._bistreams == 0
+    # Its session closed by the ingress (the client left): it ends, quietly, its slot given back.
+    closed = replica(None)
+    assert asyncio.run(run(closed, [TextSessionClosedError()])) == [] and closed._bistreams == 0
     limited = replica(0.1)
     with pytest.raises(DecodeLimitError, match=r"0\.1 s of audio"):
         asyncio.run(run(limited))
