@@ -14,14 +14,16 @@ from serve_app.tenancy import caller_of
 
 class NativeRoutes(Synthesis):
     async def default_voice(self) -> str:
-        """The model's first built-in speaker; InvalidInputError for a model that has none (CosyVoice3's official
-        models: every voice is a registered one)."""
-        speakers = (await self.model_info())["voices"]
-        if not speakers:
-            raise InvalidInputError(
-                "this model has no built-in speakers: pass `voice`, the id of a registered voice (POST /v1/voices)"
-            )
-        return speakers[0]
+        """The model's first built-in speaker; for a model that has none (CosyVoice3's official models) the default
+        voice provisioned for it (app args `default_voice`), else InvalidInputError."""
+        info = await self.model_info()
+        if info["voices"]:
+            return info["voices"][0]
+        if info["default_voice"] is not None:
+            return info["default_voice"]
+        raise InvalidInputError(
+            "this model has no built-in speakers: pass `voice`, the id of a registered voice (POST /v1/voices)"
+        )
 
     @api.post("/v1/tts")
     async def tts(self, body: TTSRequest, http: Request) -> Response:

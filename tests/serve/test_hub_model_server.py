@@ -109,6 +109,8 @@ def test_the_default_voice_comes_after_a_voice_registered_for_a_name(served: tup
         return response.content
 
     assert speak("echo") == speak(DEFAULT_VOICE_ID) == speak("nova")
+    unnamed = httpx.post(f"{url}/v1/tts", json={"text": "Hello there.", "format": "pcm", "seed": 3}, timeout=300)
+    assert unnamed.content == speak(DEFAULT_VOICE_ID)  # no voice given (`cosyvoice-serve say`): the default one
     rate = 16000
     tone = (0.3 * np.sin(2 * np.pi * 170 * np.arange(2 * rate) / rate)).astype(np.float32)
     recording = io.BytesIO()

@@ -386,19 +386,20 @@ def test_a_call_whose_result_was_lost_with_its_node_is_retried_once_then_503() -
     assert status == 503 and "replica failed" in body["error"]["message"]
 
 
-def test_a_request_without_voice_to_a_model_without_speakers_is_a_400() -> None:
+def test_a_request_without_voice_to_a_model_without_speakers_takes_the_default_voice_else_is_a_400() -> None:
     from serve_app.ingress import TTSIngress
 
-    def ingress_with(speakers: list[str]) -> SimpleNamespace:
-        async def model_info() -> dict[str, list[str]]:
-            return {"voices": speakers}
+    def ingress_with(speakers: list[str], default: str | None = None) -> SimpleNamespace:
+        async def model_info() -> dict[str, Any]:
+            return {"voices": speakers, "default_voice": default}
 
         return SimpleNamespace(model_info=model_info)
 
     default_voice = TTSIngress.func_or_class.default_voice
-    assert asyncio.run(default_voice(ingress_with(["dummy_female"]))) == "dummy_female"
+    assert asyncio.run(default_voice(ingress_with(["dummy_female"], "voice_0123456789ab"))) == "dummy_female"
+    assert asyncio.run(default_voice(ingress_with([], "voice_0123456789ab"))) == "voice_0123456789ab"
     with pytest.raises(InvalidInputError, match="no built-in speakers: pass `voice`"):
-        asyncio.run(default_voice(ingress_with([])))  # CosyVoice3's official models: registered voices only
+        asyncio.run(default_voice(ingress_with([])))  # CosyVoice3 with default_voice off: registered voices only
 
 
 class _SilentSocket:
