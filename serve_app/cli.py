@@ -120,7 +120,7 @@ def run(options: argparse.Namespace) -> int:
 
         model_line = fetch_model(AppArgs.model_validate(args))
     except (ValueError, CosyVoiceError) as exc:  # pydantic's ValidationError is a ValueError
-        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2
     print(model_line, flush=True)
     args = with_default_voices_dir(args)
@@ -145,7 +145,7 @@ def run(options: argparse.Namespace) -> int:
     try:
         args = follow_plan(args, options.device, inventory_here(int(resources.get("GPU", 0)), resources["CPU"]))
     except (ValueError, CosyVoiceError) as exc:  # PlanError, a ValueError
-        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        print(f"error: {error_line(exc)}", file=sys.stderr)
         ray.shutdown()
         return 2
     name = application.get("name", "cosyvoice")
@@ -174,6 +174,21 @@ def run(options: argparse.Namespace) -> int:
         ray.shutdown()
     print("stopped", flush=True)
     return 0
+
+
+def error_line(exc: Exception) -> str:
+    """One line for an error `run` or `plan` stops on: a CosyVoiceError's message, or each message of pydantic's
+    ValidationError (the app args) with the field it names; else the exception's text."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, CosyVoiceError):
+        return exc.message
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(map(str, error['loc']))}: {error['msg']}" if error["loc"] else error["msg"]
+            for error in exc.errors()
+        )
+    return str(exc)
 
 
 def app_args_of(application: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
@@ -216,7 +231,7 @@ def show_plan(options: argparse.Namespace) -> int:
         app_args = AppArgs.model_validate(app_args_of(application, options))
         plan = plan_for(inventory, model_sizes(app_args.model), app_args, options.device)
     except (ValueError, CosyVoiceError) as exc:
-        print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(plan.to_json(), indent=2) if options.json else "\n".join(plan.lines()))
     return 0

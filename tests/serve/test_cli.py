@@ -78,3 +78,9 @@ def test_the_example_client_streams_to_the_servers_url(monkeypatch: pytest.Monke
     assert example.stream_url("ws://h:1/v1/audio/speech/stream") == "ws://h:1/v1/audio/speech/stream"
     with pytest.raises(ValueError, match="ftp://h"):
         example.stream_url("ftp://h")
+
+
+def test_bad_app_args_stop_plan_with_one_line_naming_the_field(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["plan", "--llm-checkpoint", "../llm.pt"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: llm_checkpoint: String should match pattern")
