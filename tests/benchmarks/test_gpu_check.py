@@ -26,6 +26,7 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 600) ->
 
 
 @pytest.mark.slow
+@pytest.mark.serve  # its plan_check part starts `cosyvoice-serve run`
 def test_the_cpu_dry_run_runs_every_part_and_merges_their_json(tmp_path: Path) -> None:
     out = tmp_path / "check"
     result = _run("--cpu", "--quick", str(out))
