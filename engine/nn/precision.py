@@ -82,6 +82,14 @@ class CpuCapabilities:
         """bfloat16 products in hardware: AMX tiles or AVX512-BF16 dot products (oneDNN uses either)."""
         return "amx_bf16" in self.flags or "avx512_bf16" in self.flags
 
+    @property
+    def kernel_kind(self) -> str:
+        """What decides how a float32 kernel rounds: the vendor (MKL dispatches by it), torch's vector level and
+        whether oneDNN may take its AMX-era kernels. Two machines of one kind give the same float32 results; the
+        conformance kits record it with the official outputs (`recorded_cpu_kind`)."""
+        amx = ", AMX" if self.amx else ""
+        return f"{self.vendor or 'unknown vendor'}, {self.torch_capability or 'unknown vector level'}{amx}"
+
     def describe(self) -> str:
         units = [flag for flag in CPU_FLAGS if flag in self.flags]
         return f"{self.model or 'unknown CPU'} ({', '.join(units) or 'no AVX2'}; torch {self.torch_capability})"
