@@ -97,8 +97,7 @@ def require_spread_fields(cases: list[dict[str, Any]], kit: Path) -> None:
             tool = "make_cosyvoice3_kit.py" if "finalize" in case else "make_conformance_kit.py"
             pytest.fail(
                 f"conformance kit {kit}: hift case {case['name']!r} has no {', '.join(missing)} (a kit in an older "
-                f"format): add them with `python tools/{tool} --official <CosyVoice checkout> --model {kit}/model "
-                f"--out {kit} --respread`"
+                f"format): add them with `python tools/{tool} --official <CosyVoice checkout> --out {kit} --respread`"
             )
 
 
