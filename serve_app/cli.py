@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from serve_app.plan import Device, Inventory
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+DEFAULT_INGRESS_REPLICAS = 2
 API_KEY_ENV = "COSYVOICE_API_KEY"  # the key `say` and `bench` send to a server with API keys
 URL_ENV = "COSYVOICE_URL"  # the server `say`, `voices` and `bench` talk to (and the examples)
 
@@ -91,9 +92,9 @@ def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str]
     warnings = []
     if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         warnings.append(
-            "RAY_AUTH_MODE=disabled: Ray's own ports (GCS, raylet, workers) listen on every interface without "
-            "authentication, so anyone who can reach this machine can run code in it; unset it to keep Ray's token "
-            "auth on"
+            "RAY_AUTH_MODE=disabled: Ray's own ports (GCS, raylet, workers) take calls without authentication, so "
+            "anyone who can reach them (every user of this machine; with HTTP beyond loopback, the network) can run "
+            "code in it; unset it to keep Ray's token auth on"
         )
     security = AppArgs.model_validate(args).security
     warnings += serving_warnings(security, host, bool(load_api_keys(security, dict(environ))))
@@ -132,8 +133,13 @@ def run(options: argparse.Namespace) -> int:
 
     for warning in startup_warnings(args, host):
         print(f"warning: {warning}", file=sys.stderr)
-    # Our own Ray, not a cluster another process started. Its ports listen on every interface whatever the node
-    # address (Ray 2.60), so its token auth stays on: a new local cluster gets a token (~/.ray/auth_token).
+    from serve_app.exposure import RAY_LOOPBACK_ENV
+    from serve_app.guard import is_loopback
+
+    if is_loopback(host):  # every Ray port (GCS, raylet, workers, metrics) on loopback too, unless the env says not
+        os.environ.setdefault(RAY_LOOPBACK_ENV, "0")
+    # Our own Ray, not a cluster another process started. Its token auth stays on (a new local cluster gets a token,
+    # ~/.ray/auth_token): any local user reaches loopback ports, and beyond loopback Ray's are on every interface.
     ray.init(address="local", include_dashboard=False, _metrics_export_port=options.metrics_port)
     # Ctrl-C and SIGTERM (containers, systemd) stop the server: drained, then Serve and Ray shut down, exit 0; also
     # while the app deploys (it answers requests before `serve.run` returns, which waits for its status). Set after
@@ -192,8 +198,11 @@ def error_line(exc: Exception) -> str:
 
 
 def app_args_of(application: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
-    """The app args of a Serve config's application with the command line's model and LLM checkpoint over them."""
+    """The app args of a Serve config's application with the command line's model and LLM checkpoint over them, and
+    two ingress replicas where they give no number: a lost one then costs its own requests, not an outage (one
+    alone: the first 200 came 26 s after it was killed)."""
     args = dict(application.get("args") or {})
+    args["ingress"] = {"num_replicas": DEFAULT_INGRESS_REPLICAS, **(args.get("ingress") or {})}
     if options.model is not None:
         args["model"] = options.model
     if options.llm_checkpoint is not None:

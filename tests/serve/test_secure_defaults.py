@@ -1,9 +1,11 @@
-"""Secure by default outside the app: `cosyvoice-serve run` keeps Ray's token auth on, and the cluster files run
-Ray with token auth, keep its dashboard off public interfaces and give the ingress its API keys."""
+"""Secure by default outside the app: `cosyvoice-serve run` keeps Ray's token auth on, binds Ray's ports (its metrics
+included) to loopback with HTTP on loopback, and starts two ingress replicas; the cluster files run Ray with token
+auth, keep its dashboard off public interfaces and give the ingress its API keys."""
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import yaml
 
 from serve_app import cli
 from serve_app.args import AppArgs
+from serve_app.exposure import RAY_LOOPBACK_ENV, on_every_interface
 from serve_app.guard import is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,21 +26,40 @@ class _Stop(Exception):
     pass
 
 
-def test_run_leaves_ray_token_auth_on(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("host", "loopback_env"), [("127.0.0.1", "0"), ("0.0.0.0", None)])
+def test_run_leaves_ray_token_auth_on_and_binds_ray_to_loopback_with_http(
+    monkeypatch: pytest.MonkeyPatch, host: str, loopback_env: str | None
+) -> None:
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv(RAY_LOOPBACK_ENV, raising=False)
     seen: dict[str, object] = {}
 
     def fake_init(**kwargs: object) -> None:
         seen["auth_mode"] = os.environ.get("RAY_AUTH_MODE")
+        seen["loopback"] = os.environ.get(RAY_LOOPBACK_ENV)
         seen["address"] = kwargs.get("address")
         raise _Stop
 
     monkeypatch.setattr(ray, "init", fake_init)
-    options = cli.parser().parse_args(["run", "--voice-models-dir", "/nonexistent"])  # no voices dir to make
+    options = cli.parser().parse_args(["run", "--voice-models-dir", "/nonexistent", "--host", host])
     with pytest.raises(_Stop):
         options.handler(options)
-    # Unset: Ray 2.60 turns token auth on for the new local cluster it starts.
-    assert seen == {"auth_mode": None, "address": "local"}
+    # Unset: Ray 2.60 turns token auth on for the new local cluster it starts. Its node address loopback: every Ray
+    # port on loopback (measured: the metrics exporter and two metrics servers were on 0.0.0.0 beside HTTP on loopback).
+    assert seen == {"auth_mode": None, "loopback": loopback_env, "address": "local"}
+
+
+def test_run_starts_two_ingress_replicas_unless_told_otherwise() -> None:
+    options = cli.parser().parse_args(["run"])
+    assert cli.app_args_of({}, options)["ingress"] == {"num_replicas": 2}
+    configured = {"args": {"ingress": {"num_replicas": 1, "num_cpus": 0.5}}}
+    assert cli.app_args_of(configured, options)["ingress"] == {"num_replicas": 1, "num_cpus": 0.5}
+
+
+def test_a_port_on_every_interface_is_told_from_one_on_loopback() -> None:
+    with socket.create_server(("0.0.0.0", 0)) as everywhere, socket.create_server(("127.0.0.1", 0)) as loopback:
+        ports = {everywhere.getsockname()[1], loopback.getsockname()[1]}
+        assert on_every_interface(ports) == {everywhere.getsockname()[1]}
 
 
 def _profile_args(name: str) -> tuple[AppArgs, str]:
