@@ -18,7 +18,10 @@ from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_module
 from tests.conftest import kit_group, version_kit
 
-LOGP_ATOL = 1e-4
+# The kits' acceptance for `step_raw_logp` (v2 README). Its largest deviations are on tail log-probabilities
+# (|logp| >= 10, never sampled): 3.0e-5 against the AMD-recorded v3 kit on an Intel Xeon with AMX, 4.2e-5 there with
+# MKL's AVX2 kernels (docs/parity.md).
+LOGP_ATOL = 3e-4
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

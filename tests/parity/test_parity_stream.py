@@ -23,10 +23,11 @@ from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.segment import EncodedSegment
 from tests.conftest import kit_group
 
-# The kits' acceptance for a flow mel, and for HiFT decode(mel, source) in each version (measured on the tiny
-# kits: about 4e-6 and 1e-6).
+# The kits' acceptance for a flow mel, and for each chunk's audio (decode of the recorded mel and source): measured
+# at most 5.4e-6 and 1.5e-6 against the AMD-recorded kits on an Intel Xeon with AMX, on every kernel path the kit
+# tool varies (docs/parity.md). v2's audio had 5e-4 while the vocoder's Snake rounded otherwise (issue 33).
 MEL_ATOL = 1e-4
-SPEECH_ATOL = {1: 1e-4, 2: 5e-4}
+SPEECH_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,6 @@ def test_stream_tokens_match_official(decoder: SpeechDecoderStage, stream_cases:
 def test_stream_chunks_match_official(
     decoder: SpeechDecoderStage, stream_cases: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    version = decoder.model.config.version
     for case in stream_cases:
         name = case["name"]
         with monkeypatch.context() as patch:
@@ -126,4 +126,4 @@ def test_stream_chunks_match_official(
             expected = case[f"chunk_{k}_speech"][0].numpy()
             assert chunk.shape == expected.shape, f"{name} chunk {k}: {chunk.shape} samples, official {expected.shape}"
             error = float(np.abs(chunk - expected).max())
-            assert error <= SPEECH_ATOL[version], f"{name} chunk {k} speech: max abs error {error:.3g}"
+            assert error <= SPEECH_ATOL, f"{name} chunk {k} speech: max abs error {error:.3g}"

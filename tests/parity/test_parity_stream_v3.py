@@ -32,8 +32,10 @@ from tests.engine.conftest import Collected
 from tests.parity.test_parity_llm import kit_request
 from tests.parity.test_parity_stream import segment_of
 
-MEL_ATOL = 1e-4  # as the flow parity test (measured within a few 1e-6)
-SPEECH_ATOL = 1e-4  # as the HiFT parity test
+# As the v1/v2 stream test: the mel 4.9e-6 and the audio 3.2e-5 at most against the AMD-recorded kit on an Intel
+# Xeon with AMX, on every kernel path the kit tool varies (docs/parity.md)
+MEL_ATOL = 1e-4
+SPEECH_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
