@@ -113,6 +113,10 @@ def run(options: argparse.Namespace) -> int:
         if number is not None and port_in_use(host, number):
             print(f"error: {what} {number} is in use on {host}; pass {option} with a free one", file=sys.stderr)
             return 2
+    from serve_app.exposure import RAY_LOOPBACK_ENV, is_loopback
+
+    if is_loopback(host):  # every Ray port (GCS, raylet, workers, metrics) on loopback too, unless the env says not
+        os.environ.setdefault(RAY_LOOPBACK_ENV, "0")  # before Ray is imported: it reads it then
     try:
         # A hub id first, before torch is imported: its download, or at once its one-line refusal
         model_directory(args.get("model", "tiny"))
@@ -133,11 +137,6 @@ def run(options: argparse.Namespace) -> int:
 
     for warning in startup_warnings(args, host):
         print(f"warning: {warning}", file=sys.stderr)
-    from serve_app.exposure import RAY_LOOPBACK_ENV
-    from serve_app.guard import is_loopback
-
-    if is_loopback(host):  # every Ray port (GCS, raylet, workers, metrics) on loopback too, unless the env says not
-        os.environ.setdefault(RAY_LOOPBACK_ENV, "0")
     # Our own Ray, not a cluster another process started. Its token auth stays on (a new local cluster gets a token,
     # ~/.ray/auth_token): any local user reaches loopback ports, and beyond loopback Ray's are on every interface.
     ray.init(address="local", include_dashboard=False, _metrics_export_port=options.metrics_port)

@@ -42,6 +42,16 @@ def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(words)
 
 
+def is_loopback(host: str) -> bool:
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def listening_sockets() -> list[ListeningSocket]:
     """Every TCP socket listening on this machine (Linux: /proc/net/tcp and tcp6; none elsewhere)."""
     sockets = []

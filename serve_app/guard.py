@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from pydantic import SecretStr
 
 from engine.errors import InvalidInputError
 from serve_app.args import SecurityArgs
+from serve_app.exposure import is_loopback
 
 logger = logging.getLogger("ray.serve")
 
@@ -97,16 +97,6 @@ def host_of(authority: str) -> str:
     if authority.startswith("["):
         return authority.partition("]")[0] + "]"
     return authority.partition(":")[0].rstrip(".")
-
-
-def is_loopback(host: str) -> bool:
-    name = host.strip().strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def without_default_port(authority: str, scheme: str | None = None) -> str:

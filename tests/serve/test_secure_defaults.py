@@ -14,8 +14,7 @@ import yaml
 
 from serve_app import cli
 from serve_app.args import AppArgs
-from serve_app.exposure import RAY_LOOPBACK_ENV, on_every_interface
-from serve_app.guard import is_loopback
+from serve_app.exposure import RAY_LOOPBACK_ENV, is_loopback, on_every_interface
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS_FILE = "~/.cosyvoice/api_keys"
