@@ -1,13 +1,16 @@
 """Which of Ray's ports on this machine listen on every interface, for `/healthz`'s warnings.
 
-`cosyvoice-serve run` with HTTP on a loopback host binds every Ray port of its node to loopback (`RAY_LOOPBACK_ENV`);
-elsewhere Ray 2.60 binds its GCS, raylet, workers and metrics exporters to every interface: what cannot be bound
-otherwise is listed here, so an operator sees it (docs/security.md).
+`cosyvoice-serve run` with HTTP on a loopback host binds Ray's ports of its node to loopback (`RAY_LOOPBACK_ENV`);
+elsewhere Ray 2.60 binds its GCS, raylet, workers and metrics exporters to every interface, and each Serve replica's
+inter-deployment gRPC server listens on [::] whatever the node address (no setting changes it). What listens on
+every interface is listed here, so an operator sees it (docs/security.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +77,39 @@ def on_every_interface(ports: Iterable[int]) -> set[int]:
     return {socket.port for socket in listening_sockets() if socket.address.is_unspecified and socket.port in wanted}
 
 
+def process_tree(root: int) -> set[int]:
+    """`root` and every process it started, and they started (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # the command name (in parentheses) may hold spaces: the fields after it are split
+            parents[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
+    tree = {root}
+    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return tree
+
+
+def socket_owners(pids: Iterable[int]) -> dict[int, int]:
+    """socket inode -> the process of `pids` that holds it (those whose file descriptors can be read)."""
+    owners = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if (target := os.readlink(fd)).startswith("socket:["):
+                        owners[int(target[len("socket:[") : -1])] = pid
+    return owners
+
+
+def process_title(pid: int) -> str:
+    """What a process calls itself (Ray's workers: `ray::ServeReplica:<app>:<deployment>`)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return f"process {pid}"
+
+
 def ray_ports() -> dict[int, str]:
     """The ports of this Ray node's services, by what listens there (the GCS and the head's metrics servers too: on
     another node nothing of Ray's listens on those)."""
@@ -90,16 +126,33 @@ def ray_ports() -> dict[int, str]:
     return ports
 
 
+def exposed_ray_ports() -> dict[int, str]:
+    """Ray's ports on this machine that listen on every interface, by what listens there: its services' (`ray_ports`),
+    and any of a process its raylet started (workers, Serve's replicas, Ray's agents); this process is one of them.
+    Nothing outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    named = ray_ports()
+    owners = socket_owners(process_tree(os.getppid()))  # a worker's parent is its node's raylet
+    return {
+        socket.port: named.get(socket.port) or process_title(owners[socket.inode])
+        for socket in listening_sockets()
+        if socket.address.is_unspecified and (socket.port in named or socket.inode in owners)
+    }
+
+
 def exposure_warning() -> str | None:
     """What `/healthz` warns of Ray's ports listening on every interface here; None when none does."""
-    ports = ray_ports()
-    exposed = sorted(on_every_interface(ports))
+    exposed = exposed_ray_ports()
     if not exposed:
         return None
-    listed = ", ".join(f"{port} ({ports[port]})" for port in exposed)
+    listed = ", ".join(f"{port} ({exposed[port]})" for port in sorted(exposed))
     return (
-        f"Ray's ports {listed} listen on every interface: anyone who reaches this machine reads its metrics (node, "
-        "session and worker ids, request counts), and without Ray's token auth runs code in it; `cosyvoice-serve run` "
-        f"on a loopback host binds them to loopback ({RAY_LOOPBACK_ENV}=0), a cluster needs a private network or a "
-        "firewall (docs/security.md)"
+        f"Ray's ports {listed} listen on every interface, where anyone who reaches this machine connects to them (its "
+        "metrics tell node, session and worker ids and request counts; without Ray's token auth its GCS and raylet run "
+        f"code); `cosyvoice-serve run` on a loopback host binds Ray's own to loopback ({RAY_LOOPBACK_ENV}=0) but not "
+        "Serve's replica gRPC servers, which Ray 2.60 binds to [::] whatever it is told: keep the machine behind a "
+        "firewall or on a private network (docs/security.md)"
     )

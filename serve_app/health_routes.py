@@ -1,5 +1,6 @@
 """The try-it page, `/healthz` and `/v1/models`."""
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -8,6 +9,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
 
 from serve_app.api import STATIC_DIR, api
+from serve_app.exposure import exposure_warning
 from serve_app.ingress_base import IngressBase
 
 logger = logging.getLogger("ray.serve")
@@ -37,13 +39,14 @@ class HealthRoutes(IngressBase):
             logger.warning("could not re-read the replica counts for /healthz: %s", exc)
         ready = self.router.ready()
         relay_problem = await self.text_relays.problem(self.limits.health_timeout_s)
+        exposed = await asyncio.to_thread(exposure_warning)  # read afresh: replicas come and go (~10 ms)
         polled_at = self.router.polled_at
         body = {
             "status": "unavailable" if not ready else "degraded" if relay_problem else "ok",
             "running_replicas": self.router.running,
             "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
-            # e.g. serving beyond loopback without API keys; a lost text relay
-            "warnings": [*self.serving_warnings, *([relay_problem] if relay_problem else [])],
+            # serving beyond loopback without API keys, Ray's ports on every interface, a lost text relay
+            "warnings": [*self.serving_warnings, *(warning for warning in (exposed, relay_problem) if warning)],
         }
         return JSONResponse(body, status_code=200 if ready and not relay_problem else 503)
 

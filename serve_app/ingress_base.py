@@ -12,7 +12,6 @@ from autoscaling.policy import RayWakeBoard, ScalingRules, WakeRule
 from deployments.text_relay import TextRelays
 from serve_app.args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
-from serve_app.exposure import exposure_warning
 from serve_app.guard import (
     BodyTimeouts,
     GuardSettings,
@@ -75,8 +74,7 @@ class IngressBase:
         admin_keys = load_keys(security.admin_keys, security.admin_keys_env)
         keys_on = bool(keys + admin_keys)
         bound_host = serve_http_host()
-        exposed = exposure_warning()
-        self.serving_warnings = serving_warnings(security, bound_host, keys_on) + ((exposed,) if exposed else ())
+        self.serving_warnings = serving_warnings(security, bound_host, keys_on)
         for warning in self.serving_warnings:
             logger.warning(warning)
         configure_guard(
