@@ -103,11 +103,13 @@ def socket_owners(pids: Iterable[int]) -> dict[int, int]:
 
 
 def process_title(pid: int) -> str:
-    """What a process calls itself (Ray's workers: `ray::ServeReplica:<app>:<deployment>`)."""
+    """What a process calls itself (Ray's workers: `ray::ServeReplica:<app>:<deployment>`, without the `.<method>`
+    Ray adds while one runs)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
     except OSError:
         return f"process {pid}"
+    return title.partition(".")[0] if title.startswith("ray::") else title
 
 
 def ray_ports() -> dict[int, str]:
