@@ -242,6 +242,7 @@ class Encoder:
             "voice_cloning": self.cloner is not None,
             "llm_checkpoint": self.llm_checkpoint,
             "default_voice": self.default_voice,
+            "languages": list(family.languages),
         }
 
     def ping(self) -> bool:

@@ -94,6 +94,9 @@ class ModelFamily:
     silent_tokens: frozenset[int] = frozenset()
     # the LLM takes text tokens as they come, mixed with speech (engine.llm.bistream): CosyVoice2/3, not v1
     bistream: bool = False
+    # The languages its official model card lists (ISO 639 codes; yue: Cantonese), as clients that pick a voice by
+    # language are told (Wyoming's describe): data only, the front end reads any text.
+    languages: tuple[str, ...] = ()
 
     def cloning_models(self) -> CloningModels:
         """The family's cloning models; CheckpointError when it has none."""

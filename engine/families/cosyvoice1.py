@@ -58,6 +58,7 @@ COSYVOICE1 = register(
         voice_rules=VoiceRules(instruct_keeps_voice_prompt=False),
         instruction_support=_instruct_models_only,
         streaming=OverlappingChunks,
+        languages=("zh", "en", "ja", "yue", "ko"),
         cloning=CloningModels(
             version=1,
             speech_tokenizer_file="speech_tokenizer_v1.onnx",

@@ -60,6 +60,7 @@ COSYVOICE2 = register(
         instruction_support=registered_voices_only,
         bistream=True,
         streaming=CausalPrefixChunks,
+        languages=("zh", "en", "ja", "ko", "yue"),
         cloning=CloningModels(
             version=2,
             speech_tokenizer_file="speech_tokenizer_v2.onnx",

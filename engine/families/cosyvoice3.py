@@ -66,6 +66,7 @@ COSYVOICE3 = register(
         instruction_support=registered_voices_only,
         bistream=True,
         streaming=CausalPrefixRerunChunks,
+        languages=("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru", "yue"),
         cloning=CloningModels(
             version=3,
             speech_tokenizer_file="speech_tokenizer_v3.onnx",
