@@ -95,7 +95,7 @@ class ModelFamily:
     # the LLM takes text tokens as they come, mixed with speech (engine.llm.bistream): CosyVoice2/3, not v1
     bistream: bool = False
     # The languages its official model card lists (ISO 639 codes; yue: Cantonese), as clients that pick a voice by
-    # language are told (Wyoming's describe): data only, the front end reads any text.
+    # language are told (Wyoming's describe); the front end spells out numbers in those beyond Chinese and English.
     languages: tuple[str, ...] = ()
 
     def cloning_models(self) -> CloningModels:

@@ -34,6 +34,7 @@ from engine.loading.model_source import (
 )
 from engine.nn.precision import DecoderDtypes, decoder_dtypes, module_sizes, pack_linear_for_cpu, quantize_linear_int8
 from engine.text.frontend import TextFrontend
+from engine.text.languages import SPELLED_OUT_LANGUAGES
 from engine.vocoder.hift import HiFTGenerator, upgrade_legacy_weight_norm
 from engine.voices.speaker_bank import VoiceBank
 
@@ -168,6 +169,32 @@ def load_module(model_dir: str | Path, name: str) -> nn.Module:
     return _build(config.family.modules[name](getattr(config, name)), config_path.parent, f"{name}.pt")
 
 
+def _text_frontend(
+    config: ModelConfig, config_path: Path, load_format: str, max_text_chars: int, spell_out_languages: bool
+) -> TextFrontend:
+    """The front end of a located model: its family's tokenizer and, where `spell_out_languages`, number spelling in
+    the family's languages beyond Chinese and English (CosyVoice3: de, es, fr, it, ru, ja, ko; v1, v2: ja, ko)."""
+    tokenizer = config.family.tokenizer(config, config_path, load_format == "official")
+    spelled = [language for language in config.family.languages if language in SPELLED_OUT_LANGUAGES]
+    return TextFrontend(
+        max_text_chars, tokenizer=tokenizer, spelled_out_languages=spelled if spell_out_languages else ()
+    )
+
+
+def load_frontend(
+    source: str | Path = "tiny",
+    *,
+    load_format: str | None = None,
+    max_text_chars: int = 2000,
+    spell_out_languages: bool = True,
+) -> TextFrontend:
+    """The text front end of a model (a preset, a model dir or a hub id) alone, none of its weights loaded: what
+    `load_model`'s encoder normalises with (`cosyvoice-serve normalize`)."""
+    fmt, config_path, _ = locate_model(source, load_format, LLM_CHECKPOINT_AUTO)
+    config = ModelConfig.from_yaml_file(config_path)
+    return _text_frontend(config, config_path, fmt, max_text_chars, spell_out_languages)
+
+
 def load_model(
     source: str | Path = "tiny",
     *,
@@ -180,6 +207,7 @@ def load_model(
     max_text_chars: int = 2000,
     cpu_packing: bool = True,
     llm_checkpoint: str = LLM_CHECKPOINT_AUTO,
+    spell_out_languages: bool = True,
 ) -> LoadedModel:
     """Load a model for the given stage `components` ("encoder": frontend + text encoder, "decoder").
 
@@ -189,7 +217,8 @@ def load_model(
     decoder LLM is quantized too). `cpu_packing` packs the float32 CPU LLM's Linear weights for oneDNN (faster
     batched decode steps); turn it off to keep plain `nn.Linear` weights for casts, copies or state dicts.
     `llm_checkpoint`: the LLM's checkpoint in an official model dir, `auto` (`llm.rl.pt` where the model has it, else
-    `llm.pt`) or a file name (`engine.loading.model_source.llm_checkpoint_file`).
+    `llm.pt`) or a file name (`engine.loading.model_source.llm_checkpoint_file`). `spell_out_languages`: the front
+    end spells out numbers in the family's languages beyond Chinese and English (`_text_frontend`).
     """
     unknown = set(components) - set(COMPONENTS)
     if unknown or not components:
@@ -245,7 +274,7 @@ def load_model(
     return LoadedModel(
         name=str(source) if fmt == "dummy" else served_name(str(source)),
         config=config,
-        frontend=TextFrontend(max_text_chars, tokenizer=config.family.tokenizer(config, config_path, fmt == "official"))
+        frontend=_text_frontend(config, config_path, fmt, max_text_chars, spell_out_languages)
         if "encoder" in components
         else None,
         voices=voices,

@@ -29,6 +29,7 @@ from engine.runtime.prompt_cache import PreparedPrompt, PromptCache, PromptKey
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream
 from engine.text.frontend import ENDOFPROMPT
+from engine.text.languages import language_code
 
 if TYPE_CHECKING:
     from engine.voices.cloning import VoicePrompt
@@ -58,7 +59,8 @@ class SynthesisRequest:
     tokens in the LLM input, for text in another language than the prompt. `instruct_text` is a plain
     instruction ("Speak happily.") or one in the official form, ending in `<|endofprompt|>` (taken as written).
     `system_prompt` replaces the family's default system prompt (CosyVoice3: "You are a helpful assistant.");
-    families without one refuse it.
+    families without one refuse it. `language` is the text's (`engine.text.languages.LANGUAGES`, a region allowed:
+    "de-DE"): its numbers are spelled out in it where the front end does that language; None: each sentence's.
     """
 
     text: str
@@ -68,6 +70,7 @@ class SynthesisRequest:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     cross_lingual: bool = False
     system_prompt: str | None = None
+    language: str | None = None
 
     def validated(self) -> SynthesisRequest:
         if not MIN_SPEED <= self.speed <= MAX_SPEED:
@@ -78,9 +81,10 @@ class SynthesisRequest:
             raise InvalidInputError(f"system_prompt must be non-empty text without {ENDOFPROMPT} (it is appended)")
         if self.cross_lingual and self.instruct_text is not None:
             raise InvalidInputError("cross_lingual and instruct_text cannot be combined")
-        if self.sampling.seed is None:
-            return replace(self, sampling=replace(self.sampling, seed=secrets.randbits(31)))
-        return self
+        request = self if self.language is None else replace(self, language=language_code(self.language))
+        if request.sampling.seed is None:
+            return replace(request, sampling=replace(request.sampling, seed=secrets.randbits(31)))
+        return request
 
 
 @dataclass(frozen=True)
@@ -262,7 +266,7 @@ class TextEncoderStage:
         return self._segment_texts(request, self._voice_conditioning(request, prompt))
 
     def _segment_texts(self, request: SynthesisRequest, voice: _VoiceConditioning) -> list[SegmentText]:
-        segments = self.model.frontend.segment_tokens(request.text)
+        segments = self.model.frontend.segment_tokens(request.text, request.language)
         texts = [SegmentText(voice.prompt_text_tokens, voice.text_lead_tokens + tokens) for tokens in segments]
         for text in texts:
             _check_sentence_tokens(len(text.prompt) + len(text.text), "a sentence with its prompt")

@@ -15,6 +15,14 @@ Pipeline of `TextFrontend.split` (the segments are synthesised one after another
      with lengths counted in the tokenizer's tokens;
   4. segments without anything speakable are dropped; if none is left the text is rejected.
 
+A front end made with `spelled_out_languages` (the languages beyond Chinese and English its model speaks: CosyVoice3's
+de, es, fr, it, ru, ja, ko; v1's and v2's ja, ko) goes its own way in step 3 for text in those languages: the language
+a request names, else each sentence's (`engine.text.languages.detect_language`, a sentence it cannot tell taking its
+neighbours'). Text all in Chinese and English takes the official path above whole, exactly; otherwise each run of
+sentences in one language is normalised on its own: Chinese and English ones as above, the others with their numbers,
+dates, units and currencies spelled out in their own words (`engine.text.spelled_numbers`, letters such as ä, ß, ñ
+kept) and split as English (Japanese: as Chinese, in characters).
+
 Without wetext the normalisation is minimal: the FST step is skipped, everything else (the Chinese rules,
 spelling English digits with inflect, the splitting) still runs. This is logged once per process.
 
@@ -32,7 +40,7 @@ import itertools
 import logging
 import re
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,9 +49,19 @@ import tiktoken
 
 from engine.errors import CheckpointError, InvalidInputError
 from engine.loading.yaml_config import ObjectSpec
+from engine.text.languages import (
+    LATIN_LANGUAGES,
+    SPELLED_OUT_LANGUAGES,
+    detect_language,
+    language_code,
+    latin_identifier,
+    sentences,
+)
 
 if TYPE_CHECKING:
     import inflect
+
+    from engine.text.spelled_numbers import NumberSpeller
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +101,7 @@ CHINESE_REPLACEMENTS = (
     ("——", " "),
 )
 TRAILING_COMMAS = re.compile(r"[，,、]+$")
+WHITESPACE_RUN = re.compile(r"\s+")  # a line break or a run of spaces in spelled-out text is one space, as read
 CLOSING_QUOTES = frozenset('"”')
 KEPT_CONTROL_CHARACTERS = frozenset("\n\t")  # the Chinese path removes "\n" itself; others are noise
 SEGMENT_MAX_LEN = 80
@@ -100,6 +119,7 @@ class SplitRule:
 
 CHINESE_SPLIT = SplitRule(frozenset("。？！；：、.?!;"), "。")
 ENGLISH_SPLIT = SplitRule(frozenset(".?!;:"), ".")
+JAPANESE_SPLIT = SplitRule(frozenset("。？！?!"), "。")  # counted in characters, as Chinese
 
 
 def whisper_special_tokens(num_languages: int = 100) -> list[str]:
@@ -314,6 +334,34 @@ def split_paragraph(text: str, rule: SplitRule, length: Callable[[str], int]) ->
 
 
 @functools.cache
+def _warn_spelling_missing() -> None:
+    logger.warning(
+        "num2words or py3langid is not installed: numbers in languages beyond Chinese and English are read as the "
+        "official front end reads them (in English). Install them with: pip install 'cosyvoice-serve[text]'"
+    )
+
+
+def _load_spellers(languages: Iterable[str]) -> dict[str, NumberSpeller]:
+    """A number speller for each of `languages` (of SPELLED_OUT_LANGUAGES); none where its packages are missing."""
+    languages = tuple(languages)
+    unknown = sorted(set(languages) - set(SPELLED_OUT_LANGUAGES))
+    if unknown:
+        raise ValueError(f"no number spelling for {unknown}; there is for {', '.join(SPELLED_OUT_LANGUAGES)}")
+    if not languages:
+        return {}
+    from engine.text.spelled_numbers import NumberSpeller
+
+    try:
+        spellers = {language: NumberSpeller(language) for language in languages}
+        if set(languages) & set(LATIN_LANGUAGES):
+            latin_identifier()  # loaded with the front end, not by its first request
+    except ImportError:
+        _warn_spelling_missing()
+        return {}
+    return spellers
+
+
+@functools.cache
 def _warn_wetext_missing() -> None:
     logger.warning(
         "wetext is not installed: text normalisation is minimal (no FST rewriting of dates, units, currencies; "
@@ -343,10 +391,16 @@ class TextFrontend:
     """Text -> normalised segments -> token ids, as the official CosyVoice front ends."""
 
     def __init__(
-        self, max_text_chars: int = 2000, use_wetext: bool | None = None, tokenizer: TextTokenizer | None = None
+        self,
+        max_text_chars: int = 2000,
+        use_wetext: bool | None = None,
+        tokenizer: TextTokenizer | None = None,
+        spelled_out_languages: Iterable[str] = (),
     ) -> None:
         """`use_wetext`: None uses wetext when installed, True requires it, False forces the minimal rules.
-        `tokenizer`: the model's text tokenizer; v1's whisper tokenizer by default."""
+        `tokenizer`: the model's text tokenizer; v1's whisper tokenizer by default. `spelled_out_languages`: those of
+        SPELLED_OUT_LANGUAGES whose numbers are spelled out in their own words (the module docstring); none by
+        default, and none where num2words or py3langid is not installed (logged once)."""
         if max_text_chars < 1:
             raise ValueError(f"max_text_chars must be positive, got {max_text_chars}")
         self.max_text_chars = max_text_chars
@@ -359,6 +413,9 @@ class TextFrontend:
         normalizers = _load_wetext(use_wetext)
         self._zh_wetext, self._en_wetext = normalizers or (None, None)
         self.backend = "wetext" if normalizers else "minimal"
+        self.spellers = _load_spellers(spelled_out_languages)
+        # Latin sentences are told apart only where one of de, es, fr, it is spelled out (else they are English).
+        self._classify_latin = any(language in self.spellers for language in LATIN_LANGUAGES)
 
     @property
     def encoding(self) -> tiktoken.Encoding:
@@ -373,17 +430,23 @@ class TextFrontend:
         self._check_length(text)
         return self._encode(without_lone_surrogates(text))
 
-    def normalize(self, text: str) -> str:
-        """The whole normalised text (official `text_normalize(text, split=False)`)."""
-        return self._normalize(text)[0]
+    def normalize(self, text: str, language: str | None = None) -> str:
+        """The whole normalised text (official `text_normalize(text, split=False)`). `language`: the text's, one of
+        `engine.text.languages.LANGUAGES` (InvalidInputError for another); None: each sentence's, detected."""
+        return self._normalize(text, language)[0]
 
-    def split(self, text: str) -> list[str]:
+    def split(self, text: str, language: str | None = None) -> list[str]:
         """The normalised segments, synthesised one after another (official `text_normalize(text, split=True)`)."""
-        return self._normalize(text)[1]
+        return [segment for _, segment in self._normalize(text, language)[1]]
 
-    def segment_tokens(self, text: str) -> list[list[int]]:
-        """Token ids of each segment of `split(text)`, tokenized separately."""
-        return [self._encode(segment) for segment in self.split(text)]
+    def split_by_language(self, text: str, language: str | None = None) -> list[tuple[str | None, str]]:
+        """(language, segment) for each segment of `split`: the language it was normalised as ("zh" and "en": the
+        official front end's way), None for text with special-token markup, which is taken as written."""
+        return self._normalize(text, language)[1]
+
+    def segment_tokens(self, text: str, language: str | None = None) -> list[list[int]]:
+        """Token ids of each segment of `split(text, language)`, tokenized separately."""
+        return [self._encode(segment) for segment in self.split(text, language)]
 
     def _check_length(self, text: str) -> None:
         if not isinstance(text, str):
@@ -391,23 +454,68 @@ class TextFrontend:
         if len(text) > self.max_text_chars:
             raise InvalidInputError(f"text has {len(text)} characters, more than the limit of {self.max_text_chars}")
 
-    def _normalize(self, text: str) -> tuple[str, list[str]]:
+    def _normalize(self, text: str, language: str | None) -> tuple[str, list[tuple[str | None, str]]]:
         self._check_length(text)
+        language = None if language is None else language_code(language)
         text = strip_control_characters(text)
         if not text.strip():
             raise InvalidInputError("text is empty or only whitespace")
         if has_special_token_markup(text):
-            normalized, segments = text, [text]
-        elif contains_chinese(text):
-            normalized = chinese_cleanup(self._apply_wetext(self._zh_wetext, text.strip()))
-            segments = split_paragraph(normalized, CHINESE_SPLIT, len)
+            normalized, segments = text, [(None, text)]
         else:
-            normalized = spell_out_numbers(self._apply_wetext(self._en_wetext, text.strip()), self._inflect)
-            segments = split_paragraph(normalized, ENGLISH_SPLIT, self._token_count)
-        segments = [segment for segment in segments if is_speakable(segment)]
+            runs = [self._normalize_run(run, run_language) for run_language, run in self._language_runs(text, language)]
+            normalized = " ".join(run_text for run_text, _ in runs)
+            segments = [segment for _, run_segments in runs for segment in run_segments]
+        segments = [(language, segment) for language, segment in segments if is_speakable(segment)]
         if not segments:
             raise InvalidInputError(f"text has nothing speakable after normalisation: {text[:50]!r}")
         return normalized, segments
+
+    def _language_runs(self, text: str, language: str | None) -> list[tuple[str | None, str]]:
+        """`text` (stripped) in runs of consecutive sentences of one language each: (a language of `spellers`, run),
+        or (None, run) for the official path. Text without a sentence in a spelled-out language is one official run,
+        so that Chinese and English text is normalised as a whole, as the official front end does."""
+        text = text.strip()
+        if language is not None or not self.spellers:
+            return [(language if language in self.spellers else None, text)]
+        pieces = sentences(text)
+        detected = [detect_language(piece, self._classify_latin) for piece in pieces]
+        for index, found in enumerate(detected):
+            # Kanji alone may be Japanese: a Chinese sentence after a Japanese one (opening the text: before it) is.
+            if found == "zh":
+                before = next((told for told in reversed(detected[:index]) if told), None)
+                after = next((told for told in detected[index + 1 :] if told), None)
+                detected[index] = "ja" if (before or after) == "ja" else "zh"
+        known = [found for found in detected if found is not None]
+        if not any(found in self.spellers for found in known):
+            return [(None, text)]
+        runs: list[tuple[str | None, str]] = []
+        current = known[0]  # what sentences before the first told apart take
+        for piece, found in zip(pieces, detected, strict=True):
+            current = found or current  # one it cannot tell takes the language before it
+            run_language = current if current in self.spellers else None
+            if runs and runs[-1][0] == run_language:
+                runs[-1] = (run_language, runs[-1][1] + piece)
+            else:
+                runs.append((run_language, piece))
+        return [(run_language, run.strip()) for run_language, run in runs if run.strip()]
+
+    def _normalize_run(self, text: str, language: str | None) -> tuple[str, list[tuple[str | None, str]]]:
+        """A run of one language, normalised and split: its own way for a spelled-out language, else the official."""
+        if language is not None:
+            normalized = self.spellers[language].spell_out(WHITESPACE_RUN.sub(" ", text))
+            if language == "ja":
+                segments = split_paragraph(normalized, JAPANESE_SPLIT, len)
+            else:
+                segments = split_paragraph(normalized, ENGLISH_SPLIT, self._token_count)
+        elif contains_chinese(text):
+            language, normalized = "zh", chinese_cleanup(self._apply_wetext(self._zh_wetext, text))
+            segments = split_paragraph(normalized, CHINESE_SPLIT, len)
+        else:
+            language = "en"
+            normalized = spell_out_numbers(self._apply_wetext(self._en_wetext, text), self._inflect)
+            segments = split_paragraph(normalized, ENGLISH_SPLIT, self._token_count)
+        return normalized, [(language, segment) for segment in segments]
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
