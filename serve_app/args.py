@@ -89,6 +89,17 @@ class EncoderArgs(_Strict):
 
 class DecoderArgs(_Strict):
     """Speech-token LM + flow + vocoder replicas; a GPU fraction each, or CPU with num_gpus 0."""
+class TextArgs(_Strict):
+    """The text front end (on the encoder replicas)."""
+
+    spell_out_languages: bool = Field(
+        True,
+        description="numbers, dates, units and currencies read in the text's own language for the model's languages "
+        "beyond Chinese and English (CosyVoice3: de, es, fr, it, ru, ja, ko; v1, v2: ja, ko), the language a request "
+        "names or each sentence's, detected; off: every text takes the official Chinese/English front end",
+    )
+
+
 
     num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
     autoscaling: DecoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
@@ -627,6 +638,7 @@ class AppArgs(_Strict):
         and half of a key's requests in flight (at least 1)."""
         limits = self.limits
         per_key_requests = limits.max_concurrent_requests_per_key
+    text: TextArgs = TextArgs()
         default_per_key = None if per_key_requests is None else max(1, per_key_requests // 2)
         return limits.model_copy(
             update={
