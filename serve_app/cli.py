@@ -269,6 +269,32 @@ def download(options: argparse.Namespace) -> int:
     return 0
 
 
+def normalize(options: argparse.Namespace) -> int:
+    """`cosyvoice-serve normalize`: the segments the model reads of a text after normalisation, each with the language
+    it was read as; from the model's config and tokenizer alone (no server, no weights)."""
+    from engine.loading.loader import load_frontend
+    from serve_app.args import AppArgs
+
+    application, _ = read_serve_config(options.config)
+    args = dict(application.get("args") or {})
+    if options.model is not None:
+        args["model"] = options.model
+    try:
+        app_args = AppArgs.model_validate(args)
+        frontend = load_frontend(
+            app_args.model,
+            max_text_chars=app_args.limits.max_input_chars,
+            spell_out_languages=app_args.text.spell_out_languages,
+        )
+        segments = frontend.split_by_language(options.text, options.language)
+    except (ValueError, CosyVoiceError) as exc:
+        print(f"error: {error_line(exc)}", file=sys.stderr)
+        return 2
+    for language, segment in segments:
+        print(f"[{language or 'as written'}] {segment}")
+    return 0
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Whether something already listens on `port` (checked before Ray starts, which would fail 20 s later). The probe
     binds as Serve's proxy and Ray's metrics server do, with SO_REUSEADDR: the TIME_WAIT sockets a stopped server's
@@ -303,32 +329,6 @@ def drain(app_name: str, timeout_s: float) -> bool:
 
     serve.delete(app_name, _blocking=False)
     deadline = time.monotonic() + timeout_s
-def normalize(options: argparse.Namespace) -> int:
-    """`cosyvoice-serve normalize`: the segments the model reads of a text after normalisation, each with the language
-    it was read as; from the model's config and tokenizer alone (no server, no weights)."""
-    from engine.loading.loader import load_frontend
-    from serve_app.args import AppArgs
-
-    application, _ = read_serve_config(options.config)
-    args = dict(application.get("args") or {})
-    if options.model is not None:
-        args["model"] = options.model
-    try:
-        app_args = AppArgs.model_validate(args)
-        frontend = load_frontend(
-            app_args.model,
-            max_text_chars=app_args.limits.max_input_chars,
-            spell_out_languages=app_args.text.spell_out_languages,
-        )
-        segments = frontend.split_by_language(options.text, options.language)
-    except (ValueError, CosyVoiceError) as exc:
-        print(f"error: {error_line(exc)}", file=sys.stderr)
-        return 2
-    for language, segment in segments:
-        print(f"[{language or 'as written'}] {segment}")
-    return 0
-
-
     while time.monotonic() < deadline:
         status = serve.status().applications.get(app_name)
         if status is None or status.status == ApplicationStatus.NOT_STARTED:
@@ -518,6 +518,19 @@ def parser() -> argparse.ArgumentParser:
     download_parser.add_argument("model", help="a Hugging Face id, or modelscope:<id>")
     download_parser.set_defaults(handler=download)
 
+    normalize_parser = commands.add_parser(
+        "normalize", help="print what the model reads of a text: its segments after normalisation (no server needed)"
+    )
+    normalize_parser.add_argument("text")
+    normalize_parser.add_argument("--model", default=None, help="as run's --model (default: the config's, else tiny)")
+    normalize_parser.add_argument(
+        "--language", default=None, help="the text's language: de, ja, ... (default: each sentence's, detected)"
+    )
+    normalize_parser.add_argument(
+        "--config", type=Path, default=None, help="Serve config file (its `args` are used: model, text, limits)"
+    )
+    normalize_parser.set_defaults(handler=normalize)
+
     say_parser = commands.add_parser("say", help="synthesise text through a running server")
     say_parser.add_argument("text")
     say_parser.add_argument("-o", "--output", default="out.wav")
@@ -569,19 +582,6 @@ def parser() -> argparse.ArgumentParser:
         action.add_argument("--timeout", type=float, default=120.0)
         add_api_key_option(action)
     voices_parser.set_defaults(handler=voices)
-    normalize_parser = commands.add_parser(
-        "normalize", help="print what the model reads of a text: its segments after normalisation (no server needed)"
-    )
-    normalize_parser.add_argument("text")
-    normalize_parser.add_argument("--model", default=None, help="as run's --model (default: the config's, else tiny)")
-    normalize_parser.add_argument(
-        "--language", default=None, help="the text's language: de, ja, ... (default: each sentence's, detected)"
-    )
-    normalize_parser.add_argument(
-        "--config", type=Path, default=None, help="Serve config file (its `args` are used: model, text, limits)"
-    )
-    normalize_parser.set_defaults(handler=normalize)
-
     return main_parser
 
 

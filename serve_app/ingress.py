@@ -115,9 +115,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         voice_cloning_config(args),
         llm_checkpoint=args.llm_checkpoint,
         max_text_tokens=args.limits.max_input_tokens,
+        spell_out_languages=args.text.spell_out_languages,
     )
     decoder_loop = {
-        spell_out_languages=args.text.spell_out_languages,
         "max_audio_s": args.limits.max_audio_s,
         "max_request_s": args.limits.max_stream_s,
         "scheduling": args.scheduler.model_dump(),
