@@ -6,8 +6,8 @@ cosyvoice-serve download ID                            download a hub model into
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
 cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
 cosyvoice-serve voices add FILE --transcript TEXT | list | rm ID   registered voices of a running server
-"""
 cosyvoice-serve normalize TEXT [--model M] [--language L]   what the model reads of TEXT (no server)
+"""
 
 from __future__ import annotations
 
