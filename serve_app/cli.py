@@ -1,6 +1,7 @@
 """Console entry point `cosyvoice-serve`.
 
 cosyvoice-serve run [--model DIR|ID|PRESET] [--config FILE]   start a local Ray and the app (tiny model by default)
+                    [--wyoming-port 10200]                also the Wyoming protocol, for Home Assistant
 cosyvoice-serve plan [--model M] [--gpus N --gpu-memory-gb G] [--json]   what runs where on this machine
 cosyvoice-serve download ID                            download a hub model into its cache
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
@@ -86,9 +87,10 @@ def with_default_voices_dir(args: dict[str, Any]) -> dict[str, Any]:
 
 def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str] = os.environ) -> list[str]:
     """What is unsafe in how `run` is about to serve: Ray's token auth turned off, HTTP beyond loopback without
-    API keys (the replicas of this local cluster read the keys from this same environment)."""
+    API keys (the replicas of this local cluster read the keys from this same environment), Wyoming (which has no
+    authentication) beyond loopback or beside API keys."""
     from serve_app.args import AppArgs
-    from serve_app.guard import load_api_keys, serving_warnings
+    from serve_app.guard import keys_configured, load_api_keys, serving_warnings
 
     warnings = []
     if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
@@ -97,9 +99,32 @@ def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str]
             "anyone who can reach them (every user of this machine; with HTTP beyond loopback, the network) can run "
             "code in it; unset it to keep Ray's token auth on"
         )
-    security = AppArgs.model_validate(args).security
+    app_args = AppArgs.model_validate(args)
+    security = app_args.security
     warnings += serving_warnings(security, host, bool(load_api_keys(security, dict(environ))))
+    warnings += app_args.wyoming.serving_warnings(keys_configured(security, environ))
     return warnings
+
+
+def with_wyoming_options(args: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
+    """`args` with the command line's Wyoming options over the `wyoming` section of the config's app args."""
+    given = {"port": options.wyoming_port, "host": options.wyoming_host, "allow_keyless": options.wyoming_allow_keyless}
+    given = {key: value for key, value in given.items() if value not in (None, False)}
+    return {**args, "wyoming": {**(args.get("wyoming") or {}), **given}} if given else args
+
+
+def wyoming_refusal(args: AppArgs, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why `run` cannot serve Wyoming as asked (None where it can, or Wyoming is off): its port is taken, or the server
+    has API keys (in the app args, or in this environment, which the local replicas share) and Wyoming, which has no
+    authentication, was not allowed without them."""
+    from serve_app.guard import keys_configured
+
+    wyoming = args.wyoming
+    if wyoming.port is None:
+        return None
+    if port_in_use(wyoming.host, wyoming.port):
+        return f"Wyoming port {wyoming.port} is in use on {wyoming.host}; pass --wyoming-port with a free one"
+    return wyoming.keyless_refusal(keys_configured(args.security, environ))
 
 
 def run(options: argparse.Namespace) -> int:
@@ -108,6 +133,7 @@ def run(options: argparse.Namespace) -> int:
     for key in ("voices_dir", "voice_models_dir"):
         if getattr(options, key) is not None:
             args[key] = str(getattr(options, key))
+    args = with_wyoming_options(args, options)
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
     for what, number, option in (("port", port, "--port"), ("metrics port", options.metrics_port, "--metrics-port")):
@@ -124,7 +150,12 @@ def run(options: argparse.Namespace) -> int:
         # Imported here so that `say` stays light; Ray and the app only once the model is there.
         from serve_app.args import AppArgs
 
-        model_line = fetch_model(AppArgs.model_validate(args))
+        app_args = AppArgs.model_validate(args)
+        refusal = wyoming_refusal(app_args)
+        if refusal is not None:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
+        model_line = fetch_model(app_args)
     except (ValueError, CosyVoiceError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2
@@ -168,6 +199,9 @@ def run(options: argparse.Namespace) -> int:
         print(f"metrics (Prometheus): http://{host}:{metrics_port()}/metrics")
         if args.get("voices_dir"):
             print(f"registered voices are kept in {args['voices_dir']}")
+        wyoming = AppArgs.model_validate(args).wyoming
+        if wyoming.port is not None:
+            print(f"Wyoming (Home Assistant's Wyoming integration): host {wyoming.host}, port {wyoming.port}")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -492,6 +526,23 @@ def parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--port", type=int, default=None)
     run_parser.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus metrics port (default: one Ray picks, printed)"
+    )
+    run_parser.add_argument(
+        "--wyoming-port",
+        type=int,
+        default=None,
+        help="also serve the Wyoming protocol (Home Assistant) on this TCP port, e.g. 10200 (default: off)",
+    )
+    run_parser.add_argument(
+        "--wyoming-host",
+        default=None,
+        help="the address Wyoming binds (default: 127.0.0.1; 0.0.0.0 for a Home Assistant on another machine: Wyoming "
+        "has no authentication)",
+    )
+    run_parser.add_argument(
+        "--wyoming-allow-keyless",
+        action="store_true",
+        help="serve Wyoming on a server with API keys all the same: its clients send none, and use the shared voices",
     )
     run_parser.set_defaults(handler=run)
 

@@ -224,6 +224,11 @@ def load_api_keys(security: SecurityArgs, environ: Mapping[str, str] = os.enviro
     return load_keys(security.api_keys, security.api_keys_env, environ)
 
 
+def keys_configured(security: SecurityArgs, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the server has API keys (admin keys count): from `security` and the environment of this process."""
+    return bool(load_api_keys(security, environ) + load_keys(security.admin_keys, security.admin_keys_env, environ))
+
+
 def is_open(path: str) -> bool:
     """Whether `path` (the app's own, without the route prefix) is served without an API key."""
     return path in OPEN_PATHS or path == "" or path.startswith(OPEN_PREFIXES)

@@ -45,10 +45,27 @@ class HealthRoutes(IngressBase):
             "status": "unavailable" if not ready else "degraded" if relay_problem else "ok",
             "running_replicas": self.router.running,
             "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
-            # serving beyond loopback without API keys, Ray's ports on every interface, a lost text relay
-            "warnings": [*self.serving_warnings, *(warning for warning in (exposed, relay_problem) if warning)],
+            # serving beyond loopback without API keys, Ray's ports on every interface, a lost text relay, Wyoming's
+            "warnings": [
+                *self.serving_warnings,
+                *(warning for warning in (exposed, relay_problem) if warning),
+                *await self.wyoming_warnings(),
+            ],
         }
         return JSONResponse(body, status_code=200 if ready and not relay_problem else 503)
+
+    async def wyoming_warnings(self) -> tuple[str, ...]:
+        """The Wyoming listener's warnings (none where it is off), asked once: they hold for its life; while it does not
+        answer, one that says so."""
+        if self.wyoming is None:
+            return ()
+        if self._wyoming_warnings is None:
+            try:
+                answer = self.wyoming.serving_warnings.remote()
+                self._wyoming_warnings = await asyncio.wait_for(answer, self.limits.health_timeout_s)
+            except Exception as exc:
+                return (f"the Wyoming listener does not answer ({type(exc).__name__}): see the WyomingServer's log",)
+        return self._wyoming_warnings
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class IngressBase:
         routing_poll_s: float = 2.0,
         gpu_rules: ScalingRules | None = None,
         wake: WakeRule | None = None,
+        wyoming: DeploymentHandle | None = None,
     ):
         self.encoder = encoder
         self.model_name = model_name
@@ -98,6 +99,8 @@ class IngressBase:
         self.router = DecoderRouter(decoders, routing_poll_s, gpu_rules, RayWakeBoard() if wake else None)
         self.router.start(serve.get_replica_context().app_name)
         self.text_relays = TextRelays()  # the text streams' relay to the decoders (CosyVoice2/3)
+        self.wyoming = wyoming  # the Wyoming listener (app args `wyoming`), if it is on
+        self._wyoming_warnings: tuple[str, ...] | None = None
 
     async def model_info(self) -> dict[str, Any]:
         """Voices and sample rate, asked once from an encoder replica."""

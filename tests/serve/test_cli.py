@@ -1,4 +1,5 @@
-"""The CLI before any server: it starts without torch or Ray, and `run` refuses a busy port at once."""
+"""The CLI before any server: it starts without torch or Ray, and `run` refuses a busy port, or Wyoming beside API
+keys without `--wyoming-allow-keyless`, at once."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.http_bench import free_port
+from serve_app.args import AppArgs
 from serve_app.cli import API_KEY_ENV, URL_ENV, parser, port_in_use
 from serve_app.cli import main as cli_main
+from serve_app.exposure import RAY_LOOPBACK_ENV
 
 
 def test_the_cli_imports_neither_torch_nor_ray() -> None:
@@ -84,3 +87,23 @@ def test_bad_app_args_stop_plan_with_one_line_naming_the_field(capsys: pytest.Ca
     assert cli_main(["plan", "--llm-checkpoint", "../llm.pt"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: llm_checkpoint: String should match pattern")
+
+
+def test_run_refuses_wyoming_beside_api_keys_unless_allowed_and_on_a_busy_port(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(RAY_LOOPBACK_ENV, raising=False)  # `run` sets it before it would start Ray: undone after
+    monkeypatch.setenv("COSYVOICE_API_KEYS", "sk-in-the-environment")
+    run = ["run", "--port", str(free_port())]
+    assert cli_main([*run, "--wyoming-port", str(free_port())]) == 2
+    assert "Wyoming has no authentication and this server has API keys" in capsys.readouterr().err
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        assert cli_main([*run, "--wyoming-port", str(busy), "--wyoming-allow-keyless"]) == 2
+    assert f"Wyoming port {busy} is in use on 127.0.0.1" in capsys.readouterr().err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    # Keys in the app args (a Serve config's, for `serve deploy`) are refused as the args are read.
+    with pytest.raises(ValueError, match=r"set wyoming\.allow_keyless"):
+        AppArgs.model_validate({"security": {"api_keys": ["sk-configured"]}, "wyoming": {"port": 10200}})

@@ -1,7 +1,10 @@
 """Tenancy with API keys on: owner ids, the per-key limit on requests in flight (`serve_app.tenancy`, as plain ASGI,
 no Ray), then on a real Serve app (tiny model, voice cloning, two keys and an admin key): each key sees, uses and
 deletes only its own voices and the shared ones, and a key over its limit gets 429 without starving the others
-or leaking a slot."""
+or leaking a slot. The same app serves Wyoming to clients without a key (`wyoming.allow_keyless`), driven by the
+`wyoming` client library as Home Assistant drives it: they see and use the shared voices only, get their audio chunk
+by chunk (a text stream's first sentence before its text ends), and errors as `error` events; one that leaves
+mid-stream has its decode cancelled while others are served."""
 
 from __future__ import annotations
 
@@ -14,7 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
+from ray import serve
+from wyoming.audio import AudioChunk, AudioStart
+from wyoming.client import AsyncTcpClient
+from wyoming.event import Event, async_read_event
+from wyoming.info import Describe, Info
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
+from benchmarks.http_bench import free_port
 from engine.voices.registry import EVERYONE, Caller
 from serve_app.args import SecurityArgs
 from serve_app.cli import API_KEY_ENV
@@ -260,7 +270,12 @@ UNKNOWN_VOICE = "voice_0123456789ab"
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def wyoming_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, wyoming_port: int) -> Iterator[tuple[str, Path]]:
     voices_dir = tmp_path_factory.mktemp("tenancy") / "voices"
     args = {
         "model": "tiny",
@@ -274,6 +289,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
             "max_voices_per_key": VOICES_PER_KEY,
         },
         "security": {"api_keys": [ALICE, BOB], "admin_keys": [ADMIN]},
+        "wyoming": {"port": wyoming_port, "allow_keyless": True},
     }
     with running_app(args, "tenancy") as url:
         yield url, voices_dir
@@ -417,3 +433,166 @@ def test_cli_say_sends_the_api_key_from_its_option_or_the_environment(
     monkeypatch.setenv(API_KEY_ENV, BOB)
     out.unlink()
     assert cli_main(say) == 0 and out.stat().st_size > 0
+
+
+# --- Wyoming, keyless beside the keys ---------------------------------------------------------------------
+
+WYOMING_READ_TIMEOUT_S = 60.0
+TINY_RATE = 22050
+TINY_LANGUAGES = ["zh", "en", "ja", "yue", "ko"]  # CosyVoice v1's
+
+
+async def wyoming_exchange(port: int, sent: list[Event], last: str | None = None) -> list[Event]:
+    """Send `sent` on a new connection, then read the server's events until one of type `last` (None: until the
+    server closes the connection)."""
+    received = []
+    async with AsyncTcpClient("127.0.0.1", port, read_timeout=WYOMING_READ_TIMEOUT_S) as client:
+        for event in sent:
+            await client.write_event(event)
+        while (event := await client.read_event()) is not None:
+            received.append(event)
+            if event.type == last:
+                break
+    return received
+
+
+def wyoming(port: int, sent: list[Event], last: str | None = None) -> list[Event]:
+    return asyncio.run(wyoming_exchange(port, sent, last))
+
+
+def assert_audio(events: list[Event]) -> list[AudioChunk]:
+    """`events` are one utterance: audio-start (16-bit mono at the model's rate), audio chunks, audio-stop."""
+    assert [event.type for event in events] == ["audio-start", *["audio-chunk"] * (len(events) - 2), "audio-stop"]
+    start = AudioStart.from_event(events[0])
+    assert (start.rate, start.width, start.channels) == (TINY_RATE, 2, 1)
+    chunks = [AudioChunk.from_event(event) for event in events[1:-1]]
+    assert chunks and all(chunk.audio and len(chunk.audio) % 2 == 0 and chunk.rate == TINY_RATE for chunk in chunks)
+    return chunks
+
+
+def assert_error_event(events: list[Event], code: str, needle: str) -> None:
+    """One `error` event, then the close."""
+    assert [event.type for event in events] == ["error"], events
+    assert events[0].data["code"] == code and needle in events[0].data["text"], events[0].data
+
+
+def test_wyoming_clients_list_and_use_the_built_in_openai_and_shared_voices_only(
+    served: tuple[str, Path], clients: dict[str, httpx.Client], wyoming_port: int
+) -> None:
+    base_url, _ = served
+    alice, admin = clients["alice"], clients["admin"]
+    private = upload(alice, name="alice's").json()["id"]
+    shared = upload(admin, name="house voice", shared="true", openai_name="narrator").json()["id"]
+    try:
+        (info,) = wyoming(wyoming_port, [Describe().event()], "info")
+        (program,) = Info.from_event(info).tts
+        assert program.supports_synthesize_streaming and "tiny" in program.description
+        voices = {voice.name: voice for voice in program.voices}
+        assert {"dummy_female", "dummy_male", "alloy", "narrator", shared} <= voices.keys()
+        assert private not in voices and voices[shared].description == "house voice"
+        assert all(voice.installed and voice.languages == TINY_LANGUAGES for voice in voices.values())
+        # The shared voice by its OpenAI name speaks; the key's private voice does not exist for a keyless client.
+        assert_audio(wyoming(wyoming_port, [Synthesize("Hello.", SynthesizeVoice("narrator")).event()], "audio-stop"))
+        refused = wyoming(wyoming_port, [Synthesize("Hello.", SynthesizeVoice(private)).event()])
+        assert_error_event(refused, "UnknownVoiceError", "unknown voice")
+    finally:
+        assert alice.delete(f"/v1/voices/{private}").status_code == 200
+        assert admin.delete(f"/v1/voices/{shared}").status_code == 200
+    warnings = httpx.get(f"{base_url}/healthz", timeout=30).json()["warnings"]
+    assert any("serves clients without an API key (wyoming.allow_keyless)" in warning for warning in warnings)
+
+
+def test_wyoming_synthesize_answers_pcm_chunk_by_chunk_and_a_connection_takes_several(wyoming_port: int) -> None:
+    first = Synthesize("Hello there. This is spoken over Wyoming.", SynthesizeVoice("alloy")).event()
+    events = asyncio.run(wyoming_exchange_twice(wyoming_port, first, Synthesize("And again.").event()))
+    chunks = assert_audio(events[0])
+    assert len(chunks) >= 2  # each sentence's audio as it is decoded, not one file at the end
+    assert_audio(events[1])  # no voice: the model's default
+
+
+async def wyoming_exchange_twice(port: int, first: Event, second: Event) -> list[list[Event]]:
+    """Two syntheses on one connection, one after the other."""
+    utterances = []
+    async with AsyncTcpClient("127.0.0.1", port, read_timeout=WYOMING_READ_TIMEOUT_S) as client:
+        for event in (first, second):
+            await client.write_event(event)
+            utterance = []
+            while (received := await client.read_event()) is not None:
+                utterance.append(received)
+                if received.type == "audio-stop":
+                    break
+            utterances.append(utterance)
+    return utterances
+
+
+def test_a_wyoming_text_stream_speaks_its_first_sentence_before_its_text_ends(wyoming_port: int) -> None:
+    async def exchange() -> tuple[list[Event], list[Event]]:
+        async with AsyncTcpClient("127.0.0.1", wyoming_port, read_timeout=WYOMING_READ_TIMEOUT_S) as client:
+            await client.write_event(SynthesizeStart(voice=SynthesizeVoice("dummy_male")).event())
+            await client.write_event(SynthesizeChunk("Hello there. ").event())
+            # The first sentence is whole: its audio comes while the rest is still to be written (or this times out).
+            early = [await client.read_event() for _ in range(2)]
+            for piece in ("And a second", " sentence."):
+                await client.write_event(SynthesizeChunk(piece).event())
+            # Home Assistant repeats the whole text for servers without streaming: not spoken again.
+            await client.write_event(Synthesize("Hello there. And a second sentence.").event())
+            await client.write_event(SynthesizeStop().event())
+            rest = []
+            while (event := await client.read_event()) is not None:
+                rest.append(event)
+                if event.type == "synthesize-stopped":
+                    break
+            return early, rest
+
+    early, rest = asyncio.run(exchange())
+    assert [event.type for event in early] == ["audio-start", "audio-chunk"]
+    types = [event.type for event in rest]
+    assert types[-2:] == ["audio-stop", "synthesize-stopped"] and set(types[:-2]) == {"audio-chunk"}, types
+
+
+@pytest.mark.parametrize(
+    ("sent", "code", "needle"),
+    [
+        ([Synthesize("Hi.", SynthesizeVoice("nobody")).event()], "UnknownVoiceError", "unknown voice 'nobody'"),
+        ([Synthesize("  ").event()], "InvalidInputError", "the input text is empty"),
+        ([Synthesize("<speak>Hi.</speak>", text_format="ssml").event()], "InvalidInputError", "send plain text"),
+        ([SynthesizeChunk("Hi.").event()], "InvalidInputError", "send synthesize-start first"),
+        ([SynthesizeStart().event(), SynthesizeStop().event()], "InvalidInputError", "nothing to speak"),
+        ([Event("synthesize", {"text": 42})], "InvalidInputError", '"text", a string'),
+        (b"not json\n", "InvalidInputError", "header is not JSON"),
+        (b'{"type": "synthesize", "data_length": 1099511627776}\n', "InvalidInputError", "data_length must be"),
+    ],
+)
+def test_wyoming_answers_bad_input_with_an_error_event_and_a_close(
+    wyoming_port: int, sent: list[Event] | bytes, code: str, needle: str
+) -> None:
+    async def raw_exchange(data: bytes) -> list[Event]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", wyoming_port)
+        writer.write(data)
+        events = []
+        while (event := await asyncio.wait_for(async_read_event(reader), WYOMING_READ_TIMEOUT_S)) is not None:
+            events.append(event)
+        writer.close()
+        return events
+
+    events = asyncio.run(raw_exchange(sent)) if isinstance(sent, bytes) else wyoming(wyoming_port, sent)
+    assert_error_event(events, code, needle)
+
+
+def test_a_wyoming_client_that_leaves_mid_stream_is_cancelled_while_others_are_served(wyoming_port: int) -> None:
+    decoder = serve.get_deployment_handle("Decoder", "tenancy")
+    before = decoder.batch_stats.remote().result()["cancelled"]
+    many_sentences = " ".join(f"Sentence {number} of a long text goes on." for number in range(80))
+
+    async def leave_after_first_audio() -> list[Event]:
+        async with AsyncTcpClient("127.0.0.1", wyoming_port, read_timeout=WYOMING_READ_TIMEOUT_S) as client:
+            await client.write_event(Synthesize(many_sentences).event())
+            first = [await client.read_event() for _ in range(2)]
+            assert [event.type for event in first] == ["audio-start", "audio-chunk"]  # the decode is under way
+            # another client is served meanwhile
+            return await wyoming_exchange(wyoming_port, [Synthesize("Next, please.").event()], "audio-stop")
+        # leaving the block closed the connection mid-stream
+
+    assert_audio(asyncio.run(leave_after_first_audio()))
+    wait_until(lambda: decoder.batch_stats.remote().result()["live"] == 0, 60, "the left synthesis to leave the loop")
+    assert decoder.batch_stats.remote().result()["cancelled"] > before  # cancelled, not decoded to its end
