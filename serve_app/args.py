@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
 from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
 from engine.voices.registry import provisioned_voice_id
 from engine.voices.store import is_store_url
+from serve_app.exposure import is_loopback
 
 
 class _Strict(BaseModel):
@@ -85,6 +87,17 @@ class EncoderArgs(_Strict):
     int8: bool = Field(False, description="INT8 dynamic quantization of the text encoder's Linear layers")
     max_ongoing_requests: int = Field(8, ge=1)
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
+
+
+class TextArgs(_Strict):
+    """The text front end (on the encoder replicas)."""
+
+    spell_out_languages: bool = Field(
+        True,
+        description="numbers, dates, units and currencies read in the text's own language for the model's languages "
+        "beyond Chinese and English (CosyVoice3: de, es, fr, it, ru, ja, ko; v1, v2: ja, ko), the language a request "
+        "names or each sentence's, detected; off: every text takes the official Chinese/English front end",
+    )
 
 
 class DecoderArgs(_Strict):
@@ -331,6 +344,69 @@ class LimitsArgs(_Strict):
         return self
 
 
+class WyomingArgs(_Strict):
+    """The Wyoming listener: the protocol Home Assistant talks to local text-to-speech engines (docs/clients.md).
+    Wyoming has no authentication, so it is off until `port` is set, binds `host` (loopback by default), and a server
+    with API keys serves it only with `allow_keyless`."""
+
+    port: int | None = Field(
+        None, ge=1, le=65535, description="its TCP port (Home Assistant's examples use 10200); None: off"
+    )
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="the address it binds: loopback by default; 0.0.0.0 for a Home Assistant on another machine "
+        "(then anyone who reaches the port may synthesize)",
+    )
+    allow_keyless: bool = Field(
+        False,
+        description="serve Wyoming on a server with API keys all the same: its clients send no key, so they use the "
+        "built-in speakers, the OpenAI voice names and the shared registered voices, outside the per-key limits",
+    )
+    max_connections: int = Field(
+        16, ge=1, description="connections held at once; one more gets an error event and is closed"
+    )
+    num_cpus: float = Field(0.1, gt=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=PLACEMENT_DESCRIPTION + "; on a cluster, one that only the node Home Assistant connects to has",
+    )
+
+    @model_validator(mode="after")
+    def _package_installed(self) -> WyomingArgs:
+        if self.port is not None and importlib.util.find_spec("wyoming") is None:
+            raise ValueError("wyoming.port needs the wyoming package: pip install 'cosyvoice-serve[wyoming]'")
+        return self
+
+    def keyless_refusal(self, keys_on: bool) -> str | None:
+        """Why the listener must not start on a server whose API keys are on (`keys_on`); None where it may."""
+        if self.port is None or not keys_on or self.allow_keyless:
+            return None
+        return (
+            "Wyoming has no authentication and this server has API keys: Wyoming clients would synthesize without "
+            "one; set wyoming.allow_keyless (cosyvoice-serve run --wyoming-allow-keyless) to serve it anyway, with "
+            "the shared voices only"
+        )
+
+    def serving_warnings(self, keys_on: bool) -> tuple[str, ...]:
+        """What is unsafe in how the listener serves (none while it is off): without keys on a server whose API keys
+        are on (`keys_on`), or beyond loopback."""
+        if self.port is None:
+            return ()
+        where = f"Wyoming on {self.host}:{self.port}"
+        if keys_on:
+            return (
+                f"{where} serves clients without an API key (wyoming.allow_keyless): whoever reaches it synthesizes "
+                "with the built-in speakers, the OpenAI voice names and the shared voices, outside the per-key limits",
+            )
+        if not is_loopback(self.host):
+            return (
+                f"{where}, beyond loopback, has no authentication: anyone who can reach the port synthesizes with "
+                "every voice",
+            )
+        return ()
+
+
 class IngressArgs(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.25, gt=0)
@@ -563,11 +639,13 @@ class AppArgs(_Strict):
     encoder: EncoderArgs = EncoderArgs()
     decoder: DecoderArgs = DecoderArgs()
     limits: LimitsArgs = LimitsArgs()
+    text: TextArgs = TextArgs()
     decoder_cpu: CpuFallbackArgs = CpuFallbackArgs()
     scheduler: SchedulerArgs = SchedulerArgs()
     security: SecurityArgs = SecurityArgs()
     openai: OpenAIArgs = OpenAIArgs()
     audio: AudioArgs = AudioArgs()
+    wyoming: WyomingArgs = WyomingArgs()
     voices_dir: str | None = Field(
         None,
         description="where registered (cloned) voices are kept, shared by the encoder replicas: a directory, or an "
@@ -598,6 +676,14 @@ class AppArgs(_Strict):
             return None
         wait_s = self.scheduler.target_first_audio_s if fallback.wake_wait_s is None else fallback.wake_wait_s
         return WakeRule(wait_s=wait_s, hold_s=fallback.wake_hold_s, queued=fallback.wake_queued)
+
+    @model_validator(mode="after")
+    def _wyoming_keyless_only_when_allowed(self) -> AppArgs:
+        # The keys written here; those of the replicas' environment are checked where they are read.
+        refusal = self.wyoming.keyless_refusal(bool(self.security.api_keys or self.security.admin_keys))
+        if refusal is not None:
+            raise ValueError(refusal)
+        return self
 
     @model_validator(mode="after")
     def _model_inside_allowed_roots(self) -> AppArgs:

@@ -1,11 +1,13 @@
 """Console entry point `cosyvoice-serve`.
 
 cosyvoice-serve run [--model DIR|ID|PRESET] [--config FILE]   start a local Ray and the app (tiny model by default)
+                    [--wyoming-port 10200]                also the Wyoming protocol, for Home Assistant
 cosyvoice-serve plan [--model M] [--gpus N --gpu-memory-gb G] [--json]   what runs where on this machine
 cosyvoice-serve download ID                            download a hub model into its cache
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
 cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
 cosyvoice-serve voices add FILE --transcript TEXT | list | rm ID   registered voices of a running server
+cosyvoice-serve normalize TEXT [--model M] [--language L]   what the model reads of TEXT (no server)
 """
 
 from __future__ import annotations
@@ -85,9 +87,10 @@ def with_default_voices_dir(args: dict[str, Any]) -> dict[str, Any]:
 
 def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str] = os.environ) -> list[str]:
     """What is unsafe in how `run` is about to serve: Ray's token auth turned off, HTTP beyond loopback without
-    API keys (the replicas of this local cluster read the keys from this same environment)."""
+    API keys (the replicas of this local cluster read the keys from this same environment), Wyoming (which has no
+    authentication) beyond loopback or beside API keys."""
     from serve_app.args import AppArgs
-    from serve_app.guard import load_api_keys, serving_warnings
+    from serve_app.guard import keys_configured, load_api_keys, serving_warnings
 
     warnings = []
     if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
@@ -96,9 +99,32 @@ def startup_warnings(args: dict[str, Any], host: str, environ: Mapping[str, str]
             "anyone who can reach them (every user of this machine; with HTTP beyond loopback, the network) can run "
             "code in it; unset it to keep Ray's token auth on"
         )
-    security = AppArgs.model_validate(args).security
+    app_args = AppArgs.model_validate(args)
+    security = app_args.security
     warnings += serving_warnings(security, host, bool(load_api_keys(security, dict(environ))))
+    warnings += app_args.wyoming.serving_warnings(keys_configured(security, environ))
     return warnings
+
+
+def with_wyoming_options(args: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
+    """`args` with the command line's Wyoming options over the `wyoming` section of the config's app args."""
+    given = {"port": options.wyoming_port, "host": options.wyoming_host, "allow_keyless": options.wyoming_allow_keyless}
+    given = {key: value for key, value in given.items() if value not in (None, False)}
+    return {**args, "wyoming": {**(args.get("wyoming") or {}), **given}} if given else args
+
+
+def wyoming_refusal(args: AppArgs, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why `run` cannot serve Wyoming as asked (None where it can, or Wyoming is off): its port is taken, or the server
+    has API keys (in the app args, or in this environment, which the local replicas share) and Wyoming, which has no
+    authentication, was not allowed without them."""
+    from serve_app.guard import keys_configured
+
+    wyoming = args.wyoming
+    if wyoming.port is None:
+        return None
+    if port_in_use(wyoming.host, wyoming.port):
+        return f"Wyoming port {wyoming.port} is in use on {wyoming.host}; pass --wyoming-port with a free one"
+    return wyoming.keyless_refusal(keys_configured(args.security, environ))
 
 
 def run(options: argparse.Namespace) -> int:
@@ -107,6 +133,7 @@ def run(options: argparse.Namespace) -> int:
     for key in ("voices_dir", "voice_models_dir"):
         if getattr(options, key) is not None:
             args[key] = str(getattr(options, key))
+    args = with_wyoming_options(args, options)
     host = options.host or http_options.get("host", DEFAULT_HOST)
     port = options.port or int(http_options.get("port", DEFAULT_PORT))
     for what, number, option in (("port", port, "--port"), ("metrics port", options.metrics_port, "--metrics-port")):
@@ -123,7 +150,12 @@ def run(options: argparse.Namespace) -> int:
         # Imported here so that `say` stays light; Ray and the app only once the model is there.
         from serve_app.args import AppArgs
 
-        model_line = fetch_model(AppArgs.model_validate(args))
+        app_args = AppArgs.model_validate(args)
+        refusal = wyoming_refusal(app_args)
+        if refusal is not None:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
+        model_line = fetch_model(app_args)
     except (ValueError, CosyVoiceError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2
@@ -167,6 +199,9 @@ def run(options: argparse.Namespace) -> int:
         print(f"metrics (Prometheus): http://{host}:{metrics_port()}/metrics")
         if args.get("voices_dir"):
             print(f"registered voices are kept in {args['voices_dir']}")
+        wyoming = AppArgs.model_validate(args).wyoming
+        if wyoming.port is not None:
+            print(f"Wyoming (Home Assistant's Wyoming integration): host {wyoming.host}, port {wyoming.port}")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -265,6 +300,32 @@ def download(options: argparse.Namespace) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     print(directory)
+    return 0
+
+
+def normalize(options: argparse.Namespace) -> int:
+    """`cosyvoice-serve normalize`: the segments the model reads of a text after normalisation, each with the language
+    it was read as; from the model's config and tokenizer alone (no server, no weights)."""
+    from engine.loading.loader import load_frontend
+    from serve_app.args import AppArgs
+
+    application, _ = read_serve_config(options.config)
+    args = dict(application.get("args") or {})
+    if options.model is not None:
+        args["model"] = options.model
+    try:
+        app_args = AppArgs.model_validate(args)
+        frontend = load_frontend(
+            app_args.model,
+            max_text_chars=app_args.limits.max_input_chars,
+            spell_out_languages=app_args.text.spell_out_languages,
+        )
+        segments = frontend.split_by_language(options.text, options.language)
+    except (ValueError, CosyVoiceError) as exc:
+        print(f"error: {error_line(exc)}", file=sys.stderr)
+        return 2
+    for language, segment in segments:
+        print(f"[{language or 'as written'}] {segment}")
     return 0
 
 
@@ -466,6 +527,23 @@ def parser() -> argparse.ArgumentParser:
     run_parser.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus metrics port (default: one Ray picks, printed)"
     )
+    run_parser.add_argument(
+        "--wyoming-port",
+        type=int,
+        default=None,
+        help="also serve the Wyoming protocol (Home Assistant) on this TCP port, e.g. 10200 (default: off)",
+    )
+    run_parser.add_argument(
+        "--wyoming-host",
+        default=None,
+        help="the address Wyoming binds (default: 127.0.0.1; 0.0.0.0 for a Home Assistant on another machine: Wyoming "
+        "has no authentication)",
+    )
+    run_parser.add_argument(
+        "--wyoming-allow-keyless",
+        action="store_true",
+        help="serve Wyoming on a server with API keys all the same: its clients send none, and use the shared voices",
+    )
     run_parser.set_defaults(handler=run)
 
     plan_parser = commands.add_parser(
@@ -490,6 +568,19 @@ def parser() -> argparse.ArgumentParser:
     )
     download_parser.add_argument("model", help="a Hugging Face id, or modelscope:<id>")
     download_parser.set_defaults(handler=download)
+
+    normalize_parser = commands.add_parser(
+        "normalize", help="print what the model reads of a text: its segments after normalisation (no server needed)"
+    )
+    normalize_parser.add_argument("text")
+    normalize_parser.add_argument("--model", default=None, help="as run's --model (default: the config's, else tiny)")
+    normalize_parser.add_argument(
+        "--language", default=None, help="the text's language: de, ja, ... (default: each sentence's, detected)"
+    )
+    normalize_parser.add_argument(
+        "--config", type=Path, default=None, help="Serve config file (its `args` are used: model, text, limits)"
+    )
+    normalize_parser.set_defaults(handler=normalize)
 
     say_parser = commands.add_parser("say", help="synthesise text through a running server")
     say_parser.add_argument("text")

@@ -26,10 +26,12 @@ from serve_app.native_routes import NativeRoutes
 from serve_app.routing import CPU_DECODER
 from serve_app.speech_stream_routes import SpeechStreamRoutes
 from serve_app.voice_routes import VoiceRoutes
+from serve_app.wyoming_speech import WyomingSpeech
 
 
-class IngressRoutes(HealthRoutes, VoiceRoutes, SpeechStreamRoutes, NativeRoutes):
-    """The HTTP ingress: every route group on one replica (Serve finds inherited routes through the class's MRO)."""
+class IngressRoutes(HealthRoutes, VoiceRoutes, SpeechStreamRoutes, WyomingSpeech, NativeRoutes):
+    """The HTTP ingress: every route group on one replica (Serve finds inherited routes through the class's MRO), and
+    the Wyoming listener's calls (`WyomingSpeech`)."""
 
 
 # The routes' class is a module attribute of its own (the deployment is not a class): a replica unpickling the
@@ -115,6 +117,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         voice_cloning_config(args),
         llm_checkpoint=args.llm_checkpoint,
         max_text_tokens=args.limits.max_input_tokens,
+        spell_out_languages=args.text.spell_out_languages,
     )
     decoder_loop = {
         "max_audio_s": args.limits.max_audio_s,
@@ -173,6 +176,14 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             batch_wait_timeout_s=fallback.batch_wait_timeout_s,
             **decoder_loop,
         )
+    wyoming = None
+    if args.wyoming.port is not None:
+        # Imported only when asked for: it needs the optional `wyoming` package.
+        from serve_app.wyoming_server import WyomingServer
+
+        wyoming = WyomingServer.options(
+            ray_actor_options=cpu_actor_options(args.wyoming.num_cpus, args.wyoming.resources)
+        ).bind(args.wyoming, args.ingress_limits, args.security, TTSIngress.name)
     return TTSIngress.options(
         num_replicas=args.ingress.num_replicas,
         max_ongoing_requests=args.ingress.max_ongoing_requests,
@@ -192,6 +203,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         routing_poll_s=fallback.poll_interval_s,
         gpu_rules=gpu_rules,
         wake=wake,
+        wyoming=wyoming,
     )
 
 
