@@ -97,12 +97,19 @@ class Encoder:
         voice_cloning: VoiceCloningConfig | None = None,
         llm_checkpoint: str = LLM_CHECKPOINT_AUTO,
         max_text_tokens: int | None = None,
+        spell_out_languages: bool = True,
     ) -> None:
         """`model`: a preset, a model dir or a hub id; `llm_checkpoint`: the LLM checkpoint the text encoder's weights
         come from (the decoders load the same one); `max_text_tokens`: the most tokens a request's text may have
-        (`TextEncoderStage`)."""
+        (`TextEncoderStage`); `spell_out_languages`: numbers spelled out in the model's languages beyond Chinese and
+        English (`engine.loading.loader.load_model`)."""
         loaded = load_model(
-            model, components=("encoder",), int8=int8, max_text_chars=max_text_chars, llm_checkpoint=llm_checkpoint
+            model,
+            components=("encoder",),
+            int8=int8,
+            max_text_chars=max_text_chars,
+            llm_checkpoint=llm_checkpoint,
+            spell_out_languages=spell_out_languages,
         )
         self.llm_checkpoint = loaded.llm_checkpoint
         self.model_name = loaded.name

@@ -38,5 +38,6 @@ class NativeRoutes(Synthesis):
             speed=body.speed,
             sampling=sampling,
             cross_lingual=body.cross_lingual,
+            language=body.language,
         )
         return await self.respond(request, body.format, "stream" if body.stream else "whole", http)

@@ -68,6 +68,7 @@ class OpenAIRoutes(Synthesis):
             voice=await self.resolve_voice(body.voice_id, caller),
             instruct_text=instructions,
             speed=body.speed,
+            language=body.language,
         )
 
     @api.post("/v1/audio/speech")

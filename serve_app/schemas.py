@@ -36,6 +36,13 @@ class _Body(BaseModel):
 
 
 Speed = Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED, description="speaking rate (1.0: as recorded)")]
+Language = Annotated[
+    Text | None,
+    Field(
+        description="the text's language (zh, en, yue, de, es, fr, it, ru, ja, ko; de-DE also): numbers, dates, units "
+        "and currencies are read in it where the model speaks it; default: each sentence's, detected"
+    ),
+]
 
 
 class VoiceRef(_Body):
@@ -50,6 +57,7 @@ class SpeechOptions(_Body):
     instructions: Text | None = None
     response_format: Text = OPENAI_DEFAULT_FORMAT
     speed: Speed = 1.0
+    language: Language = None
 
     @property
     def voice_id(self) -> str:
@@ -119,4 +127,5 @@ class TTSRequest(_Body):
     )
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="makes the request reproducible")
     speed: Speed = 1.0
+    language: Language = None
     sampling: SamplingBody = SamplingBody()

@@ -311,9 +311,7 @@ class NumberSpeller:
             "(?!\\d)"
         )
         units = "|".join(map(re.escape, sorted({*table.units, *UNIT_ALIASES}, key=len, reverse=True)))
-        currency = (
-            f"(?:(?P<symbol>{'|'.join(map(re.escape, CURRENCY_SYMBOLS))})|(?P<code>{'|'.join(CURRENCY_CODES)}))"
-        )
+        currency = f"(?:(?P<symbol>{'|'.join(map(re.escape, CURRENCY_SYMBOLS))})|(?P<code>{'|'.join(CURRENCY_CODES)}))"
         self.passes: list[Replacement] = [
             *self._date_passes(),
             *self._ordinal_passes(),

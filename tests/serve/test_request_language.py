@@ -1,0 +1,51 @@
+"""A request's `language` (issue 50 item 4) on the HTTP APIs, and the app arg that turns the spelling off; no Ray
+cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from ray.serve._private.build_app import build_app as build_deployments
+
+from engine.errors import InvalidInputError
+from engine.runtime.pipeline import SynthesisRequest
+from engine.voices.registry import Caller
+from serve_app.args import AppArgs
+from serve_app.errors import error_payload
+from serve_app.ingress import TTSIngress, build_app
+from serve_app.schemas import SpeechRequest, StreamStart, TTSRequest
+
+
+def test_the_openai_body_takes_a_language_and_the_request_carries_it() -> None:
+    body = SpeechRequest.model_validate(
+        {"model": "tts-1", "voice": "alloy", "input": "Das kostet 3 €.", "language": "de-DE"}
+    )
+    assert body.model_extra == {}  # a field of its own, not an ignored one
+
+    async def resolve_voice(voice: str, caller: Caller) -> str:
+        return "dummy_female"
+
+    ingress = SimpleNamespace(model_name="tiny", model_names=("tiny", "tts-1"), resolve_voice=resolve_voice)
+    openai_request = TTSIngress.func_or_class.openai_request
+    request = asyncio.run(openai_request(ingress, body, body.input, Caller(None, admin=False)))
+    assert request.language == "de-DE" and request.validated().language == "de"
+    assert StreamStart.model_validate({"type": "start", "model": "tiny", "voice": "alloy", "language": "ja"}).language
+    assert TTSRequest.model_validate({"text": "Hola.", "language": "es"}).language == "es"
+
+
+def test_a_language_the_engine_does_not_know_is_a_400_naming_the_known_ones() -> None:
+    with pytest.raises(InvalidInputError) as raised:
+        SynthesisRequest(text="Olá.", voice="dummy_female", language="pt-BR").validated()
+    status, body = error_payload(raised.value, "req-1")
+    assert status == 400
+    assert body["error"]["message"].startswith("language must be one of zh, en, yue, de, es, fr, it, ru, ja, ko")
+
+
+@pytest.mark.parametrize("spell_out", [True, False])
+def test_the_text_app_arg_reaches_the_encoders_front_end(spell_out: bool) -> None:
+    args = {"model": "tiny", "decoder_cpu": {"enabled": False}, "text": {"spell_out_languages": spell_out}}
+    [encoder] = [d for d in build_deployments(build_app(args), name="app").deployments if d.name == "Encoder"]
+    assert encoder.init_kwargs["spell_out_languages"] is spell_out
+    assert AppArgs().text.spell_out_languages  # on by default
