@@ -30,6 +30,7 @@ from decimal import Decimal
 
 MINUS = "-−"  # hyphen-minus and the minus sign
 MAX_UNGROUPED_DIGITS = 9  # longer runs without grouping are codes and phone numbers: read digit by digit
+MAX_SPELLED_DIGITS = 15  # longer whole numbers (num2words' words end at 10**27 in some languages) too
 CURRENCY_SYMBOLS = {"€": "EUR", "$": "USD", "£": "GBP", "₽": "RUB", "¥": "JPY", "￥": "JPY", "₩": "KRW"}
 CURRENCY_CODES = ("EUR", "USD", "GBP", "RUB", "JPY", "KRW")
 UNIT_ALIASES = {"℃": "°C", "％": "%", "L": "l", "mL": "ml"}
@@ -341,7 +342,7 @@ class NumberSpeller:
             return words
         if self.language == "de" and words.endswith("eins"):
             return words[:-4] + ("eine" if gender == "f" else "ein")
-        if self.language == "es" and gender == "f":  # "doscientas una libras" agrees below a million
+        if self.language == "es" and gender == "f":  # "veintiuna libras", "doscientas libras" (hundreds agree too)
             return re.sub(r"uno$", "una", words.replace("ientos", "ientas") if n < 10**6 else words)
         if self.language == "es":
             return re.sub(r"(?:veinti)?uno$", lambda m: "veintiún" if m[0] == "veintiuno" else "un", words)
@@ -366,8 +367,11 @@ class NumberSpeller:
     def number_words(self, number: Number, gender: str | None = None) -> str:
         """The words of a number as written: its sign, whole part and fraction (`gender` as in `cardinal`)."""
         table = self.table
-        if (number.integer.startswith("0") and len(number.integer) > 1) or (
-            not number.grouped and len(number.integer) > MAX_UNGROUPED_DIGITS
+        digit_count = len(number.integer)
+        if (
+            (number.integer.startswith("0") and digit_count > 1)
+            or digit_count > MAX_SPELLED_DIGITS
+            or (not number.grouped and digit_count > MAX_UNGROUPED_DIGITS)
         ):
             words = [self.digits(number.integer)]
         elif number.fraction and self.language == "ru":
@@ -507,7 +511,7 @@ class NumberSpeller:
         return f"{self.russian_ordinal(int(match['year']), case)} {word}"
 
     def _ordinal_passes(self) -> list[Replacement]:
-        n = r"(?<![\d.,])(?P<n>\d+)"
+        n = r"(?<![\d.,])(?P<n>\d{1,6})"  # an ordinal of more digits is no ordinal: read as a number
         if self.language == "de":
             articles = "|".join(sorted(GERMAN_DATIVE_WORDS | GERMAN_NOMINATIVE_WORDS))
             pattern = re.compile(f"\\b(?P<word>{articles})\\s+{n}\\.(?=\\s)", re.IGNORECASE)

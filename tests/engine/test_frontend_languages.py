@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.errors import InvalidInputError
 from engine.loading.loader import load_frontend, load_model
@@ -188,3 +190,11 @@ def test_a_synthesis_request_carries_its_language_to_the_front_end() -> None:
     assert segment.text == frontend.tokenize("Es kostet trois euros.")
     with pytest.raises(InvalidInputError, match="language must be one of"):
         SynthesisRequest(text="Olá.", voice=voice, language="pt").validated()
+
+
+@pytest.mark.parametrize("language", SPELLED_OUT_LANGUAGES)
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet="0123456789 .,-−/:%°C€$£₽¥₩kmgl年월개째ºªer-йEUR", max_size=40))
+def test_any_digits_and_marks_are_spelled_without_a_digit_left_or_an_error(language: str, text: str) -> None:
+    spoken = NumberSpeller(language).spell_out(text)
+    assert not any(char.isdigit() for char in spoken), (text, spoken)
