@@ -53,8 +53,12 @@ KOREAN_NATIVE_ONES = ("", "한", "두", "세", "네", "다섯", "여섯", "일�
 # counters read with native numbers up to 99 (not 개월, months, nor 달러, dollars: both take Sino-Korean ones)
 KOREAN_NATIVE_COUNTERS = r"시간|시|개(?!월)|명|살|마리|권|잔|병|달(?!러)"
 KOREAN_MONTHS = {6: "유월", 10: "시월"}  # the two months whose Sino-Korean numbers drop a consonant
-# what a round count of millions needs before its noun: "un millón de euros", "un milione di euro", "un million d'euros"
-MILLIONS_LINK = {"es": " de", "fr": " de", "it": " di"}
+# what a count ending in millions or milliards needs before its noun: "un millón de euros", "un million d'euros"
+MILLIONS_LINK = {
+    "es": (" de", ("millón", "millones", "billón", "billones")),
+    "fr": (" de", ("million", "millions", "milliard", "milliards")),
+    "it": (" di", ("milione", "milioni", "miliardo", "miliardi")),
+}
 FRENCH_ELISION = re.compile(r"\bde (?=[aeiouyéèêh])")
 
 
@@ -390,11 +394,9 @@ class NumberSpeller:
     def counted(self, number: Number, noun: Noun) -> str:
         """`number` with the noun it counts, in the form that number takes ("1 km": "ein Kilometer", "5 рублей")."""
         words = self.number_words(number, noun.gender)
-        whole = int(number.integer)
-        linked = self.language in MILLIONS_LINK and not number.fraction and whole > 0 and whole % 10**6 == 0
-        phrase = noun.forms[min(self._form(number), len(noun.forms) - 1)].format(
-            words + MILLIONS_LINK[self.language] if linked else words
-        )
+        link, millions = MILLIONS_LINK.get(self.language, ("", ()))
+        linked = bool(millions) and not number.fraction and words.endswith(millions)
+        phrase = noun.forms[min(self._form(number), len(noun.forms) - 1)].format(words + link if linked else words)
         return FRENCH_ELISION.sub("d'", phrase) if linked and self.language == "fr" else phrase
 
     def _form(self, number: Number) -> int:

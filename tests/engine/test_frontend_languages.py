@@ -46,7 +46,7 @@ SPELLED = [
     ("es", "1 kg, 30 °C, -3 °C", "un kilogramo, treinta grados Celsius, menos tres grados Celsius"),
     ("fr", "21 €, £1, £21", "vingt et un euros, une livre, vingt et une livres"),
     ("fr", "3,14 et 1 000 habitants", "trois virgule quatorze et mille habitants"),
-    ("fr", "1 000 000 €", "un million d'euros"),
+    ("fr", "1 000 000 €, 2 000 000 000 £", "un million d'euros, deux milliards de livres"),
     ("fr", "le 1er mai, la 1re, le 2e", "le premier mai, la première, le deuxième"),
     ("fr", "le 14/07/1989, le 1 mai", "le quatorze juillet mille neuf cent quatre-vingt-neuf, le premier mai"),
     ("fr", "10 %, 20 °C", "dix pour cent, vingt degrés Celsius"),
