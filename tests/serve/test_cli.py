@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.http_bench import free_port
 from serve_app.args import AppArgs
-from serve_app.cli import API_KEY_ENV, URL_ENV, parser, port_in_use
+from serve_app.cli import API_KEY_ENV, URL_ENV, parser, port_in_use, startup_warnings
 from serve_app.cli import main as cli_main
 from serve_app.exposure import RAY_LOOPBACK_ENV
 
@@ -107,3 +107,10 @@ def test_run_refuses_wyoming_beside_api_keys_unless_allowed_and_on_a_busy_port(
     # Keys in the app args (a Serve config's, for `serve deploy`) are refused as the args are read.
     with pytest.raises(ValueError, match=r"set wyoming\.allow_keyless"):
         AppArgs.model_validate({"security": {"api_keys": ["sk-configured"]}, "wyoming": {"port": 10200}})
+
+
+def test_run_warns_of_wyoming_beyond_loopback_and_not_on_loopback() -> None:
+    beyond = startup_warnings({"wyoming": {"port": 10200, "host": "0.0.0.0"}}, "127.0.0.1", environ={})
+    assert any("Wyoming on 0.0.0.0:10200, beyond loopback, has no authentication" in line for line in beyond)
+    on_loopback = startup_warnings({"wyoming": {"port": 10200}}, "127.0.0.1", environ={})
+    assert not any("Wyoming" in line for line in on_loopback)

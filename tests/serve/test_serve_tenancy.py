@@ -49,6 +49,7 @@ ADMIN = "admin-key-1b7e93c05f2d48a6"
 LIMIT = 2
 VOICES_PER_KEY = 2
 RETRY_AFTER_S = 3
+IDLE_S = 2.0
 
 
 def test_owner_ids_are_stable_distinct_and_hide_the_key() -> None:
@@ -287,6 +288,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, wyoming_port: int) -> Itera
             "max_concurrent_requests_per_key": LIMIT,
             "retry_after_s": RETRY_AFTER_S,
             "max_voices_per_key": VOICES_PER_KEY,
+            "text_stream_idle_s": IDLE_S,  # a Wyoming connection's idle limit (no HTTP text stream runs here)
         },
         "security": {"api_keys": [ALICE, BOB], "admin_keys": [ADMIN]},
         "wyoming": {"port": wyoming_port, "allow_keyless": True},
@@ -559,7 +561,8 @@ def test_a_wyoming_text_stream_speaks_its_first_sentence_before_its_text_ends(wy
         ([SynthesizeChunk("Hi.").event()], "InvalidInputError", "send synthesize-start first"),
         ([SynthesizeStart().event(), SynthesizeStop().event()], "InvalidInputError", "nothing to speak"),
         ([Event("synthesize", {"text": 42})], "InvalidInputError", '"text", a string'),
-        (b"not json\n", "InvalidInputError", "header is not JSON"),
+        # What a browser page can send to the port: an HTTP request, whose first line is no event header.
+        (b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", "InvalidInputError", "header is not JSON"),
         (b'{"type": "synthesize", "data_length": 1099511627776}\n', "InvalidInputError", "data_length must be"),
     ],
 )
@@ -577,6 +580,22 @@ def test_wyoming_answers_bad_input_with_an_error_event_and_a_close(
 
     events = asyncio.run(raw_exchange(sent)) if isinstance(sent, bytes) else wyoming(wyoming_port, sent)
     assert_error_event(events, code, needle)
+
+
+def test_a_wyoming_connection_that_stalls_inside_an_event_is_closed_after_the_idle_time(wyoming_port: int) -> None:
+    async def stall() -> tuple[list[Event], float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", wyoming_port)
+        writer.write(b'{"type": "synthe')  # and nothing more
+        started = asyncio.get_running_loop().time()
+        events = []
+        while (event := await asyncio.wait_for(async_read_event(reader), WYOMING_READ_TIMEOUT_S)) is not None:
+            events.append(event)
+        writer.close()
+        return events, asyncio.get_running_loop().time() - started
+
+    events, closed_after_s = asyncio.run(stall())
+    assert_error_event(events, "StreamIdleError", "limits.text_stream_idle_s")
+    assert IDLE_S - 0.5 < closed_after_s < IDLE_S + 5  # its clock starts at the connection, just before
 
 
 def test_a_wyoming_client_that_leaves_mid_stream_is_cancelled_while_others_are_served(wyoming_port: int) -> None:
