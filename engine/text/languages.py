@@ -48,8 +48,8 @@ SENTENCE_END = re.compile(r"(?<=[。！？；\n])|(?:(?<=[!?;])|(?<=\D\.))(?=\s)
 
 
 def language_code(language: str) -> str:
-    """`language` as one of LANGUAGES: a code such as "de", any case, or a tag with a region ("de-DE", "pt_BR" is
-    refused as "pt"); InvalidInputError for any other."""
+    """`language` as one of LANGUAGES: a code such as "de" in any case, also with a region ("de-DE", "de_AT");
+    InvalidInputError, naming them, for any other."""
     code = re.split(r"[-_]", language.strip(), maxsplit=1)[0].lower()
     if code not in LANGUAGES:
         raise InvalidInputError(
