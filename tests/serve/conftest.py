@@ -234,3 +234,23 @@ def concurrent_adds(registries: list[Any], prompt: Callable[[int], Any], attempt
     for thread in threads:
         thread.join(timeout=timeout_s)
     return outcomes
+
+
+def healthz_ingress(router: Any, serving_warnings: tuple[str, ...] = ()) -> Any:
+    """What `/healthz` reads of the ingress, around `router`: its serving warnings, no text relay made yet, the
+    default limits, and no Wyoming listener."""
+    from types import SimpleNamespace
+
+    from deployments.text_relay import TextRelays
+    from serve_app.args import LimitsArgs
+
+    async def no_wyoming_warnings() -> tuple[str, ...]:
+        return ()
+
+    return SimpleNamespace(
+        router=router,
+        serving_warnings=serving_warnings,
+        text_relays=TextRelays(),
+        limits=LimitsArgs(),
+        wyoming_warnings=no_wyoming_warnings,
+    )

@@ -31,6 +31,7 @@ from serve_app.guard import (
     configure_guard,
     serving_warnings,
 )
+from tests.serve.conftest import healthz_ingress
 
 KEY = "k-0123456789abcdef"
 IDLE_S = 0.3
@@ -272,9 +273,7 @@ def test_serving_beyond_loopback_without_keys_is_a_warning() -> None:
 def test_healthz_carries_the_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.serve
 
-    from deployments.text_relay import TextRelays
     from serve_app import routing
-    from serve_app.args import LimitsArgs
     from serve_app.ingress import TTSIngress
     from serve_app.routing import ENCODER, GPU_DECODER, DecoderRouter
 
@@ -287,9 +286,7 @@ def test_healthz_carries_the_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     async def probe(warnings: tuple[str, ...]) -> dict[str, Any]:
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)
         await router.refresh("app")
-        relays = TextRelays()  # none made yet: nothing to report
-        ingress = SimpleNamespace(router=router, serving_warnings=warnings, text_relays=relays, limits=LimitsArgs())
-        response = await TTSIngress.func_or_class.healthz(ingress)
+        response = await TTSIngress.func_or_class.healthz(healthz_ingress(router, warnings))
         assert response.status_code == 200
         return json.loads(response.body)
 

@@ -19,10 +19,11 @@ from autoscaling.policy import MemoryWakeBoard, ScalingRules, WakeRule
 from autoscaling.schedule import Schedule
 from engine.errors import InvalidInputError
 from serve_app import routing
-from serve_app.args import AppArgs, LimitsArgs, SecurityArgs
+from serve_app.args import AppArgs, SecurityArgs
 from serve_app.errors import error_body, error_response
 from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
 from serve_app.routing import CPU_DECODER, ENCODER, GPU_DECODER, DecoderRouter, choose_decoder
+from tests.serve.conftest import healthz_ingress
 
 KEY = "k-0123456789abcdef"
 LIMIT = 64
@@ -284,7 +285,6 @@ def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch
 
     import ray.serve
 
-    from deployments.text_relay import TextRelays
     from serve_app.health_routes import HEALTH_MAX_AGE_S
     from serve_app.ingress import TTSIngress
 
@@ -307,7 +307,7 @@ def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch
         monkeypatch.setattr(routing, "running_replicas", serving(views))
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)  # no poll during the probes
         await router.refresh("app")
-        ingress = SimpleNamespace(router=router, serving_warnings=(), text_relays=TextRelays(), limits=LimitsArgs())
+        ingress = healthz_ingress(router)
         router.polled_at -= 2 * HEALTH_MAX_AGE_S
         return [(await healthz(ingress)).status_code for _ in range(5)]
 
