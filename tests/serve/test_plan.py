@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from engine.loading.loader import ModelSizes, model_sizes
 from engine.nn.precision import CpuCapabilities
 from engine.runtime.memory import estimate_request_memory, memory_budget_for
 from engine.text.frontend import SEGMENT_MAX_LEN
+from serve_app import cli
 from serve_app.args import AppArgs
 from serve_app.plan import Gpu, Inventory, PlanError, gpus_from_nvidia_smi, plan_for
 
@@ -189,28 +188,30 @@ def test_the_gpus_nvidia_smi_lists_as_cuda_visible_devices_names_them(tmp_path: 
     assert gpus_from_nvidia_smi({"PATH": str(tmp_path / "nowhere")}) == ()
 
 
-def test_the_plan_command_on_this_machine_and_a_described_one(tmp_path: Path) -> None:
-    env = {**os.environ, **stand_in_nvidia_smi(tmp_path, ROWS.splitlines()[0])}
+def test_the_plan_command_on_this_machine_and_a_described_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name, value in stand_in_nvidia_smi(tmp_path, ROWS.splitlines()[0]).items():
+        monkeypatch.setenv(name, value)
 
-    def plan(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "serve_app.cli", "plan", "--model", "cosyvoice3-0.5b", "--cpus", "16", *args]
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    def plan(*args: str) -> tuple[int, str, str]:
+        code = cli.main(["plan", "--model", "cosyvoice3-0.5b", "--cpus", "16", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
 
-    here = plan("--json")
-    assert here.returncode == 0, here.stderr
-    shown = json.loads(here.stdout)
+    code, out, err = plan("--json")
+    assert code == 0, err
+    shown = json.loads(out)
     assert shown["inventory"]["gpus"] == [{"name": "NVIDIA A10G", "memory_bytes": 23028 * MIB, "native_bfloat16": True}]
     assert shown["device"] == "cuda" and shown["replicas_per_gpu"] >= 1
 
-    described = plan("--gpus", "2", "--gpu-memory-gb", "80")
-    assert described.returncode == 0, described.stderr
-    assert (
-        "2 GPU(s): GPU 80.0 GiB, GPU 80.0 GiB" in described.stdout and "memory per decoder replica" in described.stdout
-    )
-    none = plan("--gpus", "0")
-    assert none.returncode == 0 and "decoder: CPU" in none.stdout
-    small = plan("--gpus", "1", "--gpu-memory-gb", "4")
-    assert small.returncode == 2 and small.stderr.startswith("error: the GPU's 4.00 GiB cannot hold one decoder")
+    code, out, err = plan("--gpus", "2", "--gpu-memory-gb", "80")
+    assert code == 0, err
+    assert "2 GPU(s): GPU 80.0 GiB, GPU 80.0 GiB" in out and "memory per decoder replica" in out
+    code, out, _ = plan("--gpus", "0")
+    assert code == 0 and "decoder: CPU" in out
+    code, _, err = plan("--gpus", "1", "--gpu-memory-gb", "4")
+    assert code == 2 and err.startswith("error: the GPU's 4.00 GiB cannot hold one decoder")
 
 
 def test_the_single_gpu_profile_on_an_8_gb_card_and_a_larger_one() -> None:
