@@ -524,7 +524,8 @@ DEFAULT_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
 
 class OpenAIArgs(_Strict):
-    """What lets code written for OpenAI's speech endpoint run unchanged: its model and voice names."""
+    """What lets code written for OpenAI's speech endpoint run unchanged: its model and voice names, and instructions
+    that a voice cannot follow."""
 
     model_aliases: tuple[str, ...] = Field(
         DEFAULT_MODEL_ALIASES, description="`model` values accepted besides the served model name (and listed)"
@@ -532,6 +533,11 @@ class OpenAIArgs(_Strict):
     voices: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_OPENAI_VOICES),
         description="voice name -> a built-in speaker or registered voice id of the served model",
+    )
+    strict_instructions: bool = Field(
+        False,
+        description="answer 400 to `instructions` the voice cannot follow (/v1/audio/speech, the text stream's "
+        "start); false: speak the input without them, as OpenAI's tts-1 does, and say so (X-Instructions: ignored)",
     )
 
     @model_validator(mode="after")

@@ -1,4 +1,5 @@
-"""OpenAI's speech endpoint, `/v1/audio/speech`."""
+"""OpenAI's speech endpoint, `/v1/audio/speech`, and the lists Open WebUI reads beside it, `/v1/audio/models` and
+`/v1/audio/voices`."""
 
 import logging
 import re
@@ -13,7 +14,7 @@ from serve_app.api import api
 from serve_app.audio import OPENAI_SAMPLE_RATE, audio_format
 from serve_app.errors import UnknownModelError
 from serve_app.schemas import SpeechOptions, SpeechRequest
-from serve_app.synthesis import Mode, Synthesis, streams_at
+from serve_app.synthesis import Mode, Synthesis, instructions_refusal, streams_at
 from serve_app.tenancy import caller_of
 
 logger = logging.getLogger("ray.serve")
@@ -21,6 +22,7 @@ logger = logging.getLogger("ray.serve")
 # OpenAI names dated snapshots after their model: gpt-4o-mini-tts-2025-12-15, tts-1-1106, tts-1-hd-1106.
 SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{4})$")
 MAX_LOGGED_FIELDS = 64  # unknown field names logged, at most: a client cannot grow the set or flood the log
+MAX_LOGGED_IGNORED = 256  # (model, voice) pairs whose ignored instructions are logged, at most: as for the fields
 
 
 def served_model(name: str, served: str, aliases: tuple[str, ...]) -> str | None:
@@ -52,30 +54,77 @@ def log_ignored_fields(body: SpeechRequest) -> None:
         logger.warning("/v1/audio/speech ignores the field %r, which this server does not know (logged once)", name)
 
 
+_logged_ignored: set[tuple[str, str]] = set()
+
+
+def log_ignored_instructions(model: str, voice: str, reason: str) -> None:
+    """Log that instructions go unfollowed, once per model and voice (of the first MAX_LOGGED_IGNORED)."""
+    if (model, voice) in _logged_ignored or len(_logged_ignored) >= MAX_LOGGED_IGNORED:
+        return
+    _logged_ignored.add((model, voice))
+    logger.warning(
+        "instructions in the voice %r are ignored: %s (logged once per model and voice; app args "
+        "openai.strict_instructions: true answers 400 instead)",
+        voice,
+        reason,
+    )
+
+
+def ignored_instructions_headers(reason: str) -> dict[str, str]:
+    """The headers that say a response ignored its request's instructions, and why. The reason goes in ASCII, any other
+    character as a backslash escape: header values are Latin-1 at best, and a speaker's name may be Chinese."""
+    return {"X-Instructions": "ignored", "X-Instructions-Reason": reason.encode("ascii", "backslashreplace").decode()}
+
+
 class OpenAIRoutes(Synthesis):
-    async def openai_request(self, body: SpeechOptions, text: str, caller: Caller) -> SynthesisRequest:
+    async def openai_request(
+        self, body: SpeechOptions, text: str, caller: Caller
+    ) -> tuple[SynthesisRequest, str | None]:
         """The synthesis request of OpenAI's speech options: the model name checked (an alias, also with a snapshot
-        suffix), the voice resolved (OpenAI names included), empty instructions as none."""
+        suffix), the voice resolved (OpenAI names included), empty instructions as none; and, where the voice cannot
+        follow the instructions, why: they are dropped, as OpenAI's tts-1 ignores them (unless
+        `openai.strict_instructions`, where the request goes on with them, to be refused with that reason)."""
         if served_model(body.model, self.model_name, self.model_names[1:]) is None:
             accepted = ", ".join(repr(name) for name in self.model_names)
             raise UnknownModelError(
                 f"unknown model {body.model!r}; this server accepts {accepted} (an alias also with a snapshot suffix "
                 "such as -2025-12-15)"
             )
+        voice = await self.resolve_voice(body.voice_id, caller)
         instructions = body.instructions if body.instructions and body.instructions.strip() else None  # "": none
-        return SynthesisRequest(
-            text=text,
-            voice=await self.resolve_voice(body.voice_id, caller),
-            instruct_text=instructions,
-            speed=body.speed,
-            language=body.language,
+        ignored = None
+        if instructions is not None and not self.openai.strict_instructions:
+            info = await self.model_info()
+            ignored = instructions_refusal(info, voice)
+            if ignored is not None:
+                log_ignored_instructions(info["model"], voice, ignored)
+                instructions = None
+        request = SynthesisRequest(
+            text=text, voice=voice, instruct_text=instructions, speed=body.speed, language=body.language
         )
+        return request, ignored
 
     @api.post("/v1/audio/speech")
     async def openai_speech(self, body: SpeechRequest, http: Request) -> Response:
         """OpenAI's speech endpoint: `stream_format` "audio" streams the file as it is decoded (every format but
         flac), "sse" sends it as base64 `speech.audio.delta` events."""
         log_ignored_fields(body)
-        request = await self.openai_request(body, body.input, caller_of(http.scope))
+        request, ignored = await self.openai_request(body, body.input, caller_of(http.scope))
         mode = openai_mode(body.stream_format, body.response_format, await self.model_info(), body.speed)
-        return await self.respond(request, body.response_format, mode, http, output_rate=OPENAI_SAMPLE_RATE)
+        response = await self.respond(request, body.response_format, mode, http, output_rate=OPENAI_SAMPLE_RATE)
+        if ignored is not None:
+            response.headers.update(ignored_instructions_headers(ignored))
+        return response
+
+    @api.get("/v1/audio/models")
+    async def audio_models(self) -> dict[str, list[dict[str, str]]]:
+        """Open WebUI's model list (its OpenAI engine reads `{base}/audio/models`): the names `model` takes, as
+        `/v1/models` lists them."""
+        return {"models": [{"id": name} for name in self.model_names]}
+
+    @api.get("/v1/audio/voices")
+    async def audio_voices(self, http: Request) -> dict[str, list[dict[str, str]]]:
+        """Open WebUI's voice list (`{base}/audio/voices`): the voices the caller may use (`voice_catalog`), each
+        with the `voice` to send (`id`) and what its menu shows (`name`)."""
+        voices = await self.voice_catalog(caller_of(http.scope))
+        return {"voices": [{"id": voice.name, "name": voice.description} for voice in voices]}

@@ -2,7 +2,8 @@
 
 The client sends JSON text frames: `start` (OpenAI's speech options: model, voice, response_format, instructions,
 speed), then `text` deltas, `flush` (speak what has come so far) and `end`. The server sends the audio as binary
-frames, one encoded stream across the whole session, then `speech.audio.done` with the usage, and closes; a bad
+frames, one encoded stream across the whole session, then `speech.audio.done` with the usage (and, where the voice
+cannot follow `start`'s instructions, which were ignored, `instructions: "ignored"` with the reason), and closes; a bad
 message, or a failure, gets an `error` event in OpenAI's error shape and a close (1008 for the client's errors, 1013
 for a 503, 1011 else).
 
@@ -99,6 +100,15 @@ def error_event(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any
     return status, {"type": "error", **body}
 
 
+def done_event(usage: dict[str, int], ignored_instructions: str | None) -> dict[str, Any]:
+    """A session's last message: its usage and, as `/v1/audio/speech`'s X-Instructions headers say it, whether (and
+    why) its instructions were ignored."""
+    event: dict[str, Any] = {"type": "speech.audio.done", "usage": usage}
+    if ignored_instructions is not None:
+        event |= {"instructions": "ignored", "instructions_reason": ignored_instructions}
+    return event
+
+
 class TextStream:
     """One session's messages: a single pending receive (a cancelled one could lose a message), bounded frames, and
     the idle clock. Only what makes audio starts that clock again (text to speak, audio sent: `active`), not any
@@ -111,6 +121,7 @@ class TextStream:
         self.idle_s = idle_s
         self.pending = 0  # sentences queued and not yet spoken
         self.bistream_tokens = 0  # bi-streaming: the text ids sent to the decoder
+        self.ignored_instructions: str | None = None  # why `start`'s instructions go unfollowed, if they do
         self._receiving: asyncio.Future[Any] | None = None
         self._active_at = time.monotonic()
 
@@ -212,7 +223,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
         stream = TextStream(ws, self.limits.max_body_bytes, self.limits.text_stream_idle_s)
         try:
             usage = await self.speak_stream(stream, request_id)
-            await ws.send_json({"type": "speech.audio.done", "usage": usage})
+            await ws.send_json(done_event(usage, stream.ignored_instructions))
             await ws.close()
         except (ClientLeftError, WebSocketDisconnect):  # the latter: a send after the client left
             logger.info("the client left the text stream", extra={"request_id": request_id})
@@ -233,7 +244,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
         if not isinstance(start, StreamStart):
             raise InvalidInputError(f'the first message must be {{"type": "start", ...}}, not {start.type!r}')
         caller = caller_of(stream.ws.scope)
-        request = await self.openai_request(start, "", caller)
+        request, stream.ignored_instructions = await self.openai_request(start, "", caller)
         request, fmt, info = await self.checked(request, start.response_format, "stream")
         if request.voice not in info["voices"] and not is_voice_id(request.voice):
             # Known before any text comes (a registered voice's id is looked up with the first sentence).

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -68,19 +69,29 @@ def mapped_voice(voice: str, table: dict[str, str], built_in: list[str], default
     return target
 
 
-def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
-    """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
+def instructions_refusal(info: dict[str, Any], voice: str) -> str | None:
+    """Why the served model cannot follow instructions in `voice` (a built-in speaker or registered voice id, as
+    resolved); None where it can: CosyVoice2 and 3 follow them in any voice with a stored prompt (instruct2), which
+    registered voices, provisioned ones and the default voice have and built-in speakers lack."""
     support = info["instructions"]  # the model family's answer (engine.families)
     if support == "none":
-        raise InvalidInputError(
+        return (
             f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {INSTRUCT_MODEL_MARK} models "
             "and CosyVoice2 or later models (with a registered voice) can"
         )
     if support == "registered_voices" and voice in info["voices"]:
-        raise InvalidInputError(
+        return (
             f"{info['family']} follows instructions in a registered (cloned) voice only: register one with POST "
             f"/v1/voices and use its id instead of the built-in speaker {voice!r}"
         )
+    return None
+
+
+def check_follows_instructions(info: dict[str, Any], voice: str) -> None:
+    """InvalidInputError (400) for instructions the served model cannot follow with `voice`."""
+    refusal = instructions_refusal(info, voice)
+    if refusal is not None:
+        raise InvalidInputError(refusal)
 
 
 def streams_at(info: dict[str, Any], speed: float) -> bool:
@@ -99,7 +110,34 @@ def check_streams(info: dict[str, Any], speed: float) -> None:
         )
 
 
+@dataclass(frozen=True)
+class CatalogVoice:
+    """A voice a caller may send, as the lists of clients show it (Open WebUI's `/v1/audio/voices`, Wyoming's
+    `describe`)."""
+
+    name: str  # what a client sends as `voice`
+    description: str  # what a client's menu shows
+
+
 class Synthesis(IngressBase):
+    async def voice_catalog(self, caller: Caller) -> tuple[CatalogVoice, ...]:
+        """The voices `caller` may use, each name once: the built-in speakers, the OpenAI voice names this model
+        answers (the app args' table, the names of registered voices), then the registered voices `caller` sees (the
+        key's own and the shared ones; by id, shown by name)."""
+        info = await self.model_info()
+        registered = await self.call(partial(self.encoder.list_voices.remote, caller))
+        voices = {name: CatalogVoice(name, name) for name in info["voices"]}
+        table = openai_voice_table(self.openai.voices, info["voices"], info["default_voice"])
+        for name, target in table.items():
+            voices.setdefault(name, CatalogVoice(name, f"{name} (OpenAI's name for {target})"))
+        for record in registered:
+            name = record.get("openai_name")
+            if name:
+                voices.setdefault(name, CatalogVoice(name, f"{name} (OpenAI's name for {record['id']})"))
+        for record in registered:
+            voices.setdefault(record["id"], CatalogVoice(record["id"], record["name"]))
+        return tuple(voices.values())
+
     async def resolve_voice(self, voice: str, caller: Caller) -> str:
         """A built-in speaker or registered voice id as is; an OpenAI name through the app args' table, else the
         voice registered with that `openai_name` that `caller` hears for it (`VoiceRegistry.named`), else the

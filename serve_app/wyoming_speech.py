@@ -14,17 +14,11 @@ from observability.http import SynthesisTimer
 from serve_app.audio import to_pcm16
 from serve_app.guard import check_voice_name
 from serve_app.native_routes import NativeRoutes
-from serve_app.synthesis import openai_voice_table
+from serve_app.synthesis import CatalogVoice
 
 logger = logging.getLogger("ray.serve")
 
 WYOMING_ENDPOINT = "wyoming"  # the `endpoint` tag of its metrics
-
-
-@dataclass(frozen=True)
-class WyomingVoice:
-    name: str  # what a client sends as the voice's name
-    description: str  # what Home Assistant shows
 
 
 @dataclass(frozen=True)
@@ -35,31 +29,19 @@ class WyomingCatalog:
     family: str
     sample_rate: int
     languages: tuple[str, ...]
-    voices: tuple[WyomingVoice, ...]
+    voices: tuple[CatalogVoice, ...]
 
 
 class WyomingSpeech(NativeRoutes):
     async def wyoming_catalog(self, caller: Caller) -> WyomingCatalog:
-        """The served model and the voices `caller` may use: the built-in speakers, the OpenAI voice names this model
-        answers (the app args' table, the names of registered voices), then the registered voices `caller` sees."""
+        """The served model and the voices `caller` may use (`Synthesis.voice_catalog`)."""
         info = await self.model_info()
-        registered = await self.call(partial(self.encoder.list_voices.remote, caller))
-        voices = {name: WyomingVoice(name, name) for name in info["voices"]}
-        table = openai_voice_table(self.openai.voices, info["voices"], info["default_voice"])
-        for name, target in table.items():
-            voices.setdefault(name, WyomingVoice(name, f"{name} (OpenAI's name for {target})"))
-        for record in registered:
-            name = record.get("openai_name")
-            if name:
-                voices.setdefault(name, WyomingVoice(name, f"{name} (OpenAI's name for {record['id']})"))
-        for record in registered:
-            voices.setdefault(record["id"], WyomingVoice(record["id"], record["name"]))
         return WyomingCatalog(
             model=self.model_name,
             family=info["family"],
             sample_rate=info["sample_rate"],
             languages=tuple(info["languages"]),
-            voices=tuple(voices.values()),
+            voices=await self.voice_catalog(caller),
         )
 
     async def wyoming_speech(

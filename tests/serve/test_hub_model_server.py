@@ -90,6 +90,9 @@ def test_alloy_speaks_in_the_default_voice_from_the_first_request(served: tuple[
     assert response.status_code == 200, response.text
     audio, rate = sf.read(io.BytesIO(response.content))
     assert rate == 24000 and len(audio) > 0
+    # The default voice has a stored prompt: CosyVoice3 follows instructions in it (instruct2), none ignored.
+    instructed = httpx.post(f"{url}/v1/audio/speech", json={**speech, "instructions": "Speak slowly."}, timeout=300)
+    assert instructed.status_code == 200 and "x-instructions" not in instructed.headers, instructed.text
     listing = httpx.get(f"{url}/v1/voices", timeout=60).json()
     assert listing["voices"] == []  # no built-in speakers
     assert listing["openai_voices"] == dict.fromkeys(OPENAI_VOICE_NAMES, DEFAULT_VOICE_ID)

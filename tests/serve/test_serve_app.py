@@ -30,7 +30,7 @@ from serve_app.args import DEFAULT_OPENAI_VOICES, LimitsArgs  # noqa: E402
 from serve_app.audio import FORMATS, OPENAI_SAMPLE_RATE  # noqa: E402
 from serve_app.cli import main as cli_main  # noqa: E402
 from serve_app.ingress import TTSIngress  # noqa: E402
-from tests.serve.conftest import wait_until_healthy  # noqa: E402
+from tests.serve.conftest import text_stream_exchange, wait_until_healthy  # noqa: E402
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -256,6 +256,62 @@ def test_the_openai_node_sdks_requests_work(client: httpx.Client) -> None:
             assert decode_audio_file(response.content)[1] == OPENAI_SAMPLE_RATE
 
 
+# Clients built on OpenAI's speech endpoint, each with its defaults but the base URL. They are not in the `test`
+# extra (docs/clients.md: how to run these), so each test skips where its package is not installed. pipecat cannot
+# share Ray's environment: tests/clients/test_pipecat_client.py.
+
+
+def _pcm_seconds(pcm: bytes) -> float:
+    """The length of OpenAI's `pcm` (24 kHz 16-bit mono)."""
+    assert len(pcm) % 2 == 0
+    return len(pcm) / 2 / OPENAI_SAMPLE_RATE
+
+
+def test_the_openai_agents_tts_model_with_its_default_settings_gets_audio(base_url: str) -> None:
+    """Its default settings send `instructions`, which the tiny model cannot follow: spoken without them."""
+    voice = pytest.importorskip("agents.voice")
+
+    async def speak() -> bytes:
+        provider = voice.OpenAIVoiceModelProvider(base_url=f"{base_url}/v1", api_key="not-needed")
+        model = provider.get_tts_model(None)  # its default model, gpt-4o-mini-tts
+        return b"".join([chunk async for chunk in model.run("Hello from an agent.", voice.TTSModelSettings())])
+
+    assert _pcm_seconds(asyncio.run(speak())) > 0
+
+
+def test_livekits_openai_plugin_through_its_stream_adapter_gets_audio(base_url: str) -> None:
+    """The plugin is not streaming (one request per text): an agent wraps it in a StreamAdapter, which sends each
+    sentence run its tokenizer cuts; by default gpt-4o-mini-tts, ash, mp3 and `stream_format` sse."""
+    livekit_tts = pytest.importorskip("livekit.agents.tts")
+    from livekit.plugins import openai as livekit_openai
+
+    async def speak() -> list[Any]:
+        model = livekit_openai.TTS(base_url=f"{base_url}/v1", api_key="not-needed")
+        adapter = livekit_tts.StreamAdapter(tts=model)
+        stream = adapter.stream()
+        stream.push_text("Hello from LiveKit. And a second sentence.")
+        stream.end_input()
+        audio = [event.frame async for event in stream]
+        for closing in (stream, adapter, model):
+            await closing.aclose()
+        return audio
+
+    audio = asyncio.run(speak())
+    assert sum(frame.samples_per_channel for frame in audio) > 0
+    assert {frame.sample_rate for frame in audio} == {OPENAI_SAMPLE_RATE}
+
+
+def test_litellm_speech_gets_audio(base_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Else its import fetches a price list from GitHub, retrying for seconds where there is no network.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm = pytest.importorskip("litellm")
+    response = litellm.speech(
+        model="openai/tts-1", voice="alloy", input="Hello from litellm.", api_base=f"{base_url}/v1", api_key="x"
+    )
+    audio, rate = decode_audio_file(response.content)  # mp3, OpenAI's default
+    assert len(audio) > 0 and rate == OPENAI_SAMPLE_RATE
+
+
 def test_a_validation_error_names_its_param(client: httpx.Client) -> None:
     body = {"model": "tts-1", "input": "Hi.", "voice": "alloy", "speed": 9}
     error = client.post("/v1/audio/speech", json=body).json()["error"]
@@ -312,13 +368,34 @@ def test_the_openai_streaming_response_gives_more_than_one_chunk(base_url: str, 
     assert len(decode_audio_file(b"".join(chunks))[0]) > 0
 
 
-@pytest.mark.parametrize("stream_format", ["audio", "sse"])
-def test_instructions_to_a_model_that_cannot_follow_them_are_a_400(base_url: str, stream_format: str) -> None:
+def test_instructions_a_model_cannot_follow_are_ignored_as_tts_1_does_and_said(base_url: str) -> None:
+    """The tiny v1 model follows no instructions: OpenAI's endpoint and the text stream speak without them and say so
+    (openai.strict_instructions gives the 400 back: tests/serve/test_openai_client_compat.py)."""
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="cannot follow instructions"):
-        api.audio.speech.create(
+    for stream_format in ("audio", "sse"):
+        response = api.audio.speech.with_raw_response.create(
             model="tts-1", voice="alloy", input="Hi.", instructions="Speak softly.", stream_format=stream_format
         )
+        assert response.headers["x-instructions"] == "ignored"
+        assert "cannot follow instructions" in response.headers["x-instructions-reason"]
+        if stream_format == "sse":
+            assert b'"type": "speech.audio.done"' in response.content
+        else:
+            assert len(decode_audio_file(response.content)[0]) > 0  # spoken
+    start = {"type": "start", "model": "tts-1", "voice": "alloy", "response_format": "pcm", "instructions": "Softly."}
+    events, audio, code = asyncio.run(
+        text_stream_exchange(base_url, [start, {"type": "text", "text": "Hi."}, {"type": "end"}])
+    )
+    assert code == 1000 and audio and events[-1]["type"] == "speech.audio.done", events
+    assert events[-1]["instructions"] == "ignored" and "cannot follow" in events[-1]["instructions_reason"]
+
+
+def test_open_webui_fills_its_menus_from_the_audio_lists(client: httpx.Client, info: dict[str, Any]) -> None:
+    """As Open WebUI's OpenAI engine reads `{base}/audio/models` and `{base}/audio/voices`."""
+    models = client.get("/v1/audio/models").json().get("models", [])
+    assert [model["id"] for model in models] == ["tiny", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
+    voices = {voice["id"]: voice["name"] for voice in client.get("/v1/audio/voices").json().get("voices", [])}
+    assert list(voices) == [*info["voices"], *DEFAULT_OPENAI_VOICES]  # no voice registered on this server
 
 
 def test_native_instruct_text_to_a_model_that_cannot_follow_it_is_a_400(client: httpx.Client) -> None:
