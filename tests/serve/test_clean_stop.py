@@ -29,9 +29,25 @@ BODY = {
 }
 
 
-def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> None:
-    with cli_server(REPO, tmp_path) as (process, url):
-        expected = httpx.post(f"{url}/v1/tts", json=BODY, timeout=300).content  # seeded: the same bytes again
+TIME_WAIT = "06"  # the state column of /proc/net/tcp
+
+
+def sockets_in_time_wait(port: int) -> int:
+    """TCP sockets whose local port is `port` and that wait out TIME_WAIT (IPv4, this network namespace)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    fields = [line.split() for line in lines]
+    return sum(1 for row in fields if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == TIME_WAIT)
+
+
+def test_sigterm_lets_a_running_stream_finish_exits_0_and_a_restart_at_once_on_its_port_comes_up(
+    tmp_path: Path,
+) -> None:
+    """The stop: a stream running at the signal completes whole, the process exits 0. The restart: the stopped
+    server closed the client's kept-alive connection from its side, so that socket waits out TIME_WAIT (a minute) on
+    the port when the second server starts, less than a second later; `run`'s port check must not take it for a
+    listener (it refused such a restart with 'port ... is in use' for about a minute)."""
+    with cli_server(REPO, tmp_path) as (process, url), httpx.Client(base_url=url, timeout=300) as client:
+        expected = client.post("/v1/tts", json=BODY).content  # seeded: the same bytes again; kept alive till the stop
         assert len(expected) > 0
 
         received: list[bytes] = []
@@ -52,10 +68,16 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_0(tmp_path: Path) -> No
         assert not listener.is_alive()
         assert b"".join(received) == expected  # the stream ran to its end, though the server was stopping
         assert process.wait(STOP_TIMEOUT_S) == 0
+        stopped_at = time.monotonic()
         output = process.stdout.read().decode()
         assert "stopping" in output and "stopped" in output, output[-3000:]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/healthz", timeout=5)  # nothing listens any more
+    port = int(url.rsplit(":", 1)[1])
+    assert sockets_in_time_wait(port) > 0, "the stop left no TIME_WAIT socket on the port: the restart proves nothing"
+    assert time.monotonic() - stopped_at < 1.0  # the second start follows within a second
+    with cli_server(REPO, tmp_path, port=port) as (_, again):
+        assert httpx.get(f"{again}/v1/voices", timeout=60).status_code == 200
 
 
 def test_sigint_as_soon_as_it_answers_stops_it_cleanly_even_started_in_the_background(tmp_path: Path) -> None:
@@ -67,29 +89,3 @@ def test_sigint_as_soon_as_it_answers_stops_it_cleanly_even_started_in_the_backg
         assert process.wait(STOP_TIMEOUT_S) == 0
         output = process.stdout.read().decode()
         assert "stopping" in output and "stopped" in output and "Traceback" not in output, output[-3000:]
-
-
-TIME_WAIT = "06"  # the state column of /proc/net/tcp
-
-
-def sockets_in_time_wait(port: int) -> int:
-    """TCP sockets whose local port is `port` and that wait out TIME_WAIT (IPv4, this network namespace)."""
-    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
-    fields = [line.split() for line in lines]
-    return sum(1 for row in fields if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == TIME_WAIT)
-
-
-def test_a_server_stopped_and_started_again_at_once_on_the_same_port_comes_up(tmp_path: Path) -> None:
-    """The first server's kept-alive connections are closed by its side when it stops, so their sockets on its port
-    wait out TIME_WAIT (a minute) when the second starts, less than a second later; `run`'s port check must not
-    take them for a listener (it refused such a restart with 'port ... is in use' for about a minute)."""
-    with cli_server(REPO, tmp_path) as (first, url), httpx.Client(base_url=url, timeout=60) as client:
-        port = int(url.rsplit(":", 1)[1])
-        assert client.get("/v1/voices").status_code == 200  # a connection kept alive until the server goes
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(STOP_TIMEOUT_S) == 0
-        stopped_at = time.monotonic()
-    assert sockets_in_time_wait(port) > 0, "the stop left no TIME_WAIT socket on the port: the test proves nothing"
-    assert time.monotonic() - stopped_at < 1.0  # the second start follows within a second
-    with cli_server(REPO, tmp_path, port=port) as (_, again):
-        assert httpx.get(f"{again}/v1/voices", timeout=60).status_code == 200
