@@ -1208,20 +1208,12 @@ def readme_section(
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--official", type=Path, required=True, help="a FunAudioLLM/CosyVoice checkout")
-    parser.add_argument("--model", type=Path, help="a model dir in the official layout (default: --out/model)")
-    parser.add_argument("--out", type=Path, required=True, help="the kit directory to write or extend")
-    parser.add_argument("--seed", type=int, default=19)
-    parser.add_argument("--qwen-tokenizer", type=Path, help="v2: Qwen2 tokenizer files for model/CosyVoice-BlankEN")
-    parser.add_argument(
-        "--remake", action="store_true", help="replace the groups and cases made here that the kit already has"
-    )
+def add_existing_kit_modes(parser: argparse.ArgumentParser, bistream_help: str) -> None:
+    """The flags of both kit tools that change one part of an existing kit and leave the rest as it is."""
     parser.add_argument(
         "--bistream-only",
         action="store_true",
-        help="v2: make only the llm_bistream group (added or replaced); every other group stays as it is",
+        help=f"{bistream_help}make only the llm_bistream group (added or replaced); every other group stays as it is",
     )
     parser.add_argument(
         "--respread",
@@ -1235,6 +1227,19 @@ def main() -> None:
         "cases.pt stays as it is",
     )
     parser.add_argument(SPREAD_CHILD_FLAG, type=Path, help=argparse.SUPPRESS)  # see child_runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--official", type=Path, required=True, help="a FunAudioLLM/CosyVoice checkout")
+    parser.add_argument("--model", type=Path, help="a model dir in the official layout (default: --out/model)")
+    parser.add_argument("--out", type=Path, required=True, help="the kit directory to write or extend")
+    parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--qwen-tokenizer", type=Path, help="v2: Qwen2 tokenizer files for model/CosyVoice-BlankEN")
+    parser.add_argument(
+        "--remake", action="store_true", help="replace the groups and cases made here that the kit already has"
+    )
+    add_existing_kit_modes(parser, bistream_help="v2: ")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import_official(args.official.resolve())

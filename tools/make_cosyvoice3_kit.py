@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from make_conformance_kit import (  # the sibling tool, on sys.path when this runs as a script
     HIFT_LONG_FRAMES,
-    SPREAD_CHILD_FLAG,
+    add_existing_kit_modes,
     bistream_case,
     copy_qwen_tokenizer,
     measure_spreads,
@@ -900,22 +900,7 @@ def main() -> None:
     parser.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
     parser.add_argument("--out", type=Path, required=True, help="kit directory to write or extend")
     parser.add_argument("--qwen-tokenizer", type=Path, help="tokenizer files to copy into model/CosyVoice-BlankEN")
-    parser.add_argument(
-        "--bistream-only",
-        action="store_true",
-        help="make only the llm_bistream group of an existing kit (added or replaced); the rest stays as it is",
-    )
-    parser.add_argument(
-        "--respread",
-        action="store_true",
-        help="measure only the spread_* fields of every hift case again, on this machine; the rest stays as it is",
-    )
-    parser.add_argument(
-        "--references",
-        action="store_true",
-        help="record the hift cases afresh on this machine into KIT/references/<its CPU kind>.pt; cases.pt stays",
-    )
-    parser.add_argument(SPREAD_CHILD_FLAG, type=Path, help=argparse.SUPPRESS)  # see make_conformance_kit.child_runs
+    add_existing_kit_modes(parser, bistream_help="")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import_official(args.official)
