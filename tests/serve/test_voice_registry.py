@@ -439,15 +439,15 @@ def test_a_v2_cloned_voice_in_zero_shot_cross_lingual_and_instruct2(client: http
         assert rate == 24000 and len(audio) > 0 and np.isfinite(audio).all()
     # a v1 server does not know the v2 server's voices: each keeps its own registry
     assert_error(client.post("/v1/tts", json={"text": "Hi.", "voice": voice, **SHORT}), 404, "unknown voice")
-    # OpenAI's `instructions` drive instruct2 on every path; a built-in speaker cannot follow them on v2.
+    # OpenAI's `instructions` drive instruct2 on every path; a built-in speaker cannot follow them on v2: ignored.
+    speech = {"model": "tts-1", "input": "Hi.", "voice": voice, "response_format": "wav"}
+    speech["instructions"] = "Speak happily."
     for stream_format in ("audio", "sse"):
-        speech = {"model": "tts-1", "input": "Hi.", "voice": voice, "instructions": "Speak happily."}
-        answer = client.post(
-            "/v2/v1/audio/speech", json={**speech, "response_format": "wav", "stream_format": stream_format}
-        )
-        assert answer.status_code == 200, (stream_format, answer.text)
-        builtin = client.post("/v2/v1/audio/speech", json={**speech, "voice": "alloy", "stream_format": stream_format})
-        assert_error(builtin, 400, "registered (cloned) voice only")
+        answer = client.post("/v2/v1/audio/speech", json={**speech, "stream_format": stream_format})
+        assert answer.status_code == 200 and "x-instructions" not in answer.headers, (stream_format, answer.text)
+    builtin = client.post("/v2/v1/audio/speech", json={**speech, "voice": "alloy"})
+    assert builtin.status_code == 200 and builtin.headers["x-instructions"] == "ignored", builtin.text
+    assert "registered (cloned) voice only" in builtin.headers["x-instructions-reason"]
     assert client.get("/v2/v1/voices").json()["instructions"] == "registered_voices"
 
 
