@@ -1,5 +1,7 @@
 # The cosyvoice-serve image: the repository installed with `.[text,gpu,s3]` on a CUDA runtime base, run as the non-root
-# user `ray` (uid 1000), models read from the volume mounted at /models. Build it from the repository root:
+# user `ray` (uid 1000), models read from the volume mounted at /models: the Hugging Face cache is there (HF_HOME), so a
+# model named by its id is downloaded once into the volume (`cosyvoice-serve download <id>`) and the replicas find it
+# there. Build it from the repository root:
 #   docker build -t cosyvoice-serve:0.1.0 .
 # kuberay/rayservice.yaml and ray_cluster.yaml (its `docker` section) name this tag (a test checks the three agree):
 # push it to a registry the nodes pull from and put the registry's name in front of the tag in both.
@@ -13,7 +15,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
-    PATH=/opt/venv/bin:$PATH
+    PATH=/opt/venv/bin:$PATH \
+    HF_HOME=/models/huggingface
 
 # python3 (3.12 on Ubuntu 24.04), venv, and wget + bash for KubeRay's probes; soundfile, PyAV and onnxruntime wheels
 # bring their own native libraries.

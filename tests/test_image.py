@@ -1,7 +1,8 @@
 """The image (Dockerfile) and the manifests that run it agree: the tag the README builds is the one
-kuberay/rayservice.yaml and ray_cluster.yaml's `docker` section name, and the package's version; the image installs
-the `text`, `gpu` and `s3` extras as a non-root user from a CUDA runtime base; the model path the app args load is under
-the /models volume the image declares and every manifest mounts. Read from the files only: no docker here."""
+kuberay/rayservice.yaml, kuberay/model-volume.yaml and ray_cluster.yaml's `docker` section name, and the package's
+version; the image installs the `text`, `gpu` and `s3` extras as a non-root user from a CUDA runtime base; the Hugging
+Face cache the app args' model id resolves into (the image's HF_HOME) is on the /models volume the image declares and
+every manifest mounts. Read from the files only: no docker here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import re
 from pathlib import Path
 
 import yaml
+
+from engine.loading.model_source import hub_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = "/models"
@@ -38,6 +41,12 @@ def _cluster() -> dict:
     return yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
 
 
+def _download_job() -> dict:
+    return next(
+        d for d in yaml.safe_load_all((ROOT / "kuberay" / "model-volume.yaml").read_text()) if d["kind"] == "Job"
+    )
+
+
 def _pods(manifest: dict) -> list[dict]:
     config = manifest["spec"]["rayClusterConfig"]
     return [config["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in config["workerGroupSpecs"]]
@@ -48,8 +57,12 @@ def test_every_manifest_runs_the_image_the_readme_builds_at_the_package_version(
     version = _pyproject(r'^version = "([^"]+)"$')
     assert tag == f"cosyvoice-serve:{version}"
     assert f"docker build -t {tag} ." in _dockerfile()
-    images = [c["image"] for spec in _pods(_rayservice()) for c in spec["containers"]]
-    assert len(images) == 3 and set(images) == {tag}
+    images = [
+        c["image"]
+        for spec in [*_pods(_rayservice()), _download_job()["spec"]["template"]["spec"]]
+        for c in spec["containers"]
+    ]
+    assert len(images) == 4 and set(images) == {tag}
     cluster = _cluster()
     assert cluster["docker"]["image"] == tag
     assert not any("docker" in node for node in cluster["available_node_types"].values())  # one image everywhere
@@ -72,17 +85,21 @@ def test_the_image_installs_the_text_gpu_and_s3_extras_as_a_non_root_user_on_a_c
         assert re.search(rf"^COPY .* {package} \./{package}$", dockerfile, re.MULTILINE), package
 
 
-def test_the_model_volume_is_at_the_same_path_in_the_image_the_manifests_and_the_app_args() -> None:
+def test_the_hugging_face_cache_is_on_the_model_volume_in_the_image_and_every_manifest() -> None:
     dockerfile = _dockerfile()
     assert re.search(rf"^VOLUME {MODELS}$", dockerfile, re.MULTILINE) and f"mkdir -p {MODELS}" in dockerfile
+    [hf_home] = re.findall(r"^\s+HF_HOME=(\S+)$", dockerfile, re.MULTILINE)
+    assert hf_home.startswith(f"{MODELS}/")  # the cache outlives the container, and KubeRay's pods share it
     manifest = _rayservice()
     model = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["args"]["model"]
-    assert model.startswith(f"{MODELS}/")
-    for spec in _pods(manifest)[1:]:  # the workers run the replicas that load it
+    assert hub_model(model) is not None  # resolved into that cache
+    job = _download_job()["spec"]["template"]["spec"]
+    for spec in [*_pods(manifest)[1:], job]:  # the workers run the replicas that load it; the Job fills it
         mounts = [m for c in spec["containers"] for m in c.get("volumeMounts", [])]
         assert [m["mountPath"] for m in mounts] == [MODELS]
+        assert not any(e["name"] == "HF_HOME" for c in spec["containers"] for e in c.get("env", []))  # the image's
     cluster = _cluster()
     assert f"--volume {MODELS}:{MODELS}" in cluster["docker"]["run_options"]
+    assert "HF_HOME" not in " ".join(cluster["docker"]["run_options"])
     assert any(f"chown 1000:1000 {MODELS}" in c for c in cluster["initialization_commands"])
     assert re.search(r"useradd .*--uid 1000 .*ray", dockerfile)
-    assert any(f"local_dir='{model}'" in c for c in cluster["setup_commands"])

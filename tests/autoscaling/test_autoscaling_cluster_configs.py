@@ -100,10 +100,13 @@ def test_cluster_nodes_fit_the_decoders_and_keep_cpu_replicas_off_gpus() -> None
     assert config["available_node_types"][config["head_node_type"]]["resources"]["CPU"] == 0
 
 
-def test_cluster_setup_downloads_the_model_the_profile_loads() -> None:
-    # the `gpu` extra (nvidia-ml-py) is in the image: tests/test_image.py
-    commands = " ".join(load_cluster()["setup_commands"])
-    assert profile_args().model in commands  # the dir the app args load is what the setup fills
+def test_each_worker_downloads_the_hub_id_the_profile_loads_and_its_replicas_read_it_offline() -> None:
+    # the `gpu` extra (nvidia-ml-py) is in the image, and its HF_HOME on the model volume: tests/test_image.py
+    cluster = load_cluster()
+    assert cluster["worker_setup_commands"] == [f"cosyvoice-serve download {profile_args().model}"]
+    assert "setup_commands" not in cluster  # the head runs no replica: it needs no model
+    [start] = [command for command in cluster["worker_start_ray_commands"] if "ray start" in command]
+    assert "HF_HUB_OFFLINE=1" in start.split()  # the replicas inherit ray start's environment
 
 
 def test_cpu_replicas_ask_for_the_cpu_node_resource() -> None:
@@ -125,17 +128,20 @@ def test_rayservice_groups_scale_fit_and_mount_the_model() -> None:
     assert_gpu_slots_fit_the_decoders(int(container["resources"]["limits"]["nvidia.com/gpu"]) * gpu["maxReplicas"])
     assert json.loads(json.loads(cpu["rayStartParams"]["resources"]))[CPU_NODE] > 0
     assert "resources" not in gpu["rayStartParams"]
-    model_root = str(Path(profile_args().model).parent)
     for group in (cpu, gpu):
-        (mount,) = group["template"]["spec"]["containers"][0]["volumeMounts"]
+        (container,) = group["template"]["spec"]["containers"]
+        (mount,) = container["volumeMounts"]
         (volume,) = group["template"]["spec"]["volumes"]
-        assert mount["mountPath"] == model_root and mount["name"] == volume["name"]
+        assert mount["name"] == volume["name"] and mount["readOnly"] is True
         claim = volume["persistentVolumeClaim"]["claimName"]
+        assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]  # the cache the Job filled, no hub
     volume_docs = list(yaml.safe_load_all((ROOT / "kuberay" / "model-volume.yaml").read_text()))
     pvc = next(d for d in volume_docs if d["kind"] == "PersistentVolumeClaim")
     job = next(d for d in volume_docs if d["kind"] == "Job")
-    assert pvc["metadata"]["name"] == claim
-    assert Path(profile_args().model).name in str(job["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert pvc["metadata"]["name"] == claim and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    (download,) = job["spec"]["template"]["spec"]["containers"]
+    assert download["command"] == ["cosyvoice-serve", "download", profile_args().model]
+    assert [m["mountPath"] for m in download["volumeMounts"]] == [mount["mountPath"]]  # where the pods read it
 
 
 # --- CUDA MPS on GPU nodes (docs/gpu_sharing.md) ----------------------------------------------------------------
@@ -172,7 +178,7 @@ def test_the_launcher_the_manifests_and_the_docs_agree_on_mps() -> None:
 
     container = _gpu_pod_container()
     env = {item["name"]: item["value"] for item in container["env"]}
-    assert env == {**MPS_DIRS, MPS_SWITCH: "1"}
+    assert env == {**MPS_DIRS, MPS_SWITCH: "1", "HF_HUB_OFFLINE": "1"}
     assert START_DAEMON in " ".join(container["lifecycle"]["postStart"]["exec"]["command"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"  # a whole GPU: the pod runs its own daemon
 

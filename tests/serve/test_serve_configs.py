@@ -63,8 +63,10 @@ def test_serve_config_is_the_gpu_profile_spelled_out() -> None:
 def test_gpu_cluster_profile() -> None:
     (application,) = _load("gpu_cluster.yaml")["applications"]
     args = AppArgs.model_validate(application["args"])
-    # Fun-CosyVoice3-0.5B: each module's dtype chosen at load (bfloat16 LLM and flow), voices in a shared store
-    assert args.model.endswith("Fun-CosyVoice3-0.5B") and args.decoder.dtype == "auto" and 0 < args.decoder.num_gpus < 1
+    # Fun-CosyVoice3-0.5B by its hub id (no allowed_model_roots: they admit directories only, docs/deploy.md), each
+    # module's dtype chosen at load (bfloat16 LLM and flow), voices in a shared store
+    assert args.model == "FunAudioLLM/Fun-CosyVoice3-0.5B-2512" and args.security.allowed_model_roots is None
+    assert args.decoder.dtype == "auto" and 0 < args.decoder.num_gpus < 1
     assert args.voices_dir is not None and args.voices_dir.startswith("s3://")
     assert args.decoder.max_batch_size == 4
     assert args.decoder.ongoing_requests_limit >= args.decoder.max_batch_size
@@ -75,8 +77,8 @@ def test_gpu_cluster_profile() -> None:
 @pytest.mark.parametrize(
     ("name", "model"),
     [
-        ("gpu_cluster_cosyvoice2.yaml", "/models/CosyVoice2-0.5B"),
-        ("gpu_cluster_v1_sft.yaml", "/models/CosyVoice-300M-SFT"),
+        ("gpu_cluster_cosyvoice2.yaml", "FunAudioLLM/CosyVoice2-0.5B"),
+        ("gpu_cluster_v1_sft.yaml", "FunAudioLLM/CosyVoice-300M-SFT"),
     ],
 )
 def test_the_alternative_profiles_are_the_gpu_profile_with_another_model(name: str, model: str) -> None:

@@ -36,6 +36,7 @@ from engine.errors import (
 )
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESET_VOICE_MODELS
+from engine.loading.model_source import served_name
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
 from engine.voices.speaker_bank import DUMMY_VOICES
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
@@ -46,6 +47,7 @@ from serve_app.responses import speech_usage
 from serve_app.schemas import StreamFlush
 from serve_app.speech_stream_routes import SpeechStreamRoutes, TextStream, TextStreamSlots, close_code, error_event
 from serve_app.synthesis import check_streams, mapped_voice
+from tests.engine.conftest import CACHED_COMMIT, REPO_ID, V3_KIT_MODEL, hugging_face_cache
 
 
 @pytest.fixture
@@ -140,6 +142,20 @@ def test_models_by_hub_id_and_the_llm_checkpoint_in_the_app_args() -> None:
         AppArgs.model_validate(
             {"model": "FunAudioLLM/Fun-CosyVoice3-0.5B-2512", "security": {"allowed_model_roots": ["/models"]}}
         )
+
+
+def test_with_model_roots_a_hub_model_is_named_by_its_snapshot_in_the_cache(tmp_path: Path) -> None:
+    """docs/deploy.md: roots admit directories, so the id is replaced by the snapshot directory `cosyvoice-serve
+    download` prints, inside the cache's hub folder, and the served name is set (the directory's is the commit)."""
+    snapshot = hugging_face_cache(tmp_path, REPO_ID, V3_KIT_MODEL)
+    args = AppArgs.model_validate(
+        {
+            "model": str(snapshot),
+            "served_model_name": "Fun-CosyVoice3-0.5B-2512",
+            "security": {"allowed_model_roots": [str(tmp_path / "hub")]},
+        }
+    )
+    assert args.model == str(snapshot) and served_name(args.model) == CACHED_COMMIT
 
 
 def test_openai_args_cover_every_openai_voice_for_the_presets() -> None:

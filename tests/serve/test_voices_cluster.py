@@ -53,7 +53,7 @@ def app_args(node: str, bucket: str) -> dict[str, Any]:
     bucket, sized for 2 cores: one replica of each stage, the ingress and the encoder on `node`, the decoder on CPU."""
     (application,) = yaml.safe_load(PROFILE.read_text())["applications"]
     args = deepcopy(application["args"])
-    assert args["model"].endswith("Fun-CosyVoice3-0.5B") and args["voices_dir"].startswith("s3://")
+    assert args["model"].endswith("/Fun-CosyVoice3-0.5B-2512") and args["voices_dir"].startswith("s3://")
     on_node = {"num_cpus": 0.1, "resources": {node: 1}}
     args.update(model="cosyvoice3-tiny", voices_dir=f"{bucket}/registry")
     args["voices"] = [
