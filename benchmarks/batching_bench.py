@@ -40,8 +40,8 @@ from benchmarks.engine_bench import (
     fixed_length_sampling,
     fixed_length_segments,
     fixed_length_text_request,
-    write_json,
 )
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import (
     BATCH_RATIO_BOUND,
     DEFAULT_REPEATS,
@@ -66,10 +66,12 @@ def measure_batches(
     audio_seconds: float,
     repeats: int = DEFAULT_REPEATS,
     warmup: int = DEFAULT_WARMUP,
+    bench: BenchmarkRun | None = None,
 ) -> dict[str, Any]:
     """For each batch size, `segments_for(batch)` (fixed-length segments of `audio_seconds` each) through the LLM
     alone, then through the whole decoder; each after `warmup` untimed runs, `repeats` times (`benchmarks.timing`).
-    Each row keeps its Timings under "timings" (not JSON: `report_rows` drops them)."""
+    Each row keeps its Timings under "timings" (not JSON: `report_rows` drops them); each is a step of `bench`."""
+    bench = bench or BenchmarkRun("batches")
     rows = []
     for batch in batches:
         segments = segments_for(batch)
@@ -89,10 +91,8 @@ def measure_batches(
         for name, timing in timings.items():
             row |= timing.fields(name)
         rows.append(row)
-        print(
-            f"batch {batch:2d}: LLM {row['llm_throughput']:.3f}, decoder {row['decoder_throughput']:.3f} audio s/s"
-            f" (median of {repeats})"
-        )
+        throughputs = f"LLM {row['llm_throughput']:.3f}, decoder {row['decoder_throughput']:.3f} audio s/s"
+        bench.step(f"batch {batch}: {throughputs} (median of {repeats})")
     return {"rows": rows}
 
 
@@ -271,26 +271,34 @@ def main() -> None:
         parser.error("--batches must include 1 (what the throughput ratios compare with)")
     torch.set_num_threads(args.threads)
 
-    result: dict = {
-        "model": args.model,
-        "threads": args.threads,
-        "audio_seconds_per_request": args.seconds,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-    }
+    bench = BenchmarkRun("batching_bench", args.out)
+    precisions = (False, True) if args.int8 else (False,)
+    prompt_cache_steps = 1 if args.prompt_seconds > 0 else 0
+    sweep_steps = 0 if args.prompt_cache_only else len(precisions) * len(args.batches) + 1  # + the stream
+    bench.plan(prompt_cache_steps + sweep_steps)
+    bench.record(
+        model=args.model,
+        threads=args.threads,
+        audio_seconds_per_request=args.seconds,
+        repeats=args.repeats,
+        warmup=args.warmup,
+    )
     failed = FailedMeasurements()
     if args.prompt_seconds > 0:
         model = load_model(args.model)
         segment = cloned_voice_segment(TextEncoderStage(model), args.prompt_seconds, args.seconds)
         timing = measure_prompt_cache_ttfa(SpeechDecoderStage(model), segment, args.repeats, args.warmup)
-        result[f"prompt_cache_{args.prompt_seconds:g}s"] = timing
-        result |= {"prompt_cache_ttfa_ratio": timing["ratio"], "prompt_cache_ttfa_ratio_spread": timing["ratio_spread"]}
+        ratio_fields = {
+            "prompt_cache_ttfa_ratio": timing["ratio"],
+            "prompt_cache_ttfa_ratio_spread": timing["ratio_spread"],
+        }
+        bench.step("prompt cache", **{f"prompt_cache_{args.prompt_seconds:g}s": timing, **ratio_fields})
         print(json.dumps(timing, indent=2))
         del model
     if args.prompt_cache_only:
-        write_json(result, args.out)
+        bench.finish()
         return
-    for int8 in (False, True) if args.int8 else (False,):
+    for int8 in precisions:
         suffix = "_int8" if int8 else ""
         print(f"-- decoder LLM in {'INT8' if int8 else 'float32'}")
         model = load_model(args.model, int8=int8)
@@ -302,22 +310,26 @@ def main() -> None:
             args.seconds,
             args.repeats,
             args.warmup,
+            bench,
         )
         b1 = next(r for r in batching["rows"] if r["batch"] == 1)["timings"]
-        result[f"batching{suffix}"] = report_rows(batching)
-        result |= b1["decoder_seconds"].map(lambda s: s / args.seconds).fields(f"rtf_b1{suffix}")
-        result |= b1["llm_ms_per_token_step"].fields(f"llm_ms_per_token_b1{suffix}")
+        figures = {f"batching{suffix}": report_rows(batching)}
+        figures |= b1["decoder_seconds"].map(lambda s: s / args.seconds).fields(f"rtf_b1{suffix}")
+        figures |= b1["llm_ms_per_token_step"].fields(f"llm_ms_per_token_b1{suffix}")
         if 8 in args.batches:
-            result |= throughput_ratios(batching["rows"], 8, failed, suffix)
+            figures |= throughput_ratios(batching["rows"], 8, failed, suffix)
+        bench.record(**figures, failed_measurements=failed.entries)
         if not int8:
             [segment] = fixed_length_segments(encoder, args.stream_seconds)
             streaming = measure_first_chunk(decoder, segment, args.repeats, args.warmup)
-            result[f"streaming_{args.stream_seconds:g}s"] = streaming
             name = f"first_chunk_fraction_{args.stream_seconds:g}s"
-            result |= {name: streaming["fraction"], f"{name}_spread": streaming["fraction_spread"]}
+            bench.step(
+                f"first chunk of {args.stream_seconds:g} s",
+                **{f"streaming_{args.stream_seconds:g}s": streaming},
+                **{name: streaming["fraction"], f"{name}_spread": streaming["fraction_spread"]},
+            )
         del model, encoder, decoder
-    result["failed_measurements"] = failed.entries
-    write_json(result, args.out)
+    result = bench.finish()
     plot(result, args.out.with_suffix(".png"))
     summary = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
     print(json.dumps(summary, indent=2))

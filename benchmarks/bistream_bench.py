@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.batching_bench import synthetic_prompt
-from benchmarks.engine_bench import write_json
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import Timing, add_repeat_options, paired, ratio
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
@@ -95,8 +95,12 @@ def measure_bistream(
     tokens_per_second: float,
     repeats: int,
     warmup: int,
+    bench: BenchmarkRun | None = None,
 ) -> dict[str, Any]:
-    """The two runs alternating (see the module): medians, spreads and the pair-by-pair ratio."""
+    """The two runs alternating (see the module): medians, spreads and the pair-by-pair ratio; each pair's seconds go
+    into `bench`'s report (`bistream.seconds_samples`) as it ends."""
+    bench = bench or BenchmarkRun("bistream")
+    bench.plan(warmup + repeats)
     voice = "voice_benchmark" if prompt is not None else encoder.voices[0]
     request = SynthesisRequest(text=TEXT, voice=voice, sampling=SAMPLING)
     times: dict[str, list[float]] = {"bistream": [], "whole": []}
@@ -112,6 +116,7 @@ def measure_bistream(
                 seconds = first_audio_whole(encoder, decoder, request, prompt)
             if index >= warmup:
                 times[mode].append(seconds)
+        bench.step(f"pair {index + 1}/{warmup + repeats}", bistream={"seconds_samples": times})
     bistream, whole = Timing(tuple(times["bistream"])), Timing(tuple(times["whole"]))
     return {
         **bistream.fields("bistream_first_audio_s"),
@@ -121,6 +126,7 @@ def measure_bistream(
         "first_sentence_text_tokens": len(encoder.segment_texts(request, prompt)[0].text),
         "text_tokens_arrived_at_first_audio": arrived,
         "prompt_speech_tokens": 0 if prompt is None else len(prompt.speech_tokens),
+        "seconds_samples": times,
     }
 
 
@@ -133,25 +139,26 @@ def main() -> None:
     parser.add_argument("--tokens-per-second", type=float, default=20.0, help="how fast the text arrives")
     parser.add_argument("--prompt-seconds", type=float, default=0.0, help="a cloned voice's prompt (0: a speaker)")
     args = parser.parse_args()
+    bench = BenchmarkRun("bistream", args.out)
+    bench.record(
+        model=args.model,
+        threads=args.threads,
+        tokens_per_second=args.tokens_per_second,
+        prompt_seconds=args.prompt_seconds,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        text=TEXT,
+    )
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
     prompt = synthetic_prompt(encoder, args.prompt_seconds) if args.prompt_seconds > 0 else None
-    timing = measure_bistream(encoder, decoder, prompt, args.tokens_per_second, args.repeats, args.warmup)
-    result = {
-        "model": args.model,
-        "threads": args.threads,
-        "tokens_per_second": args.tokens_per_second,
-        "prompt_seconds": args.prompt_seconds,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "text": TEXT,
-        "bistream": timing,
+    timing = measure_bistream(encoder, decoder, prompt, args.tokens_per_second, args.repeats, args.warmup, bench)
+    figures = {
         "bistream_first_audio_ratio": timing["ratio"],
         "bistream_first_audio_ratio_spread": timing["ratio_spread"],
     }
-    print(json.dumps(result, indent=2))
-    write_json(result, args.out)
+    print(json.dumps(bench.finish({"bistream": timing, **figures}), indent=2))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import json
 import platform
+import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.engine_bench import bench_parser, fixed_length_sampling, fixed_length_segments, write_json
+from benchmarks.engine_bench import bench_parser, fixed_length_sampling, fixed_length_segments
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import Timing, paired
 from engine.llm.generation import TokenGenerator
 from engine.loading.loader import LoadedModel, load_model
@@ -140,10 +142,9 @@ def stage_calls(
     }
 
 
-def alternated(calls: dict[str, Any], repeats: int, warmup: int) -> dict[str, Timing]:
-    """Each call's seconds over `repeats` rounds that run every call once in turn, after `warmup` rounds."""
-    import time
-
+def alternated(calls: dict[str, Any], repeats: int, warmup: int, bench: BenchmarkRun, label: str) -> dict[str, Timing]:
+    """Each call's seconds over `repeats` rounds that run every call once in turn, after `warmup` rounds (each round
+    a step of `bench`, labelled `label`)."""
     seconds: dict[str, list[float]] = {name: [] for name in calls}
     for round_ in range(warmup + repeats):
         for name, call in calls.items():
@@ -151,6 +152,7 @@ def alternated(calls: dict[str, Any], repeats: int, warmup: int) -> dict[str, Ti
             call()
             if round_ >= warmup:
                 seconds[name].append(time.perf_counter() - started)
+        bench.step(f"{label} round {round_ + 1}/{warmup + repeats}")
     return {name: Timing(tuple(s)) for name, s in seconds.items()}
 
 
@@ -248,7 +250,12 @@ def run(
     dtype: str = "auto",
     quality_only: bool = False,
     skip: tuple[str, ...] = (),
+    bench: BenchmarkRun | None = None,
 ) -> dict[str, Any]:
+    """The report (see the module docstring); the quality figures and each stage's timed samples go into `bench`'s
+    report as they are taken."""
+    bench = bench or BenchmarkRun("cpu_bench")
+    bench.plan(1 + (0 if quality_only else len(STAGE_VARIANTS) * (warmup + repeats)))  # quality, then the rounds
     torch.set_num_threads(threads)
     fp32, stages = load_variants(model_name)
     kit = Path(model_name) / ".." / "cases.pt"
@@ -268,12 +275,14 @@ def run(
         result |= {"audio_seconds": audio, "speech_tokens": sum(len(t) for t in tokens)}
         result["quality"] = quality(stages, segments, mel, wave, tokens)
         result["quality"]["chain"] = chain_quality(stages, choice, segments, tokens, wave)
+        bench.step("quality", **result)
         if quality_only:
             return result
-        timings = {
-            stage: alternated(calls, repeats, warmup)
-            for stage, calls in stage_calls(stages, segments, tokens, mel, skip).items()
-        }
+        timings = {}
+        for stage, calls in stage_calls(stages, segments, tokens, mel, skip).items():
+            timings[stage] = alternated(calls, repeats, warmup, bench, stage)
+            samples = {variant: list(seconds.samples) for variant, seconds in timings[stage].items()}
+            bench.record(seconds_samples={stage: samples})
     rtf: dict[str, Any] = {
         stage: speedup_fields({v: t.map(lambda s: s / audio) for v, t in per_variant.items()}, "float32", "_speedup")
         for stage, per_variant in timings.items()
@@ -303,6 +312,7 @@ def main() -> None:
         "--skip", nargs="*", default=(), help="stage:variant entries not to time (e.g. llm:bfloat16); quality stays"
     )
     args = parser.parse_args()
+    bench = BenchmarkRun("cpu_bench", args.out)
     result = run(
         args.model,
         args.seconds,
@@ -312,8 +322,9 @@ def main() -> None:
         args.dtype,
         args.quality_only,
         tuple(args.skip),
+        bench,
     )
-    write_json(result, Path(args.out))
+    bench.finish(result)
     print(json.dumps(result, indent=2))
 
 

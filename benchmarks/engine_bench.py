@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure, paired
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import LoadedModel, load_model
@@ -110,20 +111,31 @@ def int8_quality(model_name: str, request: SynthesisRequest, reference: EncodedS
 
 
 def run(
-    model_name: str, audio_seconds: float, threads: int, repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP
+    model_name: str,
+    audio_seconds: float,
+    threads: int,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = DEFAULT_WARMUP,
+    bench: BenchmarkRun | None = None,
 ) -> dict:
     """Time one fixed-length synthesis stage by stage (each stage after `warmup` untimed calls, `repeats` times:
     the median and spread); then, one model in memory at a time (a real-size CosyVoice3 takes 5 GB), the INT8
-    quality and the parameter bytes."""
+    quality and the parameter bytes. Each stage's seconds go into `bench`'s report as they are taken."""
+    bench = bench or BenchmarkRun("engine_bench")
+    bench.plan(6)  # four stages, INT8 quality, parameter bytes
     torch.set_num_threads(threads)
     model = load_model(model_name)
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
     request = fixed_length_text_request(encoder, audio_seconds)
 
     segments, t_text = measure(partial(encoder.encode, request), repeats, warmup)
+    bench.step("text_encode", seconds=t_text.fields("text_encode"))
     tokens, t_llm = measure(partial(decoder.generate_tokens, segments), repeats, warmup)
+    bench.step("llm", seconds=t_llm.fields("llm"))
     mels, t_flow = measure(partial(decoder.tokens_to_mel, segments, tokens), repeats, warmup)
+    bench.step("flow", seconds=t_flow.fields("flow"))
     waves, t_hift = measure(partial(decoder.vocode, segments, mels), repeats, warmup)
+    bench.step("hift", seconds=t_hift.fields("hift"))
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     audio = sum(len(w) for w in waves) / model.config.sample_rate
     n_tokens = sum(len(t) for t in tokens)
@@ -148,10 +160,13 @@ def run(
     reference_tokens = decoder.generate_tokens(_greedy(segments))[0]
     del model, encoder, decoder, tokens, mels, waves
     gc.collect()
+    bench.record(**result)
     result["int8_vs_fp32"] = int8_quality(model_name, request, segments[0], reference_tokens)
+    bench.step("int8 quality", int8_vs_fp32=result["int8_vs_fp32"])
     gc.collect()
     # weight surgery (casts, quantization) needs plain Linear weights, not the oneDNN-packed ones
     result["parameter_bytes"] = model_bytes(load_model(model_name, cpu_packing=False))
+    bench.step("parameter bytes", parameter_bytes=result["parameter_bytes"])
     return result
 
 
@@ -169,15 +184,10 @@ def bench_parser(doc: str, out: str, seconds: float, seconds_help: str) -> argpa
     return parser
 
 
-def write_json(result: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-
-
 def main() -> None:
     args = bench_parser(__doc__, "engine_bench.json", 5.0, "audio length to generate").parse_args()
-    result = run(args.model, args.seconds, args.threads, args.repeats, args.warmup)
-    write_json(result, args.out)
+    bench = BenchmarkRun("engine_bench", args.out)
+    result = bench.finish(run(args.model, args.seconds, args.threads, args.repeats, args.warmup, bench))
     print(json.dumps(result, indent=2))
 
 

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import yaml
 
-from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
+from benchmarks.engine_bench import bench_parser, fixed_length_segments
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import BATCH_RATIO_BOUND, FailedMeasurements, Timing, paired, ratio
 from engine.loading.loader import load_model
 from engine.nn.precision import cpu_capabilities
@@ -60,7 +61,12 @@ def batch_sizes(max_batch_size: int) -> list[int]:
 
 
 def measure_startup(
-    model_name: str, fallback: CpuFallbackArgs, segment: EncodedSegment, threads: int, repeats: int
+    model_name: str,
+    fallback: CpuFallbackArgs,
+    segment: EncodedSegment,
+    threads: int,
+    repeats: int,
+    bench: BenchmarkRun,
 ) -> dict[str, Any]:
     """Seconds from `serve.run` of the fallback deployment alone to RUNNING, and of its first request, `repeats`
     times on one local Ray (`threads` CPUs)."""
@@ -89,7 +95,9 @@ def measure_startup(
             handle.synthesize.remote(segment).result()
             first_request.append(time.perf_counter() - started)
             serve.delete(APP_NAME)
-            print(f"start-up {repeat + 1}/{repeats}: ready {ready[-1]:.1f} s, first request {first_request[-1]:.1f} s")
+            bench.step(
+                f"start-up {repeat + 1}/{repeats}: ready {ready[-1]:.1f} s, first request {first_request[-1]:.1f} s"
+            )
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -101,7 +109,12 @@ def measure_startup(
 
 
 def measure_batches(
-    decoder: SpeechDecoderStage, segment: EncodedSegment, sizes: list[int], repeats: int, warmup: int
+    decoder: SpeechDecoderStage,
+    segment: EncodedSegment,
+    sizes: list[int],
+    repeats: int,
+    warmup: int,
+    bench: BenchmarkRun,
 ) -> tuple[dict[int, Timing], dict[int, Timing]]:
     """Each batch size's wall seconds and this process's CPU seconds (all its threads) over `repeats` rounds that
     run every size once in turn, after `warmup` rounds. On a shared machine other work stretches the wall time of
@@ -118,7 +131,11 @@ def measure_batches(
             if round_ >= warmup:
                 seconds[size].append(elapsed)
                 cpu_seconds[size].append(cpu)
-            print(f"round {round_ + 1}/{warmup + repeats} batch {size}: {elapsed:.2f} s ({cpu:.2f} CPU s)")
+            bench.step(
+                f"round {round_ + 1}/{warmup + repeats} batch {size}: {elapsed:.2f} s ({cpu:.2f} CPU s)",
+                seconds_samples={str(size): seconds[size]},
+                cpu_seconds_samples={str(size): cpu_seconds[size]},
+            )
     return {size: Timing(tuple(samples)) for size, samples in seconds.items()}, {
         size: Timing(tuple(samples)) for size, samples in cpu_seconds.items()
     }
@@ -156,10 +173,15 @@ def run(
     warmup: int,
     startup_repeats: int,
     skip_startup: bool = False,
+    bench: BenchmarkRun | None = None,
 ) -> dict[str, Any]:
+    """The report (see the module docstring); the start-up figures and the settings go into `bench`'s report as they
+    are known."""
+    bench = bench or BenchmarkRun("fallback_rates")
     torch.set_num_threads(threads)
     fallback = profile_fallback()
     sizes = batch_sizes(fallback.max_batch_size)
+    bench.plan((0 if skip_startup else startup_repeats) + (warmup + repeats) * len(sizes))
     [segment] = fixed_length_segments(TextEncoderStage(load_model(model_name, components=("encoder",))), audio_s)
     caps = cpu_capabilities()
     result: dict[str, Any] = {
@@ -178,13 +200,15 @@ def run(
         # how idle OpenMP threads wait: spinning ones turn other work on a shared machine into many-fold slowdowns
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
+    bench.record(**result)
     if not skip_startup:
-        result["startup"] = measure_startup(model_name, fallback, segment, threads, startup_repeats)
+        result["startup"] = measure_startup(model_name, fallback, segment, threads, startup_repeats, bench)
         result["load_average_after_startup"] = list(os.getloadavg())
+        bench.record(**result)
     model = load_model(model_name, dtype="auto", components=("decoder",))
     result["precision"] = model.precision.describe()
     decoder = SpeechDecoderStage(model)
-    timings, cpu_timings = measure_batches(decoder, segment, sizes, repeats, warmup)
+    timings, cpu_timings = measure_batches(decoder, segment, sizes, repeats, warmup, bench)
     failed = FailedMeasurements()
     result["batches"] = batch_rows(timings, cpu_timings, audio_s, failed)
     result["rtf"] = {size: row["rtf"] for size, row in result["batches"].items()}
@@ -200,10 +224,18 @@ def main() -> None:
     parser.add_argument("--startup-repeats", type=int, default=3, help="fresh deployments of the fallback to time")
     parser.add_argument("--skip-startup", action="store_true", help="time the batches only")
     args = parser.parse_args()
+    bench = BenchmarkRun("fallback_rates", args.out)
     result = run(
-        args.model, args.seconds, args.threads, args.repeats, args.warmup, args.startup_repeats, args.skip_startup
+        args.model,
+        args.seconds,
+        args.threads,
+        args.repeats,
+        args.warmup,
+        args.startup_repeats,
+        args.skip_startup,
+        bench,
     )
-    write_json(result, Path(args.out))
+    bench.finish(result)
     print(json.dumps({k: v for k, v in result.items() if not k.endswith("seconds_samples")}, indent=2))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_bench import write_json
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import FailedMeasurements, Timing, add_repeat_options, paired, ratio
 from engine.llm.generation import TokenGenerator
 from engine.llm.sampling import SamplingOptions
@@ -38,9 +38,14 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 
 @torch.inference_mode()
-def run(model_name: str, tokens: int, threads: int, repeats: int, warmup: int) -> dict:
+def run(
+    model_name: str, tokens: int, threads: int, repeats: int, warmup: int, bench: BenchmarkRun | None = None
+) -> dict:
     """8 copies of one sentence (none may stop during the run) stepped `tokens` times, then `warmup` untimed and
-    `repeats` timed rounds (a round: a step, a cycle one by one, a step, a cycle together, a step)."""
+    `repeats` timed rounds (a round: a step, a cycle one by one, a step, a cycle together, a step); each round's
+    seconds go into `bench`'s report (`seconds_samples`) as it ends."""
+    bench = bench or BenchmarkRun("hold_cycle")
+    bench.plan(1 + warmup + repeats)  # the first `tokens` steps, then the rounds
     torch.set_num_threads(threads)
     tts = CosyVoice.load(model_name)
     [probe] = tts.encoder.encode(SynthesisRequest(TEXT, tts.voices[0]))
@@ -57,6 +62,7 @@ def run(model_name: str, tokens: int, threads: int, repeats: int, warmup: int) -
     held = ids[-HELD:]
     for _ in range(tokens):
         generator.step()
+    bench.step(f"{tokens} tokens")
 
     def one_by_one() -> None:
         for request_id in held:
@@ -77,6 +83,7 @@ def run(model_name: str, tokens: int, threads: int, repeats: int, warmup: int) -
         if round_ >= warmup:
             for name, seconds in taken.items():
                 samples[name].append(seconds)
+        bench.step(f"round {round_ + 1}/{warmup + repeats}", seconds_samples=samples)
     timings = {name: Timing(tuple(values)) for name, values in samples.items()}
     failed = FailedMeasurements()
     cycle_ratio = paired(ratio, timings["one_by_one"], timings["together"])
@@ -95,6 +102,7 @@ def run(model_name: str, tokens: int, threads: int, repeats: int, warmup: int) -
             "hold_cycle_ratio", cycle_ratio, 0.0, math.inf, "a ratio of two durations is positive and finite"
         ),
         "failed_measurements": failed.entries,
+        "seconds_samples": samples,
     }
 
 
@@ -107,8 +115,8 @@ def main() -> None:
     add_repeat_options(parser)
     parser.set_defaults(repeats=7)
     args = parser.parse_args()
-    result = run(args.model, args.tokens, args.threads, args.repeats, args.warmup)
-    write_json(result, args.out)
+    bench = BenchmarkRun("hold_cycle", args.out)
+    result = bench.finish(run(args.model, args.tokens, args.threads, args.repeats, args.warmup, bench))
     print(json.dumps(result, indent=2))
 
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.engine_bench import fixed_length_segments, write_json
+from benchmarks.engine_bench import fixed_length_segments
+from benchmarks.progress import BenchmarkRun
 from engine.loading.loader import load_model
 from engine.runtime import memory
 from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
@@ -87,6 +88,9 @@ def main() -> None:
         model_name, seconds, batch = args.case
         print(json.dumps(measure_case(model_name, float(seconds), int(batch), args.threads, args.dtype)))
         return
+    bench = BenchmarkRun("memory_check", args.out)
+    bench.plan(len(args.models) * len(args.seconds) * len(args.batches))
+    bench.record(machine={"cpu": platform.processor() or platform.machine(), "threads": args.threads})
     cases = []
     for model_name in args.models:
         for seconds in args.seconds:
@@ -95,15 +99,9 @@ def main() -> None:
                 command += ["--dtype", args.dtype, "--case", model_name, str(seconds), str(batch)]
                 child = subprocess.run(command, capture_output=True, text=True, check=True)
                 cases.append(json.loads(child.stdout.strip().splitlines()[-1]))
-                print(json.dumps(cases[-1]), flush=True)
+                bench.step(f"{model_name} {seconds:g} s batch {batch}: margin {cases[-1]['margin']}", cases=cases)
     margins = [case["margin"] for case in cases if case["margin"] is not None]
-    result = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
-        "host_memory_bytes": memory.host_memory(),
-        "cases": cases,
-        "min_margin": min(margins, default=None),
-    }
-    write_json(result, args.out)
+    result = bench.finish({"host_memory_bytes": memory.host_memory(), "min_margin": min(margins, default=None)})
     print(json.dumps({key: result[key] for key in ("machine", "min_margin")}))
 
 

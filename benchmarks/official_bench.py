@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks.cpu_bench import choice_for, load_variants, report_settings, speedup_fields
-from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
+from benchmarks.engine_bench import bench_parser, fixed_length_segments
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import Timing, paired
 from engine.families import ModelConfig
 from engine.loading.loader import PRESETS, PRESETS_DIR
@@ -77,7 +78,11 @@ def run(
     repeats: int,
     warmup: int,
     dtype: str = "auto",
+    bench: BenchmarkRun | None = None,
 ) -> dict[str, Any]:
+    """The report (see the module docstring); each round's seconds go into `bench`'s report as it ends."""
+    bench = bench or BenchmarkRun("official_bench")
+    bench.plan(warmup + repeats)
     if model_name not in PRESETS:
         raise SystemExit(f"--model must be a preset ({', '.join(PRESETS)}); the official side reads its yaml")
     yaml_path = PRESETS_DIR / PRESETS[model_name]
@@ -126,6 +131,7 @@ def run(
                         if round_ >= warmup:
                             for variant, value in took.items():
                                 seconds[stage][variant].append(value)
+                    bench.step(f"round {round_ + 1}/{warmup + repeats}", seconds_samples=seconds)
         finally:
             worker.close()
     timings = {s: {v: Timing(tuple(x)) for v, x in per.items()} for s, per in seconds.items()}
@@ -159,6 +165,7 @@ def main() -> None:
     parser.add_argument("--official-python", required=True, help="the python of a venv with the official deps")
     parser.add_argument("--dtype", default="auto", help="our choice timed beside float32: auto or a dtype")
     args = parser.parse_args()
+    bench = BenchmarkRun("official_bench", args.out)
     result = run(
         args.model,
         args.official,
@@ -168,8 +175,9 @@ def main() -> None:
         args.repeats,
         args.warmup,
         args.dtype,
+        bench,
     )
-    write_json(result, Path(args.out))
+    bench.finish(result)
     print(json.dumps(result, indent=2))
 
 

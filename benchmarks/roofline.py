@@ -29,7 +29,8 @@ from torch import nn
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from benchmarks.engine_bench import bench_parser, fixed_length_segments, write_json
+from benchmarks.engine_bench import bench_parser, fixed_length_segments
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, measure, paired
 from engine.llm.generation import TokenGenerator
 from engine.loading.loader import load_model
@@ -125,9 +126,13 @@ def run(
     repeats: int = DEFAULT_REPEATS,
     warmup: int = DEFAULT_WARMUP,
     gemm_seconds_per_shape: float = 1.0,
+    bench: BenchmarkRun | None = None,
 ) -> dict[str, Any]:
     """Each stage's time (the median of `repeats` after `warmup` untimed calls) against its floor on this machine;
-    an efficiency (floor / time) above 1 is a failed measurement (`failed_measurements`), not a result."""
+    an efficiency (floor / time) above 1 is a failed measurement (`failed_measurements`), not a result. Each
+    stage's seconds go into `bench`'s report as they are taken (`stages`, completed at the end)."""
+    bench = bench or BenchmarkRun("roofline")
+    bench.plan(6)  # three stages, their FLOPs, the GEMM peak, the weight-read floor
     torch.set_num_threads(threads)
     model = load_model(model_name, int8=int8)
     decoder = SpeechDecoderStage(model)
@@ -135,16 +140,22 @@ def run(
 
     with torch.inference_mode():
         tokens, llm_s = measure(partial(decoder.generate_tokens, segments), repeats, warmup)
+        bench.step("llm", stages={"llm": llm_s.fields("seconds")})
         mels, flow_s = measure(partial(decoder.tokens_to_mel, segments, tokens), repeats, warmup)
+        bench.step("flow", stages={"flow": flow_s.fields("seconds")})
         waves, hift_s = measure(partial(decoder.vocode, segments, mels), repeats, warmup)
+        bench.step("hift", stages={"hift": hift_s.fields("seconds")})
         flow_flops = counted_flops(decoder.tokens_to_mel, segments, tokens)
         hift_flops = counted_flops(decoder.vocode, segments, mels)
+    bench.step("FLOPs counted")
     audio = sum(len(w) for w in waves) / model.config.sample_rate
     n_tokens = sum(len(t) for t in tokens)
 
     gemm, peak = peak_gemm_gflops(gemm_seconds_per_shape, repeats, warmup)
+    bench.step("GEMM peak", gemm_gflops=gemm)
     layers = per_token_linears(model.llm, decoder.generation_requests(segments)[0])
     read_s = linear_read_seconds(layers, warmup)
+    bench.step("weight-read floor")
     read_bytes = sum(parameter_bytes(layer) for layer in layers)
     failed = FailedMeasurements()
 
@@ -199,8 +210,10 @@ def main() -> None:
     parser = bench_parser(__doc__, "roofline.json", 5.0, "audio length to generate")
     parser.add_argument("--int8", action="store_true", help="INT8 decoder LLM (the CPU configuration)")
     args = parser.parse_args()
-    result = run(args.model, args.seconds, args.threads, args.int8, args.repeats, args.warmup)
-    write_json(result, args.out)
+    bench = BenchmarkRun("roofline", args.out)
+    result = bench.finish(
+        run(args.model, args.seconds, args.threads, args.int8, args.repeats, args.warmup, bench=bench)
+    )
     print(json.dumps(result, indent=2))
     for entry in result["failed_measurements"]:
         print(f"failed measurement: {entry['name']} = {entry['value']} ({entry['why']})")
