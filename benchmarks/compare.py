@@ -67,6 +67,7 @@ from benchmarks.http_bench import (
     TEXTS,
     LevelResult,
     LevelRun,
+    Sample,
     Workload,
     free_port,
     level_dict,
@@ -76,8 +77,10 @@ from benchmarks.http_bench import (
     print_table,
     run_sweep,
     summarize,
+    sweep_steps,
     wait_until_answering,
 )
+from benchmarks.progress import BenchmarkRun, add_budget_option
 from benchmarks.timing import (
     BATCH_RATIO_BOUND,
     FailedMeasurements,
@@ -114,6 +117,9 @@ class Profile:
 # dummy: sized from the engine's RTF of ~5.5 at batch 1 on this 2-core CPU (~6 s per request of the mixed texts):
 # an estimated 25-35 minutes per repeat on a quiet machine, the OpenAI ~20 s text and the late-arrival probe (its
 # long streams are cancelled once it has measured) included.
+# The default run (tiny) ends in about 5 minutes here; a bigger model's stops at this budget with what it measured
+# unless given more (`--budget-minutes 0`: none), so that no default run outlasts 15 minutes.
+BUDGET_MINUTES = 14.0
 PROFILES = {"tiny": Profile(requests=16, rates=(0.5, 1.0)), "dummy": Profile(requests=16, rates=(0.25, 0.5))}
 
 
@@ -137,7 +143,7 @@ def baseline_server(model: str, device: str, ready_timeout_s: float = 300.0) -> 
 
 
 def in_process(
-    tts: Any, compared: int, workload: Workload, failed: FailedMeasurements
+    tts: Any, compared: int, workload: Workload, failed: FailedMeasurements, bench: BenchmarkRun
 ) -> tuple[dict[str, Any], Timing | None]:
     """The engine alone: decoder throughput at batch 1 and `compared` (fixed-length requests), each the median of
     `workload.repeats` after `workload.warmup` untimed runs -> (the report's fields, the repeat-by-repeat ratio of
@@ -146,7 +152,8 @@ def in_process(
     def segments(count: int) -> list[Any]:
         return fixed_length_segments(tts.encoder, ENGINE_AUDIO_S, count)
 
-    batching = measure_batches(tts.decoder, segments, [1, compared], ENGINE_AUDIO_S, workload.repeats, workload.warmup)
+    batches = [1, compared]
+    batching = measure_batches(tts.decoder, segments, batches, ENGINE_AUDIO_S, workload.repeats, workload.warmup, bench)
     rows = {row["batch"]: row["timings"]["decoder_throughput"] for row in batching["rows"]}
     engine_ratio = paired(ratio, rows[compared], rows[1])
     fields = {
@@ -164,11 +171,12 @@ def in_process(
     return fields, None if fields["decoder_ratio_vs_b1"] is None else engine_ratio
 
 
-def interleaved_overhead(url: str, tts: Any, workload: Workload) -> dict[str, Any]:
+def interleaved_overhead(url: str, tts: Any, workload: Workload, bench: BenchmarkRun) -> dict[str, Any] | None:
     """Whole requests one at a time, each in-process and then through Ray Serve, so that the load of a shared
     machine drifts over both alike; `workload.repeats` rounds of `requests_per_level` pairs after
     `workload.warmup` untimed pairs -> "ms": the median over the rounds of each round's p50 of the per-request
-    differences in ms (with "ms_spread"), and the percentiles of all rounds' differences and latencies."""
+    differences in ms (with "ms_spread"), and the percentiles of all rounds' differences and latencies. A round
+    the time budget cuts short is left out; None when no round ended."""
     voice = tts.voices[0]
     local, served, round_p50s = [], [], []
 
@@ -179,16 +187,23 @@ def interleaved_overhead(url: str, tts: Any, workload: Workload) -> dict[str, An
         alone = time.perf_counter() - started
         started = time.perf_counter()
         http.post("/v1/tts", json=body).raise_for_status()
+        bench.step("overhead pair")
         return alone, time.perf_counter() - started
 
     with httpx.Client(base_url=url, timeout=workload.timeout_s) as http:
         for index in range(workload.warmup):
             pair(http, index)
-        for _ in range(workload.repeats):
-            pairs = [pair(http, index) for index in range(workload.requests_per_level)]
+        for round_ in range(workload.repeats):
+            pairs: list[tuple[float, float]] = []
+            while len(pairs) < workload.requests_per_level and not bench.out_of_time(f"overhead round {round_ + 1}"):
+                pairs.append(pair(http, len(pairs)))
+            if len(pairs) < workload.requests_per_level:
+                break  # the budget cut this round short: it is left out
             round_p50s.append(percentiles([1000 * (ray - alone) for alone, ray in pairs])["p50"])
             local += [alone for alone, _ in pairs]
             served += [ray for _, ray in pairs]
+    if not round_p50s:
+        return None
     differences_ms = [1000 * (ray - alone) for ray, alone in zip(served, local, strict=True)]
     return {
         **Timing(tuple(round_p50s)).fields("ms"),
@@ -216,36 +231,61 @@ def text_for_audio_seconds(tts: Any, seconds: float, max_token_text_ratio: float
     return text
 
 
-async def poisson_level(client: httpx.AsyncClient, workload: Workload, rate: float, sample_rate: int) -> LevelResult:
+async def poisson_level(
+    client: httpx.AsyncClient, workload: Workload, rate: float, sample_rate: int, bench: BenchmarkRun
+) -> LevelResult:
     """`workload.repeats` times: `requests_per_level` streaming requests whose arrivals are a Poisson process of
     `rate` per second (each repeat its own arrival times)."""
     rng = random.Random(int(rate * 1000))
+
+    async def arrival(index: int) -> Sample:
+        sample = await one_request(client, workload.body(index, stream=True), sample_rate)
+        bench.step(f"poisson {rate:g}/s")
+        return sample
+
     runs = []
     for _ in range(workload.repeats):
         tasks, started = [], time.perf_counter()
-        for index in range(workload.requests_per_level):
-            tasks.append(asyncio.create_task(one_request(client, workload.body(index, stream=True), sample_rate)))
-            await asyncio.sleep(rng.expovariate(rate))
-        samples = await asyncio.gather(*tasks)
+        try:
+            for index in range(workload.requests_per_level):
+                tasks.append(asyncio.create_task(arrival(index)))
+                await asyncio.sleep(rng.expovariate(rate))
+            samples = await asyncio.gather(*tasks)
+        finally:  # when the time budget cuts the level, none of its requests runs on into the next part
+            for task in tasks:
+                task.cancel()
         runs.append(LevelRun(list(samples), time.perf_counter() - started))
     return summarize(f"poisson_{rate:g}", 0, runs)
 
 
-async def late_arrival(client: httpx.AsyncClient, workload: Workload, sample_rate: int) -> dict[str, Any]:
-    """The late-arrival probe `workload.repeats` times -> the median of each figure with its spread (a figure that
-    some probe could not measure: null)."""
-    probes = [await late_arrival_probe(client, workload, sample_rate, attempt) for attempt in range(workload.repeats)]
+async def late_arrival(
+    client: httpx.AsyncClient, workload: Workload, sample_rate: int, bench: BenchmarkRun
+) -> dict[str, Any] | None:
+    """The late-arrival probe `workload.repeats` times (fewer where the time budget ends first; None if none ran)
+    -> the median of each figure with its spread (a figure that some probe could not measure: null)."""
+    probes = []
+    for attempt in range(workload.repeats):
+        probe = late_arrival_probe(client, workload, sample_rate, attempt)
+        measured = await bench.within_budget(probe, f"late arrival probe {attempt + 1}")
+        if measured is None:
+            break
+        probes.append(measured)
+        bench.step("late arrival probe")
+    if not probes:
+        return None
     result: dict[str, Any] = {}
     for name in ("idle_ttfa_s", "late_ttfa_s", "ratio"):
         values = [probe[name] for probe in probes]
         result |= Timing(tuple(values)).fields(name) if None not in values else {name: None, f"{name}_spread": None}
+    result["long_streams_streaming"] = [probe["long_streams_streaming"] for probe in probes]
     return result
 
 
 async def late_arrival_probe(
     client: httpx.AsyncClient, workload: Workload, sample_rate: int, attempt: int
 ) -> dict[str, Any]:
-    """First audio of a short stream on the idle server, then while 7 long streams are running."""
+    """First audio of a short stream on the idle server, then while 7 long streams are running (the number that
+    gave audio: `long_streams_streaming`)."""
 
     def body(text: str, seed: int) -> dict[str, Any]:
         return {**workload.body(seed, stream=True), "text": text}
@@ -253,18 +293,23 @@ async def late_arrival_probe(
     seeds = 1000 * attempt  # each probe its own requests
     idle = [await one_request(client, body(SHORT_TEXT, seeds + 100 + i), sample_rate) for i in range(3)]
     first_bytes = [asyncio.Event() for _ in range(LATE_ARRIVAL_RUNNING)]
+    streaming = [False] * LATE_ARRIVAL_RUNNING
     forced = {"min_token_text_ratio": LATE_ARRIVAL_LONG_RATIO, "max_token_text_ratio": LATE_ARRIVAL_LONG_RATIO}
 
     async def long_stream(index: int) -> None:
         long_body = {**body(LONG_TEXT, seeds + 200 + index), "sampling": forced}
-        async with client.stream("POST", "/v1/tts", json=long_body) as response:
-            async for piece in response.aiter_bytes():
-                if piece:
-                    first_bytes[index].set()
+        try:
+            async with client.stream("POST", "/v1/tts", json=long_body) as response:
+                async for piece in response.aiter_bytes():
+                    if piece:
+                        streaming[index] = True
+                        first_bytes[index].set()
+        finally:  # one that fails or ends before any audio must not hold the probe forever
+            first_bytes[index].set()
 
     running = [asyncio.create_task(long_stream(i)) for i in range(LATE_ARRIVAL_RUNNING)]
     try:
-        await asyncio.gather(*(event.wait() for event in first_bytes))  # all 7 are streaming
+        await asyncio.gather(*(event.wait() for event in first_bytes))  # all 7 are streaming (or failed)
         late = await one_request(client, body(SHORT_TEXT, seeds + 300), sample_rate)
     finally:  # what the long ones still had to decode is not needed: their clients leave
         for task in running:
@@ -275,14 +320,24 @@ async def late_arrival_probe(
         "idle_ttfa_s": idle_ttfa,
         "late_ttfa_s": late.first_chunk_s if late.ok else None,
         "ratio": late.first_chunk_s / idle_ttfa if late.ok and idle_ttfa else None,
+        "long_streams_streaming": sum(streaming),
     }
 
 
 async def openai_first_byte(
-    client: httpx.AsyncClient, model_name: str, voice: str, text: str, repeats: int
-) -> dict[str, Any]:
-    """`openai_request` `repeats` times -> the median of each figure, with its spread."""
-    runs = [await openai_request(client, model_name, voice, text) for _ in range(repeats)]
+    client: httpx.AsyncClient, model_name: str, voice: str, text: str, repeats: int, bench: BenchmarkRun
+) -> dict[str, Any] | None:
+    """`openai_request` `repeats` times (fewer where the time budget ends first; None if none ran) -> the median of
+    each figure, with its spread."""
+    runs = []
+    for attempt in range(repeats):
+        run = await bench.within_budget(openai_request(client, model_name, voice, text), f"openai {attempt + 1}")
+        if run is None:
+            break
+        runs.append(run)
+        bench.step("openai 20 s")
+    if not runs:
+        return None
     result: dict[str, Any] = {}
     for name in ("first_byte_s", "total_s", "audio_s", "fraction"):
         result |= Timing(tuple(run[name] for run in runs)).fields(name)
@@ -308,21 +363,44 @@ async def openai_request(client: httpx.AsyncClient, model_name: str, voice: str,
     return {"first_byte_s": first, "total_s": total, "audio_s": audio_s, "fraction": first / total}
 
 
-async def ours_run(url: str, workload: Workload, rates: tuple[float, ...], openai_text: str) -> dict[str, Any]:
-    closed = await run_sweep(url, workload)
+async def ours_run(
+    url: str, workload: Workload, rates: tuple[float, ...], openai_text: str, bench: BenchmarkRun
+) -> dict[str, Any]:
+    """The Ray Serve app's parts, each written into `bench`'s report as it ends."""
+    with bench.phase("closed_loops"):
+        closed = await run_sweep(url, workload, bench, report_key="ray_serve")
     limits = httpx.Limits(max_connections=32)
     async with httpx.AsyncClient(base_url=url, timeout=workload.timeout_s, limits=limits) as client:
         info = (await client.get("/v1/voices")).json()
         model_name = (await client.get("/v1/models")).json()["data"][0]["id"]
         sample_rate = int(info["sample_rate"])
-        poisson = [await poisson_level(client, workload, rate, sample_rate) for rate in rates]
-        late = await late_arrival(client, workload, sample_rate)
-        openai = await openai_first_byte(client, model_name, info["voices"][0], openai_text, workload.repeats)
+        poisson: list[LevelResult] = []
+        with bench.phase("poisson"):
+            for rate in rates:
+                level = poisson_level(client, workload, rate, sample_rate, bench)
+                measured = await bench.within_budget(level, f"poisson {rate:g}/s")
+                if measured is not None:
+                    poisson.append(measured)
+                    bench.record(ray_serve=[level_dict(r) for r in closed + poisson])
+        with bench.phase("late_arrival"):
+            late = await late_arrival(client, workload, sample_rate, bench)
+        bench.record(late_arrival=late)
+        with bench.phase("openai"):
+            openai = await openai_first_byte(
+                client, model_name, info["voices"][0], openai_text, workload.repeats, bench
+            )
+        bench.record(openai_20s=openai)
     return {"closed": closed, "poisson": poisson, "late_arrival": late, "openai": openai}
 
 
-def level(results: list[LevelResult], mode: str, concurrency: int) -> LevelResult:
-    return next(r for r in results if r.mode == mode and r.concurrency == concurrency)
+def level(results: list[LevelResult], mode: str, concurrency: int) -> LevelResult | None:
+    """The level of `mode` at `concurrency`; None where the time budget left it out."""
+    return next((r for r in results if r.mode == mode and r.concurrency == concurrency), None)
+
+
+def unmeasured(*names: str) -> dict[str, None]:
+    """Figures whose parts did not run (the time budget): each key and its spread null."""
+    return {key: None for name in names for key in (name, f"{name}_spread")}
 
 
 def batching_figures(
@@ -377,51 +455,107 @@ def load_in_process(model: str, device: str) -> Any:
     return CosyVoice.load(model, device=device, dtype=dtype_for(device))
 
 
+def baseline_workload(workload: Workload, compared: int) -> Workload:
+    """The baseline serves one request at a time: only whole requests at 1 client and at the compared level (its
+    other levels take as long and add nothing)."""
+    return replace(workload, modes=("whole",), concurrencies=(1, compared))
+
+
+def compare_steps(workload: Workload, rates: tuple[float, ...]) -> int:
+    """The progress steps of a whole comparison: the engine's two batch sizes, each request of the closed loops and
+    Poisson levels, each probe, each overhead pair and each baseline request."""
+    compared = max(workload.concurrencies)
+    poisson = len(rates) * workload.repeats * workload.requests_per_level
+    probes = 2 * workload.repeats  # the late-arrival probe and the OpenAI request
+    overhead = workload.warmup + workload.repeats * workload.requests_per_level
+    baseline = sweep_steps(baseline_workload(workload, compared))
+    return 2 + sweep_steps(workload) + poisson + probes + overhead + baseline
+
+
+def setup_fields(model: str, device: str, workload: Workload, rates: tuple[float, ...], app_args: dict) -> dict:
+    return {
+        "model": model,
+        "device": device,
+        "profile": {
+            "requests": workload.requests_per_level,
+            "poisson_rates_per_s": list(rates),
+            "repeats": workload.repeats,
+            "warmup": workload.warmup,
+        },
+        "workload": asdict(workload),
+        "ray_app_args": app_args,
+        "baseline_and_in_process_torch_threads": BASELINE_THREADS,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+
+
 def compare(
-    model: str, workload: Workload, rates: tuple[float, ...], device: str = "cpu", num_gpus: float = 0.0
+    model: str,
+    workload: Workload,
+    rates: tuple[float, ...],
+    bench: BenchmarkRun,
+    device: str = "cpu",
+    num_gpus: float = 0.0,
 ) -> dict[str, Any]:
-    """The whole comparison; the compared level is the largest client count (8 by default: the `_c8` keys)."""
+    """The whole comparison; the compared level is the largest client count (8 by default: the `_c8` keys). Each
+    part goes into `bench`'s report as it ends; the parts the time budget leaves no time for are left out, and
+    the figures that need them are null."""
     compared = max(workload.concurrencies)
     app_args = app_args_for(compared, num_gpus)
+    bench.plan(compare_steps(workload, rates))
+    bench.record(setup=setup_fields(model, device, workload, rates, app_args))
     tts = load_in_process(model, device)
     failed = FailedMeasurements()
     # In-process first, with nothing else running; then each server alone on the machine.
-    engine, engine_ratio = in_process(tts, compared, workload, failed)
+    with bench.phase("engine"):
+        engine, engine_ratio = in_process(tts, compared, workload, failed, bench)
+    bench.record(engine=engine)
     # The OpenAI endpoint takes no sampling options: the text is sized for the model's default longest speech
     # (random weights rarely stop earlier); the audio it gave is recorded.
     openai_text = text_for_audio_seconds(tts, OPENAI_AUDIO_S, SamplingOptions().max_token_text_ratio)
-    with local_server(model, app_args) as url:
-        ours = asyncio.run(ours_run(url, workload, rates, openai_text))
-        overhead = interleaved_overhead(url, tts, workload)
-        replica_stats = serve.get_deployment_handle("Decoder", BENCH_APP).batch_stats.remote().result()
+    ours: dict[str, Any] = {"closed": [], "poisson": [], "late_arrival": None, "openai": None}
+    overhead, replica_stats = None, None
+    # A server is not started when the budget leaves no time to measure anything on it.
+    if not bench.out_of_time("ray serve"):
+        with local_server(model, app_args) as url:
+            ours = asyncio.run(ours_run(url, workload, rates, openai_text, bench))
+            with bench.phase("overhead"):
+                overhead = interleaved_overhead(url, tts, workload, bench)
+            bench.record(overhead_c1=overhead)
+            replica_stats = serve.get_deployment_handle("Decoder", BENCH_APP).batch_stats.remote().result()
     del tts
-    with baseline_server(model, device) as url:  # one request at a time: only 1 client and the compared level
-        baseline = asyncio.run(run_sweep(url, replace(workload, modes=("whole",), concurrencies=(1, compared))))
+    baseline: list[LevelResult] = []
+    if not bench.out_of_time("baseline"):
+        with bench.phase("baseline"), baseline_server(model, device) as url:
+            sweep = run_sweep(url, baseline_workload(workload, compared), bench, report_key="baseline")
+            baseline = asyncio.run(sweep)
     closed = ours["closed"]
     for name, results in (("ray serve", closed + ours["poisson"]), ("baseline", baseline)):
         print(name)
         print_table(results)
 
     c1, top = level(closed, "whole", 1), level(closed, "whole", compared)
+    baseline_top = level(baseline, "whole", compared)
+    if c1 is None or top is None or baseline_top is None:
+        names = (f"throughput_ratio_c{compared}", f"serving_throughput_ratio_c{compared}_vs_c1")
+        figures = unmeasured(*names, f"batching_efficiency_c{compared}")
+    else:
+        figures = batching_figures(top, c1, baseline_top, engine_ratio, compared, failed)
     ttfa_levels = {f"stream_c{r.concurrency}": r for r in closed if r.mode == "stream"}
     ttfa_levels |= {r.mode: r for r in ours["poisson"]}
-    figures = batching_figures(top, c1, level(baseline, "whole", compared), engine_ratio, compared, failed)
     late, openai = ours["late_arrival"], ours["openai"]
     return {
         **figures,
         "p50_ttfa_s": {name: r.first_chunk_s.get("p50") for name, r in ttfa_levels.items()},
         "p95_ttfa_s": {name: r.first_chunk_s.get("p95") for name, r in ttfa_levels.items()},
-        "late_arrival_ttfa_ratio": late["ratio"],
-        "late_arrival_ttfa_ratio_spread": late["ratio_spread"],
-        "overhead_ms_c1": overhead["ms"],
-        "overhead_ms_c1_spread": overhead["ms_spread"],
-        "openai_first_byte_fraction_20s": openai["fraction"],
-        "openai_first_byte_fraction_20s_spread": openai["fraction_spread"],
+        **rename(late, "ratio", "late_arrival_ttfa_ratio"),
+        **rename(overhead, "ms", "overhead_ms_c1"),
+        **rename(openai, "fraction", "openai_first_byte_fraction_20s"),
         "failed_measurements": failed.entries,
         "engine": engine,
         "overhead_c1": overhead,
-        "late_arrival": ours["late_arrival"],
-        "openai_20s": ours["openai"],
+        "late_arrival": late,
+        "openai_20s": openai,
         "decoder_replica": replica_stats,  # the loop's batch statistics and the replica's peak device memory
         "errors": {
             "ray_serve": sum(r.errors for r in closed + ours["poisson"]),
@@ -429,21 +563,14 @@ def compare(
         },
         "ray_serve": [level_dict(r) for r in closed + ours["poisson"]],
         "baseline": [level_dict(r) for r in baseline],
-        "setup": {
-            "model": model,
-            "device": device,
-            "profile": {
-                "requests": workload.requests_per_level,
-                "poisson_rates_per_s": list(rates),
-                "repeats": workload.repeats,
-                "warmup": workload.warmup,
-            },
-            "workload": asdict(workload),
-            "ray_app_args": app_args,
-            "baseline_and_in_process_torch_threads": BASELINE_THREADS,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        },
     }
+
+
+def rename(part: dict[str, Any] | None, key: str, name: str) -> dict[str, Any]:
+    """`part[key]` and its spread as the headline figure `name` (null where the part did not run)."""
+    if part is None:
+        return unmeasured(name)
+    return {name: part[key], f"{name}_spread": part[f"{key}_spread"]}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -476,15 +603,14 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
     prefixes = ("throughput_ratio_c", "batching_efficiency_c", "p50_ttfa", "p95_ttfa", "late_arrival", "overhead_ms")
     keys = [k for k in report if k.startswith(prefixes)]
     keys += ["openai_first_byte_fraction_20s", "openai_first_byte_fraction_20s_spread", "errors", "failed_measurements"]
-    return {key: report[key] for key in keys}
+    keys += ["complete", "stopped", "phase_s", "run_s"]
+    return {key: report[key] for key in keys if key in report}
 
 
-def overhead_only(model: str, workload: Workload, device: str, num_gpus: float) -> dict[str, Any]:
+def overhead_only(model: str, workload: Workload, device: str, num_gpus: float, bench: BenchmarkRun) -> dict[str, Any]:
     """Only `overhead_ms_c1`: the interleaved measure on a local Serve configured as in the full comparison."""
     app_args = app_args_for(max(workload.concurrencies), num_gpus)
-    tts = load_in_process(model, device)
-    with local_server(model, app_args) as url:
-        overhead = interleaved_overhead(url, tts, workload)
+    bench.plan(workload.warmup + workload.repeats * workload.requests_per_level)
     setup = {
         "model": model,
         "device": device,
@@ -493,8 +619,11 @@ def overhead_only(model: str, workload: Workload, device: str, num_gpus: float) 
         "warmup": workload.warmup,
         "ray_app_args": app_args,
     }
-    figure = {"overhead_ms_c1": overhead["ms"], "overhead_ms_c1_spread": overhead["ms_spread"]}
-    return {**figure, "overhead_c1": overhead, "setup": setup}
+    bench.record(setup=setup)
+    tts = load_in_process(model, device)
+    with local_server(model, app_args) as url, bench.phase("overhead"):
+        overhead = interleaved_overhead(url, tts, workload, bench)
+    return {**rename(overhead, "ms", "overhead_ms_c1"), "overhead_c1": overhead}
 
 
 def main() -> None:
@@ -511,6 +640,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="in-process and baseline device")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPU fraction of the Serve decoder replica")
     add_repeat_options(parser)
+    add_budget_option(parser, BUDGET_MINUTES)
     options = parser.parse_args()
     if 1 not in options.clients:
         parser.error("--clients must include 1 (the baseline of the batching efficiency)")
@@ -528,13 +658,12 @@ def main() -> None:
         options.out.write_text(json.dumps(plan, indent=2, default=str))
         print(json.dumps(plan, default=str))
         return
+    bench = BenchmarkRun("compare", options.out, options.budget_minutes)
     if options.overhead_only:
-        report = overhead_only(options.model, workload, options.device, options.num_gpus)
-        options.out.write_text(json.dumps(report, indent=2))
-        print(json.dumps({"overhead_ms_c1": report["overhead_ms_c1"], **report["overhead_c1"]}, indent=2))
+        report = bench.finish(overhead_only(options.model, workload, options.device, options.num_gpus, bench))
+        print(json.dumps({key: report[key] for key in ("overhead_ms_c1", "overhead_c1", "complete")}, indent=2))
         return
-    report = compare(options.model, workload, profile.rates, options.device, options.num_gpus)
-    options.out.write_text(json.dumps(report, indent=2))
+    report = bench.finish(compare(options.model, workload, profile.rates, bench, options.device, options.num_gpus))
     plot(report, options.out.with_suffix(".png"))
     print(json.dumps(headline(report), indent=2))
     for entry in report["failed_measurements"]:

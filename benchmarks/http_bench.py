@@ -14,11 +14,9 @@ Without `--url` it starts the local tiny app (a local Ray) for the run and stops
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, Timing
 
 MODES = ("whole", "stream")
@@ -152,21 +151,6 @@ def level_dict(result: LevelResult) -> dict[str, Any]:
     return {k: v for k, v in asdict(result).items() if k != "throughput"}
 
 
-class Progress:
-    """A one-line text progress bar on stderr (no extra dependency)."""
-
-    def __init__(self, total: int, width: int = 30) -> None:
-        self.total, self.width, self.done = total, width, 0
-
-    def advance(self, label: str) -> None:
-        self.done += 1
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "-" * (self.width - filled)
-        print(f"\r[{bar}] {self.done}/{self.total} {label:<20}", end="", file=sys.stderr, flush=True)
-        if self.done == self.total:
-            print(file=sys.stderr)
-
-
 async def one_request(client: httpx.AsyncClient, body: dict[str, Any], sample_rate: int) -> Sample:
     started = time.perf_counter()
     first_chunk_s, size = None, 0
@@ -187,7 +171,7 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any], sample_ra
 
 
 async def run_level(
-    client: httpx.AsyncClient, workload: Workload, mode: str, concurrency: int, sample_rate: int, progress: Progress
+    client: httpx.AsyncClient, workload: Workload, mode: str, concurrency: int, sample_rate: int, bench: BenchmarkRun
 ) -> LevelResult:
     """`workload.repeats` times: `requests_per_level` requests from `concurrency` clients that each send the next
     one when theirs ends."""
@@ -199,7 +183,7 @@ async def run_level(
         async def client_loop() -> None:
             for index in indices:  # a shared iterator: each index goes to exactly one client
                 samples.append(await one_request(client, workload.body(index, mode == "stream"), sample_rate))
-                progress.advance(f"{mode} c={concurrency}")
+                bench.step(f"{mode} c={concurrency}")
 
         started = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
@@ -208,12 +192,21 @@ async def run_level(
     return summarize(mode, concurrency, [await once() for _ in range(workload.repeats)])
 
 
+def sweep_steps(workload: Workload) -> int:
+    """The requests of a sweep (its progress steps), the warm-up left out."""
+    return len(workload.modes) * len(workload.concurrencies) * workload.repeats * workload.requests_per_level
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The bearer header of a server with API keys; none without a key."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def run_sweep(url: str, workload: Workload, api_key: str | None = None) -> list[LevelResult]:
+async def run_sweep(
+    url: str, workload: Workload, bench: BenchmarkRun, api_key: str | None = None, report_key: str = "results"
+) -> list[LevelResult]:
+    """Every mode at every concurrency, each level written into `bench`'s report under `report_key` as it ends; a
+    level the time budget does not leave time for is cut and left out (`BenchmarkRun.within_budget`)."""
     limits = httpx.Limits(max_connections=max(workload.concurrencies) + 4)
     headers = auth_headers(api_key)
     async with httpx.AsyncClient(base_url=url, timeout=workload.timeout_s, limits=limits, headers=headers) as client:
@@ -222,13 +215,15 @@ async def run_sweep(url: str, workload: Workload, api_key: str | None = None) ->
         sample_rate = int(voices.json()["sample_rate"])
         for index in range(workload.warmup):  # first-call costs stay out of the figures
             await one_request(client, workload.body(index, False), sample_rate)
-        levels = len(workload.modes) * len(workload.concurrencies)
-        progress = Progress(levels * workload.repeats * workload.requests_per_level)
-        return [
-            await run_level(client, workload, mode, concurrency, sample_rate, progress)
-            for mode in workload.modes
-            for concurrency in workload.concurrencies
-        ]
+        results: list[LevelResult] = []
+        for mode in workload.modes:
+            for concurrency in workload.concurrencies:
+                level = run_level(client, workload, mode, concurrency, sample_rate, bench)
+                result = await bench.within_budget(level, f"{report_key} {mode} c={concurrency}")
+                if result is not None:
+                    results.append(result)
+                    bench.record(**{report_key: [level_dict(r) for r in results]})
+        return results
 
 
 def free_port() -> int:
@@ -312,12 +307,13 @@ def plot(results: list[LevelResult], out_dir: Path) -> list[Path]:
     return paths
 
 
-def write_report(url: str, workload: Workload, results: list[LevelResult], out_dir: Path) -> dict[str, Any]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"url": url, "workload": asdict(workload), "results": [level_dict(r) for r in results]}
-    (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
-    report["plots"] = [str(path) for path in plot(results, out_dir)]
-    return report
+def write_report(
+    url: str, workload: Workload, results: list[LevelResult], out_dir: Path, bench: BenchmarkRun
+) -> dict[str, Any]:
+    """The finished report in `<out_dir>/bench.json` (`bench`'s file), and the plots beside it (their paths under
+    "plots" in the returned report, not in the file)."""
+    report = bench.finish({"url": url, "workload": asdict(workload), "results": [level_dict(r) for r in results]})
+    return {**report, "plots": [str(path) for path in plot(results, out_dir)]}
 
 
 def print_table(results: list[LevelResult]) -> None:
@@ -339,10 +335,13 @@ def bench(
     url: str | None, workload: Workload, out_dir: Path, model: str = "tiny", api_key: str | None = None
 ) -> dict[str, Any]:
     """Run the sweep against `url` (with `api_key` where it has API keys), or against a local app started for the
-    run when `url` is None."""
+    run when `url` is None; `<out_dir>/bench.json` is written as each level ends (`benchmarks.progress`)."""
     if url is None:
         with local_server(model) as local_url:
             return bench(local_url, workload, out_dir)
-    results = asyncio.run(run_sweep(url, workload, api_key))
+    run = BenchmarkRun("bench", out_dir / "bench.json")
+    run.plan(sweep_steps(workload))
+    run.record(url=url, workload=asdict(workload))
+    results = asyncio.run(run_sweep(url, workload, run, api_key))
     print_table(results)
-    return write_report(url, workload, results, out_dir)
+    return write_report(url, workload, results, out_dir, run)

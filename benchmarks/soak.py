@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import math
 import os
 import statistics
 import time
@@ -25,6 +26,7 @@ import httpx
 import ray
 
 from benchmarks.http_bench import free_port
+from benchmarks.progress import BenchmarkRun
 
 # psutil is not a dependency of this project; Ray bundles it and `import ray` puts it on sys.path.
 psutil = importlib.import_module("psutil")
@@ -89,8 +91,12 @@ async def worker(client: httpx.AsyncClient, index: int, deadline: float, tally: 
         tally.latencies_s.append(time.monotonic() - start)
 
 
-async def soak(url: str, minutes: float, concurrency: int, sample_s: float, timeout_s: float) -> dict[str, Any]:
+async def soak(
+    url: str, minutes: float, concurrency: int, sample_s: float, timeout_s: float, bench: BenchmarkRun
+) -> dict[str, Any]:
+    """The soak; at each memory sample its figures so far go into `bench`'s report (a progress step)."""
     tally = Tally()
+    bench.plan(math.ceil(60 * minutes / sample_s))
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
         voice = (await client.get("/v1/voices")).json()["voices"][0]
         for text in TEXTS:  # warm-up: first-call allocations are not growth
@@ -102,9 +108,17 @@ async def soak(url: str, minutes: float, concurrency: int, sample_s: float, time
         while not all(task.done() for task in workers):
             await asyncio.wait(workers, timeout=sample_s)
             samples.append((tally.answered, replica_rss_mb(APP_NAME)))
-        elapsed = time.monotonic() - started
+            report = soak_report(minutes, concurrency, tally, samples, time.monotonic() - started)
+            bench.step(f"{tally.answered} answered", **report)
         for task in workers:
             task.result()  # a bug in the loop itself must not pass for a clean run
+    return soak_report(minutes, concurrency, tally, samples, time.monotonic() - started)
+
+
+def soak_report(
+    minutes: float, concurrency: int, tally: Tally, samples: list[tuple[int, dict[str, float]]], elapsed: float
+) -> dict[str, Any]:
+    """The figures of the soak so far: `samples` are (requests answered, each replica's RSS in MiB)."""
     replicas = sorted(samples[0][1])
     memory = {
         name: {
@@ -151,14 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({"model": options.model}), name=APP_NAME, route_prefix="/")
-        result = asyncio.run(
-            soak(f"http://127.0.0.1:{port}", options.minutes, options.concurrency, options.sample_s, options.timeout_s)
-        )
+        url = f"http://127.0.0.1:{port}"
+        bench = BenchmarkRun("soak", options.out)
+        figures = soak(url, options.minutes, options.concurrency, options.sample_s, options.timeout_s, bench)
+        result = bench.finish(asyncio.run(figures))
     finally:
         serve.shutdown()
         ray.shutdown()
-    options.out.parent.mkdir(parents=True, exist_ok=True)
-    options.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0 if result["all_answered"] else 1
 

@@ -42,7 +42,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,7 +51,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.http_bench import BENCH_APP, PCM_BYTES_PER_SAMPLE, Progress, local_server
+from benchmarks.http_bench import BENCH_APP, PCM_BYTES_PER_SAMPLE, local_server
+from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, add_repeat_options
 
 POLICIES = ("fcfs", "deadline")
@@ -284,12 +285,12 @@ class Level:
 
 
 class Run:
-    """One policy's server: its client, sample rate and the shared progress bar."""
+    """One policy's server: its client, sample rate and the run's progress."""
 
     def __init__(
-        self, client: httpx.AsyncClient, sample_rate: int, workload: StreamsWorkload, progress: Progress
+        self, client: httpx.AsyncClient, sample_rate: int, workload: StreamsWorkload, bench: BenchmarkRun
     ) -> None:
-        self.client, self.sample_rate, self.workload, self.progress = client, sample_rate, workload, progress
+        self.client, self.sample_rate, self.workload, self.bench = client, sample_rate, workload, bench
         self.seeds = 0
 
     def text_for(self, kind: str, index: int) -> str:
@@ -319,7 +320,7 @@ class Run:
             samples[kind] = []
             for _ in range(self.workload.idle_samples):
                 result = await self.stream(kind, self.text_for(kind, 0), kind == "long")
-                self.progress.advance(f"idle {kind}")
+                self.bench.step(f"idle {kind}")
                 if result.ttfa_s is None:
                     raise RuntimeError(f"an idle {kind} stream gave no audio: {result.error}")
                 samples[kind].append(result.ttfa_s)
@@ -331,7 +332,7 @@ class Run:
         await asyncio.sleep(LATE_SHORT_DELAY_S)
         short = await self.stream("short", LATE_SHORT_TEXT)
         long_results = await asyncio.gather(*longs)
-        self.progress.advance("late short")
+        self.bench.step("late short")
         return short, list(long_results)
 
     async def rate_level(self, rate: float) -> Level:
@@ -344,7 +345,7 @@ class Run:
         for index, (offset, kind) in enumerate(arrivals):
             await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
             task = asyncio.create_task(self.stream(kind, self.text_for(kind, index)))
-            task.add_done_callback(lambda _, rate=rate: self.progress.advance(f"{rate:g}/s"))
+            task.add_done_callback(lambda _, rate=rate: self.bench.step(f"{rate:g}/s"))
             tasks.append(task)
         await asyncio.wait(tasks, timeout=workload.drain_timeout_s)
         results = []
@@ -419,64 +420,104 @@ def targets(report: dict[str, Any]) -> dict[str, bool | None]:
     }
 
 
-async def policy_run(url: str, workload: StreamsWorkload, progress: Progress) -> dict[str, Any]:
+async def policy_run(
+    url: str, workload: StreamsWorkload, bench: BenchmarkRun, run: dict[str, Any], publish: Callable[[], None]
+) -> None:
+    """One policy's parts into `run` ("idle", "late_short", "levels"), `publish` called after each."""
     limits = httpx.Limits(max_connections=workload.arrivals + LATE_LONG_STREAMS + 4)
     async with httpx.AsyncClient(base_url=url, timeout=workload.request_timeout_s, limits=limits) as client:
         voices = await client.get("/v1/voices")
         voices.raise_for_status()
-        run = Run(client, int(voices.json()["sample_rate"]), workload, progress)
-        idle = await run.idle()
-        late = [await run.late_short() for _ in range(workload.repeats)]
-        levels = [await run.rate_level(rate) for rate in workload.rates]
-    return {"idle": idle, "late_short": late, "levels": levels}
+        streams = Run(client, int(voices.json()["sample_rate"]), workload, bench)
+        run["idle"] = await streams.idle()
+        publish()
+        run["late_short"] = []
+        for _ in range(workload.repeats):
+            run["late_short"].append(await streams.late_short())
+            publish()
+        run["levels"] = []
+        for rate in workload.rates:
+            run["levels"].append(await streams.rate_level(rate))
+            publish()
 
 
 def app_args_for(policy: str, num_gpus: float) -> dict[str, Any]:
     return {"scheduler": {"policy": policy}, "decoder": {"num_gpus": num_gpus}}
 
 
-def measure_policies(model: str, workload: StreamsWorkload, num_gpus: float = 0.0) -> dict[str, Any]:
-    """Both policies, one local Serve app each, the same load -> the report."""
+def measure_policies(
+    model: str, workload: StreamsWorkload, bench: BenchmarkRun, num_gpus: float = 0.0
+) -> dict[str, Any]:
+    """Both policies, one local Serve app each, the same load -> the report (`bench`'s report holds it so far after
+    each part: the figures of the parts that ran)."""
     from ray import serve
 
-    per_stream = len(workload.rates) * workload.arrivals + 2 * workload.idle_samples + workload.repeats
-    progress = Progress(len(POLICIES) * per_stream)
-    failed = FailedMeasurements()
+    per_policy = len(workload.rates) * workload.arrivals + 2 * workload.idle_samples + workload.repeats
+    bench.plan(len(POLICIES) * per_policy)
+    bench.record(setup=setup_fields(model, workload, num_gpus))
     runs: dict[str, dict[str, Any]] = {}
+
+    def publish() -> None:
+        bench.record(**policies_report(runs))
+
     for policy in POLICIES:
-        with local_server(model, app_args_for(policy, num_gpus)) as url:
-            runs[policy] = asyncio.run(policy_run(url, workload, progress))
+        runs[policy] = {}
+        with bench.phase(policy), local_server(model, app_args_for(policy, num_gpus)) as url:
+            asyncio.run(policy_run(url, workload, bench, runs[policy], publish))
             runs[policy]["decoder_stats"] = (
                 serve.get_deployment_handle("Decoder", BENCH_APP).batch_stats.remote().result()
             )
+        publish()
+    return policies_report(runs)
+
+
+def policies_report(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The report of the policies' parts so far (`policy_run`'s "idle", "late_short", "levels" and the decoder's
+    stats, each where it ran)."""
+    measured = {policy: run for policy, run in runs.items() if "idle" in run}
+    if not measured:
+        return {}
     # Both policies are measured against one idle TTFA per kind, pooled over both servers: with one request at a
     # time the policies do the same work, and on a shared machine two medians taken minutes apart differ by more
     # than the policy does (0.13 against 0.20 s in one run).
-    idle = {kind: Timing(tuple(t for run in runs.values() for t in run["idle"][kind])) for kind in KINDS}
+    idle = {kind: Timing(tuple(t for run in measured.values() for t in run["idle"][kind])) for kind in KINDS}
     idle_ttfa_s = {kind: timing.median for kind, timing in idle.items()}
-    for run in runs.values():
-        run["levels"] = [summarize_rate(lv.rate, lv.results, idle_ttfa_s, lv.wall_s) for lv in run["levels"]]
-        run["late_short"] = [late_short_probe(short, longs, idle_ttfa_s["short"]) for short, longs in run["late_short"]]
-    report: dict[str, Any] = held_rate_figures({policy: run["levels"] for policy, run in runs.items()})
+    levels = {
+        policy: [summarize_rate(lv.rate, lv.results, idle_ttfa_s, lv.wall_s) for lv in run.get("levels", [])]
+        for policy, run in measured.items()
+    }
+    probes = {
+        policy: [late_short_probe(short, longs, idle_ttfa_s["short"]) for short, longs in run.get("late_short", [])]
+        for policy, run in measured.items()
+    }
+    failed = FailedMeasurements()
+    report: dict[str, Any] = held_rate_figures(levels)
     for kind, timing in idle.items():
         report |= timing.fields(f"idle_ttfa_s_{kind}")
-    for policy, run in runs.items():
-        report |= scenario_figures(policy, run["late_short"], failed)
+    for policy, policy_probes in probes.items():
+        if policy_probes:
+            report |= scenario_figures(policy, policy_probes, failed)
     report["targets"] = targets(report)
     report["failed_measurements"] = failed.entries
     report["policies"] = {
         policy: {
             **{f"idle_ttfa_s_{kind}_samples": samples for kind, samples in run["idle"].items()},
-            "levels": [asdict(level) for level in run["levels"]],
-            "late_short": run["late_short"],
+            "levels": [asdict(level) for level in levels[policy]],
+            "late_short": probes[policy],
             "decoder_stats": {
                 k: run["decoder_stats"].get(k)
                 for k in ("policy", "preempted", "resumed", "held_for_first_audio", "admitted")
-            },
+            }
+            if "decoder_stats" in run
+            else None,
         }
-        for policy, run in runs.items()
+        for policy, run in measured.items()
     }
-    report["setup"] = {
+    return report
+
+
+def setup_fields(model: str, workload: StreamsWorkload, num_gpus: float) -> dict[str, Any]:
+    return {
         "model": model,
         "workload": asdict(workload),
         "long_text": workload.long_text,
@@ -485,7 +526,6 @@ def measure_policies(model: str, workload: StreamsWorkload, num_gpus: float = 0.
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    return report
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -607,8 +647,8 @@ def main() -> None:
         options.out.write_text(json.dumps(plan, indent=2, default=str))
         print(json.dumps(plan, default=str))
         return
-    report = measure_policies(options.model, workload, options.num_gpus)
-    options.out.write_text(json.dumps(report, indent=2))
+    bench = BenchmarkRun("streams", options.out)
+    report = bench.finish(measure_policies(options.model, workload, bench, options.num_gpus))
     plot(report, options.out.with_suffix(".png"))
     print_table(report)
     print(json.dumps(headline(report), indent=2))
