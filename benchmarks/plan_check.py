@@ -6,7 +6,9 @@ memory (nvidia-smi's per-process figure, sampled while they run) against the pla
     python -m benchmarks.plan_check --model cosyvoice3-0.5b --out OUT/plan_check.json
 
 `benchmarks/gpu_check.sh` runs it as its `plan_check` part (the real-size v3 dummy on the card; with --cpu the tiny
-model on CPU, where nvidia-smi has nothing to show). The JSON is written as the check goes.
+model on CPU, where nvidia-smi has nothing to show). The JSON is written as the check goes. A complete one from a GPU,
+copied into docs/gpu_check/, is a recorded footprint: its largest peak per replica replaces the plan's estimate for the
+same replica on a card of that name (`serve_app.plan.recorded_footprints`), in `run`, `plan` and this check.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import httpx
 from benchmarks.http_bench import free_port, wait_until_answering
 from engine.loading.loader import model_sizes
 from serve_app.args import AppArgs
-from serve_app.plan import Plan, inventory_here, plan_for
+from serve_app.plan import Plan, inventory_here, plan_for, recorded_footprints
 
 TEXT = "Hello from CosyVoice. This sentence streams while the next one is made, as a voice agent's would."
 SAMPLE_S = 0.5
@@ -97,7 +99,8 @@ def first_audio_s(url: str, timeout_s: float) -> float:
 
 def check(options: argparse.Namespace, report: dict[str, Any], write: Any) -> None:
     args = AppArgs(model=options.model)
-    plan: Plan = plan_for(inventory_here(), model_sizes(options.model), args, options.device)
+    # the footprints recorded so far, as the server's own plan takes them
+    plan: Plan = plan_for(inventory_here(), model_sizes(options.model), args, options.device, recorded_footprints())
     report["plan"] = plan.to_json()
     write()
     port = free_port()

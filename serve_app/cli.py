@@ -245,13 +245,14 @@ def app_args_of(application: dict[str, Any], options: argparse.Namespace) -> dic
 
 
 def follow_plan(args: dict[str, Any], device: Device, inventory: Inventory) -> dict[str, Any]:
-    """`args` with the decoder section of the plan for `inventory` (printed); PlanError where the machine cannot."""
+    """`args` with the decoder section of the plan for `inventory` (printed), with the footprints the GPU check
+    recorded; PlanError where the machine cannot."""
     from engine.loading.loader import model_sizes
     from serve_app.args import AppArgs
-    from serve_app.plan import plan_for
+    from serve_app.plan import plan_for, recorded_footprints
 
     app_args = AppArgs.model_validate(args)
-    plan = plan_for(inventory, model_sizes(app_args.model), app_args, device)
+    plan = plan_for(inventory, model_sizes(app_args.model), app_args, device, recorded_footprints())
     print("\n".join(plan.lines()), flush=True)
     return {**args, "decoder": plan.decoder_args}
 
@@ -260,7 +261,7 @@ def show_plan(options: argparse.Namespace) -> int:
     """`cosyvoice-serve plan`: the plan for this machine, or for one described by --gpus and --gpu-memory-gb."""
     from engine.loading.loader import model_sizes
     from serve_app.args import AppArgs
-    from serve_app.plan import Gpu, inventory_here, plan_for
+    from serve_app.plan import Gpu, inventory_here, plan_for, recorded_footprints
 
     application, _ = read_serve_config(options.config)
     if options.gpus and options.gpu_memory_gb is None:
@@ -272,7 +273,7 @@ def show_plan(options: argparse.Namespace) -> int:
         inventory = replace(inventory, gpus=(card,) * options.gpus)
     try:
         app_args = AppArgs.model_validate(app_args_of(application, options))
-        plan = plan_for(inventory, model_sizes(app_args.model), app_args, options.device)
+        plan = plan_for(inventory, model_sizes(app_args.model), app_args, options.device, recorded_footprints())
     except (ValueError, CosyVoiceError) as exc:
         print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2
@@ -555,7 +556,9 @@ def parser() -> argparse.ArgumentParser:
     add_device_option(plan_parser)
     plan_parser.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs (0: none) instead")
     plan_parser.add_argument("--gpu-memory-gb", type=float, default=None, help="each such GPU's memory, GiB")
-    plan_parser.add_argument("--gpu-name", default="GPU", help="their name, for the printout")
+    plan_parser.add_argument(
+        "--gpu-name", default="GPU", help="their name (nvidia-smi's), for the printout and a footprint recorded for it"
+    )
     plan_parser.add_argument(
         "--no-native-bfloat16", action="store_true", help="they predate Ampere (no native bfloat16: CosyVoice3 float16)"
     )

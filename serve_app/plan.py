@@ -9,17 +9,26 @@ memory budget for `decoder.max_batch_size` live sentences and its reserve, which
 hold, and the CUDA context outside it) and the CPUs leave room for, scaled between 1 and that count on the decoder
 policy (`autoscaling.policy`). A card too small for one replica is a `PlanError` with the numbers and the CPU choice.
 `decoder.num_gpus` set in the args is kept (and checked); `device` cpu or cuda overrides the choice.
+
+A footprint measured on a card replaces that estimate: `benchmarks/gpu_check.sh`'s plan_check part writes each
+replica's peak memory (nvidia-smi's figure per process, CUDA context included) beside the plan it ran; its
+`plan_check.json`, kept in RECORDED_DIR (docs/gpu_check/), is read by `recorded_footprints`, and `plan_for` uses the
+largest peak recorded for the same card name, dtypes, batch size, weights and loop budget in place of the estimated
+total when it counts the replicas a card holds (each replica's fraction still holds its allocator share). The plan
+says which it used.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from engine.loading.loader import ModelSizes
@@ -46,6 +55,8 @@ GIB = 2**30
 # Native bfloat16 from Ampere (compute capability 8.0) on.
 BFLOAT16_CAPABILITY = 8.0
 GPU_FRACTION_STEPS = 10_000  # Ray keeps fractional resources to 1e-4
+# The GPU check's plan_check reports kept for the plan (the module docstring); absent outside a checkout of the repo
+RECORDED_DIR = Path(__file__).resolve().parents[1] / "docs" / "gpu_check"
 
 
 class PlanError(ValueError):
@@ -78,29 +89,53 @@ class Inventory:
 
 
 @dataclass(frozen=True)
+class MeasuredFootprint:
+    """A decoder replica's peak memory on a card, as a plan_check report recorded it, and what it was measured for."""
+
+    gpu_name: str
+    dtypes: dict[str, str]
+    max_batch_size: int
+    weights_bytes: int
+    budget_bytes: int
+    peak_bytes: int
+    source: str  # the report's path
+
+
+@dataclass(frozen=True)
 class DecoderMemory:
     """One GPU decoder replica's memory: its allocator's share holds the weights, the loop's budget and the reserve
-    beside them (`engine.runtime.memory.memory_budget_for`); the CUDA context lies outside the share."""
+    beside them (`engine.runtime.memory.memory_budget_for`); the CUDA context lies outside the share. A recorded
+    peak per replica, where there is one, stands for the whole in place of that estimate."""
 
     weights_bytes: int
     budget_bytes: int
     share_bytes: int
     context_bytes: int
+    measured_bytes: int | None = None
+    measured_in: str | None = None
 
     @property
     def reserve_bytes(self) -> int:
         return self.share_bytes - self.weights_bytes - self.budget_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def estimated_bytes(self) -> int:
         return self.share_bytes + self.context_bytes
 
+    @property
+    def total_bytes(self) -> int:
+        return self.estimated_bytes if self.measured_bytes is None else self.measured_bytes
+
     def describe(self) -> str:
-        return (
+        estimate = (
             f"weights {self.weights_bytes / GIB:.2f} GiB + loop budget {self.budget_bytes / GIB:.2f} GiB + reserve "
             f"{self.reserve_bytes / GIB:.2f} GiB (the allocator's share, {self.share_bytes / GIB:.2f} GiB) + CUDA "
-            f"context ~{self.context_bytes / GIB:.2f} GiB (an estimate) = {self.total_bytes / GIB:.2f} GiB"
+            f"context ~{self.context_bytes / GIB:.2f} GiB (an estimate) = {self.estimated_bytes / GIB:.2f} GiB"
         )
+        if self.measured_bytes is None:
+            return estimate
+        measured = f"{self.measured_bytes / GIB:.2f} GiB measured at its peak ({self.measured_in})"
+        return f"{measured}, in place of the estimate: {estimate}"
 
 
 @dataclass(frozen=True)
@@ -152,12 +187,23 @@ class Plan:
         values = asdict(self)
         values["inventory"]["cpu"] = self.inventory.cpu.describe()
         if self.memory is not None:
-            values["memory"] |= {"reserve_bytes": self.memory.reserve_bytes, "total_bytes": self.memory.total_bytes}
+            values["memory"] |= {
+                "reserve_bytes": self.memory.reserve_bytes,
+                "estimated_bytes": self.memory.estimated_bytes,
+                "total_bytes": self.memory.total_bytes,
+            }
         return values
 
 
-def plan_for(inventory: Inventory, sizes: ModelSizes, args: AppArgs, device: Device = "auto") -> Plan:
-    """Where the app runs on `inventory` (see the module docstring). PlanError where it cannot."""
+def plan_for(
+    inventory: Inventory,
+    sizes: ModelSizes,
+    args: AppArgs,
+    device: Device = "auto",
+    measured: Sequence[MeasuredFootprint] = (),
+) -> Plan:
+    """Where the app runs on `inventory`, with the footprints `measured` on cards where one matches (see the module
+    docstring). PlanError where it cannot."""
     decoder = args.decoder
     pinned_fraction = decoder.num_gpus if "num_gpus" in decoder.model_fields_set else None
     on_gpu = device == "cuda" or (device == "auto" and bool(inventory.gpus) and pinned_fraction != 0)
@@ -169,11 +215,12 @@ def plan_for(inventory: Inventory, sizes: ModelSizes, args: AppArgs, device: Dev
         raise PlanError("--device cuda, but the app args pin decoder.num_gpus to 0")
     native_bfloat16 = all(gpu.native_bfloat16 for gpu in inventory.gpus)
     dtypes = _dtypes(decoder.dtype, lambda: gpu_auto_dtypes(sizes.config.family.prefers_bfloat16, native_bfloat16))
-    card = min(gpu.memory_bytes for gpu in inventory.gpus)
+    smallest = min(inventory.gpus, key=lambda gpu: gpu.memory_bytes)
+    card = smallest.memory_bytes
     # The args' batch size where they set it, else the largest up to the default that one replica fits on the card
     batch_sizes = [decoder.max_batch_size] if "max_batch_size" in decoder.model_fields_set else None
     for batch in batch_sizes or range(decoder.max_batch_size, 0, -1):
-        memory = _decoder_memory(sizes, dtypes, args, batch)
+        memory = _with_measurement(_decoder_memory(sizes, dtypes, args, batch), smallest, dtypes, batch, measured)
         if memory.total_bytes <= card:
             break
     else:
@@ -232,6 +279,54 @@ def _decoder_memory(sizes: ModelSizes, dtypes: DecoderDtypes, args: AppArgs, max
     else:  # `auto` (and None, no byte bound) still needs room for the planned sentences
         budget = planned_budget_bytes(sizes.config, max_batch_size, dtypes.llm.itemsize)
     return DecoderMemory(weights, budget, share_for_budget(weights, budget), CUDA_CONTEXT_BYTES)
+
+
+def _with_measurement(
+    memory: DecoderMemory, gpu: Gpu, dtypes: DecoderDtypes, batch: int, measured: Sequence[MeasuredFootprint]
+) -> DecoderMemory:
+    """`memory` with the largest peak recorded for the same replica on a card of `gpu`'s name, where there is one."""
+    matching = [
+        footprint
+        for footprint in measured
+        if (footprint.gpu_name, footprint.dtypes, footprint.max_batch_size) == (gpu.name, dtypes.describe(), batch)
+        and (footprint.weights_bytes, footprint.budget_bytes) == (memory.weights_bytes, memory.budget_bytes)
+    ]
+    if not matching:
+        return memory
+    largest = max(matching, key=lambda footprint: footprint.peak_bytes)
+    return replace(memory, measured_bytes=largest.peak_bytes, measured_in=largest.source)
+
+
+def recorded_footprints(directory: Path | None = None) -> tuple[MeasuredFootprint, ...]:
+    """The footprints of the plan_check reports (`benchmarks/plan_check.py`'s JSON) in `directory` (default
+    RECORDED_DIR; none where it does not exist). PlanError, naming the file, for one that is not a complete report of
+    a run on a GPU."""
+    directory = RECORDED_DIR if directory is None else directory
+    footprints = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            report = json.loads(path.read_text())
+            plan, peaks = report["plan"], report["per_replica_peak_bytes"]
+            if not (report["complete"] and plan["device"] == "cuda" and peaks):
+                raise ValueError("it did not run to its end on a GPU with nvidia-smi's readings")
+            planned_card = min(plan["inventory"]["gpus"], key=lambda gpu: gpu["memory_bytes"])
+            footprints.append(
+                MeasuredFootprint(
+                    gpu_name=planned_card["name"],
+                    dtypes=plan["dtypes"],
+                    max_batch_size=plan["max_batch_size"],
+                    weights_bytes=plan["memory"]["weights_bytes"],
+                    budget_bytes=plan["memory"]["budget_bytes"],
+                    peak_bytes=max(peaks),
+                    source=str(path),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
+            raise PlanError(
+                f"{path} is not a complete plan_check report of a GPU run ({type(exc).__name__}: {exc}); "
+                f"{directory} holds only those (benchmarks/plan_check.py)"
+            ) from None
+    return tuple(footprints)
 
 
 def _shares(card: int, memory: DecoderMemory, cpu_bound: int) -> tuple[int, float]:

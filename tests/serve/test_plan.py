@@ -1,12 +1,14 @@
 """The plan for a machine (`serve_app.plan`), a pure function of the inventory, the model's sizes and the app args:
 v1, v2 and v3 at their real sizes (built on the meta device: no weights) on an 8, 16, 24 and 80 GB card (the memory
 nvidia-smi reports for an RTX 4060, an RTX 4060 Ti 16 GB, an A10G and an H100 80 GB), two GPUs and none; a card too
-small; the args' own choices; the GPUs nvidia-smi lists (a stand-in program) and `cosyvoice-serve plan`."""
+small; the args' own choices; a footprint the GPU check recorded in place of the estimate; the GPUs nvidia-smi lists (a
+stand-in program) and `cosyvoice-serve plan`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from functools import cache
 from pathlib import Path
@@ -19,11 +21,13 @@ from engine.nn.precision import CpuCapabilities
 from engine.runtime.memory import estimate_request_memory, memory_budget_for
 from engine.text.frontend import SEGMENT_MAX_LEN
 from serve_app import cli
+from serve_app import plan as planning
 from serve_app.args import AppArgs
-from serve_app.plan import Gpu, Inventory, PlanError, gpus_from_nvidia_smi, plan_for
+from serve_app.plan import Gpu, Inventory, Plan, PlanError, gpus_from_nvidia_smi, plan_for, recorded_footprints
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
+GIB = 2**30
 CARDS = {  # memory.total as nvidia-smi reports it, MiB
     8: Gpu("NVIDIA GeForce RTX 4060", 8188 * MIB, True),
     16: Gpu("NVIDIA GeForce RTX 4060 Ti", 16380 * MIB, True),
@@ -166,6 +170,50 @@ def test_the_args_autoscaling_rules_are_kept_within_the_machine() -> None:
     assert kept["max_replicas"] == plan.replicas_per_gpu < 12 and kept["schedule"] == rules["schedule"]
 
 
+def record(folder: Path, plan: Plan, peaks: list[int] | None) -> Path:
+    """A plan_check report as benchmarks/plan_check.py writes it (the plan it ran, each replica's peak) in `folder`,
+    with peaks the test makes up: a test's fixture, not a measurement."""
+    folder.mkdir(exist_ok=True)
+    path = folder / f"plan_check_{len(list(folder.iterdir()))}.json"
+    report = {"model": plan.model, "complete": True, "plan": plan.to_json(), "per_replica_peak_bytes": peaks}
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_a_recorded_peak_replaces_the_estimate_for_the_same_replica_on_a_card_of_that_name(tmp_path: Path) -> None:
+    a10g = CARDS[24]
+    estimated = plan_for(machine(a10g), sizes_of("v3"), args_for("v3"))
+    assert estimated.memory is not None and estimated.memory.measured_bytes is None
+    peak = estimated.memory.total_bytes * 3 // 2  # made up: half as much again as the estimate
+    path = record(tmp_path, estimated, [peak - GIB, peak])  # the largest replica's counts
+    recorded = recorded_footprints(tmp_path)
+
+    plan = plan_for(machine(a10g), sizes_of("v3"), args_for("v3"), measured=recorded)
+    assert plan.memory is not None and (plan.memory.total_bytes, plan.memory.measured_in) == (peak, str(path))
+    assert plan.replicas_per_gpu == a10g.memory_bytes // peak == 2 < estimated.replicas_per_gpu
+    assert f"{peak / GIB:.2f} GiB measured at its peak ({path}), in place of the estimate: weights" in plan.lines()[-2]
+    assert plan.to_json()["memory"]["measured_bytes"] == peak
+    # another card's name, another batch size, other dtypes: another replica, so the estimate
+    other_card = Gpu("NVIDIA L4", a10g.memory_bytes, True)
+    for args, card in ((args_for("v3"), other_card), (args_for("v3", max_batch_size=2), a10g)):
+        assert plan_for(machine(card), sizes_of("v3"), args, measured=recorded).memory.measured_bytes is None
+    in_float16 = plan_for(machine(a10g), sizes_of("v3"), args_for("v3", dtype="float16"), measured=recorded)
+    assert in_float16.memory.measured_bytes is None
+
+
+def test_a_record_that_is_no_gpu_measurement_is_refused_by_name(tmp_path: Path) -> None:
+    on_cpu = plan_for(machine(), sizes_of("v1"), args_for("v1"))
+    path = record(tmp_path, on_cpu, None)  # a plan_check run on CPU: nvidia-smi had nothing to show
+    with pytest.raises(PlanError, match=rf"{re.escape(str(path))} is not a complete plan_check report of a GPU run"):
+        recorded_footprints(tmp_path)
+    path.write_text("{}")
+    with pytest.raises(
+        PlanError, match=rf"{re.escape(str(path))} is not a complete plan_check report .*KeyError: 'plan'"
+    ):
+        recorded_footprints(tmp_path)
+    assert recorded_footprints(tmp_path / "none yet") == ()
+
+
 def stand_in_nvidia_smi(folder: Path, rows: str) -> dict[str, str]:
     """A PATH whose `nvidia-smi` prints `rows` for any query, as the real one prints its CSV."""
     folder.mkdir(exist_ok=True)
@@ -212,6 +260,16 @@ def test_the_plan_command_on_this_machine_and_a_described_one(
     assert code == 0 and "decoder: CPU" in out
     code, _, err = plan("--gpus", "1", "--gpu-memory-gb", "4")
     assert code == 2 and err.startswith("error: the GPU's 4.00 GiB cannot hold one decoder")
+
+    # a footprint recorded for the card (a test's record, in place of docs/gpu_check/'s) is the one it takes
+    a10g = Gpu("NVIDIA A10G", 24 * GIB, True)
+    path = record(tmp_path / "recorded", plan_for(machine(a10g), sizes_of("v3"), AppArgs(model=MODELS["v3"])), [GIB])
+    monkeypatch.setattr(planning, "RECORDED_DIR", path.parent)
+    code, out, err = plan("--gpus", "1", "--gpu-memory-gb", "24", "--gpu-name", a10g.name)
+    assert code == 0 and f"1.00 GiB measured at its peak ({path})" in out, err
+    path.write_text("[]")
+    code, _, err = plan("--gpus", "1", "--gpu-memory-gb", "24", "--gpu-name", a10g.name)
+    assert code == 2 and err.startswith(f"error: {path} is not a complete plan_check report")
 
 
 def test_the_single_gpu_profile_on_an_8_gb_card_and_a_larger_one() -> None:
