@@ -366,6 +366,11 @@ class WyomingArgs(_Strict):
     max_connections: int = Field(
         16, ge=1, description="connections held at once; one more gets an error event and is closed"
     )
+    zeroconf: bool = Field(
+        True,
+        description="announce the listener by mDNS (`_wyoming._tcp`), as Home Assistant discovers Wyoming services, "
+        "on the interface it binds (loopback: this machine only), where the zeroconf package is installed",
+    )
     num_cpus: float = Field(0.1, gt=0)
     resources: dict[str, float] = Field(
         default_factory=dict,

@@ -47,6 +47,7 @@ from serve_app.args import LimitsArgs, SecurityArgs, WyomingArgs
 from serve_app.errors import ServiceUnavailableError, StreamIdleError, error_payload
 from serve_app.guard import keys_configured
 from serve_app.wyoming_speech import WYOMING_ENDPOINT, WyomingCatalog
+from serve_app.wyoming_zeroconf import Announcement
 
 logger = logging.getLogger("ray.serve")
 
@@ -452,6 +453,12 @@ class WyomingServer:
         self.listener = WyomingListener(ingress, KEYLESS if keys_on else EVERYONE, settings.max_connections, limits)
         await self.listener.start(settings.host, settings.port)
         logger.info("Wyoming listening on %s:%d", settings.host, settings.port)
+        self.announcement = await Announcement.start(settings.host, settings.port) if settings.zeroconf else None
+
+    async def __del__(self) -> None:
+        announcement = getattr(self, "announcement", None)  # None also where __init__ failed before it
+        if announcement is not None:
+            await announcement.close()
 
     def serving_warnings(self) -> tuple[str, ...]:
         return self.warnings

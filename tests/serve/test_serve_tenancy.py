@@ -23,6 +23,8 @@ from wyoming.client import AsyncTcpClient
 from wyoming.event import Event, async_read_event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
+from zeroconf import IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 from benchmarks.http_bench import free_port
 from engine.voices.registry import EVERYONE, Caller
@@ -38,6 +40,7 @@ from serve_app.tenancy import (
     configure_tenancy,
     owner_id,
 )
+from serve_app.wyoming_zeroconf import SERVICE_TYPE, service_name
 from tests.serve.conftest import running_app, wait_until
 from tests.serve.test_voice_registry import wav_bytes
 
@@ -502,6 +505,23 @@ def test_wyoming_clients_list_and_use_the_built_in_openai_and_shared_voices_only
         assert admin.delete(f"/v1/voices/{shared}").status_code == 200
     warnings = httpx.get(f"{base_url}/healthz", timeout=30).json()["warnings"]
     assert any("serves clients without an API key (wyoming.allow_keyless)" in warning for warning in warnings)
+
+
+def test_wyoming_is_announced_by_mdns_as_home_assistant_discovers_it(
+    served: tuple[str, Path], wyoming_port: int
+) -> None:
+    """On the interface the listener binds (loopback here), as a `_wyoming._tcp` service at its port."""
+
+    async def resolve() -> AsyncServiceInfo | None:
+        zeroconf = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+        try:
+            return await zeroconf.async_get_service_info(SERVICE_TYPE, service_name(), timeout=5000)
+        finally:
+            await zeroconf.async_close()
+
+    info = asyncio.run(resolve())
+    assert info is not None, f"no {service_name()!r} answered on 127.0.0.1"
+    assert (info.port, info.parsed_addresses()) == (wyoming_port, ["127.0.0.1"])
 
 
 def test_wyoming_synthesize_answers_pcm_chunk_by_chunk_and_a_connection_takes_several(wyoming_port: int) -> None:
