@@ -144,7 +144,8 @@ def test_open_webui_reads_the_models_and_the_voices_the_caller_may_use(tmp_path:
     request may send."""
     registry = VoiceRegistry(tmp_path)
     shared = registry.add(make_prompt(1), "House", 1.0, Caller(owner=None, admin=True), True, openai_name="narrator")
-    own = registry.add(make_prompt(2), "Alice's", duration_s=1.0, caller=ALICE).id
+    own_record = registry.add(make_prompt(2), "Alice's", duration_s=1.0, caller=ALICE)
+    own = own_record.id
     other = registry.add(make_prompt(3), "Bob's", duration_s=1.0, caller=BOB).id
     routes = routes_of(V1_INFO, registry)
     http = SimpleNamespace(scope={"state": {"caller": ALICE}})
@@ -152,7 +153,9 @@ def test_open_webui_reads_the_models_and_the_voices_the_caller_may_use(tmp_path:
     models = [model["id"] for model in asyncio.run(routes.audio_models()).get("models", [])]
     assert models == ["tiny", *DEFAULT_MODEL_ALIASES]
     voices = {voice["id"]: voice["name"] for voice in asyncio.run(routes.audio_voices(http)).get("voices", [])}
-    assert list(voices) == [*V1_INFO["voices"], *OPENAI_VOICE_NAMES, "narrator", shared.id, own]
+    # The registered voices oldest first; those of the same second by id (the registry's order).
+    registered = [record.id for record in sorted([shared, own_record], key=lambda r: (r.created_at, r.id))]
+    assert list(voices) == [*V1_INFO["voices"], *OPENAI_VOICE_NAMES, "narrator", *registered]
     assert other not in voices  # another key's voice
     assert voices["alloy"] == "alloy (OpenAI's name for dummy_female)" and voices[own] == "Alice's"
     assert voices["narrator"] == f"narrator (OpenAI's name for {shared.id})" and voices[shared.id] == "House"

@@ -29,7 +29,8 @@ def test_the_openai_body_takes_a_language_and_the_request_carries_it() -> None:
 
     ingress = SimpleNamespace(model_name="tiny", model_names=("tiny", "tts-1"), resolve_voice=resolve_voice)
     openai_request = TTSIngress.func_or_class.openai_request
-    request = asyncio.run(openai_request(ingress, body, body.input, Caller(None, admin=False)))
+    request, ignored = asyncio.run(openai_request(ingress, body, body.input, Caller(None, admin=False)))
+    assert ignored is None  # no instructions sent
     assert request.language == "de-DE" and request.validated().language == "de"
     assert StreamStart.model_validate({"type": "start", "model": "tiny", "voice": "alloy", "language": "ja"}).language
     assert TTSRequest.model_validate({"text": "Hola.", "language": "es"}).language == "es"

@@ -9,7 +9,10 @@ mid-stream has its decode cancelled while others are served."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,8 +26,8 @@ from wyoming.client import AsyncTcpClient
 from wyoming.event import Event, async_read_event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
-from zeroconf import IPVersion
-from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+from zeroconf import DNSAddress, DNSIncoming, DNSOutgoing, DNSQuestion, DNSService
+from zeroconf.const import _CLASS_IN, _FLAGS_QR_QUERY, _TYPE_SRV
 
 from benchmarks.http_bench import free_port
 from engine.voices.registry import EVERYONE, Caller
@@ -40,7 +43,7 @@ from serve_app.tenancy import (
     configure_tenancy,
     owner_id,
 )
-from serve_app.wyoming_zeroconf import SERVICE_TYPE, service_name
+from serve_app.wyoming_zeroconf import MDNS_GROUP, service_name
 from tests.serve.conftest import running_app, wait_until
 from tests.serve.test_voice_registry import wav_bytes
 
@@ -511,17 +514,32 @@ def test_wyoming_is_announced_by_mdns_as_home_assistant_discovers_it(
     served: tuple[str, Path], wyoming_port: int
 ) -> None:
     """On the interface the listener binds (loopback here), as a `_wyoming._tcp` service at its port."""
+    assert mdns_service_on_loopback(service_name()) == (wyoming_port, ["127.0.0.1"])
 
-    async def resolve() -> AsyncServiceInfo | None:
-        zeroconf = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
-        try:
-            return await zeroconf.async_get_service_info(SERVICE_TYPE, service_name(), timeout=5000)
-        finally:
-            await zeroconf.async_close()
 
-    info = asyncio.run(resolve())
-    assert info is not None, f"no {service_name()!r} answered on 127.0.0.1"
-    assert (info.port, info.parsed_addresses()) == (wyoming_port, ["127.0.0.1"])
+def mdns_service_on_loopback(name: str, timeout_s: float = 10.0) -> tuple[int, list[str]] | None:
+    """The port and IPv4 addresses an mDNS responder on loopback gives for the service `name` (None: no answer).
+
+    Asked as a one-shot query from a port of its own (RFC 6762 section 6.7), which is answered to that port: a
+    multicast querier's answers go to port 5353, which every mDNS socket on this machine shares (SO_REUSEPORT), and
+    the kernel may hand one sent by unicast to another process's socket."""
+    query = DNSOutgoing(_FLAGS_QR_QUERY)
+    query.add_question(DNSQuestion(name, _TYPE_SRV, _CLASS_IN))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as querier:
+        querier.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+        querier.bind(("127.0.0.1", 0))
+        querier.settimeout(0.5)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for packet in query.packets():
+                querier.sendto(packet, (MDNS_GROUP, 5353))
+            with contextlib.suppress(TimeoutError):
+                records = DNSIncoming(querier.recv(9000)).answers()
+                ports = [record.port for record in records if isinstance(record, DNSService) and record.name == name]
+                if ports:
+                    addresses = [record.address for record in records if isinstance(record, DNSAddress)]
+                    return ports[0], [socket.inet_ntoa(address) for address in addresses]
+    return None
 
 
 def test_wyoming_synthesize_answers_pcm_chunk_by_chunk_and_a_connection_takes_several(wyoming_port: int) -> None:
