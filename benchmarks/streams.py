@@ -26,9 +26,11 @@ the repeats, `_spread` beside each), `targets` (the issue's: held rate ratio >= 
 its idle TTFA under deadline; the long streams' underruns no worse than under fcfs).
 
     python -m benchmarks.streams --model tiny --out out/streams_tiny.json [--rates 0.3 0.6 1.2 2.4] [--arrivals 30]
-        [--long-sentences 8] [--repeats 3] [--warmup 1] [--num-gpus 0]
+        [--long-sentences 8] [--repeats 3] [--warmup 1] [--num-gpus 0] [--budget-minutes 14]
 
-Writes the JSON and a PNG beside it (same name, .png). A progress bar goes to stderr.
+Writes the JSON (as it goes) and a PNG beside it (same name, .png). A progress bar goes to stderr. The default run
+ends within 15 minutes on the 2-core machine: a part the time budget (`--budget-minutes`, 0: none) leaves no time
+for is left out, named in `stopped`, and so is every later part; a policy left out has no held rate.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import httpx
 import numpy as np
 
 from benchmarks.http_bench import BENCH_APP, PCM_BYTES_PER_SAMPLE, local_server
-from benchmarks.progress import BenchmarkRun
+from benchmarks.progress import BenchmarkRun, add_budget_option
 from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, add_repeat_options
 
 POLICIES = ("fcfs", "deadline")
@@ -65,6 +67,9 @@ LATE_SHORT_DELAY_S = 1.0
 TTFA_RATIO_BOUND = 3.0  # a held rate's p95 TTFA is at most this x the idle TTFA
 MIN_IDLE_SAMPLES = 3
 TARGET_HELD_RATE_RATIO = 1.5
+# The default workload ran 17 minutes here on a machine shared with other work: the budget keeps a default run within
+# 15 minutes, the parts it cuts named in the JSON (`--budget-minutes 0`: none).
+BUDGET_MINUTES = 14.0
 KINDS = ("short", "long")
 
 
@@ -255,7 +260,10 @@ def held_rate_figures(levels_by_policy: dict[str, list[RateResult]]) -> dict[str
     fcfs, deadline = figures.get("held_rate_fcfs"), figures.get("held_rate_deadline")
     top = {policy: max((level.rate for level in levels), default=None) for policy, levels in levels_by_policy.items()}
     ratio, reason = None, None
-    if fcfs is None:
+    unmeasured = [policy for policy in POLICIES if not levels_by_policy.get(policy)]
+    if unmeasured:
+        reason = f"no rate was measured for {', '.join(unmeasured)} (the time budget cut it: see `stopped`)"
+    elif fcfs is None:
         reason = f"fcfs holds no rate tried (it fails the lowest, {figures.get('held_rate_fcfs_below')} streams/s)"
     elif fcfs == top.get("fcfs"):
         reason = f"fcfs holds every rate tried (up to {fcfs} streams/s): its limit was not reached"
@@ -266,7 +274,9 @@ def held_rate_figures(levels_by_policy: dict[str, list[RateResult]]) -> dict[str
     figures["held_rate_ratio"] = ratio
     figures["held_rate_ratio_reason"] = reason
     # fcfs holds less than its lowest rate, deadline at least its held one: the ratio is above their quotient
-    bound = deadline / figures["held_rate_fcfs_below"] if fcfs is None and deadline is not None else None
+    bound = (
+        deadline / figures["held_rate_fcfs_below"] if not unmeasured and fcfs is None and deadline is not None else None
+    )
     figures["held_rate_ratio_above"] = bound
     # deadline holding the highest rate tried: its real limit is higher, so the ratio is a lower bound
     figures["held_rate_ratio_is_lower_bound"] = (
@@ -329,9 +339,13 @@ class Run:
     async def late_short(self) -> tuple[StreamResult, list[StreamResult]]:
         """7 long streams, then one second later a short one -> the short one, the long ones (run to their end)."""
         longs = [asyncio.create_task(self.stream("long", self.text_for("long", 0))) for _ in range(LATE_LONG_STREAMS)]
-        await asyncio.sleep(LATE_SHORT_DELAY_S)
-        short = await self.stream("short", LATE_SHORT_TEXT)
-        long_results = await asyncio.gather(*longs)
+        try:
+            await asyncio.sleep(LATE_SHORT_DELAY_S)
+            short = await self.stream("short", LATE_SHORT_TEXT)
+            long_results = await asyncio.gather(*longs)
+        finally:  # when the time budget cuts the probe, its long streams do not run on into the next part
+            for task in longs:
+                task.cancel()
         self.bench.step("late short")
         return short, list(long_results)
 
@@ -342,12 +356,17 @@ class Run:
         arrivals = poisson_arrivals(rate, workload.arrivals, workload.long_fraction, workload.seed)
         started = time.perf_counter()
         tasks = []
-        for index, (offset, kind) in enumerate(arrivals):
-            await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
-            task = asyncio.create_task(self.stream(kind, self.text_for(kind, index)))
-            task.add_done_callback(lambda _, rate=rate: self.bench.step(f"{rate:g}/s"))
-            tasks.append(task)
-        await asyncio.wait(tasks, timeout=workload.drain_timeout_s)
+        try:
+            for index, (offset, kind) in enumerate(arrivals):
+                await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+                task = asyncio.create_task(self.stream(kind, self.text_for(kind, index)))
+                task.add_done_callback(lambda _, rate=rate: self.bench.step(f"{rate:g}/s"))
+                tasks.append(task)
+            await asyncio.wait(tasks, timeout=workload.drain_timeout_s)
+        except asyncio.CancelledError:  # the time budget cut the rate: none of its streams runs on
+            for task in tasks:
+                task.cancel()
+            raise
         results = []
         for task, (_, kind) in zip(tasks, arrivals, strict=True):
             if task.done():
@@ -421,24 +440,35 @@ def targets(report: dict[str, Any]) -> dict[str, bool | None]:
 
 
 async def policy_run(
-    url: str, workload: StreamsWorkload, bench: BenchmarkRun, run: dict[str, Any], publish: Callable[[], None]
+    url: str,
+    workload: StreamsWorkload,
+    bench: BenchmarkRun,
+    policy: str,
+    run: dict[str, Any],
+    publish: Callable[[], None],
 ) -> None:
-    """One policy's parts into `run` ("idle", "late_short", "levels"), `publish` called after each."""
+    """One policy's parts into `run` ("idle", "late_short", "levels"), `publish` called after each; a part the time
+    budget cuts is left out and named, and so is every part after it (`BenchmarkRun.within_budget`)."""
     limits = httpx.Limits(max_connections=workload.arrivals + LATE_LONG_STREAMS + 4)
     async with httpx.AsyncClient(base_url=url, timeout=workload.request_timeout_s, limits=limits) as client:
         voices = await client.get("/v1/voices")
         voices.raise_for_status()
         streams = Run(client, int(voices.json()["sample_rate"]), workload, bench)
-        run["idle"] = await streams.idle()
-        publish()
-        run["late_short"] = []
-        for _ in range(workload.repeats):
-            run["late_short"].append(await streams.late_short())
+        run["late_short"], run["levels"] = [], []
+        idle = await bench.within_budget(streams.idle(), f"{policy} idle")
+        if idle is not None:
+            run["idle"] = idle
             publish()
-        run["levels"] = []
+        for repeat in range(workload.repeats):
+            probe = await bench.within_budget(streams.late_short(), f"{policy} late short {repeat + 1}")
+            if probe is not None:
+                run["late_short"].append(probe)
+                publish()
         for rate in workload.rates:
-            run["levels"].append(await streams.rate_level(rate))
-            publish()
+            level = await bench.within_budget(streams.rate_level(rate), f"{policy} {rate:g}/s")
+            if level is not None:
+                run["levels"].append(level)
+                publish()
 
 
 def app_args_for(policy: str, num_gpus: float) -> dict[str, Any]:
@@ -462,8 +492,10 @@ def measure_policies(
 
     for policy in POLICIES:
         runs[policy] = {}
+        if bench.out_of_time(policy):  # its server's start is not worth paying for nothing
+            continue
         with bench.phase(policy), local_server(model, app_args_for(policy, num_gpus)) as url:
-            asyncio.run(policy_run(url, workload, bench, runs[policy], publish))
+            asyncio.run(policy_run(url, workload, bench, policy, runs[policy], publish))
             runs[policy]["decoder_stats"] = (
                 serve.get_deployment_handle("Decoder", BENCH_APP).batch_stats.remote().result()
             )
@@ -546,11 +578,13 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def held_rate_title(report: dict[str, Any]) -> str:
-    held = {policy: report[f"held_rate_{policy}"] for policy in POLICIES}
-    text = ", ".join(
-        f"{policy} {rate:g}/s" if rate is not None else f"{policy} < {report[f'held_rate_{policy}_below']:g}/s"
-        for policy, rate in held.items()
-    )
+    def held(policy: str) -> str:
+        rate, below = report.get(f"held_rate_{policy}"), report.get(f"held_rate_{policy}_below")
+        if rate is not None:
+            return f"{policy} {rate:g}/s"
+        return f"{policy} < {below:g}/s" if below is not None else f"{policy} not measured"  # the budget cut it
+
+    text = ", ".join(held(policy) for policy in POLICIES)
     if report["held_rate_ratio"] is not None:
         return f"held rate: {text}; deadline / fcfs {report['held_rate_ratio']:.2g}"
     if report.get("held_rate_ratio_above") is not None:
@@ -622,6 +656,7 @@ def main() -> None:
     dry_help = "check the arguments and write the workload as JSON; start nothing (gpu_check.sh --quick)"
     parser.add_argument("--dry-run", action="store_true", help=dry_help)
     add_repeat_options(parser)
+    add_budget_option(parser, BUDGET_MINUTES)
     options = parser.parse_args()
     if any(rate <= 0 for rate in options.rates) or options.arrivals < 1 or options.long_sentences < 1:
         parser.error("--rates must be positive, --arrivals and --long-sentences at least 1")
@@ -647,7 +682,7 @@ def main() -> None:
         options.out.write_text(json.dumps(plan, indent=2, default=str))
         print(json.dumps(plan, default=str))
         return
-    bench = BenchmarkRun("streams", options.out)
+    bench = BenchmarkRun("streams", options.out, options.budget_minutes)
     report = bench.finish(measure_policies(options.model, workload, bench, options.num_gpus))
     plot(report, options.out.with_suffix(".png"))
     print_table(report)

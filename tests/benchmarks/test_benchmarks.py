@@ -36,6 +36,7 @@ from benchmarks.streams import (
     StreamResult,
     held_rate_figures,
     held_rate_target,
+    held_rate_title,
     poisson_arrivals,
     stream_request,
     summarize_rate,
@@ -358,6 +359,11 @@ def test_the_held_rate_is_the_top_of_the_rates_that_all_hold_and_its_ratio_says_
     assert fcfs_fails_all["held_rate_ratio"] is None and "fails the lowest" in fcfs_fails_all["held_rate_ratio_reason"]
     assert fcfs_fails_all["held_rate_ratio_above"] == 1.0  # fcfs holds less than 0.1, deadline at least 0.1
     assert measured["held_rate_ratio_above"] is None and fcfs_holds_all["held_rate_ratio_above"] is None
+    cut = held_rate_figures({"fcfs": [_rate(0.1, False)], "deadline": []})  # the time budget left deadline out
+    assert cut["held_rate_deadline"] is None and "held_rate_deadline_below" not in cut
+    assert cut["held_rate_ratio"] is None and cut["held_rate_ratio_above"] is None
+    assert cut["held_rate_ratio_reason"].startswith("no rate was measured for deadline")
+    assert "deadline not measured" in held_rate_title({**cut, "held_rate_fcfs_below": 0.1})
     assert (held_rate_target(4.0, None), held_rate_target(1.2, None), held_rate_target(None, 8.0)) == (
         True,
         False,
