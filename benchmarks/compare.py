@@ -33,14 +33,20 @@ Headline keys:
     python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests N] [--rates R ...]
         [--repeats 3] [--warmup 1]
     python -m benchmarks.compare --out out/overhead.json --overhead-only   # only `overhead_ms_c1`
+    python -m benchmarks.compare --out out/hops.json --hops-only   # what Serve's hops cost (below)
 
-Writes the JSON and a PNG beside it (same name, .png; none with --overhead-only).
+`--hops-only`: `overhead_ms_c1`, then on the same server `stream_first_byte_s_c1` (p50 first audio byte of a stream
+at 1 client, every repeat's requests pooled) and `stream_bytes_per_s_c8` (bytes per second of the streams of 8
+concurrent clients, the median of the repeats): what `benchmarks.serve_modes` compares between Serve's modes.
+
+Writes the JSON and a PNG beside it (same name, .png; none with --overhead-only or --hops-only).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -90,6 +96,7 @@ from benchmarks.timing import (
     ratio,
 )
 from engine.llm.sampling import SamplingOptions
+from serve_app.exposure import process_title, process_tree
 
 CLOSED_LOOP_CLIENTS = (1, 4, 8)
 LATE_ARRIVAL_RUNNING = 7  # long streams already running when the short one arrives
@@ -607,10 +614,17 @@ def headline(report: dict[str, Any]) -> dict[str, Any]:
     return {key: report[key] for key in keys if key in report}
 
 
-def overhead_only(model: str, workload: Workload, device: str, num_gpus: float, bench: BenchmarkRun) -> dict[str, Any]:
-    """Only `overhead_ms_c1`: the interleaved measure on a local Serve configured as in the full comparison."""
-    app_args = app_args_for(max(workload.concurrencies), num_gpus)
-    bench.plan(workload.warmup + workload.repeats * workload.requests_per_level)
+def overhead_only(
+    model: str, workload: Workload, device: str, num_gpus: float, bench: BenchmarkRun, streams: bool = False
+) -> dict[str, Any]:
+    """Only `overhead_ms_c1`: the interleaved measure on a local Serve configured as in the full comparison; with
+    `streams` (`--hops-only`) also, on the same server, `stream_first_byte_s_c1` and `stream_bytes_per_s_c<N>` of
+    the largest client count."""
+    compared = max(workload.concurrencies)
+    app_args = app_args_for(compared, num_gpus)
+    stream_workload = replace(workload, modes=("stream",), concurrencies=(1, compared), warmup=0)
+    streams_steps = sweep_steps(stream_workload) if streams else 0
+    bench.plan(workload.warmup + workload.repeats * workload.requests_per_level + streams_steps)
     setup = {
         "model": model,
         "device": device,
@@ -621,9 +635,51 @@ def overhead_only(model: str, workload: Workload, device: str, num_gpus: float, 
     }
     bench.record(setup=setup)
     tts = load_in_process(model, device)
-    with local_server(model, app_args) as url, bench.phase("overhead"):
-        overhead = interleaved_overhead(url, tts, workload, bench)
-    return {**rename(overhead, "ms", "overhead_ms_c1"), "overhead_c1": overhead}
+    stream_levels: list[LevelResult] = []
+    with local_server(model, app_args) as url:
+        with bench.phase("overhead"):
+            overhead = interleaved_overhead(url, tts, workload, bench)
+        if streams and not bench.out_of_time("streams"):
+            with bench.phase("streams"):  # the overhead's pairs were its warm-up
+                stream_levels = asyncio.run(run_sweep(url, stream_workload, bench, report_key="streams"))
+        # what this local Ray's replicas were started with: a Serve mode that did not reach them shows here
+        replica_env = replica_serve_env(os.getpid())
+    report = {**rename(overhead, "ms", "overhead_ms_c1"), "overhead_c1": overhead, "replica_env": replica_env}
+    if streams:
+        report |= stream_figures(stream_levels, compared, tts.sample_rate)
+    return report
+
+
+REPLICA_TITLE = "ray::ServeReplica:"
+
+
+def replica_serve_env(root: int) -> list[dict[str, object]]:
+    """Each Serve replica process under `root` with the `RAY_SERVE_*` environment it was started with (from /proc):
+    `{"replica": its process title (ray::ServeReplica:<app>:<deployment>), "pid", "env"}`."""
+    found: list[dict[str, object]] = []
+    for pid in sorted(process_tree(root)):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            title = process_title(pid)
+            if title.startswith(REPLICA_TITLE):
+                entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                pairs = (entry.decode(errors="replace").partition("=") for entry in entries if entry)
+                env = {key: value for key, _, value in pairs if key.startswith("RAY_SERVE_")}
+                found.append({"replica": title, "pid": pid, "env": env})
+    return found
+
+
+def stream_figures(levels: list[LevelResult], compared: int, sample_rate: int) -> dict[str, Any]:
+    """The first audio byte of a stream at 1 client (p50 of every repeat's requests) and the bytes per second of
+    `compared` concurrent streams (16-bit PCM; median of the repeats, with its spread); null where the time budget
+    left a level out."""
+    c1, top = level(levels, "stream", 1), level(levels, "stream", compared)
+    first_byte = c1.first_chunk_s.get("p50") if c1 is not None else None
+    figures: dict[str, Any] = {"stream_first_byte_s_c1": first_byte}
+    bytes_key = f"stream_bytes_per_s_c{compared}"
+    if top is None or top.throughput is None:
+        return figures | unmeasured(bytes_key)
+    bytes_per_s = top.throughput.map(lambda audio_s_per_s: audio_s_per_s * sample_rate * PCM_BYTES_PER_SAMPLE)
+    return figures | bytes_per_s.fields(bytes_key)
 
 
 def main() -> None:
@@ -633,6 +689,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="requests per level and Poisson rate (default: the profile's)")
     parser.add_argument("--rates", type=float, nargs="+", help="Poisson arrivals per second (default: the profile's)")
     parser.add_argument("--overhead-only", action="store_true", help="only the interleaved overhead measure")
+    hops_help = (
+        "the overhead measure, then a stream's first byte at 1 client and the bytes/s of the most clients' streams"
+    )
+    parser.add_argument("--hops-only", action="store_true", help=hops_help)
     dry_help = "check the arguments and write the workload as JSON; start nothing (gpu_check.sh --quick)"
     parser.add_argument("--dry-run", action="store_true", help=dry_help)
     levels_help = "closed-loop client counts; the largest is the compared level"
@@ -659,9 +719,12 @@ def main() -> None:
         print(json.dumps(plan, default=str))
         return
     bench = BenchmarkRun("compare", options.out, options.budget_minutes)
-    if options.overhead_only:
-        report = bench.finish(overhead_only(options.model, workload, options.device, options.num_gpus, bench))
-        print(json.dumps({key: report[key] for key in ("overhead_ms_c1", "overhead_c1", "complete")}, indent=2))
+    if options.overhead_only or options.hops_only:
+        measured = overhead_only(options.model, workload, options.device, options.num_gpus, bench, options.hops_only)
+        report = bench.finish(measured)
+        keys = ["overhead_ms_c1", "overhead_c1", "complete"]
+        keys += [key for key in report if key.startswith(("stream_first_byte", "stream_bytes"))]
+        print(json.dumps({key: report[key] for key in keys}, indent=2))
         return
     report = bench.finish(compare(options.model, workload, profile.rates, bench, options.device, options.num_gpus))
     plot(report, options.out.with_suffix(".png"))
