@@ -13,7 +13,8 @@ number of tokens; the official flow gets our tokens and the official vocoder our
 its text encoder (ours runs in the encoder stage, not timed here), a few ms next to the decode loop.
 Timing: `--warmup` rounds, then `--repeats` rounds; each round runs every stage of every variant in turn (official,
 ours float32, ours choice), so a load change on a shared machine hits them alike; a choice stage that is float32
-reuses the float32 figure. Only v1 models (the worker wires the v1 classes).
+reuses the float32 figure. Only v1 models (the worker wires the v1 classes). The default run takes about 4 minutes
+on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def run(
     family = ModelConfig.from_yaml_file(yaml_path).family
     if family.llm_class != "TransformerLM":
         raise SystemExit(f"{model_name} is {family.name}: the official worker wires v1 only")
+    if not (official / "cosyvoice").is_dir():
+        raise SystemExit(f"--official {official}: not an official CosyVoice checkout (it has no cosyvoice/)")
+    if not os.access(official_python, os.X_OK):
+        raise SystemExit(f"--official-python {official_python}: no such python (a venv with the official deps)")
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     fp32, stages = load_variants(model_name)

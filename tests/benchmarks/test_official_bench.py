@@ -22,6 +22,14 @@ def test_only_v1_presets_are_taken() -> None:
         official_bench.run("cosyvoice2-tiny", OFFICIAL, str(OFFICIAL_PYTHON), 0.2, 1, 1, 0)
 
 
+def test_a_missing_checkout_or_venv_stops_before_any_model_loads(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="not an official CosyVoice checkout"):
+        official_bench.run("tiny", tmp_path, str(OFFICIAL_PYTHON), 0.2, 1, 1, 0)
+    (tmp_path / "cosyvoice").mkdir()
+    with pytest.raises(SystemExit, match="no such python"):
+        official_bench.run("tiny", tmp_path, str(tmp_path / "bin" / "python"), 0.2, 1, 1, 0)
+
+
 @pytest.mark.skipif(
     not (OFFICIAL / "cosyvoice").is_dir() or not OFFICIAL_PYTHON.is_file(),
     reason=f"no official checkout at {OFFICIAL} or venv python at {OFFICIAL_PYTHON} (COSYVOICE_OFFICIAL[_PYTHON])",
