@@ -320,13 +320,13 @@ class Run:
             first_audio_only,
         )
 
-    async def idle(self) -> dict[str, list[float]]:
-        """The idle TTFAs of each kind (one request at a time, after the warm-up)."""
+    async def idle(self, kinds: tuple[str, ...] = KINDS) -> dict[str, list[float]]:
+        """The idle TTFAs of each of `kinds` (one request at a time, after the warm-up)."""
         for index in range(self.workload.warmup):
-            await self.stream("short", self.text_for("short", index))
-            await self.stream("long", self.text_for("long", index), first_audio_only=True)
+            for kind in kinds:
+                await self.stream(kind, self.text_for(kind, index), first_audio_only=kind == "long")
         samples: dict[str, list[float]] = {}
-        for kind in KINDS:
+        for kind in kinds:
             samples[kind] = []
             for _ in range(self.workload.idle_samples):
                 result = await self.stream(kind, self.text_for(kind, 0), kind == "long")
