@@ -23,6 +23,8 @@ without it, the runs alternating (`prompt_cache_ttfa_ratio`: cached / uncached).
 
 The headline keys are for float32 weights; `--int8` repeats the sweep with the decoder LLM INT8-quantized (the
 CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an `_int8` suffix.
+
+The default run (tiny) takes under a minute on the 2-core machine (37 s, Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations
