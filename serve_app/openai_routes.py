@@ -3,6 +3,7 @@
 
 import logging
 import re
+from collections.abc import Hashable
 from typing import Any
 
 from fastapi import Request
@@ -25,6 +26,21 @@ MAX_LOGGED_FIELDS = 64  # unknown field names logged, at most: a client cannot g
 MAX_LOGGED_IGNORED = 256  # (model, voice) pairs whose ignored instructions are logged, at most: as for the fields
 
 
+class LoggedOnce:
+    """The keys already logged, at most `limit` of them: a client can neither grow the set nor flood the log."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.keys: set[Hashable] = set()
+
+    def first(self, key: Hashable) -> bool:
+        """Whether `key` is to be logged now: not logged before, and the limit not reached (it is then kept)."""
+        if key in self.keys or len(self.keys) >= self.limit:
+            return False
+        self.keys.add(key)
+        return True
+
+
 def served_model(name: str, served: str, aliases: tuple[str, ...]) -> str | None:
     """What a request's `model` stands for: the served model or one of its aliases, also an alias followed by a
     snapshot suffix; None for any other name."""
@@ -42,26 +58,23 @@ def openai_mode(stream_format: str, response_format: str, info: dict[str, Any], 
     return "stream" if audio_format(response_format).streamable and streams_at(info, speed) else "whole"
 
 
-_logged_fields: set[str] = set()
+_logged_fields = LoggedOnce(MAX_LOGGED_FIELDS)
 
 
 def log_ignored_fields(body: SpeechRequest) -> None:
     """Log each unknown field name once (of the first MAX_LOGGED_FIELDS)."""
-    for name in sorted(set(body.model_extra or ()) - _logged_fields):
-        if len(_logged_fields) >= MAX_LOGGED_FIELDS:
-            return
-        _logged_fields.add(name)
-        logger.warning("/v1/audio/speech ignores the field %r, which this server does not know (logged once)", name)
+    for name in sorted(body.model_extra or ()):
+        if _logged_fields.first(name):
+            logger.warning("/v1/audio/speech ignores the field %r, which this server does not know (logged once)", name)
 
 
-_logged_ignored: set[tuple[str, str]] = set()
+_logged_ignored = LoggedOnce(MAX_LOGGED_IGNORED)
 
 
 def log_ignored_instructions(model: str, voice: str, reason: str) -> None:
     """Log that instructions go unfollowed, once per model and voice (of the first MAX_LOGGED_IGNORED)."""
-    if (model, voice) in _logged_ignored or len(_logged_ignored) >= MAX_LOGGED_IGNORED:
+    if not _logged_ignored.first((model, voice)):
         return
-    _logged_ignored.add((model, voice))
     logger.warning(
         "instructions in the voice %r are ignored: %s (logged once per model and voice; app args "
         "openai.strict_instructions: true answers 400 instead)",

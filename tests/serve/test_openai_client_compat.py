@@ -40,7 +40,7 @@ def serve_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFix
     serve_logger = logging.getLogger("ray.serve")
     serve_logger.addHandler(caplog.handler)
     with caplog.at_level(logging.INFO, logger="ray.serve"), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(openai_routes, "_logged_ignored", set())
+        patch.setattr(openai_routes, "_logged_ignored", openai_routes.LoggedOnce(openai_routes.MAX_LOGGED_IGNORED))
         yield caplog
     serve_logger.removeHandler(caplog.handler)
 
