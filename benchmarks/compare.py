@@ -129,6 +129,7 @@ class Profile:
 # The default run (tiny) ends in about 5 minutes here; a bigger model's stops at this budget with what it measured
 # unless given more (`--budget-minutes 0`: none), so that no default run outlasts 15 minutes.
 BUDGET_MINUTES = 14.0
+REPLICA_TITLE = "ray::ServeReplica:"  # a Serve replica's process title, before <app>:<deployment>
 PROFILES = {"tiny": Profile(requests=16, rates=(0.5, 1.0)), "dummy": Profile(requests=16, rates=(0.25, 0.5))}
 
 
@@ -650,9 +651,6 @@ def overhead_only(
     if streams:
         report |= stream_figures(stream_levels, compared, tts.sample_rate)
     return report
-
-
-REPLICA_TITLE = "ray::ServeReplica:"
 
 
 def replica_serve_env(root: int) -> list[dict[str, object]]:

@@ -83,7 +83,6 @@ def main() -> None:
     add_budget_option(parser, BUDGET_MINUTES)
     options = parser.parse_args()
     workload = StreamsWorkload(repeats=options.repeats, warmup=options.warmup)
-    options.out.parent.mkdir(parents=True, exist_ok=True)
     bench = BenchmarkRun("late_short", options.out, options.budget_minutes)
     report = bench.finish(asyncio.run(measure(options.url.rstrip("/"), workload, bench)))
     keys = ("idle_ttfa_s", "late_short_ttfa_s", "late_short_ttfa_ratio", "late_short_ttfa_ratio_spread")

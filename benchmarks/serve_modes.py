@@ -71,7 +71,7 @@ def mode_env(mode: str) -> dict[str, str]:
 def run_environment(mode: str, environ: dict[str, str]) -> dict[str, str]:
     """`environ` without any Serve-mode variable of its own (a leftover export would blur the comparison), with the
     mode's."""
-    ours = {THROUGHPUT_OPTIMIZED, *RAY_DEFAULTS, *(key for part in PARTS.values() for key in part)}
+    ours = {THROUGHPUT_OPTIMIZED, *RAY_DEFAULTS}  # every part's variables are among RAY_DEFAULTS
     return {key: value for key, value in environ.items() if key not in ours} | mode_env(mode)
 
 

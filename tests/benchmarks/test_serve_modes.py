@@ -24,6 +24,7 @@ def test_a_part_states_rays_default_for_the_others_and_an_operators_export_does_
     # the whole mode sets only its switch: a stated default would override what it turns on
     assert mode_env("throughput-optimized") == {THROUGHPUT_OPTIMIZED: "1"}
     assert set(PARTS) == {"grpc", "user-loop", "router-loop", "direct-ingress", "log-buffer"}
+    assert all(set(part) <= set(RAY_DEFAULTS) for part in PARTS.values())  # what run_environment clears
 
     exported = {"PATH": "/bin", THROUGHPUT_OPTIMIZED: "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
     assert run_environment("default", exported) == {"PATH": "/bin", **RAY_DEFAULTS}
