@@ -19,12 +19,11 @@ SERVICE_TYPE = "_wyoming._tcp.local."
 MDNS_GROUP = "224.0.0.251"
 
 
-def announced_address(host: str) -> str:
-    """The IPv4 address announced for a listener bound to `host`: its own, or for every interface (0.0.0.0) the one
-    this machine's route to the mDNS group leaves from (a UDP `connect` picks it; nothing is sent)."""
-    address = socket.gethostbyname(host)
-    if not ipaddress.ip_address(address).is_unspecified:
-        return address
+def announced_address(bound: str) -> str:
+    """The IPv4 address announced for a listener bound to the address `bound`: that one, or for every interface
+    (0.0.0.0) the one this machine's route to the mDNS group leaves from (a UDP `connect` picks it; nothing is sent)."""
+    if not ipaddress.ip_address(bound).is_unspecified:
+        return bound
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((MDNS_GROUP, 1))
         return probe.getsockname()[0]
@@ -52,8 +51,9 @@ class Announcement:
             logger.info("Wyoming is not announced by mDNS: the zeroconf package is not installed")
             return None
         try:
-            address = announced_address(host)
-            every_interface = ipaddress.ip_address(socket.gethostbyname(host)).is_unspecified
+            bound = socket.gethostbyname(host)
+            address = announced_address(bound)
+            every_interface = ipaddress.ip_address(bound).is_unspecified
             zeroconf = AsyncZeroconf(
                 interfaces=InterfaceChoice.All if every_interface else [address], ip_version=IPVersion.V4Only
             )
