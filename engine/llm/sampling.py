@@ -96,9 +96,13 @@ def make_generator(seed: int | None) -> torch.Generator:
 def nucleus_sample(probs: Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
     """Draw from the most likely tokens, taken in order while their summed probability is below top_p, at most
     top_k of them (so at least the most likely one). probs [V] -> token id."""
-    # A stable sort, as the official sampler: equal probabilities keep their id order, so draws replay.
-    sorted_probs, sorted_ids = probs.sort(descending=True, stable=True)
-    top_probs, top_ids = sorted_probs[:top_k], sorted_ids[:top_k]
+    # The official sampler stable-sorts the whole vocabulary (equal probabilities keep their id order, so draws
+    # replay). Only the top_k can be drawn, so this sorts just the ids at or above the k-th largest probability
+    # (ties included, in id order): the same order for those ids at a fraction of the cost.
+    kth_largest = probs.topk(min(top_k, probs.numel())).values[-1]
+    candidate_ids = (probs >= kth_largest).nonzero().squeeze(1)
+    candidate_probs, order = probs[candidate_ids].sort(descending=True, stable=True)
+    top_probs, top_ids = candidate_probs[:top_k], candidate_ids[order[:top_k]]
     mass_before = torch.cumsum(top_probs, dim=0) - top_probs
     kept = int((mass_before < top_p).sum())  # a prefix: the mass only grows
     choice = torch.multinomial(top_probs[:kept], 1, replacement=True, generator=generator)

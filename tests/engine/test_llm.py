@@ -294,6 +294,35 @@ def test_top_k_and_top_p_limit_the_candidates() -> None:
     assert {nucleus_sample(probs, 0.75, 25, make_generator(s)) for s in range(50)} == {0, 1}
 
 
+def official_nucleus_sample(probs: torch.Tensor, top_p: float, top_k: int, generator: torch.Generator) -> int:
+    """The official sampler's nucleus draw: a stable sort of the whole vocabulary, then the kept prefix."""
+    sorted_probs, sorted_ids = probs.sort(descending=True, stable=True)
+    kept_probs, kept_ids, mass = [], [], 0.0
+    for prob, token in zip(sorted_probs.tolist(), sorted_ids.tolist(), strict=True):
+        if mass < top_p and len(kept_probs) < top_k:
+            mass += prob
+            kept_probs.append(prob)
+            kept_ids.append(token)
+        else:
+            break
+    choice = torch.multinomial(torch.tensor(kept_probs), 1, replacement=True, generator=generator)
+    return kept_ids[int(choice)]
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 25, 200, 10_000])
+def test_the_nucleus_draw_matches_a_whole_vocabulary_sort_with_ties_at_the_kth_place(top_k: int) -> None:
+    # Probabilities on a coarse grid, so many tokens tie, at the k-th place too: the draw must take the tied ids in id
+    # order, as the official whole-vocabulary stable sort does, or the same seed draws another token.
+    levels = torch.randint(0, 8, (4097,), generator=torch.Generator().manual_seed(3)).float()
+    probs = levels / levels.sum()
+    kth = probs.sort(descending=True, stable=True).values[min(top_k, probs.numel()) - 1]
+    assert int((probs == kth).sum()) > 1
+    for top_p in (0.05, 0.8, 1.0):
+        for seed in range(20):
+            ours = nucleus_sample(probs, top_p, top_k, make_generator(seed))
+            assert ours == official_nucleus_sample(probs, top_p, top_k, make_generator(seed)), (top_p, seed)
+
+
 def test_a_repeated_token_is_excluded_from_the_fallback_draw() -> None:
     scores = log_probs([0.4, 0.3, 0.2, 0.1])
     options = SamplingOptions(top_p=1.0, top_k=1, win_size=10, tau_r=0.1)  # the nucleus is token 0 only
