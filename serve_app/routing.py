@@ -6,9 +6,10 @@ scales them to 0 and no queued request cold-starts one; otherwise `Decoder` whil
 replica, else `DecoderCPU` if that has one, else `Decoder` (Serve cold-starts a replica from 0).
 While the CPU fallback's policy marks the GPU decoder woken (`autoscaling.policy.WakeRule`, on the `WakeBoard`), the
 GPU decoder is not drained: new work goes to it once it runs (requests already at the fallback finish there).
-The RUNNING counts come from `serve.status()` and the live replica actors (the wake mark from the board), re-read
-by a background task every `poll_interval_s` (a controller round trip per request would cost more than it is
-worth; /healthz re-reads a view older than a second); between reads the last view holds.
+The RUNNING counts come from `serve.status()` and the live replica actors (the wake mark from the board). With a
+fallback, a background task re-reads them every `poll_interval_s` (a controller round trip per request would cost
+more than it is worth); between reads the last view holds. Without one there is no choice to make, so nothing polls
+(a read holds the ingress' GIL for ~28 ms on 2 cores): /healthz re-reads a view older than a second.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ class DecoderRouter:
         self._task: asyncio.Task[None] | None = None
 
     def start(self, app_name: str) -> None:
-        """Poll from the running event loop."""
-        self._task = asyncio.get_running_loop().create_task(self._poll(app_name))
+        """Poll from the running event loop while there is a choice to make (a CPU fallback)."""
+        if CPU_DECODER in self.handles:
+            self._task = asyncio.get_running_loop().create_task(self._poll(app_name))
 
     async def refresh(self, app_name: str) -> None:
         self.running = await running_replicas(app_name, (ENCODER, *self.handles))

@@ -263,21 +263,26 @@ def test_router_follows_the_polled_counts(monkeypatch: pytest.MonkeyPatch) -> No
     assert _run(scenario()) == [gpu, gpu, cpu, gpu]
 
 
-def test_router_without_fallback_polls_for_healthz_and_keeps_the_gpu_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_without_fallback_keeps_the_gpu_decoder_and_does_not_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = 0
+
     async def only_encoder(app_name: str, names) -> dict[str, int]:
+        nonlocal reads
+        reads += 1
         assert set(names) == {ENCODER, GPU_DECODER}  # the encoder too: /healthz reads this view
         return {ENCODER: 1, GPU_DECODER: 0}
 
     monkeypatch.setattr(routing, "running_replicas", only_encoder)
 
-    async def scenario() -> tuple[object, dict[str, int]]:
+    async def scenario() -> tuple[object, int, dict[str, int]]:
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=0.001)
         router.start("app")
-        while router.polled_at is None:
-            await asyncio.sleep(0.001)
-        return router.handle(), router.running
+        await asyncio.sleep(0.05)  # fifty poll intervals
+        reads_while_idle = reads
+        await router.refresh_if_older("app", max_age_s=1.0)  # what /healthz does
+        return router.handle(), reads_while_idle, router.running
 
-    assert _run(scenario()) == ("gpu", {ENCODER: 1, GPU_DECODER: 0})
+    assert _run(scenario()) == ("gpu", 0, {ENCODER: 1, GPU_DECODER: 0})
 
 
 def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch: pytest.MonkeyPatch) -> None:
