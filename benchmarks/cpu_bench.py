@@ -5,12 +5,13 @@ side by side in one run (alternated repeat by repeat) and compared with float32 
     python -m benchmarks.cpu_bench --model dummy --out out/cpu_bench_v1.json [--seconds 5] [--threads 2]
         [--repeats 3] [--warmup 1] [--dtype auto] [--quality-only]
 
-Variants: the LLM in float32 (oneDNN-packed Linear), INT8 (dynamic, Linear layers) and bfloat16; the flow and the
-vocoder in float32 and bfloat16. Every stage of every variant is fed the float32 stage's input (the float32 tokens,
-the float32 mel), so both the times and the errors are the stage's own. Timing: `--warmup` untimed calls of each
-variant, then `--repeats` rounds, each round timing every variant once in turn (so a load change on a shared machine
-hits all variants alike); medians with their spread (`benchmarks.timing`) and each variant's median speed-up over
-float32. The whole-decoder RTF of a choice is the sum of its stages' times, repeat by repeat.
+Variants: the LLM in float32 (oneDNN-packed Linear), INT8 (dynamic, Linear layers), INT4 (weight-only, `auto-int4`'s
+LLM) and bfloat16; the flow and the vocoder in float32 and bfloat16. Every stage of every variant is fed the float32
+stage's input (the float32 tokens, the float32 mel), so both the times and the errors are the stage's own. Timing:
+`--warmup` untimed calls of each variant, then `--repeats` rounds, each round timing every variant once in turn (so a
+load change on a shared machine hits all variants alike); medians with their spread (`benchmarks.timing`) and each
+variant's median speed-up over float32. The whole-decoder RTF of a choice is the sum of its stages' times, repeat by
+repeat.
 
 Quality, against float32: the LLM's greedy tokens (the fraction equal, position by position, at the forced length;
 with random weights the top logits are near ties, so this drops fast) and its first step's probabilities,
@@ -39,12 +40,12 @@ from benchmarks.progress import BenchmarkRun
 from benchmarks.timing import Timing, paired
 from engine.llm.generation import TokenGenerator
 from engine.loading.loader import LoadedModel, load_model
-from engine.nn.precision import cpu_auto_choice, cpu_capabilities, decoder_dtypes, module_sizes
+from engine.nn.precision import AUTO_INT4_DTYPE, cpu_capabilities, decoder_dtypes, module_sizes
 from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 
 STAGE_VARIANTS = {
-    "llm": ("float32", "int8", "bfloat16"),
+    "llm": ("float32", "int8", "int4", "bfloat16"),
     "flow": ("float32", "bfloat16"),
     "hift": ("float32", "bfloat16"),
 }
@@ -117,14 +118,18 @@ def compare(reference: Any, other: Any, waveform: bool = False) -> dict[str, flo
 
 def load_variants(model_name: str) -> tuple[LoadedModel, dict[str, SpeechDecoderStage]]:
     """The float32 model (encoder and decoder), and a decoder per variant name: float32, bfloat16 (every module),
-    int8 (its LLM only: the float32 flow and vocoder are not held twice)."""
+    int8 and int4 (their LLM only: the float32 flow and vocoder are not held again)."""
     fp32 = load_model(model_name, dtype="float32")
-    bf16 = load_model(model_name, dtype="bfloat16", components=("decoder",))
-    int8 = load_model(model_name, dtype="float32", int8=True, components=("decoder",))
-    int8.flow, int8.hift = fp32.flow, fp32.hift
+    variants = {
+        "float32": fp32,
+        "bfloat16": load_model(model_name, dtype="bfloat16", components=("decoder",)),
+        "int8": load_model(model_name, dtype="float32", int8=True, components=("decoder",)),
+        "int4": load_model(model_name, dtype=AUTO_INT4_DTYPE, components=("decoder",)),
+    }
+    for name in ("int8", "int4"):
+        variants[name].flow, variants[name].hift = fp32.flow, fp32.hift
     gc.collect()
-    stages = {name: SpeechDecoderStage(m) for name, m in (("float32", fp32), ("bfloat16", bf16), ("int8", int8))}
-    return fp32, stages
+    return fp32, {name: SpeechDecoderStage(model) for name, model in variants.items()}
 
 
 def stage_calls(
@@ -232,13 +237,11 @@ def report_settings(
 
 
 def choice_for(dtype: str, model: LoadedModel) -> tuple[dict[str, str], str]:
-    """stage -> variant name of `dtype` ('auto': this CPU's pick for this model), and why."""
-    if dtype == "auto":
-        picked = cpu_auto_choice(cpu_capabilities(), module_sizes(model.llm, model.flow, model.hift))
-    else:
-        picked = decoder_dtypes(dtype, model.config.family.prefers_bfloat16, torch.device("cpu"))
+    """stage -> variant name of `dtype` ('auto', 'auto-int4': this CPU's pick for this model), and why."""
+    sizes = module_sizes(model.llm, model.flow, model.hift)
+    picked = decoder_dtypes(dtype, model.config.family.prefers_bfloat16, torch.device("cpu"), sizes)
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    llm = "int8" if picked.llm_int8 else names[picked.llm]
+    llm = picked.llm_quantization or names[picked.llm]
     return {"llm": llm, "flow": names[picked.flow], "hift": names[picked.hift]}, picked.reason
 
 
@@ -307,7 +310,7 @@ def run(
 
 def main() -> None:
     parser = bench_parser(__doc__, "cpu_bench.json", 5.0, "audio length to generate")
-    parser.add_argument("--dtype", default="auto", help="the choice set beside float32: auto or a dtype")
+    parser.add_argument("--dtype", default="auto", help="the choice set beside float32: auto, auto-int4 or a dtype")
     parser.add_argument("--quality-only", action="store_true", help="skip the timing")
     parser.add_argument(
         "--skip", nargs="*", default=(), help="stage:variant entries not to time (e.g. llm:bfloat16); quality stays"

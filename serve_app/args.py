@@ -12,6 +12,7 @@ from autoscaling.policy import ScalingRules, WakeRule, decoder_autoscaling_confi
 from engine.errors import CheckpointError
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
+from engine.nn.precision import AUTO_INT4_DTYPE
 from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
 from engine.voices.registry import provisioned_voice_id
 from engine.voices.store import is_store_url
@@ -107,12 +108,13 @@ class DecoderArgs(_Strict):
     autoscaling: DecoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPU fraction per replica; 0 runs on CPU")
     num_cpus: float = Field(0.5, gt=0)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    dtype: Literal["auto", "auto-int4", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="auto: on a GPU float16 (CosyVoice3: bfloat16 LLM and flow); on CPU per stage for the CPU and "
         "the model (engine.nn.precision.cpu_auto_choice: INT8 LLM, bfloat16 flow with AMX or AVX512-BF16, float32 "
-        "vocoder; float32 throughout for the tiny models); the choice and why are logged at startup and in "
-        "batch_stats",
+        "vocoder; float32 throughout for the tiny models); auto-int4 (CPU only): auto with the LLM's Linear weights "
+        "in INT4 (faster batch-1 steps, slower from batch 8: docs/performance.md); the choice and why are logged at "
+        "startup and in batch_stats",
     )
     max_batch_size: int = Field(
         8,
@@ -159,6 +161,8 @@ class DecoderArgs(_Strict):
     def _mps_needs_a_gpu(self) -> DecoderArgs:
         if self.mps_thread_share and not self.num_gpus:
             raise ValueError("mps_thread_share holds a replica to its GPU share: it needs num_gpus > 0")
+        if self.dtype == AUTO_INT4_DTYPE and self.num_gpus:
+            raise ValueError(f"dtype {AUTO_INT4_DTYPE} is for CPU decoders (num_gpus 0); use auto on a GPU")
         return self
 
     @property

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from engine.loading.loader import ModelSizes
 from engine.nn.precision import (
     AUTO_DTYPE,
+    AUTO_INT4_DTYPE,
     CpuCapabilities,
     DecoderDtypes,
     cpu_auto_choice,
@@ -206,9 +207,13 @@ def plan_for(
     docstring). PlanError where it cannot."""
     decoder = args.decoder
     pinned_fraction = decoder.num_gpus if "num_gpus" in decoder.model_fields_set else None
+    cpu_only_dtype = decoder.dtype == AUTO_INT4_DTYPE  # torch's int4 kernel is a CPU one
     on_gpu = device == "cuda" or (device == "auto" and bool(inventory.gpus) and pinned_fraction != 0)
+    on_gpu = on_gpu and not (device == "auto" and cpu_only_dtype)
     if on_gpu and not inventory.gpus:
         raise PlanError("--device cuda, but Ray sees no GPU on this machine; run with --device cpu")
+    if on_gpu and cpu_only_dtype:
+        raise PlanError(f"decoder.dtype {AUTO_INT4_DTYPE} is for CPU decoders: run with --device cpu, or use auto")
     if not on_gpu:
         return _cpu_plan(inventory, sizes, args)
     if pinned_fraction == 0:
@@ -241,8 +246,11 @@ def plan_for(
 
 
 def _dtypes(name: str, auto: Callable[[], DecoderDtypes]) -> DecoderDtypes:
-    """The decoder's dtypes: `auto`'s choice for the device, or the one named for all three modules."""
-    return auto() if name == AUTO_DTYPE else DecoderDtypes(*(parse_dtype(name),) * 3, reason="as asked")
+    """The decoder's dtypes: `auto`'s (or `auto-int4`'s) choice for the device, or the one named for all three
+    modules."""
+    if name in (AUTO_DTYPE, AUTO_INT4_DTYPE):
+        return auto()
+    return DecoderDtypes(*(parse_dtype(name),) * 3, reason="as asked")
 
 
 def _plan(
@@ -374,7 +382,8 @@ def _scaled(args: AppArgs, count: int) -> dict[str, Any]:
 
 
 def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs) -> Plan:
-    dtypes = _dtypes(args.decoder.dtype, lambda: cpu_auto_choice(inventory.cpu, sizes.gemm))
+    llm_int4 = args.decoder.dtype == AUTO_INT4_DTYPE
+    dtypes = _dtypes(args.decoder.dtype, lambda: cpu_auto_choice(inventory.cpu, sizes.gemm, llm_int4))
     section = args.decoder.model_dump(exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
     return _plan(args, inventory, dtypes, section)
 

@@ -32,7 +32,15 @@ from engine.loading.model_source import (
     model_directory,
     served_name,
 )
-from engine.nn.precision import DecoderDtypes, decoder_dtypes, module_sizes, pack_linear_for_cpu, quantize_linear_int8
+from engine.nn.precision import (
+    QUANTIZED_WEIGHT_BYTES,
+    DecoderDtypes,
+    decoder_dtypes,
+    module_sizes,
+    pack_linear_for_cpu,
+    quantize_linear_int4,
+    quantize_linear_int8,
+)
 from engine.text.frontend import TextFrontend
 from engine.text.languages import SPELLED_OUT_LANGUAGES
 from engine.vocoder.hift import HiFTGenerator, upgrade_legacy_weight_norm
@@ -128,10 +136,11 @@ class ModelSizes:
     gemm: dict[str, int]
 
     def weight_bytes(self, dtypes: DecoderDtypes) -> int:
-        """The decoder modules' weights cast to `dtypes` (an INT8 LLM's Linear weights at a byte each)."""
-        llm_bytes = 1 if dtypes.llm_int8 else dtypes.llm.itemsize
+        """The decoder modules' weights cast to `dtypes` (an INT8 LLM's Linear weights at a byte each, an INT4 one's at
+        half a byte and its scales)."""
+        llm_bytes = QUANTIZED_WEIGHT_BYTES.get(dtypes.llm_quantization, dtypes.llm.itemsize)
         return (
-            self.parameters["llm"] * llm_bytes
+            int(self.parameters["llm"] * llm_bytes)
             + self.parameters["flow"] * dtypes.flow.itemsize
             + self.parameters["hift"] * dtypes.hift.itemsize
         )
@@ -240,17 +249,19 @@ def load_model(
     sizes = module_sizes(llm, flow, hift) if decoding else None
     dtypes = decoder_dtypes(dtype, config.family.prefers_bfloat16, decoder_device, sizes)
     torch_dtype = dtypes.llm
-    # INT8 for the decoder LLM: asked for (`int8`, with the text encoder) or chosen by `auto` (the decoder's alone)
-    auto_int8 = dtypes.llm_int8 and not int8
-    int8_decoder = (int8 or dtypes.llm_int8) and decoder_device == cpu and torch_dtype == torch.float32
+    # The decoder LLM's quantization: chosen by `auto` / `auto-int4` (the decoder's alone), else INT8 when `int8` asks
+    # for it (with the text encoder); float32 CPU layers only
+    on_cpu_in_float32 = decoder_device == cpu and torch_dtype == torch.float32
+    decoder_quantization = (dtypes.llm_quantization or ("int8" if int8 else None)) if on_cpu_in_float32 else None
 
     text_llm = None
     if "encoder" in components:
         # One LLM copy serves both halves unless the decoder runs on another device or dtype.
         text_llm = config.family.text_module(llm)
-        # (an INT8 decoder LLM chosen by `auto` leaves a text encoder with Linear layers, v1's, in float32)
+        # (a decoder LLM quantized otherwise than `int8` asks leaves a text encoder with Linear layers, v1's, apart)
         has_linear = any(isinstance(m, nn.Linear) for m in text_llm.modules())
-        separate = decoding and (decoder_device != cpu or torch_dtype != torch.float32 or (auto_int8 and has_linear))
+        quantized_otherwise = decoder_quantization != ("int8" if int8 else None)
+        separate = decoding and (not on_cpu_in_float32 or (quantized_otherwise and has_linear))
         text_llm = copy.deepcopy(text_llm) if separate else text_llm
         if int8 and (separate or not decoding):
             quantize_linear_int8(text_llm)
@@ -258,10 +269,12 @@ def load_model(
             pack_linear_for_cpu(text_llm)
     decoder_llm = None
     if decoding:
-        if int8_decoder:
+        if decoder_quantization == "int4":
+            quantize_linear_int4(llm)
+        elif decoder_quantization == "int8":
             quantize_linear_int8(llm)
         decoder_llm = llm.to(device=decoder_device, dtype=torch_dtype)
-        if cpu_packing and not int8_decoder:
+        if cpu_packing and decoder_quantization is None:
             pack_linear_for_cpu(decoder_llm)  # only float32 CPU layers are packed
         flow = flow.to(device=decoder_device, dtype=dtypes.flow)
         hift = hift.to(device=decoder_device, dtype=dtypes.hift)
@@ -285,6 +298,6 @@ def load_model(
         dtype=torch_dtype,
         decoder_device=decoder_device,
         text_device=cpu,
-        precision=replace(dtypes, llm_int8=int8_decoder) if decoding else None,
+        precision=replace(dtypes, llm_quantization=decoder_quantization) if decoding else None,
         llm_checkpoint=llm_file,
     )

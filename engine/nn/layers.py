@@ -82,6 +82,51 @@ def _pack(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), 8)
 
 
+class Int4Linear(nn.Module):
+    """A CPU Linear whose weight is stored in 4 bits, in groups of `group_size` inputs that each have a bfloat16 scale
+    and offset (weight-only quantization; `engine.nn.precision.quantize_linear_int4`). A batch-1 decode step reads
+    every weight once, so an eighth of float32's bytes (plus the scales) makes that read faster; torch's packed
+    kernel takes bfloat16 rows (float32 ones fall to a path ~20x slower), so the input is rounded to bfloat16 and
+    the output comes back in float32 before the bias is added.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, group_size: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        codes, scales_and_offsets = int4_groups(weight.detach().float(), group_size)
+        # Plain attributes, not buffers, as PackedLinear's weight: the kernel reads these dtypes, so casts leave them
+        self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.scales_and_offsets = scales_and_offsets  # [in / group, out, 2] bfloat16
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in_features] -> [..., out_features] in x's dtype."""
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed_weight, self.group_size, self.scales_and_offsets
+        )
+        out = out.float() if self.bias is None else torch.add(self.bias, out)  # the sum is float32: one operation
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+def int4_groups(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """weight [out, in] float32 -> (codes [out, in] int32 in 0..15, scales and offsets [in / group_size, out, 2]
+    bfloat16), each group of `group_size` inputs of a row spread evenly over its own min..max:
+    weight ~= (code - 8) * scale + offset, the form torch's int4 kernel reads."""
+    out_features, in_features = weight.shape
+    groups = weight.view(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny)
+    codes = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(out_features, in_features)
+    offset = low + 8 * scale
+    scales_and_offsets = torch.stack((scale, offset), dim=-1).view(out_features, -1, 2).transpose(0, 1)
+    return codes, scales_and_offsets.contiguous().to(torch.bfloat16)
+
+
 class Conv1d(nn.Conv1d):
     def forward(self, x: Tensor) -> Tensor:
         weight, bias = _compute_weights(self)

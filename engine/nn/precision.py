@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 AUTO_DTYPE = "auto"
+AUTO_INT4_DTYPE = "auto-int4"  # `auto` on CPU with the LLM's Linear weights in INT4 instead of INT8
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -40,20 +41,21 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class DecoderDtypes:
-    """The dtype of each decoder module's weights; `llm_int8`: the (float32, CPU) LLM's Linear layers dynamically
-    quantized to INT8; `reason`: why `auto` chose so (for the startup log and `/v1/models`)."""
+    """The dtype of each decoder module's weights; `llm_quantization`: how the (float32, CPU) LLM's Linear layers are
+    quantized, "int8" (dynamic) or "int4" (weight-only, `quantize_linear_int4`), None for not at all; `reason`: why
+    `auto` chose so (for the startup log and `/v1/models`)."""
 
     llm: torch.dtype
     flow: torch.dtype
     hift: torch.dtype
-    llm_int8: bool = False
+    llm_quantization: str | None = None
     reason: str = field(default="", compare=False)
 
     def describe(self) -> dict[str, str]:
         """{'llm': 'int8' / 'bfloat16' / ..., 'flow': ..., 'hift': ...}: what each decoder module runs in."""
         names = {dtype: name for name, dtype in DTYPES.items()}
         return {
-            "llm": "int8" if self.llm_int8 else names[self.llm],
+            "llm": self.llm_quantization or names[self.llm],
             "flow": names[self.flow],
             "hift": names[self.hift],
         }
@@ -145,8 +147,9 @@ def module_sizes(llm: nn.Module | None, flow: nn.Module | None, hift: nn.Module 
 MIN_REDUCED_PRECISION_PARAMETERS = 16_000_000
 
 
-def cpu_auto_choice(caps: CpuCapabilities, sizes: dict[str, int]) -> DecoderDtypes:
-    """`auto` on CPU, per stage, from the CPU's units and the stage's size (GEMM weights, `gemm_parameters`).
+def cpu_auto_choice(caps: CpuCapabilities, sizes: dict[str, int], llm_int4: bool = False) -> DecoderDtypes:
+    """`auto` on CPU, per stage, from the CPU's units and the stage's size (GEMM weights, `gemm_parameters`);
+    `llm_int4` (`auto-int4`) puts the LLM's Linear weights in INT4 whatever its size.
     Measured with `benchmarks/cpu_bench.py` (docs/performance.md, "CPU precision per stage"; 2 threads of an AMD
     EPYC with AVX512-BF16, no AMX, real-size dummies of v1, v2 and v3, each variant against float32 in one run):
 
@@ -171,10 +174,14 @@ def cpu_auto_choice(caps: CpuCapabilities, sizes: dict[str, int]) -> DecoderDtyp
         flow, why_flow = bf16, f"flow bfloat16 (native on {unit})"
     else:
         flow, why_flow = f32, "flow float32 (no native bfloat16: neither AMX nor AVX512-BF16)"
-    llm_int8 = big["llm"]
-    why_llm = "LLM INT8 (batch-1 decode reads its weights)" if llm_int8 else "LLM float32 (too small for INT8 to pay)"
+    if llm_int4:
+        llm_quantization, why_llm = "int4", "LLM INT4 weights, INT8 where the int4 kernel takes no layer (as asked)"
+    elif big["llm"]:
+        llm_quantization, why_llm = "int8", "LLM INT8 (batch-1 decode reads its weights)"
+    else:
+        llm_quantization, why_llm = None, "LLM float32 (too small for INT8 to pay)"
     why = f"{why_llm}; {why_flow}; vocoder float32 (quality); CPU {caps.describe()}"
-    return DecoderDtypes(f32, flow, f32, llm_int8=llm_int8, reason=why)
+    return DecoderDtypes(f32, flow, f32, llm_quantization=llm_quantization, reason=why)
 
 
 def decoder_dtypes(
@@ -187,15 +194,19 @@ def decoder_dtypes(
     """The decoder modules' dtypes for a dtype name (see `parse_dtype`: all three in it) or `auto`.
 
     `auto` on CPU: `cpu_auto_choice` for this CPU (`cpu`, default the machine's) and the modules' `sizes`
-    (`module_sizes`; without them float32). On a GPU: float16, except for a family that `prefers_bfloat16`
-    (CosyVoice3) on a GPU with native bfloat16: its DiT flow overflows float16 (upstream issues report NaN audio
-    from its float16 flow, the error growing layer by layer rather than at one op), so the flow, and the LLM (a
-    Qwen2, trained in bfloat16; the official vLLM path runs it so), get bfloat16, which has float32's range. The
-    vocoder keeps float16, whose 3 more mantissa bits matter there (measured on random-weight CosyVoice3 vocoders,
-    the kit's and a released-size one: bfloat16 weights give ~18 dB less signal-to-error than float16; its
-    overflow-prone ops run in float32 anyway). Without native
-    bfloat16, CosyVoice3 runs in float16 and the NaN guard recomputes what overflows.
+    (`module_sizes`; without them float32); `auto-int4` the same with an INT4 LLM (CPU only). On a GPU: float16,
+    except for a family that `prefers_bfloat16` (CosyVoice3) on a GPU with native bfloat16: its DiT flow overflows
+    float16 (upstream issues report NaN audio from its float16 flow, the error growing layer by layer rather than at
+    one op), so the flow, and the LLM (a Qwen2, trained in bfloat16; the official vLLM path runs it so), get
+    bfloat16, which has float32's range. The vocoder keeps float16, whose 3 more mantissa bits matter there
+    (measured on random-weight CosyVoice3 vocoders, the kit's and a released-size one: bfloat16 weights give ~18 dB
+    less signal-to-error than float16; its overflow-prone ops run in float32 anyway). Without native bfloat16,
+    CosyVoice3 runs in float16 and the NaN guard recomputes what overflows.
     """
+    if name == AUTO_INT4_DTYPE:
+        if device.type != "cpu":
+            raise InvalidInputError(f"{AUTO_INT4_DTYPE} is for a CPU decoder (torch's int4 kernel here is a CPU one)")
+        return cpu_auto_choice(cpu or cpu_capabilities(), sizes or {}, llm_int4=True)
     if name != AUTO_DTYPE:
         dtype = parse_dtype(name)
         return DecoderDtypes(dtype, dtype, dtype)
@@ -324,6 +335,29 @@ def quantize_linear_int8(module: nn.Module) -> nn.Module:
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         return quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+INT4_GROUP_SIZE = 32  # inputs per scale and offset; 64 and 128 ran no faster here (2 threads, v1 dummy's layers)
+
+
+# Bytes per quantized weight: INT8 one; INT4 half, plus a bfloat16 scale and offset per group
+QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / INT4_GROUP_SIZE}
+
+
+def int4_kernel_takes(layer: layers.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:
+    """Whether torch's packed int4 kernel takes the layer: outputs a multiple of 16, inputs in whole groups."""
+    return layer.out_features % 16 == 0 and layer.in_features % group_size == 0
+
+
+def quantize_linear_int4(module: nn.Module, group_size: int = INT4_GROUP_SIZE) -> nn.Module:
+    """Weight-only INT4 (`layers.Int4Linear`) for every untied Linear layer the packed kernel takes, dynamic INT8 for
+    the others (a speech-token head of 4097 or 6564 outputs), in place; for CPU execution in float32."""
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        raise InvalidInputError("INT4 quantization needs a float32 module (it runs on CPU)")
+    for parent, name, child in _untied_linear_layers(module):
+        if int4_kernel_takes(child, group_size):
+            setattr(parent, name, layers.Int4Linear(child.weight, child.bias, group_size))
+    return quantize_linear_int8(module)
 
 
 def cpu_packing_available() -> bool:

@@ -53,14 +53,14 @@ def test_cpuinfo_flags_model_and_vendor_of_the_first_processor() -> None:
 @pytest.mark.parametrize(("caps", "unit"), [(AMX, "AMX"), (ZEN4, "AVX512-BF16")])
 def test_native_bfloat16_gives_a_real_size_flow_bfloat16_and_the_llm_int8(caps: CpuCapabilities, unit: str) -> None:
     choice = cpu_auto_choice(caps, REAL_SIZE)
-    assert choice == DecoderDtypes(F32, BF16, F32, llm_int8=True)
+    assert choice == DecoderDtypes(F32, BF16, F32, llm_quantization="int8")
     assert choice.describe() == {"llm": "int8", "flow": "bfloat16", "hift": "float32"}
     assert unit in choice.reason and "LLM INT8" in choice.reason
 
 
 def test_without_native_bfloat16_the_flow_stays_float32() -> None:
     choice = cpu_auto_choice(AVX2, REAL_SIZE)
-    assert choice == DecoderDtypes(F32, F32, F32, llm_int8=True)
+    assert choice == DecoderDtypes(F32, F32, F32, llm_quantization="int8")
     assert "no native bfloat16" in choice.reason
 
 
@@ -97,7 +97,7 @@ def test_the_loader_applies_the_cpu_choice(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(precision, "cpu_capabilities", lambda: AMX)
     monkeypatch.setattr(precision, "MIN_REDUCED_PRECISION_PARAMETERS", 0)
     model = load_model("tiny", dtype="auto")
-    assert model.precision == DecoderDtypes(F32, BF16, F32, llm_int8=True)
+    assert model.precision == DecoderDtypes(F32, BF16, F32, llm_quantization="int8")
     assert "AMX" in model.precision.reason
     assert any(isinstance(m, quantized_dynamic.Linear) for m in model.llm.modules())
     assert not any(isinstance(m, quantized_dynamic.Linear) for m in model.text_llm.modules())

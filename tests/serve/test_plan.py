@@ -126,6 +126,13 @@ def test_without_a_gpu_the_decoders_run_on_cpu() -> None:
     assert plan_for(machine(CARDS[24]), sizes_of("v3"), args_for("v3"), device="cpu").device == "cpu"
 
 
+def test_auto_int4_plans_cpu_decoders_with_an_int4_llm_even_beside_a_gpu() -> None:
+    plan = plan_for(machine(CARDS[24]), sizes_of("v1"), args_for("v1", dtype="auto-int4"))
+    assert plan.device == "cpu" and plan.dtypes == {"llm": "int4", "flow": "float32", "hift": "float32"}
+    with pytest.raises(PlanError, match="auto-int4 is for CPU decoders: run with --device cpu"):
+        plan_for(machine(CARDS[24]), sizes_of("v1"), args_for("v1", dtype="auto-int4"), device="cuda")
+
+
 def test_a_card_too_small_is_refused_with_the_numbers_and_the_cpu_choice() -> None:
     small = Gpu("a 4 GB card", 4 * 2**30, True)
     with pytest.raises(PlanError) as refused:
