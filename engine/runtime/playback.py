@@ -18,9 +18,6 @@ CPU the LLM step and both lanes share them) go to that first audio, and the held
 comes that near. Among the streams waiting for their first audio, the lanes take the shortest first chunk first (the
 least work before a listener hears something, so the least waiting on average: a short text is not queued behind long
 texts' longer first chunks), until one is `first_audio_passover_s` past its deadline: from then on it goes first.
-While the shortest of them is at most half as long as another's, that other one sits out altogether, its LLM row and
-its lane work (`passes_over`): on 2 cores the LLM step and both lanes share the cores (and, on small models, the GIL),
-so a short text's first audio came 4-5x later than alone beside long texts' first chunks.
 Deadlines are fixed points in time that move only when a request's audio is handed on, so the earliest one is always
 served eventually: nothing starves.
 `FcfsPolicy` keeps the first-come order: a running request's next sentence first, then the oldest new request.
@@ -35,8 +32,6 @@ from typing import Literal, Protocol
 # Speech per target text token, to estimate a whole request's audio before it is generated: about 0.3 s for English
 # BPE tokens (0.75 words each at 2.5 words per second) and for Chinese characters alike.
 SECONDS_PER_TEXT_TOKEN = 0.3
-# A first audio this many times shorter than another's is made first, alone (`passes_over`)
-QUICK_FIRST_AUDIO_RATIO = 2.0
 
 
 @dataclass
@@ -102,11 +97,6 @@ class SchedulingPolicy(Protocol):
         """Sort key of a stream's ready work while it waits for its first audio, among such streams (smallest first)."""
         ...
 
-    def passes_over(self, quick: Request, other: Request, now: float) -> bool:
-        """Whether `other`, also waiting for its first audio, sits out (its LLM row, its lane work) until `quick` has
-        its own."""
-        ...
-
 
 @dataclass(frozen=True)
 class DeadlinePolicy:
@@ -165,10 +155,6 @@ class DeadlinePolicy:
             return (0.0, deadline)
         return (1.0, request.playback.first_chunk_s, deadline)
 
-    def passes_over(self, quick: Request, other: Request, now: float) -> bool:
-        shorter = other.playback.first_chunk_s >= QUICK_FIRST_AUDIO_RATIO * quick.playback.first_chunk_s
-        return shorter and now - self.deadline(other) < self.first_audio_passover_s
-
 
 @dataclass(frozen=True)
 class FcfsPolicy:
@@ -191,6 +177,3 @@ class FcfsPolicy:
 
     def first_audio_key(self, request: Request, now: float) -> tuple[float, ...]:
         return (request.playback.arrived_at,)
-
-    def passes_over(self, quick: Request, other: Request, now: float) -> bool:
-        return False

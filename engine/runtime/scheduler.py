@@ -704,12 +704,7 @@ class Scheduler:
         generating = [s for s in self._live if not (s.tokens_done or s.paused or s.llm_id is None)]
         first_audio_due = _awaits_first_audio(generating)
         now = self.clock()
-        quick = self._quick_first_audio()
-        hold = [
-            s
-            for s in generating
-            if first_audio_due and (self.policy.may_hold(s.request, now) or self._sits_out(s, quick, now))
-        ]
+        hold = [s for s in generating if first_audio_due and self.policy.may_hold(s.request, now)]
         to_hold = [s for s in hold if not s.held]
         to_release = [s for s in generating if s.held and s not in hold]
         if to_hold:
@@ -840,16 +835,10 @@ class Scheduler:
 
     def _start_jobs(self) -> None:
         """Hand each free lane its next job (see the module docstring)."""
-        now = self.clock()
-        quick = self._quick_first_audio()
         ready = [
-            s
-            for s in self._live
-            if s.stream is not None
-            and not s.in_job
-            and not self._sits_out(s, quick, now)
-            and self.streams.may_emit(s.stream, s.events)
+            s for s in self._live if s.stream is not None and not s.in_job and self.streams.may_emit(s.stream, s.events)
         ]
+        now = self.clock()
         first = sorted(
             (s for s in ready if not s.request.audio_started), key=lambda s: self.policy.first_audio_key(s.request, now)
         )
@@ -876,20 +865,6 @@ class Scheduler:
         elif whole:
             self._start_whole_job(whole[:batch])
             self._main_turn = "streams"
-
-    def _quick_first_audio(self) -> _Sentence | None:
-        """The live stream still waiting for its first audio whose first chunk is the shortest (None: none waits)."""
-        waiting = [s for s in self._live if _waits_for_first_audio(s)]
-        return min(waiting, key=lambda s: s.request.playback.first_chunk_s, default=None)
-
-    def _sits_out(self, sentence: _Sentence, quick: _Sentence | None, now: float) -> bool:
-        """Whether `sentence`, also waiting for its first audio, leaves the cores to `quick`'s (`passes_over`)."""
-        return (
-            quick is not None
-            and sentence.request is not quick.request
-            and _waits_for_first_audio(sentence)
-            and self.policy.passes_over(quick.request, sentence.request, now)
-        )
 
     def _deadline(self, sentence: _Sentence) -> float:
         return self.policy.deadline(sentence.request)
@@ -1110,11 +1085,7 @@ def _first_chunk_s(streams: DecodeStream) -> float:
     return tokens / streams.decoder.model.config.speech_tokens_for(1.0)
 
 
-def _waits_for_first_audio(sentence: _Sentence) -> bool:
-    """Whether `sentence` streams a request that has no audio yet and is under way: not paused (a paused one waits for
-    a slot, which the work held for it may be holding)."""
-    return sentence.stream is not None and not sentence.paused and not sentence.request.audio_started
-
-
 def _awaits_first_audio(sentences: list[_Sentence]) -> bool:
-    return any(_waits_for_first_audio(s) for s in sentences)
+    """Whether one of `sentences` streams a request that has no audio yet and is under way: not paused (a paused one
+    waits for a slot, which the work held for it may be holding)."""
+    return any(s.stream is not None and not s.paused and not s.request.audio_started for s in sentences)

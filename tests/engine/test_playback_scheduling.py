@@ -289,7 +289,7 @@ def test_the_first_audio_order_puts_the_shortest_first_chunk_first_until_one_is_
 
 
 FIRST_AUDIO_ORDERS = [
-    (DeadlinePolicy(), 1.0, {"short"}),  # a first chunk under half the others': they sit out until it is made
+    (DeadlinePolicy(), 1.0, {"short", "long-1"}),
     (DeadlinePolicy(), 2.0, {"long-1", "long-2"}),  # the long ones are 1 s past their deadline: first
     (DeadlinePolicy(first_audio_passover_s=0.0), 1.0, {"long-1", "long-2"}),
     (FcfsPolicy(), 1.0, {"long-1", "long-2"}),
@@ -304,8 +304,9 @@ FIRST_AUDIO_ORDERS = [
 def test_a_short_first_chunk_is_made_before_long_ones_that_came_earlier(
     tiny: CosyVoice, policy: DeadlinePolicy | FcfsPolicy, short_arrives_at: float, first_jobs: set[str]
 ) -> None:
-    """Two long streams and, later, a short one, whose first chunk (its whole sentence) is under half a long one's;
-    the first jobs the two lanes take follow the policy's first-audio order."""
+    """Two long streams and, later, a short one all have their first chunk ready at the same step (120 tokens: a
+    long sentence's first chunk, the short one's whole sentence); the two lanes take two of them, by the policy's
+    first-audio order."""
     clock = FakeClock()
     scheduler = Scheduler(tiny.decoder, max_live=3, policy=policy, clock=clock)
     tickets = {
@@ -319,29 +320,6 @@ def test_a_short_first_chunk_is_made_before_long_ones_that_came_earlier(
     assert {name for name, sentence in sentences.items() if sentence.in_job} == first_jobs
     _run(scheduler)
     assert all(ticket.ended and ticket.playback.audio_s > 0 for ticket in tickets.values())
-
-
-def test_long_first_audios_leave_the_llm_batch_to_a_much_shorter_one_until_it_is_heard(tiny: CosyVoice) -> None:
-    """While the short stream generates, the long streams' LLM rows sit out (held, their KV caches kept) and make no
-    tokens; once its first audio is made they rejoin, and every stream ends whole."""
-    clock = FakeClock()
-    scheduler = Scheduler(tiny.decoder, max_live=3, policy=DeadlinePolicy(), clock=clock)
-    longs = [
-        scheduler.submit(_segments(tiny, LONG_SENTENCE, seed, 10.0), streaming=True, sink=Collected())
-        for seed in (0, 1)
-    ]
-    step_until(scheduler, lambda: all(ticket.sentences[0].llm_id is not None for ticket in longs), limit=10)
-    clock.now = 0.5
-    short = scheduler.submit(_segments(tiny, "Hi there.", 3, 40.0), streaming=True, sink=Collected())
-    step_until(scheduler, lambda: short.sentences[0].llm_id is not None, limit=10)
-    scheduler.step()
-    assert all(ticket.sentences[0].held for ticket in longs)
-    events_before = [len(ticket.sentences[0].events) for ticket in longs]
-    step_until(scheduler, lambda: short.audio_started, limit=300)
-    assert [len(ticket.sentences[0].events) for ticket in longs] == events_before  # no token while held
-    step_until(scheduler, lambda: not any(ticket.sentences[0].held for ticket in longs), limit=10)
-    _run(scheduler)
-    assert all(ticket.ended and ticket.playback.audio_s > 0 for ticket in [*longs, short])
 
 
 @dataclass(frozen=True)
