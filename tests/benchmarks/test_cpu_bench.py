@@ -36,7 +36,7 @@ def test_a_tiny_run_reports_every_stage_variant_and_the_choice(tmp_path: Path, m
         for variant in variants:
             assert result["rtf"][stage][variant] > 0 and result["rtf"][stage][f"{variant}_spread"]["n"] == 1
     assert result["rtf"]["decoder"]["choice"] == pytest.approx(result["rtf"]["decoder"]["float32"])
-    assert set(result["quality"]["llm"]) == {"int8", "bfloat16"}
+    assert set(result["quality"]["llm"]) == {"int8", "int4", "bfloat16"}
     assert 0.99 < result["quality"]["flow"]["bfloat16"]["cosine"] <= 1.0 + 1e-9
     assert "spectral_cosine" in result["quality"]["hift"]["bfloat16"]
 
@@ -45,3 +45,6 @@ def test_a_forced_dtype_is_the_choice(tmp_path: Path) -> None:
     result = cpu_bench.run("tiny", 0.2, threads=1, repeats=1, warmup=0, dtype="bfloat16", quality_only=True)
     assert result["choice"] == {"llm": "bfloat16", "flow": "bfloat16", "hift": "bfloat16"}
     assert result["quality"]["chain"]["cosine"] < 1.0  # the bfloat16 flow and vocoder
+    int4 = cpu_bench.run("tiny", 0.2, threads=1, repeats=1, warmup=0, dtype="auto-int4", quality_only=True)
+    assert int4["choice"] == {"llm": "int4", "flow": "float32", "hift": "float32"}  # tiny: auto's float32 beside it
+    assert "INT4" in int4["choice_reason"]
