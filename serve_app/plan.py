@@ -208,8 +208,8 @@ def plan_for(
     decoder = args.decoder
     pinned_fraction = decoder.num_gpus if "num_gpus" in decoder.model_fields_set else None
     cpu_only_dtype = decoder.dtype == AUTO_INT4_DTYPE  # torch's int4 kernel is a CPU one
-    on_gpu = device == "cuda" or (device == "auto" and bool(inventory.gpus) and pinned_fraction != 0)
-    on_gpu = on_gpu and not (device == "auto" and cpu_only_dtype)
+    gpu_by_default = bool(inventory.gpus) and pinned_fraction != 0 and not cpu_only_dtype
+    on_gpu = device == "cuda" or (device == "auto" and gpu_by_default)
     if on_gpu and not inventory.gpus:
         raise PlanError("--device cuda, but Ray sees no GPU on this machine; run with --device cpu")
     if on_gpu and cpu_only_dtype:

@@ -252,7 +252,8 @@ def load_model(
     # The decoder LLM's quantization: chosen by `auto` / `auto-int4` (the decoder's alone), else INT8 when `int8` asks
     # for it (with the text encoder); float32 CPU layers only
     on_cpu_in_float32 = decoder_device == cpu and torch_dtype == torch.float32
-    decoder_quantization = (dtypes.llm_quantization or ("int8" if int8 else None)) if on_cpu_in_float32 else None
+    text_quantization = "int8" if int8 else None
+    decoder_quantization = (dtypes.llm_quantization or text_quantization) if on_cpu_in_float32 else None
 
     text_llm = None
     if "encoder" in components:
@@ -260,7 +261,7 @@ def load_model(
         text_llm = config.family.text_module(llm)
         # (a decoder LLM quantized otherwise than `int8` asks leaves a text encoder with Linear layers, v1's, apart)
         has_linear = any(isinstance(m, nn.Linear) for m in text_llm.modules())
-        quantized_otherwise = decoder_quantization != ("int8" if int8 else None)
+        quantized_otherwise = decoder_quantization != text_quantization
         separate = decoding and (not on_cpu_in_float32 or (quantized_otherwise and has_linear))
         text_llm = copy.deepcopy(text_llm) if separate else text_llm
         if int8 and (separate or not decoding):
