@@ -186,7 +186,7 @@ class Decoder:
     def set_max_batch_size(self, size: int) -> int:
         """At most `size` sentences live in the loop (and per admission batch). Returns the size applied."""
         self.max_batch_size = size
-        self.scheduler.max_live = size
+        self.scheduler.limits.max_live = size
         self.load.max_batch_size = size
         for admit in self._admit.values():
             admit.set_max_batch_size(size)
@@ -218,7 +218,7 @@ class Decoder:
             self.set_batch_wait_timeout_s(float(user_config["batch_wait_timeout_s"]))
         if "memory_budget_gb" in user_config:
             budget = self._budget_bytes(user_config["memory_budget_gb"])
-            self.scheduler.memory_budget_bytes = budget
+            self.scheduler.limits.memory_budget_bytes = budget
             self.scheduler.prompt_cache.resize(prompt_cache_bound(budget, self.prompt_cache_share))
         if "max_batch_size" in user_config:
             self.set_max_batch_size(int(user_config["max_batch_size"]))
@@ -489,7 +489,7 @@ class Decoder:
             "queued": self.scheduler.queued,
             "awaiting_sentences": self.scheduler.awaiting_sentences,
             "live_bytes": self.scheduler.live_bytes,
-            "memory_budget_bytes": self.scheduler.memory_budget_bytes,
+            "memory_budget_bytes": self.scheduler.limits.memory_budget_bytes,
             "prompt_cache": {
                 "hits": self.scheduler.prompt_cache.stats.hits,
                 "misses": self.scheduler.prompt_cache.stats.misses,

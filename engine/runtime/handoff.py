@@ -1,7 +1,7 @@
 """Stream state that crosses CUDA streams: the one rule and the one helper (docs/scheduler.md, "CUDA streams").
 
 On CUDA each vocoding lane of the decoder loop issues its kernels on a CUDA stream of its own
-(`engine.runtime.scheduler`). A streaming sentence's state (`engine.families.chunking.StreamState`: the v1 flow cache,
+(`engine.runtime.lanes`). A streaming sentence's state (`engine.families.chunking.StreamState`: the v1 flow cache,
 the v3 vocoder window, ...) is made by one lane's job and may be read, replaced and so freed by the other lane's next
 job. Two things can then go wrong, both silently:
 - the reading lane's kernels start before the writing lane's kernels that fill the tensor are done;
@@ -19,17 +19,20 @@ them (`DecodeStream.release`), after the job that used them is over. On CPU both
 The LLM's state (the token generator's KV cache) lives on the loop thread's stream, the device's default stream. A
 lane changes it too: a stream whose chunk is not finite is stopped from the lane, which drops its generator row
 (the cache is sliced). So every generator call runs its kernels `on_stream(loop_stream(device))`, in order with the
-LLM steps, whichever thread makes it (`engine.runtime.scheduler._SharedGenerator`).
+LLM steps, whichever thread makes it (`SharedGenerator`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from engine.llm.generation import GenerationRequest, TokenEvent, TokenGenerator
 
 
 def state_tensors(state: Any) -> Iterator[Tensor]:
@@ -79,3 +82,47 @@ def loop_stream(device: torch.device) -> Any:
 def on_stream(stream: Any) -> AbstractContextManager[Any]:
     """Issue this thread's kernels on `stream` for the block (nothing to do for None: CPU)."""
     return nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+class SharedGenerator:
+    """The loop's token generator, locked: a lane may stop a stream (a non-finite chunk) while the loop thread steps
+    the generator. Every call runs its kernels on the loop thread's CUDA stream, whichever thread makes it, so a lane
+    that drops a generator row slices the KV cache in order with the LLM steps."""
+
+    def __init__(self, generator: TokenGenerator, device: torch.device) -> None:
+        self.generator = generator
+        self.model = generator.model
+        self._lock = threading.Lock()
+        self._stream = loop_stream(device)
+
+    @property
+    def active(self) -> int:
+        return self.generator.active
+
+    @property
+    def batch_size(self) -> int:
+        return self.generator.batch_size
+
+    def on_loop_stream(self) -> AbstractContextManager:
+        """Run the caller's kernels on the loop's CUDA stream, in order with the LLM's steps."""
+        return on_stream(self._stream)
+
+    def add(self, request: GenerationRequest) -> int:
+        with self._lock, on_stream(self._stream):
+            return self.generator.add(request)
+
+    def cancel(self, request_id: int) -> bool:
+        with self._lock, on_stream(self._stream):
+            return self.generator.cancel(request_id)
+
+    def pause(self, request_ids: list[int], keep_cache: bool) -> None:
+        with self._lock, on_stream(self._stream):
+            self.generator.pause(request_ids, keep_cache)
+
+    def resume(self, request_ids: list[int]) -> None:
+        with self._lock, on_stream(self._stream):
+            self.generator.resume(request_ids)
+
+    def step(self) -> list[TokenEvent]:
+        with self._lock, on_stream(self._stream):
+            return self.generator.step()

@@ -18,9 +18,11 @@ from torch import Tensor
 from engine.families.chunking import StreamState
 from engine.llm.sampling import SamplingOptions
 from engine.runtime import handoff
-from engine.runtime import scheduler as scheduler_module
+from engine.runtime import lanes as lanes_module
+from engine.runtime.handoff import SharedGenerator
+from engine.runtime.lanes import FIRST, MAIN
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
-from engine.runtime.scheduler import FIRST, MAIN, Scheduler, _SharedGenerator
+from engine.runtime.scheduler import Scheduler
 from engine.vocoder.causal_hift import VocoderStream
 from tests.engine.conftest import Collected, step_until
 
@@ -97,8 +99,8 @@ def test_every_state_a_lane_works_on_was_taken_over_by_that_lane_in_that_job(
         note("use", state)
         return next_chunk(state)
 
-    monkeypatch.setattr(scheduler_module, "take_over", taken)
-    monkeypatch.setattr(scheduler_module, "hand_over", handed)
+    monkeypatch.setattr(lanes_module, "take_over", taken)
+    monkeypatch.setattr(lanes_module, "hand_over", handed)
     monkeypatch.setattr(loop.streams.strategy, "next_chunk", used)
     sink = Collected()
     loop.submit([segment], streaming=True, sink=sink)
@@ -136,10 +138,10 @@ def test_every_generator_call_runs_on_the_loop_stream_whichever_thread_makes_it(
         def __exit__(self, *exc: object) -> None:
             return None
 
-    monkeypatch.setattr(scheduler_module, "loop_stream", lambda device: loop_stream)
-    monkeypatch.setattr(scheduler_module, "on_stream", Recorded)
+    monkeypatch.setattr(handoff, "loop_stream", lambda device: loop_stream)
+    monkeypatch.setattr(handoff, "on_stream", Recorded)
     generator = mock.MagicMock()
-    shared = _SharedGenerator(generator, torch.device("cpu"))
+    shared = SharedGenerator(generator, torch.device("cpu"))
     shared.add("request")
     shared.step()
     shared.pause([1], True)

@@ -222,8 +222,8 @@ def test_a_first_chunk_is_made_while_a_running_streams_chunk_is_vocoded(tts: Cos
     scheduler.submit([running], streaming=True, sink=running_sink)
     step_until(scheduler, lambda: bool(running_sink.outputs))
     # the running stream's next chunks wait on their lane (the emit's third argument: the streams it emits)
-    gate = Gate(scheduler._emit, holds=lambda streams, events, chosen: any(s.segment is running for s in chosen))
-    scheduler._emit = gate
+    gate = Gate(scheduler.lanes.emit, holds=lambda streams, events, chosen: any(s.segment is running for s in chosen))
+    scheduler.lanes.emit = gate
     try:
         step_until(scheduler, lambda: gate.arrived == 1)
         # a job the step that took the first chunk started before the gate was there may have made one more chunk
@@ -243,8 +243,8 @@ def test_a_first_chunk_is_made_while_a_running_streams_chunk_is_vocoded(tts: Cos
 def test_a_stream_cancelled_while_its_chunk_is_vocoded_frees_its_slot_at_once(tts: CosyVoice) -> None:
     [segment] = _segments(tts, "A streaming request whose caller leaves mid-chunk.", LONG)
     scheduler = Scheduler(tts.decoder, max_live=1)
-    gate = Gate(scheduler._emit)
-    scheduler._emit = gate
+    gate = Gate(scheduler.lanes.emit)
+    scheduler.lanes.emit = gate
     sink = Collected()
     ticket = scheduler.submit([segment], streaming=True, sink=sink)
     try:

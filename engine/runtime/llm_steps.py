@@ -1,0 +1,92 @@
+"""The decoder loop's LLM step: one token for every generating sentence, each token taken to its sentence, and the
+step's own ends: a sentence's error, its request past its audio ceiling, the step out of device memory."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import DecodeLimitError, as_request_error
+from engine.llm.generation import TokenEvent
+from engine.runtime.admission import Admission
+from engine.runtime.live_limits import LiveLimits
+from engine.runtime.loop_state import Sentence
+from engine.runtime.request_set import RequestSet
+
+
+class LlmSteps:
+    """Runs the loop's LLM steps; `max_speech_tokens` (None: no ceiling) ends a request whose speech passes
+    `max_audio_s`."""
+
+    def __init__(
+        self,
+        requests: RequestSet,
+        limits: LiveLimits,
+        admission: Admission,
+        max_audio_s: float | None,
+        max_speech_tokens: int | None,
+    ) -> None:
+        self.requests, self.limits, self.admission = requests, limits, admission
+        self.llm, self.lanes, self.stats = requests.llm, requests.lanes, requests.stats
+        self.max_audio_s, self.max_speech_tokens = max_audio_s, max_speech_tokens
+
+    def step(self) -> None:
+        requests = self.requests
+        generating = [s for s in requests.live if not (s.tokens_done or s.paused or s.held)]
+        batch_size = self.llm.active
+        while_vocoding = self.lanes.running
+        try:
+            events = self.llm.step()
+        except torch.cuda.OutOfMemoryError:  # the generator is as it was before the step
+            retried = self._out_of_memory(generating)
+            if retried is None:
+                return
+            events = retried
+        self.stats.llm_steps += 1
+        self.stats.llm_batch_size_counts[batch_size] += 1
+        if len({s.request.streaming for s in generating}) == 2:
+            self.stats.mixed_steps += 1
+        if while_vocoding:
+            self.stats.llm_steps_while_vocoding += 1
+        for event in events:
+            sentence = requests.by_llm_id.get(event.request_id)
+            if sentence is None:  # its request ended earlier in this loop (an error of another of its sentences)
+                continue
+            if event.finish_reason is not None:  # its generator row is gone: vocoding comes next
+                sentence.tokens_done = True
+                del requests.by_llm_id[event.request_id]
+                sentence.llm_id = None
+            if event.error is not None:
+                requests.fail(sentence.request, as_request_error(event.error))
+                continue
+            self._take_token(sentence, event)
+
+    def _take_token(self, sentence: Sentence, event: TokenEvent) -> None:
+        ticket = sentence.request
+        if sentence.stream is not None:
+            sentence.events.append(event)  # recorded by the next streams job
+        elif event.token is not None:
+            sentence.tokens.append(event.token)
+        ticket.speech_tokens += event.token is not None
+        if self.max_speech_tokens is not None and ticket.speech_tokens > self.max_speech_tokens:
+            self.stats.over_limit += 1
+            self.requests.fail(
+                ticket,
+                DecodeLimitError(
+                    f"the request's speech passed the limit of {self.max_audio_s:g} s of audio; send a shorter "
+                    "text or a lower max_token_text_ratio"
+                ),
+            )
+
+    def _out_of_memory(self, generating: list[Sentence]) -> list[TokenEvent] | None:
+        """An LLM step ran out of memory and was undone: lower the live limit and pause the newest generating
+        sentences past it (their KV caches dropped, so memory frees); the step runs again at the next loop step. A
+        sentence alone in the step is retried at once, alone -> that step's events (None: not retried or it ended)."""
+        if len(generating) == 1:
+            return self.limits.run_alone(generating[0], "an LLM step", self.llm.step)
+        self.limits.lower("an LLM step")
+        for victim in reversed(generating[1:]):  # the oldest keeps generating
+            if self.requests.generating_slots <= self.limits.live_limit:
+                break
+            self.admission.pause(victim, keep_cache=False)
+            self.stats.oom_paused += 1
+        return None
