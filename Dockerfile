@@ -42,6 +42,7 @@ COPY --chown=ray:ray engine ./engine
 COPY --chown=ray:ray deployments ./deployments
 COPY --chown=ray:ray serve_app ./serve_app
 COPY --chown=ray:ray autoscaling ./autoscaling
+# not installed: the benchmark scripts run from this directory (`python -m benchmarks.compare`, gpu_check.sh)
 COPY --chown=ray:ray benchmarks ./benchmarks
 COPY --chown=ray:ray observability ./observability
 COPY --chown=ray:ray configs ./configs

@@ -1,6 +1,6 @@
 """A baseline server built like the official CosyVoice FastAPI server: one model copy, one request at a time.
 
-It serves the subset of `/v1/tts` (and `/v1/voices`) that `benchmarks.http_bench` sends, on the same
+It serves the subset of `/v1/tts` (and `/v1/voices`) that `serve_app.bench.http_load` sends, on the same
 engine: a whole request is one `CosyVoice.synthesize` call; a streaming one yields each sentence's audio
 as it is decoded (as the official server yields per sentence). A lock keeps one request on the model.
 

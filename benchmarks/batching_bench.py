@@ -10,7 +10,7 @@ of a 20 s utterance against its full (non-streaming) synthesis time. All in one 
     python -m benchmarks.batching_bench --model dummy --out out/batching_dummy.json   # the real-size sweep
 
 Every figure is the median of `--repeats` timed runs after `--warmup` untimed ones, with `<key>_spread` beside it
-(`benchmarks.timing`). A batch-8 / batch-1 throughput ratio outside [0, 8] is not a measurement: its key is null
+(`serve_app.bench.timing`). A batch-8 / batch-1 throughput ratio outside [0, 8] is not a measurement: its key is null
 and `failed_measurements` says why.
 
 The streaming keys name the utterance's length (`first_chunk_fraction_20s` for `--stream-seconds 20`).
@@ -45,8 +45,13 @@ from benchmarks.engine_bench import (
     fixed_length_segments,
     fixed_length_text_request,
 )
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import (
+from engine.loading.loader import load_model
+from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
+from engine.runtime.segment import EncodedSegment
+from engine.voices.cloning import VoicePrompt
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import (
     BATCH_RATIO_BOUND,
     DEFAULT_REPEATS,
     DEFAULT_WARMUP,
@@ -56,11 +61,6 @@ from benchmarks.timing import (
     paired,
     ratio,
 )
-from engine.loading.loader import load_model
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
-from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
-from engine.runtime.segment import EncodedSegment
-from engine.voices.cloning import VoicePrompt
 
 
 def measure_batches(
@@ -73,7 +73,7 @@ def measure_batches(
     bench: BenchmarkRun | None = None,
 ) -> dict[str, Any]:
     """For each batch size, `segments_for(batch)` (fixed-length segments of `audio_seconds` each) through the LLM
-    alone, then through the whole decoder; each after `warmup` untimed runs, `repeats` times (`benchmarks.timing`).
+    alone, then through the whole decoder; each after `warmup` untimed runs, `repeats` times (`serve_app.bench.timing`).
     Each row keeps its Timings under "timings" (not JSON: `report_rows` drops them); each is a step of `bench`."""
     bench = bench or BenchmarkRun("batches")
     rows = []

@@ -15,7 +15,7 @@ alike), `--warmup` untimed pairs, then `--repeats` timed pairs:
   (`open_stream`), as `/v1/audio/speech` streams a text.
 
 Each run is timed to its first non-empty audio chunk. `bistream_first_audio_ratio` is bi-streamed / whole, pair by
-pair: the median and spread (`benchmarks.timing`). `--prompt-seconds` > 0 speaks in a voice cloned from a synthetic
+pair: the median and spread (`serve_app.bench.timing`). `--prompt-seconds` > 0 speaks in a voice cloned from a synthetic
 prompt that long (`batching_bench.synthetic_prompt`), else in the model's first built-in voice. The default run
 takes about 1 minute on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
 """
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from benchmarks.batching_bench import synthetic_prompt
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import Timing, add_repeat_options, paired, ratio
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
 from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 from engine.voices.cloning import VoicePrompt
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import Timing, add_repeat_options, paired, ratio
 
 TEXT = (
     "Thanks for calling, I can help you move your appointment to a later time this week. "

@@ -15,7 +15,7 @@ override it. The JSON records the profile used (`setup.profile`).
 
 Every figure is taken `--repeats` times (default 3; each closed-loop level, Poisson rate, probe and the
 overhead measure), after `--warmup` untimed requests: a key holds the median of the repeats and `<key>_spread`
-beside it their {min, max, n}; per-request percentiles pool every repeat's requests (`benchmarks.timing`). A
+beside it their {min, max, n}; per-request percentiles pool every repeat's requests (`serve_app.bench.timing`). A
 ratio outside its physical bound (8 clients or batch 8 above 8x one, below 0; an efficiency above what they
 allow) is null, and `failed_measurements` lists it with its raw value and why.
 
@@ -69,7 +69,8 @@ from ray import serve
 
 from benchmarks.batching_bench import measure_batches
 from benchmarks.engine_bench import fixed_length_segments
-from benchmarks.http_bench import (
+from engine.llm.sampling import SamplingOptions
+from serve_app.bench.http_load import (
     BENCH_APP,
     PCM_BYTES_PER_SAMPLE,
     TEXTS,
@@ -88,8 +89,8 @@ from benchmarks.http_bench import (
     sweep_steps,
     wait_until_answering,
 )
-from benchmarks.progress import BenchmarkRun, add_budget_option
-from benchmarks.timing import (
+from serve_app.bench.progress import BenchmarkRun, add_budget_option
+from serve_app.bench.timing import (
     BATCH_RATIO_BOUND,
     FailedMeasurements,
     Timing,
@@ -97,7 +98,6 @@ from benchmarks.timing import (
     paired,
     ratio,
 )
-from engine.llm.sampling import SamplingOptions
 from serve_app.exposure import process_title, process_tree
 
 CLOSED_LOOP_CLIENTS = (1, 4, 8)

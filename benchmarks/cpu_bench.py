@@ -9,7 +9,7 @@ Variants: the LLM in float32 (oneDNN-packed Linear), INT8 (dynamic, Linear layer
 LLM) and bfloat16; the flow and the vocoder in float32 and bfloat16. Every stage of every variant is fed the float32
 stage's input (the float32 tokens, the float32 mel), so both the times and the errors are the stage's own. Timing:
 `--warmup` untimed calls of each variant, then `--repeats` rounds, each round timing every variant once in turn (so a
-load change on a shared machine hits all variants alike); medians with their spread (`benchmarks.timing`) and each
+load change on a shared machine hits all variants alike); medians with their spread (`serve_app.bench.timing`) and each
 variant's median speed-up over float32. The whole-decoder RTF of a choice is the sum of its stages' times, repeat by
 repeat.
 
@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from benchmarks.engine_bench import bench_parser, fixed_length_sampling, fixed_length_segments
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import Timing, paired
 from engine.llm.generation import TokenGenerator
 from engine.loading.loader import LoadedModel, load_model
 from engine.nn.precision import AUTO_INT4_DTYPE, cpu_capabilities, decoder_dtypes, module_sizes
 from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import Timing, paired
 
 STAGE_VARIANTS = {
     "llm": ("float32", "int8", "int4", "bfloat16"),

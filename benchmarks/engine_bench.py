@@ -1,7 +1,7 @@
 """Engine benchmark: a real-size architecture with dummy weights (any family), fixed output length.
 
 Times each stage of one synthesis (text encoding, LLM, flow, HiFT; each the median of `--repeats` timed runs after
-`--warmup` untimed ones, with its spread: `benchmarks.timing`), gives the real-time factor, the peak RSS, the
+`--warmup` untimed ones, with its spread: `serve_app.bench.timing`), gives the real-time factor, the peak RSS, the
 parameter bytes of the model in fp32 / fp16 / int8, and how far INT8 moves the text encoder and the greedy tokens.
 Writes JSON.
 
@@ -27,13 +27,13 @@ import numpy as np
 import torch
 from torch.ao.nn.quantized import dynamic as quantized_dynamic
 
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure, paired
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import LoadedModel, load_model
 from engine.nn.precision import parameter_bytes, quantize_linear_int8
 from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure, paired
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest."
 

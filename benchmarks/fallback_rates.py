@@ -34,13 +34,13 @@ import torch
 import yaml
 
 from benchmarks.engine_bench import bench_parser, fixed_length_segments
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import BATCH_RATIO_BOUND, FailedMeasurements, Timing, paired, ratio
 from engine.loading.loader import load_model
 from engine.nn.precision import cpu_capabilities
 from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from serve_app.args import CpuFallbackArgs
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import BATCH_RATIO_BOUND, FailedMeasurements, Timing, paired, ratio
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 PROFILE = REPOSITORY / "configs" / "gpu_cluster.yaml"

@@ -9,7 +9,7 @@
 - `engine`: the decoder in the profile's dtype (`--dtype`, float16 on CUDA): for batch sizes 1, 4 and 16 of
   fixed-length requests, whether every waveform is finite, the real-time factor (batch wall time / audio seconds
   of one request) and the peak device memory; then the first streamed chunk of a long utterance. Each time is the
-  median of `--repeats` runs after `--warmup` untimed ones, with `<key>_spread` beside it (`benchmarks.timing`).
+  median of `--repeats` runs after `--warmup` untimed ones, with `<key>_spread` beside it (`serve_app.bench.timing`).
 - `replica`: one decoder replica in this process as `deployments.decoder` builds it: the allocator capped at
   `--fraction` of the card (`set_per_process_memory_fraction`), the `auto` memory budget
   (`engine.runtime.memory.device_memory_budget`), the decoder loop with its two lanes on their own CUDA streams,
@@ -56,7 +56,6 @@ import torch
 
 from benchmarks.batching_bench import measure_first_chunk
 from benchmarks.engine_bench import benchmark_voice, fixed_length_segments
-from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure
 from engine.errors import CosyVoiceError
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
@@ -65,6 +64,7 @@ from engine.runtime.memory import device_memory_budget
 from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
+from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure
 
 FAMILIES = {  # family -> (preset on CUDA: real sizes, preset on CPU: tiny); v3 first: its bf16 is the open question
     "v3": ("cosyvoice3-0.5b", "cosyvoice3-tiny"),

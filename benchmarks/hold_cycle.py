@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import FailedMeasurements, Timing, add_repeat_options, paired, ratio
 from engine.llm.generation import TokenGenerator
 from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import FailedMeasurements, Timing, add_repeat_options, paired, ratio
 
 ROWS, HELD = 8, 7
 TEXT = "This is a much longer request that keeps the decoder busy for a while."

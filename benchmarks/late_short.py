@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.progress import BenchmarkRun, add_budget_option
 from benchmarks.streams import LATE_LONG_STREAMS, TTFA_RATIO_BOUND, Run, StreamResult, StreamsWorkload
-from benchmarks.timing import FailedMeasurements, Timing, add_repeat_options
+from serve_app.bench.progress import BenchmarkRun, add_budget_option
+from serve_app.bench.timing import FailedMeasurements, Timing, add_repeat_options
 
 BUDGET_MINUTES = 14.0
 

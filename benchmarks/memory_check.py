@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from benchmarks.engine_bench import fixed_length_segments
-from benchmarks.progress import BenchmarkRun
 from engine.loading.loader import load_model
 from engine.runtime import memory
 from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from serve_app.bench.progress import BenchmarkRun
 
 
 def _status_kib(field: str) -> int:

@@ -31,11 +31,11 @@ import torch
 
 from benchmarks.cpu_bench import choice_for, load_variants, report_settings, speedup_fields
 from benchmarks.engine_bench import bench_parser, fixed_length_segments
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import Timing, paired
 from engine.families import ModelConfig
 from engine.loading.loader import PRESETS, PRESETS_DIR
 from engine.runtime.pipeline import TextEncoderStage
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import Timing, paired
 
 STAGES = ("llm", "flow", "hift")
 OVER_OFFICIAL = "_speedup_over_official"  # the key suffix of a variant's speed-up over the official code

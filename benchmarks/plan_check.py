@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.http_bench import free_port, wait_until_answering
 from engine.loading.loader import model_sizes
 from serve_app.args import AppArgs
+from serve_app.bench.http_load import free_port, wait_until_answering
 from serve_app.plan import Plan, inventory_here, plan_for, recorded_footprints
 
 TEXT = "Hello from CosyVoice. This sentence streams while the next one is made, as a voice agent's would."

@@ -9,7 +9,7 @@
     python -m benchmarks.roofline --out out/roofline.json [--model dummy] [--seconds 5] [--int8] [--repeats 3]
 
 Every time is the median of `--repeats` timed runs after `--warmup` untimed ones (the weight-read floor: of 20),
-with `<key>_spread` beside it (`benchmarks.timing`). An efficiency (floor / time) above 1 is not a measurement:
+with `<key>_spread` beside it (`serve_app.bench.timing`). An efficiency (floor / time) above 1 is not a measurement:
 its key is null and `failed_measurements` says why.
 
 `rtf_floor` adds the three floors; `efficiency_needed_for_rtf_3` is the fraction of that ideal the whole
@@ -31,13 +31,13 @@ from torch.ao.nn.quantized import dynamic as quantized_dynamic
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from benchmarks.engine_bench import bench_parser, fixed_length_segments
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, measure, paired
 from engine.llm.generation import TokenGenerator
 from engine.loading.loader import load_model
 from engine.nn.layers import PackedLinear
 from engine.nn.precision import parameter_bytes
 from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, measure, paired
 
 GEMM_SHAPES = ((860, 256, 1024), (860, 1024, 256), (1024, 1024, 1024), (2048, 2048, 2048))  # (M, K, N)
 _LINEAR_TYPES = (nn.Linear, PackedLinear, quantized_dynamic.Linear)

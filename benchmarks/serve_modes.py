@@ -8,7 +8,7 @@ replicas were started with is read back from their processes (`replica_env`: eac
 variables, by its process title), so that a mode that did not reach them shows. The modes are interleaved: every
 round runs Ray's defaults first and then each other mode (A/B/A/B...), so that a shared machine's drifting load
 hits them alike, each run with compare's own warm-up; a mode's ratio to the defaults is taken round by round against
-that round's default run and reported as the median with its spread (`benchmarks.timing`). A ratio that is not
+that round's default run and reported as the median with its spread (`serve_app.bench.timing`). A ratio that is not
 finite and above 0 is a failed measurement, and so is a ratio of overheads whose default overhead is not above 0.
 The load average before each run is kept with its figures (`load_1min`).
 
@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.progress import BenchmarkRun, add_budget_option
-from benchmarks.timing import FailedMeasurements, Timing
+from serve_app.bench.progress import BenchmarkRun, add_budget_option
+from serve_app.bench.timing import FailedMeasurements, Timing
 
 BUDGET_MINUTES = 14.0
 # Ray 2.60's value of each request-path setting this project measured (ray/serve/_private/constants.py).

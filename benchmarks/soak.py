@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import ray
 
-from benchmarks.http_bench import free_port
-from benchmarks.progress import BenchmarkRun
+from serve_app.bench.http_load import free_port
+from serve_app.bench.progress import BenchmarkRun
 
 # psutil is not a dependency of this project; Ray bundles it and `import ray` puts it on sys.path.
 psutil = importlib.import_module("psutil")

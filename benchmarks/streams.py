@@ -53,9 +53,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.http_bench import BENCH_APP, PCM_BYTES_PER_SAMPLE, local_server
-from benchmarks.progress import BenchmarkRun, add_budget_option
-from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, add_repeat_options
+from serve_app.bench.http_load import BENCH_APP, PCM_BYTES_PER_SAMPLE, local_server
+from serve_app.bench.progress import BenchmarkRun, add_budget_option
+from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, add_repeat_options
 
 POLICIES = ("fcfs", "deadline")
 LONG_SENTENCE = "This is a much longer request that keeps the decoder busy for a while."

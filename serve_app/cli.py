@@ -5,7 +5,7 @@ cosyvoice-serve run [--model DIR|ID|PRESET] [--config FILE]   start a local Ray 
 cosyvoice-serve plan [--model M] [--gpus N --gpu-memory-gb G] [--json]   what runs where on this machine
 cosyvoice-serve download ID                            download a hub model into its cache
 cosyvoice-serve say "text" -o out.wav                  synthesise through a running server
-cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see benchmarks/http_bench.py)
+cosyvoice-serve bench [--url URL] [--out DIR]           HTTP load benchmark (see serve_app/bench/http_load.py)
 cosyvoice-serve voices add FILE --transcript TEXT | list | rm ID   registered voices of a running server
 cosyvoice-serve normalize TEXT [--model M] [--language L]   what the model reads of TEXT (no server)
 """
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import yaml
 
-from benchmarks.http_bench import auth_headers
-from benchmarks.timing import add_repeat_options
 from engine.errors import CosyVoiceError
 from engine.loading.model_source import model_directory, served_name
 from engine.voices.spec import CAMPPLUS_FILE
+from serve_app.bench.http_load import auth_headers
+from serve_app.bench.timing import add_repeat_options
 
 if TYPE_CHECKING:
     from serve_app.args import AppArgs
@@ -446,8 +446,8 @@ def say(options: argparse.Namespace) -> int:
 
 
 def bench(options: argparse.Namespace) -> int:
-    from benchmarks.http_bench import Workload
-    from benchmarks.http_bench import bench as run_bench
+    from serve_app.bench.http_load import Workload
+    from serve_app.bench.http_load import bench as run_bench
 
     workload = Workload(
         concurrencies=tuple(options.concurrency),

@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from ray.serve.exceptions import BackPressureError
 
 from engine.errors import InvalidInputError, UnknownVoiceError
-from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
+from engine.families import models_following_instructions
 from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
 from engine.runtime.segment import EncodedSegment
 from engine.voices.registry import Caller, is_voice_id
@@ -75,10 +75,7 @@ def instructions_refusal(info: dict[str, Any], voice: str) -> str | None:
     registered voices, provisioned ones and the default voice have and built-in speakers lack."""
     support = info["instructions"]  # the model family's answer (engine.families)
     if support == "none":
-        return (
-            f"the model {info['model']!r} cannot follow instructions: only CosyVoice v1 {INSTRUCT_MODEL_MARK} models "
-            "and CosyVoice2 or later models (with a registered voice) can"
-        )
+        return f"the model {info['model']!r} cannot follow instructions: only {models_following_instructions()} can"
     if support == "registered_voices" and voice in info["voices"]:
         return (
             f"{info['family']} follows instructions in a registered (cloned) voice only: register one with POST "

@@ -18,6 +18,7 @@ from engine.families.base import (
     families,
     family_for_config_file,
     family_for_llm_class,
+    models_following_instructions,
     register,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "families",
     "family_for_config_file",
     "family_for_llm_class",
+    "models_following_instructions",
     "register",
 ]

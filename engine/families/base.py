@@ -85,6 +85,8 @@ class ModelFamily:
     tokenizer: Callable[[ModelConfig, Path, bool], TextTokenizer]  # (config, yaml path, official dir?)
     voice_rules: VoiceRules
     instruction_support: Callable[[str], InstructionSupport]  # model name -> how it takes instructions
+    # which of its models follow instructions, and in which voices, as a refusal names them to the caller
+    instruction_models: str
     streaming: type[ChunkStrategy] | None  # None: streaming is refused (InvalidInputError)
     cloning: CloningModels | None  # None: voice cloning is refused (CheckpointError)
     # The LLM and flow overflow float16 (engine.nn.precision.decoder_dtypes): `auto` gives them bfloat16 on a GPU that
@@ -194,6 +196,13 @@ def family_for_llm_class(class_name: str) -> ModelFamily:
 def family_for_config_file(file_name: str) -> ModelFamily | None:
     """The family whose official model dir holds a config named `file_name`; None for any other name."""
     return next((family for family in _FAMILIES if family.config_file == file_name), None)
+
+
+def models_following_instructions() -> str:
+    """The models of every registered family that follow instructions, for a refusal: "CosyVoice v1 -Instruct
+    models (in any voice), CosyVoice2 models (in a registered voice) and ..."."""
+    *others, last = (family.instruction_models for family in _FAMILIES)
+    return f"{', '.join(others)} and {last}" if others else last
 
 
 def registered_voices_only(model_name: str) -> InstructionSupport:

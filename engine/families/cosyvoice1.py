@@ -57,6 +57,7 @@ COSYVOICE1 = register(
         tokenizer=_yaml_tokenizer,
         voice_rules=VoiceRules(instruct_keeps_voice_prompt=False),
         instruction_support=_instruct_models_only,
+        instruction_models=f"CosyVoice v1 {INSTRUCT_MODEL_MARK} models (in any voice)",
         streaming=OverlappingChunks,
         languages=("zh", "en", "ja", "yue", "ko"),
         cloning=CloningModels(

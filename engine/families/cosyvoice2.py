@@ -58,6 +58,7 @@ COSYVOICE2 = register(
         tokenizer=qwen_tokenizer,
         voice_rules=INSTRUCT2,
         instruction_support=registered_voices_only,
+        instruction_models="CosyVoice2 models (in a registered voice)",
         bistream=True,
         streaming=CausalPrefixChunks,
         languages=("zh", "en", "ja", "ko", "yue"),

@@ -64,6 +64,7 @@ COSYVOICE3 = register(
         # instruct2 with the system prompt: "You are a helpful assistant. <instruction><|endofprompt|>"
         voice_rules=VoiceRules(instruct_keeps_voice_prompt=True, system_prompt=DEFAULT_SYSTEM_PROMPT),
         instruction_support=registered_voices_only,
+        instruction_models="CosyVoice3 models (in a registered voice)",
         bistream=True,
         streaming=CausalPrefixRerunChunks,
         languages=("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru", "yue"),

@@ -44,7 +44,7 @@ from engine.flow.masked_diff import (
 )
 from engine.loading.yaml_config import ObjectSpec, expect_class, require
 from engine.nn.conformer import OUTER_EPS, EncoderBlock, EncoderConfig, InputLayer
-from engine.nn.layers import Conv1d, LayerNorm, Linear, apply_mask, length_mask
+from engine.nn.layers import CausalConv1d, Conv1d, LayerNorm, Linear, apply_mask, length_mask
 
 # The official UpsampleConformerEncoder hard-codes these instead of reading them from the config.
 ENCODER_WIDTH = 512
@@ -207,14 +207,6 @@ def chunk_attention_mask(valid: Tensor, chunk_size: int) -> Tensor:
         chunk_end = (positions[:, None] // chunk_size + 1) * chunk_size
         allowed = allowed & (positions[None, :] < chunk_end)
     return allowed | (positions[:, None] == positions[None, :])
-
-
-class CausalConv1d(Conv1d):
-    """Stride-1 Conv1d over zeros on the left only: output t reads inputs t - dilation (kernel - 1) .. t."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        """[B, in_channels, T] -> [B, out_channels, T]."""
-        return super().forward(F.pad(x, (self.dilation[0] * (self.kernel_size[0] - 1), 0)))
 
 
 class ChannelsLast(nn.Module):

@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from engine.errors import InvalidInputError
 from engine.flow.causal import (
     CausalConditionalCFM,
-    CausalConv1d,
     PreLookaheadLayer,
     check_causal_flow_request,
     chunk_attention_mask,
@@ -48,7 +47,7 @@ from engine.flow.masked_diff import (
     target_frames,
 )
 from engine.loading.yaml_config import expect_class, require
-from engine.nn.layers import LayerNorm, Linear, compute_dtype, length_mask
+from engine.nn.layers import CausalConv1d, LayerNorm, Linear, compute_dtype, length_mask
 from engine.nn.precision import recompute_non_finite
 
 TIME_FREQUENCY_DIM = 256  # the official TimestepEmbedding's sinusoid width (not in the yaml)

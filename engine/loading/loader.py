@@ -56,7 +56,7 @@ PRESETS = {
     "cosyvoice3-0.5b": "cosyvoice3-0.5b/cosyvoice3.yaml",
     "cosyvoice3-tiny": "cosyvoice3-tiny/cosyvoice3.yaml",
 }
-# The tiny cloning models shipped for presets (written by engine/voices/tiny_models.py): campplus.onnx and the
+# The tiny cloning models shipped for presets (written by tools/make_tiny_voice_models.py): campplus.onnx and the
 # speech tokenizer of the preset's version, over the preset's speech vocabulary.
 PRESET_VOICE_MODELS_DIR = PRESETS_DIR / "voice_models"
 PRESET_VOICE_MODELS = {

@@ -22,6 +22,12 @@ def length_mask(lengths: Tensor, max_length: int) -> Tensor:
     return torch.arange(max_length, device=lengths.device) < lengths.unsqueeze(1)
 
 
+def time_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor:
+    """[B] valid lengths -> [B, 1, size] in `dtype`: ones on the valid steps, zeros on the padding (it broadcasts
+    over the channels of a [B, C, T] tensor)."""
+    return length_mask(lengths, size).to(dtype)[:, None, :]
+
+
 class LayerNorm(nn.LayerNorm):
     def forward(self, x: Tensor) -> Tensor:
         weight = None if self.weight is None else self.weight.float()
@@ -131,6 +137,14 @@ class Conv1d(nn.Conv1d):
     def forward(self, x: Tensor) -> Tensor:
         weight, bias = _compute_weights(self)
         return self._conv_forward(x.to(weight.dtype), weight, bias)
+
+
+class CausalConv1d(Conv1d):
+    """Stride-1 Conv1d over zeros on the left only: output t reads inputs t - dilation (kernel - 1) .. t."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[B, in_channels, T] -> [B, out_channels, T]."""
+        return super().forward(F.pad(x, (self.dilation[0] * (self.kernel_size[0] - 1), 0)))
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):

@@ -40,20 +40,18 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from engine.errors import CheckpointError, InvalidInputError
-from engine.flow.causal import CausalConv1d
 from engine.loading.yaml_config import ObjectSpec, expect_class
-from engine.nn.layers import Conv1d, Linear, compute_dtype
+from engine.nn.layers import CausalConv1d, Conv1d, Linear, compute_dtype, time_mask
 from engine.nn.precision import recompute_non_finite
 from engine.vocoder.hift import (
-    _FINAL_LRELU_SLOPE,
-    _HIFT_OPTIONS,
+    FINAL_LRELU_SLOPE,
+    HIFT_OPTIONS,
     F0PredictorConfig,
     HiFTConfig,
     HiFTGenerator,
     Sine2Draws,
     Snake,
-    _check_options,
-    _length_mask,
+    check_options,
     hift_fields_from_yaml,
 )
 
@@ -75,7 +73,7 @@ class CausalHiFTConfig(HiFTConfig):
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> CausalHiFTConfig:
         expect_class(spec, "CausalHiFTGenerator", "vocoder")
-        _check_options(spec, _HIFT_OPTIONS | {"conv_pre_look_right"}, "CausalHiFTGenerator")
+        check_options(spec, HIFT_OPTIONS | {"conv_pre_look_right"}, "CausalHiFTGenerator")
         if "f0_predictor" not in spec.kwargs:
             raise CheckpointError("the CausalHiFTGenerator config has no f0_predictor")
         config = cls(
@@ -305,7 +303,7 @@ class CausalHiFTGenerator(HiFTGenerator):
         source_spectrum = self._source_spectrum(source[:, 0], lengths * config.hop, spectrum_frames)
 
         dtype = compute_dtype(self.conv_pre.bias.dtype)
-        x = self.conv_pre(mel.to(dtype) * _length_mask(lengths, frames, dtype))
+        x = self.conv_pre(mel.to(dtype) * time_mask(lengths, frames, dtype))
         stage_lengths = lengths - look_right
         kernels = len(config.resblock_kernel_sizes)
         for i, (up, rate) in enumerate(zip(self.ups, config.upsample_rates, strict=True)):
@@ -321,9 +319,9 @@ class CausalHiFTGenerator(HiFTGenerator):
             for block in stage[1:]:
                 total.add_(block(x))
             x = total.div_(kernels)
-        x = self.conv_post(F.leaky_relu(x, _FINAL_LRELU_SLOPE))
+        x = self.conv_post(F.leaky_relu(x, FINAL_LRELU_SLOPE))
         speech = self._waveform(x, stage_lengths)
-        return speech * _length_mask((lengths - held) * config.hop, speech.shape[-1], speech.dtype)[:, 0]
+        return speech * time_mask((lengths - held) * config.hop, speech.shape[-1], speech.dtype)[:, 0]
 
     def held_frames(self, finalize: Tensor) -> Tensor:
         """[B] bool -> [B] mel frames at the end whose samples decode() does not give: none when finalizing, else

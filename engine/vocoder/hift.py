@@ -26,14 +26,15 @@ from torch.nn.utils.parametrizations import weight_norm
 from engine.errors import CheckpointError, InvalidInputError
 from engine.loading.checkpoint import load_strict
 from engine.loading.yaml_config import ObjectSpec, expect_class
-from engine.nn.layers import Conv1d, ConvTranspose1d, Linear, apply_mask, length_mask
+from engine.nn.layers import Conv1d, ConvTranspose1d, Linear, apply_mask, time_mask
 
 # The official code picks the v1 `SineGen` at 22050 Hz and `SineGen2` (v2, 24 kHz) otherwise.
 _SINE_GEN_SAMPLE_RATE = 22050
 _SNAKE_EPS = 1e-9
 _MAX_MAGNITUDE = 100.0
-_FINAL_LRELU_SLOPE = 0.01  # the official decode() ends with F.leaky_relu at its default slope
-_HIFT_OPTIONS = {
+FINAL_LRELU_SLOPE = 0.01  # the official decode() ends with F.leaky_relu at its default slope
+# the yaml options of a HiFTGenerator (CausalHiFTGenerator's are these and its own)
+HIFT_OPTIONS = {
     "in_channels", "base_channels", "nb_harmonics", "sampling_rate", "nsf_alpha", "nsf_sigma",
     "nsf_voiced_threshold", "upsample_rates", "upsample_kernel_sizes", "istft_params", "resblock_kernel_sizes",
     "resblock_dilation_sizes", "source_resblock_kernel_sizes", "source_resblock_dilation_sizes", "lrelu_slope",
@@ -45,7 +46,8 @@ def _int_tuple(values: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def _check_options(spec: ObjectSpec, known: set[str], what: str) -> None:
+def check_options(spec: ObjectSpec, known: set[str], what: str) -> None:
+    """CheckpointError naming the options of `spec` outside `known` (`what`: the class, for the message)."""
     unknown = sorted(set(spec.kwargs) - known)
     if unknown:
         raise CheckpointError(f"unsupported {what} options in the model config: {', '.join(unknown)}")
@@ -60,7 +62,7 @@ class F0PredictorConfig:
     def from_yaml(cls, spec: ObjectSpec, class_name: str = "ConvRNNF0Predictor") -> F0PredictorConfig:
         """The yaml `f0_predictor` node, of class `class_name` (v3: `CausalConvRNNF0Predictor`)."""
         expect_class(spec, class_name, "HiFT f0 predictor")
-        _check_options(spec, {"num_class", "in_channels", "cond_channels"}, class_name)
+        check_options(spec, {"num_class", "in_channels", "cond_channels"}, class_name)
         if int(spec.get("num_class", 1)) != 1:
             raise CheckpointError(f"{class_name} must predict one f0 value per frame (num_class: 1)")
         defaults = cls()
@@ -105,7 +107,7 @@ class HiFTConfig:
     @classmethod
     def from_yaml(cls, spec: ObjectSpec) -> HiFTConfig:
         expect_class(spec, "HiFTGenerator", "vocoder")
-        _check_options(spec, _HIFT_OPTIONS, "HiFTGenerator")
+        check_options(spec, HIFT_OPTIONS, "HiFTGenerator")
         if "f0_predictor" not in spec.kwargs:
             raise CheckpointError("the HiFTGenerator config has no f0_predictor")
         config = cls(**hift_fields_from_yaml(spec), f0_predictor=F0PredictorConfig.from_yaml(spec["f0_predictor"]))
@@ -164,14 +166,9 @@ def hift_fields_from_yaml(spec: ObjectSpec) -> dict[str, Any]:
     )
 
 
-def _length_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor:
-    """[B] valid lengths -> [B, 1, size] mask of ones on the valid positions."""
-    return length_mask(lengths, size).to(dtype)[:, None, :]
-
-
 def _padding_mask(lengths: Tensor, size: int, dtype: torch.dtype) -> Tensor | None:
-    """`_length_mask`, or None when no item is padded: a batch of one skips the mask multiplies."""
-    return None if bool((lengths >= size).all()) else _length_mask(lengths, size, dtype)
+    """`time_mask`, or None when no item is padded: a batch of one skips the mask multiplies."""
+    return None if bool((lengths >= size).all()) else time_mask(lengths, size, dtype)
 
 
 def _get_padding(kernel_size: int, dilation: int) -> int:
@@ -498,13 +495,13 @@ class HiFTGenerator(nn.Module):
             return_complex=True,
         )
         spectrum_lengths = sample_lengths // self.config.istft_hop + 1
-        return torch.cat([spectrum.real, spectrum.imag], dim=1) * _length_mask(spectrum_lengths, frames, torch.float32)
+        return torch.cat([spectrum.real, spectrum.imag], dim=1) * time_mask(spectrum_lengths, frames, torch.float32)
 
     def _waveform(self, spectrum: Tensor, frame_lengths: Tensor) -> Tensor:
         """conv_post output [B, n_fft + 2, F] -> waveform [B, istft_hop * (F - 1)], fp32, clamped, 0 past lengths."""
         spectrum = spectrum.float()
         bins = self.config.n_fft // 2 + 1
-        frame_mask = _length_mask(frame_lengths, spectrum.shape[-1], torch.float32)
+        frame_mask = time_mask(frame_lengths, spectrum.shape[-1], torch.float32)
         magnitude = torch.exp(spectrum[:, :bins]) * frame_mask
         return self._istft(magnitude, torch.sin(spectrum[:, bins:]), frame_lengths)
 
@@ -515,7 +512,7 @@ class HiFTGenerator(nn.Module):
         -> [B, istft_hop * (F - 1)], 0 past lengths."""
         n_fft, hop = self.config.n_fft, self.config.istft_hop
         frames = magnitude.shape[-1]
-        frame_mask = _length_mask(frame_lengths, frames, torch.float32)
+        frame_mask = time_mask(frame_lengths, frames, torch.float32)
         magnitude = magnitude.clamp(max=_MAX_MAGNITUDE)
         window = self.stft_window.float()[None, :, None]
         segments = torch.fft.irfft(torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase)), n_fft, 1)
@@ -525,7 +522,7 @@ class HiFTGenerator(nn.Module):
         start = n_fft // 2
         samples = (overlap_added / envelope.clamp(min=1e-11))[:, start : start + hop * (frames - 1)]
         samples = samples.clamp(-self.config.audio_limit, self.config.audio_limit)
-        return samples * _length_mask(hop * (frame_lengths - 1), samples.shape[-1], torch.float32)[:, 0]
+        return samples * time_mask(hop * (frame_lengths - 1), samples.shape[-1], torch.float32)[:, 0]
 
     def decode(self, mel: Tensor, source: Tensor, lengths: Tensor | None = None) -> Tensor:
         """mel: [B, in_channels, T], source: [B, 1, T*hop], lengths: [B] frames (default all T)
@@ -562,7 +559,7 @@ class HiFTGenerator(nn.Module):
             for block in stage[1:]:
                 total.add_(block(x, mask))
             x = total.div_(kernels)
-        x = self.conv_post(F.leaky_relu(x, _FINAL_LRELU_SLOPE))
+        x = self.conv_post(F.leaky_relu(x, FINAL_LRELU_SLOPE))
         return self._waveform(x, stage_lengths)
 
     @torch.inference_mode()

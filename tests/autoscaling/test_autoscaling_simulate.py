@@ -26,7 +26,7 @@ from autoscaling.simulate import (
     main,
     serve_decision,
 )
-from benchmarks.http_bench import LevelResult
+from serve_app.bench.http_load import LevelResult
 from tests.autoscaling.test_autoscaling_policy import NOON, make_context
 
 SUMMARY_KEYS = {"replica_hours", "static_peak_replica_hours", "cost_ratio", "p95_queue_s", "slo_violation_fraction"}

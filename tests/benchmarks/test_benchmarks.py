@@ -1,4 +1,4 @@
-"""How benchmark figures are taken (`benchmarks.timing`: warm-up, repeats, median and spread, physical bounds),
+"""How benchmark figures are taken (`serve_app.bench.timing`: warm-up, repeats, median and spread, physical bounds),
 then the engine benchmarks on every family (tiny presets): fixed speech lengths at the model's own token rate, the
 per-stage run of `engine_bench`, the batch and streaming measures of `batching_bench`, and
 the ~20 s text `compare` sends to the OpenAI endpoint."""
@@ -29,7 +29,6 @@ from benchmarks.batching_bench import (
 from benchmarks.bistream_bench import measure_bistream
 from benchmarks.compare import batching_figures, text_for_audio_seconds
 from benchmarks.engine_bench import fixed_length_segments, run
-from benchmarks.http_bench import LevelResult, LevelRun, Sample, level_dict, summarize
 from benchmarks.streams import (
     Listener,
     RateResult,
@@ -41,10 +40,11 @@ from benchmarks.streams import (
     stream_request,
     summarize_rate,
 )
-from benchmarks.timing import FailedMeasurements, Timing, add_repeat_options, measure, paired, ratio
 from engine.loading.loader import load_model
 from engine.runtime.memory import SAFETY_FACTOR
 from engine.runtime.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
+from serve_app.bench.http_load import LevelResult, LevelRun, Sample, level_dict, summarize
+from serve_app.bench.timing import FailedMeasurements, Timing, add_repeat_options, measure, paired, ratio
 
 TINY_PRESETS = ("tiny", "cosyvoice2-tiny", "cosyvoice3-tiny")
 REPEATS = 2  # the tiny-model runs below: enough to have a spread, quick

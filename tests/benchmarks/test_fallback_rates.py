@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import fallback_rates
 from benchmarks.fallback_rates import batch_rows, batch_sizes, profile_fallback
-from benchmarks.timing import FailedMeasurements, Timing
+from serve_app.bench.timing import FailedMeasurements, Timing
 
 
 def test_batch_sizes_double_up_to_the_profiles_bound() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.late_short import late_short_figures
 from benchmarks.streams import StreamResult
-from benchmarks.timing import FailedMeasurements
+from serve_app.bench.timing import FailedMeasurements
 
 
 def _probe(short_ttfa_s: float | None, underruns: tuple[int, ...] = (0, 0)) -> tuple[StreamResult, list[StreamResult]]:

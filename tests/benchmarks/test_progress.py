@@ -1,4 +1,4 @@
-"""What every benchmark shows and leaves while it runs (`benchmarks.progress`): one readable line per step when its
+"""What every benchmark shows and leaves while it runs (`serve_app.bench.progress`): one readable line per step when its
 stderr is a pipe, its JSON written as it goes and marked `"complete": false` until the run ends with every part
 measured, and a time budget that skips the parts it leaves no time for. Then a real benchmark cut short by its
 budget: `benchmarks.compare` on the tiny model. No timing is asserted."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import compare
-from benchmarks.progress import BenchmarkRun
+from serve_app.bench.progress import BenchmarkRun
 
 
 class FakeClock:

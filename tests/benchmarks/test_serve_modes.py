@@ -10,9 +10,9 @@ import sys
 import time
 
 from benchmarks.compare import replica_serve_env, stream_figures
-from benchmarks.http_bench import LevelResult
 from benchmarks.serve_modes import PARTS, RAY_DEFAULTS, THROUGHPUT_OPTIMIZED, mode_env, run_environment, summary
-from benchmarks.timing import FailedMeasurements, Timing
+from serve_app.bench.http_load import LevelResult
+from serve_app.bench.timing import FailedMeasurements, Timing
 
 
 def test_a_part_states_rays_default_for_the_others_and_an_operators_export_does_not_leak_in() -> None:

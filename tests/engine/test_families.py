@@ -19,6 +19,7 @@ from engine.families import (
     families,
     family_for_config_file,
     family_for_llm_class,
+    models_following_instructions,
     register,
 )
 from engine.families.base import ModelConfig
@@ -96,6 +97,14 @@ def test_instruction_support_per_family() -> None:
     assert COSYVOICE1.instruction_support("CosyVoice-300M-SFT") == "none"
     assert COSYVOICE2.instruction_support("CosyVoice2-0.5B") == "registered_voices"
     assert COSYVOICE3.instruction_support("Fun-CosyVoice3-0.5B") == "registered_voices"
+
+
+def test_a_refusal_names_the_models_of_every_family_that_follow_instructions() -> None:
+    # the ingress asks the registry, so a new family is named without a change there
+    assert models_following_instructions() == (
+        "CosyVoice v1 -Instruct models (in any voice), CosyVoice2 models (in a registered voice) and "
+        "CosyVoice3 models (in a registered voice)"
+    )
 
 
 @pytest.mark.parametrize(

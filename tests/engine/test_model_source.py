@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.http_bench import free_port
 from engine.errors import CheckpointError
 from engine.loading.loader import load_model
 from engine.loading.model_source import (
@@ -28,6 +27,7 @@ from engine.loading.model_source import (
     model_directory,
     served_name,
 )
+from serve_app.bench.http_load import free_port
 from tests.engine.conftest import REPO_ID, V3_KIT_MODEL, hugging_face_cache
 
 ROOT = Path(__file__).resolve().parents[2]

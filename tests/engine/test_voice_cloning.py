@@ -24,7 +24,7 @@ from engine.voices.cloning import (
     decode_prompt_audio,
 )
 from engine.voices.spec import PromptMelConfig
-from engine.voices.tiny_models import write_tiny_voice_models
+from tools.make_tiny_voice_models import write_tiny_voice_models
 
 MODEL_RATES = {1: 22050, 2: 24000, 3: 24000}
 FAMILIES = {1: COSYVOICE1, 2: COSYVOICE2, 3: COSYVOICE3}

@@ -27,9 +27,9 @@ import soundfile as sf
 import websockets
 from ray import serve
 
-from benchmarks.http_bench import free_port
 from engine.voices.registry import EVERYONE, VoiceRegistryFullError
 from serve_app import build_app
+from serve_app.bench.http_load import free_port
 
 OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than the tiny model needs
 READY_TIMEOUT_S = 60.0

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.http_bench import free_port
 from serve_app.args import AppArgs
+from serve_app.bench.http_load import free_port
 from serve_app.cli import API_KEY_ENV, URL_ENV, parser, port_in_use, startup_warnings
 from serve_app.cli import main as cli_main
 from serve_app.exposure import RAY_LOOPBACK_ENV

@@ -25,8 +25,8 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from benchmarks.http_bench import free_port
 from serve_app import build_app
+from serve_app.bench.http_load import free_port
 from tests.serve.conftest import OBJECT_STORE_BYTES, wait_until, wait_until_healthy
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app

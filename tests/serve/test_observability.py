@@ -17,10 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 ray = pytest.importorskip("ray")
 from autoscaling.policy import DecoderAutoscalingPolicy, ScalingRules  # noqa: E402
 from benchmarks.baseline_server import build_baseline  # noqa: E402
-from benchmarks.http_bench import free_port, percentiles  # noqa: E402
 from engine.runtime.pipeline import CosyVoice  # noqa: E402
 from observability import metrics  # noqa: E402
 from observability.http import is_valid_request_id  # noqa: E402
+from serve_app.bench.http_load import free_port, percentiles  # noqa: E402
 from serve_app.cli import main as cli_main  # noqa: E402
 from tests.autoscaling.test_autoscaling_policy import NO_SCHEDULE, NOON, make_context  # noqa: E402
 from tests.serve.conftest import running_app  # noqa: E402

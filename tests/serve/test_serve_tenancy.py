@@ -29,9 +29,9 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from zeroconf import DNSAddress, DNSIncoming, DNSOutgoing, DNSQuestion, DNSService
 from zeroconf.const import _CLASS_IN, _FLAGS_QR_QUERY, _TYPE_SRV
 
-from benchmarks.http_bench import free_port
 from engine.voices.registry import EVERYONE, Caller
 from serve_app.args import SecurityArgs
+from serve_app.bench.http_load import free_port
 from serve_app.cli import API_KEY_ENV
 from serve_app.cli import main as cli_main
 from serve_app.errors import error_body

@@ -1,8 +1,9 @@
 """Tiny stand-ins for the official voice-cloning ONNX models, with their input/output names and shapes.
 
-The tiny presets ship the files this module writes (`engine/loading/presets/voice_models/<preset>/`), so a server on a
-tiny model can clone voices with no download; `python -m engine.voices.tiny_models` regenerates them (it needs the
-`onnx` package of the `test` extra; serving only needs onnxruntime).
+The tiny presets ship the files this tool writes (`engine/loading/presets/voice_models/<preset>/`), so a server on a
+tiny model can clone voices with no download: serving reads the shipped files with onnxruntime and never runs this.
+`python -m tools.make_tiny_voice_models`, from the repository root, regenerates them (it needs the `onnx` package of
+the `test` extra); the tests write the same models for their own cloners.
 
 * `campplus.onnx`: float [1, T, 80] -> float [1, 192]: mean of the squared (mean-removed) fbank over time, then a
   fixed projection, so the embedding depends on how each band varies in the recording;

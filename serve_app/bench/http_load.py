@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from benchmarks.progress import BenchmarkRun
-from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, Timing
+from serve_app.bench.progress import BenchmarkRun
+from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, Timing
 
 MODES = ("whole", "stream")
 # Short, medium and long inputs (1, 2 and 4 sentences), cycled through the requests of each level.
@@ -100,7 +100,7 @@ class LevelResult:
     wall_s_spread: dict[str, float] = field(default_factory=dict)
     requests_per_s_spread: dict[str, float] = field(default_factory=dict)
     audio_s_per_s_spread: dict[str, float] = field(default_factory=dict)
-    # each repeat's throughputs, for ratios taken repeat by repeat (`benchmarks.timing.paired`); not in the JSON
+    # each repeat's throughputs, for ratios taken repeat by repeat (`serve_app.bench.timing.paired`); not in the JSON
     throughput: Timing | None = field(default=None, repr=False, compare=False)
 
 
@@ -338,7 +338,7 @@ def bench(
     url: str | None, workload: Workload, out_dir: Path, model: str = "tiny", api_key: str | None = None
 ) -> dict[str, Any]:
     """Run the sweep against `url` (with `api_key` where it has API keys), or against a local app started for the
-    run when `url` is None; `<out_dir>/bench.json` is written as each level ends (`benchmarks.progress`)."""
+    run when `url` is None; `<out_dir>/bench.json` is written as each level ends (`serve_app.bench.progress`)."""
     if url is None:
         with local_server(model) as local_url:
             return bench(local_url, workload, out_dir)
