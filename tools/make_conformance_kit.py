@@ -9,7 +9,7 @@ venv outside this repo that has the official dependencies, for example:
         omegaconf einops scipy conformer librosa openai-whisper==20250625
     /tmp/offvenv/bin/pip install -c /tmp/torch.txt hydra-core lightning rich gdown wget pyarrow pyworld \\
         x-transformers==2.11.24  # CosyVoice3's DiT (tools/make_cosyvoice3_kit.py)
-    /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; last and alone (see README.md): a step that
+    /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; last and alone (see docs/parity.md): a step that
                                                    # resolves torch's requirements brings setuptools>=77 back
     /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official \\
         --model tests/fixtures/cosyvoice1-tiny/model --out tests/fixtures/cosyvoice1-tiny
