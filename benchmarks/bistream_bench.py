@@ -1,4 +1,4 @@
-"""Bi-streaming benchmark (issue 32, part 5): the first audio of text that arrives as it is written, against the same
+"""Bi-streaming benchmark: the first audio of text that arrives as it is written, against the same
 text sent whole.
 
     python -m benchmarks.bistream_bench --model cosyvoice3-0.5b --out out/bistream_v3.json [--tokens-per-second 20]

@@ -1,4 +1,4 @@
-"""CPU precision per stage (issue 27): each decoder stage in float32 against its reduced-precision variants, timed
+"""CPU precision per stage: each decoder stage in float32 against its reduced-precision variants, timed
 side by side in one run (alternated repeat by repeat) and compared with float32 for quality; and what
 `dtype: auto` picks on this CPU (`engine.nn.precision.cpu_auto_choice`), with its whole-decoder RTF.
 

@@ -1,4 +1,4 @@
-"""The CPU fallback's rates for the autoscaling simulator (issue 31): a `DecoderCPU` replica's start-up, and what
+"""The CPU fallback's rates for the autoscaling simulator: a `DecoderCPU` replica's start-up, and what
 batching gains it, on the fallback's own precision choice (`dtype: auto`).
 
     python -m benchmarks.fallback_rates --model cosyvoice3-0.5b --out docs/fallback_rates/cosyvoice3-0.5b.json

@@ -1,4 +1,4 @@
-"""Our decoder stages against the official CosyVoice code's, side by side in one run (issue 27, part 4): per stage
+"""Our decoder stages against the official CosyVoice code's, side by side in one run: per stage
 RTF (and LLM ms per token) of the official code in float32, ours in float32 and ours with `--dtype` (auto: this
 CPU's pick), at the same architecture with random weights, on the same inputs.
 

@@ -59,7 +59,7 @@ from benchmarks.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurement
 
 POLICIES = ("fcfs", "deadline")
 LONG_SENTENCE = "This is a much longer request that keeps the decoder busy for a while."
-LONG_SENTENCES = 8  # the issue's long text
+LONG_SENTENCES = 8  # the long text of the scenario the deadline order was built for
 SHORT_TEXTS = ("Hi there.", "Hello.", "Good morning.", "Thank you.")
 LATE_SHORT_TEXT = SHORT_TEXTS[0]
 LATE_LONG_STREAMS = 7
@@ -80,7 +80,7 @@ class StreamsWorkload:
     # were full, where both policies do the same work) and that the p95 is not simply the slowest stream.
     arrivals: int = 30
     long_fraction: float = 0.5  # of the arrivals, drawn with the seed
-    long_sentences: int = LONG_SENTENCES  # fewer: a cheaper run (a check), no longer the issue's workload
+    long_sentences: int = LONG_SENTENCES  # fewer: a cheaper run (a check), no longer the standard workload
     seed: int = 26
     jitter_buffer_s: float = 0.3
     repeats: int = DEFAULT_REPEATS  # of the late-short scenario (and idle samples, at least 3)
@@ -423,7 +423,7 @@ def held_rate_target(ratio: float | None, above: float | None) -> bool | None:
 
 
 def targets(report: dict[str, Any]) -> dict[str, bool | None]:
-    """The issue's targets, met or not (None: not measured)."""
+    """The deadline order's targets (docs/performance.md, "Streams under load"), met or not (None: not measured)."""
     ratio = report["held_rate_ratio"]
     late = report.get("late_short_ttfa_ratio_deadline")
     fcfs_underruns, deadline_underruns = (
@@ -645,7 +645,7 @@ def main() -> None:
     parser.add_argument("--arrivals", type=int, default=defaults.arrivals, help="streams per rate")
     parser.add_argument("--long-fraction", type=float, default=defaults.long_fraction)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    sentences_help = "sentences of the long text (default the issue's 8; fewer makes a cheaper check)"
+    sentences_help = "sentences of the long text (default 8, the standard workload; fewer makes a cheaper check)"
     parser.add_argument("--long-sentences", type=int, default=defaults.long_sentences, help=sentences_help)
     parser.add_argument("--jitter-buffer-s", type=float, default=defaults.jitter_buffer_s)
     timeout_help = "one stream's longest time, request to last byte"

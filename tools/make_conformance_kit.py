@@ -88,7 +88,8 @@ QWEN_DIR = "CosyVoice-BlankEN"
 MADE_GROUPS = ("llm_sampled", "stream")
 BISTREAM_MARKER = "## The llm_bistream group (made with --bistream-only)"
 HIFT_CACHE_CASE = "cache_source_from_stream"
-# Longer hift cases (mel frames) of the v2 kit (issue 33: a v2 divergence showed at 30 frames on another CPU).
+# Longer hift cases (mel frames) of the v2 kit: a v2 divergence showed at 30 frames on another CPU, not on shorter
+# cases.
 HIFT_LONG_FRAMES = (30, 60, 120)
 # Left out of the longer cases for size: `magnitude` and `phase` hold conv_post_out, the source holds s_stft.
 LONG_CASE_OMITTED = ("s_stft", "conv_post_out")
@@ -377,7 +378,7 @@ class Maker:
         )
 
     def hift_long(self, frames: int) -> dict[str, Any]:
-        """A longer random-mel case (issue 33: a divergence showed at 30 frames), its own draws from `seed`."""
+        """A longer random-mel case (a divergence once showed only from 30 frames), its own draws from `seed`."""
         generator = torch.Generator().manual_seed(self.seed * 1000 + frames)
         mel = torch.randn(1, 80, frames, generator=generator) * 2 - 6  # as the kit's first hift cases
         torch.manual_seed(self.seed * 1000 + frames)

@@ -82,7 +82,7 @@ MADE_GROUPS = ("stream", "frontend", "llm_sampled")
 # by trying seeds); its 12 prompt tokens pad the first hop to 25 + 13, so hops of 38 and 50 (each + 3 look-ahead
 # tokens) and a short final chunk.
 STREAM_SEED = 2019
-# Seed of the longer hift cases' random mels (HIFT_LONG_FRAMES; issue 33).
+# Seed of the longer hift cases' random mels (HIFT_LONG_FRAMES: divergences that show only on long mels).
 HIFT_LONG_SEED = 2033
 # Inputs and RNG seed of the sampled LLM case (`llm_sampled`): a zero-shot prompt, the yaml's ras_sampling.
 SAMPLED_SEED = 2023
@@ -944,7 +944,8 @@ def main() -> None:
         copy_qwen_tokenizer(args.qwen_tokenizer, model_dir)
     model, configs = load_official_model(model_dir)
     cases = torch.load(cases_path, weights_only=True) if extending else reference_cases(model, args.official)
-    # the longer hift cases (issue 33), added to a kit that lacks them; the kit's other cases stay as they are
+    # the longer hift cases (divergences that show only on long mels), added to a kit that lacks them; the kit's
+    # other cases stay as they are
     names = {case["name"] for case in cases["hift"]}
     cases["hift"] += [case for case in hift_long_cases(model.hift) if case["name"] not in names]
     # the HiFT hidden tensors and their spreads, on each case's own inputs

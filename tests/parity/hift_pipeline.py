@@ -25,8 +25,8 @@ The bounds, by where the reference was recorded (`recorded_cpu_kind`, `CpuCapabi
 - **this machine's CPU kind** (`same_kind_tolerance`): our stages run the official kernels in the official order,
   so they match to a few float32 ulps (measured on the Intel references of all three kits: every stage bit for bit
   but the speech, 1.2e-7 through our written-out iSTFT). This is the only bound tight enough to see a
-  rounding-order change inside a stage, such as a fused Snake (issue 33: `fused_snake`), which moves conv_post by
-  about one spread, 4e-6 and more.
+  rounding-order change inside a stage, such as a fused Snake (a past bug of ours: `fused_snake`), which moves
+  conv_post by about one spread, 4e-6 and more.
 """
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def assert_stages_to_the_float32_floor(
 @contextmanager
 def fused_snake() -> Iterator[None]:
     """While in the context, Snake computes `x + 1/alpha * sin^2(alpha x)` with the product and the sum rounded once
-    (`torch.addcmul`), not apart as the official code does: issue 33's bug, which the float32 floor must see."""
+    (`torch.addcmul`), not apart as the official code does: a bug the vocoder once had, which the float32 floor must
+    see."""
 
     def forward(snake: Snake, x: Tensor) -> Tensor:
         alpha = snake.alpha.float()[None, :, None]
