@@ -1,4 +1,5 @@
-"""How close one batch-1 synthesis runs to this machine's limits, stage by stage (the issue-3 RTF question).
+"""How close one batch-1 synthesis runs to this machine's limits, stage by stage (why RTF 3.0 at
+batch 1 was out of reach).
 
 - Machine: the best GEMM rate over a few shapes (the compute ceiling: convolutions and attention lower to GEMMs).
 - Flow and HiFT: their FLOPs, counted by torch's FlopCounterMode over the real stage call (plus the fused CPU

@@ -22,8 +22,8 @@ long: a long text's first chunk takes longer than a short text's whole audio eve
 Headline keys: `held_rate_fcfs`, `held_rate_deadline`, `held_rate_ratio` (deadline / fcfs, with
 `held_rate_ratio_reason` when null; `held_rate_ratio_above`: when fcfs holds no rate tried, the ratio exceeds
 deadline's held rate / the lowest rate), `late_short_ttfa_ratio_<policy>`, `late_long_underruns_<policy>` (median of
-the repeats, `_spread` beside each), `targets` (the issue's: held rate ratio >= 1.5; the late short stream within 3x
-its idle TTFA under deadline; the long streams' underruns no worse than under fcfs).
+the repeats, `_spread` beside each), `targets` (the deadline order's: held rate ratio >= 1.5; the late short stream
+within 3x its idle TTFA under deadline; the long streams' underruns no worse than under fcfs).
 
     python -m benchmarks.streams --model tiny --out out/streams_tiny.json [--rates 0.3 0.6 1.2 2.4] [--arrivals 30]
         [--long-sentences 8] [--repeats 3] [--warmup 1] [--num-gpus 0] [--budget-minutes 14]
