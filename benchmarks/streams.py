@@ -1,36 +1,19 @@
 """Streams under load: the decoder loop's playback-deadline policy against first-come order, side by side.
 
-For each policy (`fcfs`, then `deadline`: the app's `scheduler.policy`) one local Serve app is started on this
-machine and sent the same load:
-1. idle time to first audio (TTFA): after `--warmup` untimed requests, `max(3, --repeats)` short streams and as
-   many long ones, one at a time (a long one is closed once its first audio came); the median of each kind over
-   both servers is the idle TTFA both policies are measured against;
-2. the late-short scenario, `--repeats` times: 7 long streams start, one second later a short one ("Hi there.");
-   its TTFA / its idle TTFA, and the underruns of the 7 long streams (which run to their end);
-3. open-loop Poisson arrivals (seeded: the same arrival times and texts for both policies) of `--arrivals`
-   streaming clients at each of `--rates`, long and short texts mixed; per rate the p50/p95 TTFA, underruns per
-   stream and the streams served (ended ok).
-
-Every client is a virtual listener (`Listener`): it starts playing `--jitter-buffer-s` after its first audio
-arrives and plays at 1x; an *underrun* is a piece of audio that arrives after the listener ran out (it plays
-again from that piece on). A policy *holds* a rate when every stream of it ended ok, none underran, and the p95 of
-the streams' TTFA ratios is at most 3 (a stream's TTFA ratio: its TTFA / the idle TTFA of its kind, short or
-long: a long text's first chunk takes longer than a short text's whole audio even on the idle server). Its
-`held_rate` is the highest rate such that it and every lower rate hold (null when the lowest fails:
-`held_rate_<policy>_below` then gives the lowest rate tried as a bound).
-
-Headline keys: `held_rate_fcfs`, `held_rate_deadline`, `held_rate_ratio` (deadline / fcfs, with
-`held_rate_ratio_reason` when null; `held_rate_ratio_above`: when fcfs holds no rate tried, the ratio exceeds
-deadline's held rate / the lowest rate), `late_short_ttfa_ratio_<policy>`, `late_long_underruns_<policy>` (median of
-the repeats, `_spread` beside each), `targets` (the deadline order's: held rate ratio >= 1.5; the late short stream
-within 3x its idle TTFA under deadline; the long streams' underruns no worse than under fcfs).
+For each policy (`fcfs`, then `deadline`: the app's `scheduler.policy`) one local Serve app is started and sent the
+same load: the idle time to first audio (TTFA) of short and long streams one at a time; the late-short scenario (7
+long streams, one second later a short one: its TTFA over idle, the long streams' underruns); and seeded open-loop
+Poisson arrivals of `--arrivals` streams at each of `--rates`. Every client is a virtual listener (`Listener`), and a
+policy *holds* a rate when every stream ended ok, none underran and the p95 TTFA ratio is at most 3
+(docs/performance.md, "Streams under load", defines these). Headline keys: `held_rate_<policy>`, `held_rate_ratio`
+(deadline / fcfs, `held_rate_ratio_reason` when null, `held_rate_ratio_above` when fcfs holds no rate),
+`late_short_ttfa_ratio_<policy>`, `late_long_underruns_<policy>`, and `targets`.
 
     python -m benchmarks.streams --model tiny --out out/streams_tiny.json [--rates 0.3 0.6 1.2 2.4] [--arrivals 30]
         [--long-sentences 8] [--repeats 3] [--warmup 1] [--num-gpus 0] [--budget-minutes 14]
 
-Writes the JSON (as it goes) and a PNG beside it (same name, .png). A progress bar goes to stderr. The default run
-ends within 15 minutes on the 2-core machine: a part the time budget (`--budget-minutes`, 0: none) leaves no time
-for is left out, named in `stopped`, and so is every later part; a policy left out has no held rate.
+Writes the JSON (as it goes) and a PNG beside it. The default run ends within 15 minutes on the 2-core machine: a
+part the time budget (`--budget-minutes`, 0: none) leaves no time for is left out, named in `stopped`.
 """
 
 from __future__ import annotations
