@@ -1,32 +1,17 @@
 """Ray Serve autoscaling policies for the decoder: utilization hysteresis, queue-driven bursts, schedules.
 
-Serve calls a policy on the controller about every 0.1 s with an `AutoscalingContext` and then
-post-processes the returned count (up/downscaling factors, `upscale_delay_s`/`downscale_delay_s`,
-clipping to the deployment's `min_replicas`/`max_replicas`). The policies here keep their own windows
-and cooldowns in `policy_state`, so the recommended configs set Serve's delays to 0; and because
-Serve clips to `min_replicas` last, that must be the lowest floor of any schedule window (0 for a
-night without GPUs) while the policy raises the floor per window.
+Serve calls a policy on the controller about every 0.1 s with an `AutoscalingContext` and then post-processes the
+returned count (scaling factors, delays, clipping to `min_replicas`/`max_replicas`). The policies keep their own
+windows and cooldowns in `policy_state`, so the recommended configs set Serve's delays to 0; and because Serve clips
+to `min_replicas` last, that must be the lowest floor of any schedule window while the policy raises the floor per
+window.
 
-Rules (`ScalingRules`, all configurable through `policy_kwargs`):
-- +1 replica when the time-weighted mean, over the last `scale_up_window_s`, of the running replicas'
-  mean utilization is above `scale_up_utilization`, and at least `scale_up_cooldown_s` passed since
-  the target last changed (a window is judged only once it has seen that long at the current target);
-- -1 when that mean over the last `scale_down_window_s` is below `scale_down_utilization`, nothing
-  waits, and `scale_down_cooldown_s` passed since the target last changed;
-  judging a mean, not every reading, keeps one noisy dip (or spike) from restarting or triggering a window;
-- at once, without cooldown: when waiting requests per running replica exceed
-  `target_queue_per_replica`, scale to ceil(waiting / target_queue_per_replica) (proportional), at most
-  `queue_scale_up_factor` x the running replicas per step, so a queue that builds while replicas
-  start (cold start, model load) does not jump to `max_replicas`;
-- the result is clipped to the bounds of the active schedule window (else `min_replicas`/`max_replicas`).
-
-Wake (`WakeRule`): where the schedule's floor is 0 and a CPU fallback carries the work, the fallback's policy
-marks the GPU decoder woken for `hold_s` whenever a fallback replica's oldest request without audio has waited
-more than `wait_s` (`first_audio_wait_s`, a lower bound of its time to first audio), or requests queue at its
-handles because every replica is full; while woken, the GPU decoder's floor is 1 and the ingress sends new work
-to it once it runs, and the GPU decoder's policy renews the mark while its replicas are busy. The mark lives
-in a `WakeBoard` (Ray's internal KV in Serve), since a deployment's policy sees only its own deployment's
-metrics.
+Rules (`ScalingRules`, through `policy_kwargs`): +1 replica when the time-weighted mean utilization over
+`scale_up_window_s` is above `scale_up_utilization` (after `scale_up_cooldown_s`); -1 when the mean over
+`scale_down_window_s` is below `scale_down_utilization` and nothing waits; at once, proportionally, when the queue per
+replica exceeds `target_queue_per_replica` (at most `queue_scale_up_factor` x per step); clipped to the active
+schedule window. `WakeRule`: where the floor is 0 and a CPU fallback carries the work, the fallback's waits wake the
+GPU decoder through a `WakeBoard` in Ray's internal KV. Why each rule: docs/autoscaling.md, "How the policy works".
 """
 
 from __future__ import annotations

@@ -2,30 +2,16 @@
 
     python -m autoscaling.simulate --out DIR [--trace trace.csv] [--service-rates bench.json]
 
-Simulates three policies for the night: `gpu_only` (no CPU fallback), `cpu_fallback` (the fallback alone
-carries the 0-floor window), `fallback_wake` (the fallback, and its waits wake a GPU replica: `WakeRule`).
-Writes DIR/summary.json (the chosen `--policy`'s figures at the top level, each policy's cost ratio and SLO
-violations under `policies`) and DIR/autoscaling_day.png (load, replicas, utilization, queue of `--policy`).
+Simulates three policies for the night: `gpu_only` (no CPU fallback), `cpu_fallback` (the fallback alone carries the
+0-floor window), `fallback_wake` (the fallback, and its waits wake a GPU replica: `WakeRule`). Writes
+DIR/summary.json (each policy's cost ratio and SLO violations, each service rate's source) and
+DIR/autoscaling_day.png. Service rates come from a JSON recorded in the repository (`DEFAULT_SERVICE_RATES`).
 
-Service rates come from a JSON recorded in the repository (`DEFAULT_SERVICE_RATES`): measurements, or a
-published figure cited there with its hardware; `summary.json` names each rate's source.
-
-Model (per 1 s step): Poisson arrivals at the trace's rate; the ingress's rule (`use_cpu_fallback`)
-routes them to the CPU fallback pool while the GPU schedule's floor is 0 and the fallback runs (the
-GPU pool drains, then scales down), else to the GPU pool when it has a running replica, else to the
-fallback when it runs, else to the GPU pool (whose queue triggers Serve's cold start). Each pool keeps one
-FIFO queue; a free replica takes min(queue, max_batch_size) requests as one batch that runs
-`batch_latency_s[size]` seconds (one batch at a time per replica). New replicas run after
-`startup_s`; removed replicas stop at once (Serve drains them; their last batch still completes).
-
-The policies are the SAME objects Serve runs, fed a real `AutoscalingContext`; their decisions go
-through Serve 2.60's own post-processing helpers (cold start, scaling factors, delays with the
-simulated clock, min/max clipping) in `serve_decision`. Approximations: the controller is ticked
-every `control_period_s` (Serve: ~0.1 s); replica metrics are the exact busy fraction over the last
-`look_back_period_s` and the queue head's wait at the tick (Serve: samples pushed every
-`metrics_interval_s`, then averaged), the shared FIFO queue stands in for Serve's power-of-two-choices
-routing, and queues are unbounded (Serve answers 503 past `max_queued_requests`; here such requests wait,
-and count as SLO violations all the same).
+Model, per 1 s step: Poisson arrivals at the trace's rate, routed by the ingress's rule (`use_cpu_fallback`); one
+FIFO queue per pool; a free replica takes min(queue, max_batch_size) requests as one batch of
+`batch_latency_s[size]`; new replicas run after `startup_s`. The policies are the SAME objects Serve runs, their
+decisions passed through Serve 2.60's own post-processing helpers (`serve_decision`). The approximations against
+Serve (tick period, exact busy fractions, one shared queue, unbounded queues): docs/autoscaling.md, "Simulator".
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Batching and streaming benchmark on any model family, fixed speech lengths (stop ids masked): the tiny model by
 default, a real-size architecture with dummy weights by `--model dummy` (or `cosyvoice3-0.5b`, ...).
 
-For batch sizes 1, 2, 4, 8, 16: throughput (audio seconds per wall second) and per-request latency, for
-the LLM alone and for the whole decoder (LLM + flow + HiFT); then the time to the first streamed chunk
-of a 20 s utterance against its full (non-streaming) synthesis time. All in one process, side by side.
+For batch sizes 1, 2, 4, 8, 16: throughput (audio seconds per wall second) and per-request latency, for the LLM alone
+and the whole decoder; then the first streamed chunk of a 20 s utterance against its whole synthesis
+(`first_chunk_fraction_20s`). `--int8` repeats the sweep with an INT8 LLM (keys suffixed `_int8`); `--prompt-seconds
+10` adds a repeated-voice run, cached against uncached prompt (`prompt_cache_ttfa_ratio`; `--prompt-cache-only`: only
+it). Medians of `--repeats` with spreads (`serve_app.bench.timing`); a batch-8 / batch-1 ratio outside [0, 8] is null.
 
     python -m benchmarks.batching_bench --out out/batching.json [--model tiny] [--seconds 2] [--batches 1 2 4 8 16]
         [--stream-seconds 20] [--int8] [--repeats 3] [--warmup 1] [--prompt-seconds 10 [--prompt-cache-only]]
-    python -m benchmarks.batching_bench --model dummy --out out/batching_dummy.json   # the real-size sweep
-
-Every figure is the median of `--repeats` timed runs after `--warmup` untimed ones, with `<key>_spread` beside it
-(`serve_app.bench.timing`). A batch-8 / batch-1 throughput ratio outside [0, 8] is not a measurement: its key is null
-and `failed_measurements` says why.
-
-The streaming keys name the utterance's length (`first_chunk_fraction_20s` for `--stream-seconds 20`).
-
-`--prompt-seconds 10` adds a repeated-voice run: the time to the first streamed chunk (`--seconds` of speech) in a
-voice cloned from a synthetic 10 s prompt, with the decoder's prompt cache holding the voice's prepared prompt and
-without it, the runs alternating (`prompt_cache_ttfa_ratio`: cached / uncached). `--prompt-cache-only` runs only it:
-
-    python -m benchmarks.batching_bench --model cosyvoice3-0.5b --prompt-seconds 10 --prompt-cache-only --repeats 5
-
-The headline keys are for float32 weights; `--int8` repeats the sweep with the decoder LLM INT8-quantized (the
-CPU configuration: `load_model(..., int8=True)`) and adds the same keys with an `_int8` suffix.
 
 The default run (tiny) takes under a minute on the 2-core machine (37 s, Intel Xeon with AMX, 2026-12-07).
 """

@@ -1,23 +1,15 @@
-"""Bi-streaming benchmark (issue 32, part 5): the first audio of text that arrives as it is written, against the same
-text sent whole.
+"""Bi-streaming benchmark: the first audio of text that arrives as it is written, against the same text sent whole.
 
     python -m benchmarks.bistream_bench --model cosyvoice3-0.5b --out out/bistream_v3.json [--tokens-per-second 20]
         [--prompt-seconds 10] [--repeats 3] [--warmup 1] [--threads 2]
 
-Two runs on the same decoder, alternating (order swapped every pair, so that load on a shared machine hits both
-alike), `--warmup` untimed pairs, then `--repeats` timed pairs:
-
-- bi-streamed: the text's ids (the model's tokenizer over the whole text) arrive one every 1 / `--tokens-per-second`
-  s from t = 0; whatever has arrived is pushed to the LM as one piece (`BistreamSynthesis.push_text`) as soon as
-  the previous push returns, and once all has arrived the text ends (`finish`). The utterance is prepared before
-  t = 0 (`bistream_start`, `open_bistream`: what a WebSocket `start` message does before any text).
-- whole: at t = 0 the whole text is there; it is encoded (split into sentences) and its first sentence streamed
-  (`open_stream`), as `/v1/audio/speech` streams a text.
-
-Each run is timed to its first non-empty audio chunk. `bistream_first_audio_ratio` is bi-streamed / whole, pair by
-pair: the median and spread (`serve_app.bench.timing`). `--prompt-seconds` > 0 speaks in a voice cloned from a synthetic
-prompt that long (`batching_bench.synthetic_prompt`), else in the model's first built-in voice. The default run
-takes about 1 minute on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
+Two runs on the same decoder, alternating (order swapped every pair, so load on a shared machine hits both alike):
+bi-streamed, the text's ids arriving one every 1 / `--tokens-per-second` s and pushed to the LM as they come
+(`BistreamSynthesis.push_text`), the utterance prepared before t = 0 as a WebSocket `start` does; and whole, the text
+encoded at t = 0 and its first sentence streamed, as `/v1/audio/speech` streams a text. Each is timed to its first
+non-empty audio chunk; `bistream_first_audio_ratio` is bi-streamed / whole, pair by pair. `--prompt-seconds` > 0
+speaks in a voice cloned from a synthetic prompt that long, else in the first built-in voice. The default run takes
+about 1 minute on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations

@@ -1,47 +1,20 @@
 """Side-by-side: this Ray Serve app against a baseline built like the official CosyVoice server, one run.
 
-In one run, on 127.0.0.1, the same engine and weights:
-1. in-process: the engine's own decoder throughput at batch 1 and 8 (`benchmarks.batching_bench`);
-2. the Ray Serve app: closed loops of 1, 4 and 8 clients (whole and streaming, mixed text lengths), Poisson
-   arrivals of streaming requests at fixed rates, a short streaming request arriving while 7 long ones
-   stream (and the same on the idle server), `POST /v1/audio/speech` of a ~20 s text (first byte and
-   last byte), then whole requests one at a time, alternating in-process `CosyVoice.synthesize` and HTTP;
-3. `benchmarks.baseline_server` (one model copy, one request at a time): closed loops of whole requests at 1
-   client and at the compared level.
-
-How much load each part sends is the model's profile (`PROFILES`: the real-size dummy is ~50x slower than tiny
-and its profile is sized for an estimated half hour per repeat on a quiet 2-core machine); `--requests` and `--rates`
-override it. The JSON records the profile used (`setup.profile`).
-
-Every figure is taken `--repeats` times (default 3; each closed-loop level, Poisson rate, probe and the
-overhead measure), after `--warmup` untimed requests: a key holds the median of the repeats and `<key>_spread`
-beside it their {min, max, n}; per-request percentiles pool every repeat's requests (`serve_app.bench.timing`). A
-ratio outside its physical bound (8 clients or batch 8 above 8x one, below 0; an efficiency above what they
-allow) is null, and `failed_measurements` lists it with its raw value and why.
-
-Headline keys:
-- `throughput_ratio_c8`: audio seconds per second of whole requests at 8 clients, ours / baseline;
-- `batching_efficiency_c8`: (ours at 8 clients / ours at 1) / the engine's decoder batch-8 / batch-1 ratio;
-- `p50_ttfa_s`, `p95_ttfa_s`: time to first audio per level (`stream_c1`.., `poisson_<rate>`);
-- `late_arrival_ttfa_ratio`: first audio of a short stream sent while 7 long ones (~8 s of audio each) stream /
-  on an idle server;
-- `overhead_ms_c1`: p50 of (latency through Ray Serve - latency in-process) of whole requests, one at a time,
-  its median over the repeats; each request in-process then through Ray Serve (so that a shared machine's
-  drifting load hits both alike, and each difference compares the same text);
-- `openai_first_byte_fraction_20s`: first byte of `/v1/audio/speech` (~20 s of audio) / its full time.
+On 127.0.0.1, the same engine and weights: the engine's own decoder throughput at batch 1 and 8; the Ray Serve app
+under closed loops of 1, 4 and 8 clients, Poisson arrivals, a late short stream, OpenAI's endpoint on a ~20 s text and
+whole requests one at a time against in-process; and `benchmarks.baseline_server` (one request at a time). The load
+is the model's profile (`PROFILES`, recorded as `setup.profile`); `--requests` and `--rates` override it. Medians of
+`--repeats` with spreads, failed measurements null (`serve_app.bench.timing`). Headline keys: `throughput_ratio_c8`,
+`batching_efficiency_c8`, `p50_ttfa_s`/`p95_ttfa_s`, `late_arrival_ttfa_ratio`, `overhead_ms_c1` (p50 of paired
+differences, through Serve less in-process) and `openai_first_byte_fraction_20s`; what each means and the figures:
+docs/history/performance-runs.md, "Continuous batching in the decoder replicas".
 
     python -m benchmarks.compare --out out/compare.json [--model tiny|dummy] [--requests N] [--rates R ...]
-        [--repeats 3] [--warmup 1]
     python -m benchmarks.compare --out out/overhead.json --overhead-only   # only `overhead_ms_c1`
-    python -m benchmarks.compare --out out/hops.json --hops-only   # what Serve's hops cost (below)
+    python -m benchmarks.compare --out out/hops.json --hops-only   # plus a stream's first byte and 8 streams' bytes/s
 
-`--hops-only`: `overhead_ms_c1`, then on the same server `stream_first_byte_s_c1` (p50 first audio byte of a stream
-at 1 client, every repeat's requests pooled) and `stream_bytes_per_s_c8` (bytes per second of the streams of 8
-concurrent clients, the median of the repeats): what `benchmarks.serve_modes` compares between Serve's modes.
-
-Writes the JSON and a PNG beside it (same name, .png; none with --overhead-only or --hops-only).
-
-The default run (tiny) takes about 5 minutes on the 2-core machine (286 s, Intel Xeon with AMX, 2026-12-07).
+Writes the JSON and a PNG beside it (none with the two `-only` modes). The default run (tiny) takes about 5 minutes
+on the 2-core machine (286 s, Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations

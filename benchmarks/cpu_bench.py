@@ -1,24 +1,16 @@
-"""CPU precision per stage (issue 27): each decoder stage in float32 against its reduced-precision variants, timed
-side by side in one run (alternated repeat by repeat) and compared with float32 for quality; and what
-`dtype: auto` picks on this CPU (`engine.nn.precision.cpu_auto_choice`), with its whole-decoder RTF.
+"""CPU precision per stage: each decoder stage in float32 against its reduced-precision variants, timed
+side by side in one run and compared with float32 for quality; and what `dtype: auto` picks on this CPU
+(`engine.nn.precision.cpu_auto_choice`), with its whole-decoder RTF.
 
     python -m benchmarks.cpu_bench --model dummy --out out/cpu_bench_v1.json [--seconds 5] [--threads 2]
         [--repeats 3] [--warmup 1] [--dtype auto] [--quality-only]
 
-Variants: the LLM in float32 (oneDNN-packed Linear), INT8 (dynamic, Linear layers), INT4 (weight-only, `auto-int4`'s
-LLM) and bfloat16; the flow and the vocoder in float32 and bfloat16. Every stage of every variant is fed the float32
-stage's input (the float32 tokens, the float32 mel), so both the times and the errors are the stage's own. Timing:
-`--warmup` untimed calls of each variant, then `--repeats` rounds, each round timing every variant once in turn (so a
-load change on a shared machine hits all variants alike); medians with their spread (`serve_app.bench.timing`) and each
-variant's median speed-up over float32. The whole-decoder RTF of a choice is the sum of its stages' times, repeat by
-repeat.
-
-Quality, against float32: the LLM's greedy tokens (the fraction equal, position by position, at the forced length;
-with random weights the top logits are near ties, so this drops fast) and its first step's probabilities,
-the mel's and the waveform's cosine and max abs error, and the waveform of the chosen flow + vocoder together
-(`chain`). `--dtype` names the choice reported beside float32: `auto` (this CPU's pick) or any dtype the app takes.
-`--quality-only` skips the timing (a quick run on the tiny kits); `--skip llm:bfloat16 ...` leaves variants untimed.
-The default run (`--model dummy`) takes about 3 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
+Variants: the LLM in float32, INT8, INT4 (`auto-int4`'s) and bfloat16; the flow and the vocoder in float32 and
+bfloat16. Every variant is fed the float32 stage's input, so times and errors are the stage's own; each round times
+every variant once in turn (load on a shared machine hits all alike). Quality against float32: the LLM's greedy
+tokens and first-step probabilities, the mel's and waveform's cosine and max abs error, and the chosen flow + vocoder
+together (`chain`). `--quality-only` skips the timing; `--skip llm:bfloat16 ...` leaves variants untimed. The default
+run (`--model dummy`) takes about 3 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""The CPU fallback's rates for the autoscaling simulator (issue 31): a `DecoderCPU` replica's start-up, and what
+"""The CPU fallback's rates for the autoscaling simulator: a `DecoderCPU` replica's start-up, and what
 batching gains it, on the fallback's own precision choice (`dtype: auto`).
 
     python -m benchmarks.fallback_rates --model cosyvoice3-0.5b --out docs/fallback_rates/cosyvoice3-0.5b.json
         [--seconds 5] [--threads 2] [--repeats 3] [--warmup 1] [--startup-repeats 3] [--skip-startup]
 
-Start-up: the fallback deployment as the app builds it (`deployments.decoder.Decoder` named `DecoderCPU`, on CPU at
-dtype auto, the GPU profile's `decoder_cpu.max_batch_size`), deployed alone on a local Serve (`--threads` CPUs, so
-its torch threads) `--startup-repeats` times: each time the seconds from `serve.run` to its return (Serve started
-the replica's process, the replica loaded its model and passed its first health check: RUNNING, what a scale-up
-waits for), then the seconds of its first request (one `--seconds` sentence: a fresh replica's first call pays
-for kernel choice and allocation), then the app is deleted. Not included: a node's own start, when the cluster
-has to add one for the replica.
-
-Batching: the same decoder loaded here, batches of 1, 2, 4 ... up to that max_batch_size of `--seconds` sentences
-through the engine's batched path (`SpeechDecoderStage.decode_batch`), alternated round by round (`--warmup`
-untimed rounds, then `--repeats` timed ones, each running every batch size once in turn, so load on a shared
-machine hits all sizes alike). For each size b: the batch's seconds, its real-time factor (seconds / (b x audio
-seconds), the simulator's `rtf[b]`), and its throughput over batch 1's, repeat by repeat; a throughput ratio
-outside [0, b] is a failed measurement (null, listed in `failed_measurements`). The default run
-(`--model cosyvoice3-0.5b`) takes about 4 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
+Start-up: the fallback deployment as the app builds it, deployed alone on a local Serve `--startup-repeats` times:
+the seconds from `serve.run` to RUNNING (process, model load, first health check: what a scale-up waits for), then
+its first request's; a node's own start is not included. Batching: batches of 1 up to the profile's
+`decoder_cpu.max_batch_size` through `SpeechDecoderStage.decode_batch`, alternated round by round; per size b the
+batch's seconds, its real-time factor (the simulator's `rtf[b]`) and its throughput over batch 1's (outside [0, b]: a
+failed measurement). The default run takes about 4 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations

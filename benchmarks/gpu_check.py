@@ -1,37 +1,19 @@
 """The in-process parts of `benchmarks/gpu_check.sh`, one per call (`--part`), each writing its own JSON:
 
-- `precision`: per family (v1, v2, v3 at their real sizes with seeded dummy weights; `--cpu`: the tiny presets) and
-  per stage, the float16, bfloat16 and `auto` (the profile's per-module choice: v3 gets a bfloat16 LLM and flow)
-  outputs against float32 on the same device and inputs: whether they are finite, their cosine to float32, and the
-  LLM's top-1 agreement. The LLM is teacher-forced over its prompt and a fixed token sequence (logits); the flow
-  gets those tokens (mel); the vocoder gets the float32 mel (audio). Fallbacks of the NaN guard (a non-finite
-  output recomputed in float32) are counted, so a stage that only looks finite through the guard shows.
-- `engine`: the decoder in the profile's dtype (`--dtype`, float16 on CUDA): for batch sizes 1, 4 and 16 of
-  fixed-length requests, whether every waveform is finite, the real-time factor (batch wall time / audio seconds
-  of one request) and the peak device memory; then the first streamed chunk of a long utterance. Each time is the
-  median of `--repeats` runs after `--warmup` untimed ones, with `<key>_spread` beside it (`serve_app.bench.timing`).
-- `replica`: one decoder replica in this process as `deployments.decoder` builds it: the allocator capped at
-  `--fraction` of the card (`set_per_process_memory_fraction`), the `auto` memory budget
-  (`engine.runtime.memory.device_memory_budget`), the decoder loop with its two lanes on their own CUDA streams,
-  under a mix of streaming and whole requests: the peak device memory against the budget and the cap, every
-  request's outcome, and NVML readings sampled meanwhile (nvidia-ml-py, the `gpu` extra).
-- `sharing`: several decoder replicas on one GPU, each a process of its own as Ray places them (a worker:
-  `--part sharing-worker`, its allocator capped at its fraction, its loop as `replica` builds it): 1 replica at the
-  whole GPU, `--replicas` at `--fraction` time-sliced (their CUDA_MPS_PIPE_DIRECTORY an empty folder, so no MPS
-  daemon is found), and the same under MPS (a control daemon this part starts in a folder of its own and quits
-  after; skipped without CUDA or `nvidia-cuda-mps-control`). Each gets the same open-loop streaming load at each
-  of `--clients` (every client starts a stream each `--period-s` for `--duration-s`, whatever the replies;
-  streams go round-robin to the replicas): aggregate requests/s and audio seconds/s, time to first audio p50/p95,
-  each replica's peak memory against its cap, and `mps_throughput_ratio` (requests/s with MPS / without, at the
-  most clients).
+- `precision`: per family and stage, float16, bfloat16 and `auto` against float32 on the same inputs (finite,
+  cosine, LLM top-1 agreement, the NaN guard's fallbacks counted);
+- `engine`: the decoder in the profile's dtype at batch 1, 4 and 16: finite, RTF, peak memory; a long first chunk;
+- `replica`: one decoder replica as `deployments.decoder` builds it, capped at `--fraction` of the card, under mixed
+  requests: peak memory against its budget and cap, every request's outcome, NVML readings;
+- `sharing`: replicas as processes on one GPU, time-sliced and under an MPS daemon this part starts, under the same
+  open-loop streaming load: requests/s, first audio, each replica's peak, `mps_throughput_ratio`.
+Each part's inputs and limits: docs/history/performance-runs.md, "The GPU check".
 
     python -m benchmarks.gpu_check --part precision --out OUT/precision.json [--device cuda]
-    python -m benchmarks.gpu_check --part engine --out OUT/engine.json [--device cuda] [--model dummy]
-    python -m benchmarks.gpu_check --part replica --out OUT/replica.json [--device cuda] [--fraction 0.25]
     python -m benchmarks.gpu_check --part sharing --out OUT/sharing.json [--device cuda] [--replicas 4]
 
-A part writes its JSON as it goes (a family, a batch size at a time), so one stopped by the script's time box still
-leaves what it measured, with `"complete": false`.
+A part writes its JSON as it goes, so one stopped by the script's time box leaves what it measured
+(`"complete": false`).
 """
 
 from __future__ import annotations

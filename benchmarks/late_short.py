@@ -2,15 +2,12 @@
 the server at `--url` (what `cosyvoice-serve run` serves, with its own settings), not to a local app of the
 benchmark's.
 
-1. Idle time to first audio (TTFA): after `--warmup` untimed streams, `max(3, --repeats)` short streams ("Hi there."),
-   one at a time.
-2. `--repeats` times: 7 long streams start, one second later a short one; its TTFA / the idle TTFA, and the long
-   streams' underruns (a virtual listener each, `streams.Listener`); the long streams run to their end.
-
-Headline keys: `late_short_ttfa_ratio` (median of the repeats, `_spread` beside it; outside (0, inf): a failed
-measurement), `late_short_within_3x` (the goal), `idle_ttfa_s`, `late_short_ttfa_s`, `late_long_underruns`. The
-default run takes about 2 minutes on the 2-core machine with the tiny model (Intel Xeon with AMX, 2026-12-07); the
-time budget (`--budget-minutes`, default 14) cuts the repeats it leaves no time for, named in `stopped`.
+The idle time to first audio (TTFA) of short streams ("Hi there.") one at a time; then `--repeats` times, 7 long
+streams start and one second later a short one: its TTFA / the idle TTFA, and the long streams' underruns (a virtual
+listener each, `streams.Listener`). Headline keys: `late_short_ttfa_ratio` (median, `_spread` beside it),
+`late_short_within_3x` (the goal), `idle_ttfa_s`, `late_short_ttfa_s`, `late_long_underruns`. The default run takes
+about 2 minutes on the 2-core machine with the tiny model (Intel Xeon with AMX, 2026-12-07); the time budget
+(`--budget-minutes`, default 14) cuts the repeats it leaves no time for, named in `stopped`.
 
     cosyvoice-serve run &
     python -m benchmarks.late_short --url http://127.0.0.1:8000 --out out/late_short.json [--repeats 3] [--warmup 1]

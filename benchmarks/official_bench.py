@@ -1,20 +1,16 @@
-"""Our decoder stages against the official CosyVoice code's, side by side in one run (issue 27, part 4): per stage
+"""Our decoder stages against the official CosyVoice code's, side by side in one run: per stage
 RTF (and LLM ms per token) of the official code in float32, ours in float32 and ours with `--dtype` (auto: this
 CPU's pick), at the same architecture with random weights, on the same inputs.
 
     python -m benchmarks.official_bench --model dummy --official /tmp/cosyvoice-official \\
         --official-python /tmp/offvenv/bin/python --out out/official_v1.json [--seconds 5] [--threads 2] [--repeats 3]
 
-The official code runs in a subprocess of the venv that has its dependencies (benchmarks/official_worker.py; it is
-never imported here), built from the same yaml with its own random weights (timing does not depend on the values).
-Inputs: ours `fixed_length_segments` (our float32 LLM's speech tokens at the forced length, our float32 flow's mel);
-the official LLM gets random text ids of our target text's length and min = max tokens, so both LLMs make the same
-number of tokens; the official flow gets our tokens and the official vocoder our mel. The official LLM call includes
-its text encoder (ours runs in the encoder stage, not timed here), a few ms next to the decode loop.
-Timing: `--warmup` rounds, then `--repeats` rounds; each round runs every stage of every variant in turn (official,
-ours float32, ours choice), so a load change on a shared machine hits them alike; a choice stage that is float32
-reuses the float32 figure. Only v1 models (the worker wires the v1 classes). The default run takes about 4 minutes
-on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
+The official code runs in a subprocess of the venv that has its dependencies (benchmarks/official_worker.py; never
+imported here), built from the same yaml with its own random weights (timing does not depend on the values). Both
+LLMs make the same number of tokens; the official flow gets our tokens and its vocoder our mel; its LLM call includes
+its text encoder (a few ms). Each round runs every stage of every variant in turn, so load on a shared machine hits
+them alike. Only v1 models (the worker wires the v1 classes). The default run takes about 4 minutes on the 2-core
+machine (Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations

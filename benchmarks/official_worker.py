@@ -1,5 +1,5 @@
 """The official CosyVoice code's decoder stages, timed for benchmarks/official_bench.py: run ONLY with the venv that
-has the official dependencies (README.md, "conformance kits"), as a subprocess, never imported into the project.
+has the official dependencies (docs/parity.md, "Conformance kits"), as a subprocess, never imported into the project.
 
     /tmp/offvenv/bin/python benchmarks/official_worker.py --official /tmp/cosyvoice-official \\
         --yaml engine/loading/presets/cosyvoice-300m.yaml --inputs inputs.pt --threads 2

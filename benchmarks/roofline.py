@@ -1,20 +1,18 @@
-"""How close one batch-1 synthesis runs to this machine's limits, stage by stage (the issue-3 RTF question).
+"""How close one batch-1 synthesis runs to this machine's limits, stage by stage (why RTF 3.0 at
+batch 1 was out of reach).
 
 - Machine: the best GEMM rate over a few shapes (the compute ceiling: convolutions and attention lower to GEMMs).
-- Flow and HiFT: their FLOPs, counted by torch's FlopCounterMode over the real stage call (plus the fused CPU
-  attention kernel, which the counter does not know), divided by that ceiling: the stage's time at 100% of peak.
-- LLM: at batch 1 each decode step reads every weight of the Linear layers it runs once, so its floor is the
-  time of exactly those layers (found with forward hooks on a real step) run alone on one row, back to back.
+- Flow and HiFT: their FLOPs (torch's FlopCounterMode over the real call, plus the fused CPU attention kernel it does
+  not count) divided by that ceiling: the stage's time at 100% of peak.
+- LLM: at batch 1 each decode step reads every weight of its Linear layers once, so its floor is the time of exactly
+  those layers (found with forward hooks on a real step) run alone on one row, back to back.
 
     python -m benchmarks.roofline --out out/roofline.json [--model dummy] [--seconds 5] [--int8] [--repeats 3]
 
-Every time is the median of `--repeats` timed runs after `--warmup` untimed ones (the weight-read floor: of 20),
-with `<key>_spread` beside it (`serve_app.bench.timing`). An efficiency (floor / time) above 1 is not a measurement:
-its key is null and `failed_measurements` says why.
-
-`rtf_floor` adds the three floors; `efficiency_needed_for_rtf_3` is the fraction of that ideal the whole
-decoder must reach for RTF 3.0 (above 1: out of reach on this machine whatever the code). The default run takes
-about 2 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
+Medians with spreads (`serve_app.bench.timing`; the weight-read floor of 20 runs); an efficiency (floor / time) above 1 is
+a failed measurement. `rtf_floor` adds the three floors; `efficiency_needed_for_rtf_3` is the fraction of that ideal
+the whole decoder must reach for RTF 3.0 (above 1: out of reach here whatever the code). The default run takes about
+2 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations

@@ -2,19 +2,15 @@
 `RAY_SERVE_THROUGHPUT_OPTIMIZED` (each its own environment variable) and the whole of it.
 
 Each run is a `python -m benchmarks.compare --hops-only` in a process of its own, whose local Ray starts with the
-mode's environment: overhead per whole request (`overhead_ms_c1`), the first audio byte of a stream at 1 client
-(`stream_first_byte_s_c1`) and the bytes per second of 8 concurrent streams (`stream_bytes_per_s_c8`). What the
-replicas were started with is read back from their processes (`replica_env`: each replica's `RAY_SERVE_*`
-variables, by its process title), so that a mode that did not reach them shows. The modes are interleaved: every
-round runs Ray's defaults first and then each other mode (A/B/A/B...), so that a shared machine's drifting load
-hits them alike, each run with compare's own warm-up; a mode's ratio to the defaults is taken round by round against
-that round's default run and reported as the median with its spread (`serve_app.bench.timing`). A ratio that is not
-finite and above 0 is a failed measurement, and so is a ratio of overheads whose default overhead is not above 0.
-The load average before each run is kept with its figures (`load_1min`).
+mode's environment (`overhead_ms_c1`, `stream_first_byte_s_c1`, `stream_bytes_per_s_c8`). What the replicas were
+started with is read back from their processes (`replica_env`), so a mode that did not reach them shows. Every round
+runs Ray's defaults first and then each other mode, so a shared machine's drifting load hits them alike; a mode's
+ratio to that round's defaults is reported as the median with its spread (`serve_app.bench.timing`), a non-finite or
+non-positive one as a failed measurement, with the load average before each run (`load_1min`).
 
-The default run compares Ray's defaults with `throughput-optimized`, 3 rounds: about 8 minutes on the 2-core
-machine, within its time budget (`--budget-minutes`, default 14: a round it leaves no time for is left out and named
-in `stopped`). What it found, and why the app keeps Ray's defaults: docs/performance.md, "Serve's own hops".
+The default run (defaults against `throughput-optimized`, 3 rounds) takes about 8 minutes on the 2-core machine,
+within its time budget (`--budget-minutes`, default 14; a round left out is named in `stopped`). What it found, and
+why the app keeps Ray's defaults: docs/performance.md, "Serve's own hops".
 
     python -m benchmarks.serve_modes --out out/serve_modes.json [--modes grpc direct-ingress ...] [--rounds 3]
 """

@@ -1,36 +1,19 @@
 """Streams under load: the decoder loop's playback-deadline policy against first-come order, side by side.
 
-For each policy (`fcfs`, then `deadline`: the app's `scheduler.policy`) one local Serve app is started on this
-machine and sent the same load:
-1. idle time to first audio (TTFA): after `--warmup` untimed requests, `max(3, --repeats)` short streams and as
-   many long ones, one at a time (a long one is closed once its first audio came); the median of each kind over
-   both servers is the idle TTFA both policies are measured against;
-2. the late-short scenario, `--repeats` times: 7 long streams start, one second later a short one ("Hi there.");
-   its TTFA / its idle TTFA, and the underruns of the 7 long streams (which run to their end);
-3. open-loop Poisson arrivals (seeded: the same arrival times and texts for both policies) of `--arrivals`
-   streaming clients at each of `--rates`, long and short texts mixed; per rate the p50/p95 TTFA, underruns per
-   stream and the streams served (ended ok).
-
-Every client is a virtual listener (`Listener`): it starts playing `--jitter-buffer-s` after its first audio
-arrives and plays at 1x; an *underrun* is a piece of audio that arrives after the listener ran out (it plays
-again from that piece on). A policy *holds* a rate when every stream of it ended ok, none underran, and the p95 of
-the streams' TTFA ratios is at most 3 (a stream's TTFA ratio: its TTFA / the idle TTFA of its kind, short or
-long: a long text's first chunk takes longer than a short text's whole audio even on the idle server). Its
-`held_rate` is the highest rate such that it and every lower rate hold (null when the lowest fails:
-`held_rate_<policy>_below` then gives the lowest rate tried as a bound).
-
-Headline keys: `held_rate_fcfs`, `held_rate_deadline`, `held_rate_ratio` (deadline / fcfs, with
-`held_rate_ratio_reason` when null; `held_rate_ratio_above`: when fcfs holds no rate tried, the ratio exceeds
-deadline's held rate / the lowest rate), `late_short_ttfa_ratio_<policy>`, `late_long_underruns_<policy>` (median of
-the repeats, `_spread` beside each), `targets` (the issue's: held rate ratio >= 1.5; the late short stream within 3x
-its idle TTFA under deadline; the long streams' underruns no worse than under fcfs).
+For each policy (`fcfs`, then `deadline`: the app's `scheduler.policy`) one local Serve app is started and sent the
+same load: the idle time to first audio (TTFA) of short and long streams one at a time; the late-short scenario (7
+long streams, one second later a short one: its TTFA over idle, the long streams' underruns); and seeded open-loop
+Poisson arrivals of `--arrivals` streams at each of `--rates`. Every client is a virtual listener (`Listener`), and a
+policy *holds* a rate when every stream ended ok, none underran and the p95 TTFA ratio is at most 3
+(docs/performance.md, "Streams under load", defines these). Headline keys: `held_rate_<policy>`, `held_rate_ratio`
+(deadline / fcfs, `held_rate_ratio_reason` when null, `held_rate_ratio_above` when fcfs holds no rate),
+`late_short_ttfa_ratio_<policy>`, `late_long_underruns_<policy>`, and `targets`.
 
     python -m benchmarks.streams --model tiny --out out/streams_tiny.json [--rates 0.3 0.6 1.2 2.4] [--arrivals 30]
         [--long-sentences 8] [--repeats 3] [--warmup 1] [--num-gpus 0] [--budget-minutes 14]
 
-Writes the JSON (as it goes) and a PNG beside it (same name, .png). A progress bar goes to stderr. The default run
-ends within 15 minutes on the 2-core machine: a part the time budget (`--budget-minutes`, 0: none) leaves no time
-for is left out, named in `stopped`, and so is every later part; a policy left out has no held rate.
+Writes the JSON (as it goes) and a PNG beside it. The default run ends within 15 minutes on the 2-core machine: a
+part the time budget (`--budget-minutes`, 0: none) leaves no time for is left out, named in `stopped`.
 """
 
 from __future__ import annotations
@@ -59,7 +42,7 @@ from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasur
 
 POLICIES = ("fcfs", "deadline")
 LONG_SENTENCE = "This is a much longer request that keeps the decoder busy for a while."
-LONG_SENTENCES = 8  # the issue's long text
+LONG_SENTENCES = 8  # the long text of the scenario the deadline order was built for
 SHORT_TEXTS = ("Hi there.", "Hello.", "Good morning.", "Thank you.")
 LATE_SHORT_TEXT = SHORT_TEXTS[0]
 LATE_LONG_STREAMS = 7
@@ -80,7 +63,7 @@ class StreamsWorkload:
     # were full, where both policies do the same work) and that the p95 is not simply the slowest stream.
     arrivals: int = 30
     long_fraction: float = 0.5  # of the arrivals, drawn with the seed
-    long_sentences: int = LONG_SENTENCES  # fewer: a cheaper run (a check), no longer the issue's workload
+    long_sentences: int = LONG_SENTENCES  # fewer: a cheaper run (a check), no longer the standard workload
     seed: int = 26
     jitter_buffer_s: float = 0.3
     repeats: int = DEFAULT_REPEATS  # of the late-short scenario (and idle samples, at least 3)
@@ -423,7 +406,7 @@ def held_rate_target(ratio: float | None, above: float | None) -> bool | None:
 
 
 def targets(report: dict[str, Any]) -> dict[str, bool | None]:
-    """The issue's targets, met or not (None: not measured)."""
+    """The deadline order's targets (docs/performance.md, "Streams under load"), met or not (None: not measured)."""
     ratio = report["held_rate_ratio"]
     late = report.get("late_short_ttfa_ratio_deadline")
     fcfs_underruns, deadline_underruns = (
@@ -645,7 +628,7 @@ def main() -> None:
     parser.add_argument("--arrivals", type=int, default=defaults.arrivals, help="streams per rate")
     parser.add_argument("--long-fraction", type=float, default=defaults.long_fraction)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    sentences_help = "sentences of the long text (default the issue's 8; fewer makes a cheaper check)"
+    sentences_help = "sentences of the long text (default 8, the standard workload; fewer makes a cheaper check)"
     parser.add_argument("--long-sentences", type=int, default=defaults.long_sentences, help=sentences_help)
     parser.add_argument("--jitter-buffer-s", type=float, default=defaults.jitter_buffer_s)
     timeout_help = "one stream's longest time, request to last byte"

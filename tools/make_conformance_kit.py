@@ -1,67 +1,18 @@
-"""Make (or extend) a CosyVoice conformance kit by running the official CosyVoice code.
+"""Make (or extend) a CosyVoice v1/v2 conformance kit by running the official CosyVoice code.
 
-The official code is imported at run time from a checkout given by path (never copied here), inside a throwaway
-venv outside this repo that has the official dependencies, for example:
+The official code is imported at run time from a checkout given by path (never copied here), inside a throwaway venv
+outside this repo that has the official dependencies (how to make it: docs/parity.md, "The kit tools"):
 
-    python -m venv /tmp/offvenv --system-site-packages  # reuses the installed torch
-    /tmp/offvenv/bin/pip freeze | grep '^torch==' > /tmp/torch.txt  # a constraint: pip keeps that torch
-    /tmp/offvenv/bin/pip install -c /tmp/torch.txt hyperpyyaml==1.2.3 transformers==4.51.3 diffusers==0.29.0 \\
-        omegaconf einops scipy conformer librosa openai-whisper==20250625
-    /tmp/offvenv/bin/pip install -c /tmp/torch.txt hydra-core lightning rich gdown wget pyarrow pyworld \\
-        x-transformers==2.11.24  # CosyVoice3's DiT (tools/make_cosyvoice3_kit.py)
-    /tmp/offvenv/bin/pip install "setuptools<70"  # pkg_resources; last and alone (see README.md): a step that
-                                                   # resolves torch's requirements brings setuptools>=77 back
     /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official \\
         --model tests/fixtures/cosyvoice1-tiny/model --out tests/fixtures/cosyvoice1-tiny
 
-`--official` is a checkout of FunAudioLLM/CosyVoice with its `third_party/Matcha-TTS` submodule in place.
-`--model` is a model dir in the official layout (`cosyvoice.yaml` or `cosyvoice2.yaml`, `llm.pt`, `flow.pt`,
-`hift.pt`; by default `--out/model`): an existing kit's weights or real ones. The kit is written to `--out` in the
-existing format:
-`model/` (copied unless it is `--out/model` already), `cases.pt` and `README.md`. When `--out/cases.pt` exists,
-its groups are kept and the groups made here are added, so a kit can be extended in place; groups and hift cases
-made here that the kit already has stay as they were recorded (another machine's rounding differs) unless
-`--remake` is given.
-
-Groups made here (every value a tensor, int, float or str; see the README section the tool writes):
-- `llm_sampled`: one `llm.inference` with the yaml's own sampler (`ras_sampling`) after `torch.manual_seed(seed)`:
-  replayable with a generator seeded the same; `step_fallback` marks the steps whose draw fell back.
-- `stream`: the official streaming loop `model.tts(..., stream=True)` with greedy tokens; per chunk the tokens,
-  the CFM start noise (v1), the vocoder input mel and source (after the cache overwrite) and the audio yielded.
-- `hift`: one more case, `HiFTGenerator.inference` with a non-empty `cache_source` and its random draws; for v2
-  the longer cases `mel30_long`, `mel60_long`, `mel120_long` (random mels, draws recorded). Every hift case then
-  gets the official HiFT's hidden tensors in pipeline order (HIFT_INTERMEDIATES, recomputed on the case's own
-  inputs) and `spread_<tensor>`: how much the official code itself varies, on the machine running this, over
-  SPREAD_VARIANTS (two threads, the native convolution kernels, the AVX2 kernels of ATen and oneDNN, MKL's AVX2
-  kernels), per stage and end to end (`spread_e2e_f0`, `spread_e2e_speech`), from which the parity tests take
-  their tolerances (tests/parity/hift_pipeline.py). Spreads are measured afresh on every run (`measure_spreads`).
-  A hift case made here records the machine: `recorded_cpu_kind` (`CpuCapabilities.kernel_kind` of this project's
-  engine, installed in the venv: the kind of CPU whose float32 rounding its tensors carry) and `recorded_cpu`.
-- `llm_bistream` (v2, only with `--bistream-only`, which leaves every other group as it is): the official
-  `llm.inference_bistream` with its text a generator of pieces, greedy and with the yaml's sampler (BISTREAM_MARKER's
-  README section describes the fields).
-- `frontend` (v2, and v1 kits that have none): `text_normalize` with wetext + the yaml's tokenizer (v2: the Qwen2
-  files of `model/CosyVoice-BlankEN`; `--qwen-tokenizer` copies tokenizer files there first).
-
-A kit without the spreads a parity test needs (an older kit, or one whose spreads were measured on another kind of
-CPU) gets them, and nothing else changes, with (the CosyVoice3 kit: tools/make_cosyvoice3_kit.py, same flags):
-
-    /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official --out KIT --respread
-
-which measures every `spread_*` of every hift case again on this machine, keeps every recorded tensor as it is,
-records the machine in the kit's meta (`spread_cpu`, `spread_variants`, `spread_kernels`) and writes RESPREAD_MARKER's
-README section. It adds no `recorded_cpu_kind`: a kit's tensors may come from several machines.
-
-The official code's float32 outputs differ between kinds of CPU (AMD EPYC, Intel Xeon with AMX) by more than within
-one machine. References of this machine's kind are recorded, and nothing of the kit changes but REFERENCES_MARKER's
-README section, with (tools/make_cosyvoice3_kit.py likewise):
-
-    /tmp/offvenv/bin/python tools/make_conformance_kit.py --official /tmp/cosyvoice-official --out KIT --references
-
-which makes the hift cases a run makes (for the cache_source case the llm_sampled and stream cases before it, as
-their draws come first) afresh, exits unless their inputs (`mel`, `cache_source`, `rand_draw_*`) are the kit's
-cases' to the bit, adds their hidden tensors and spreads (`measure_spreads`) and writes them to
-`KIT/references/<CPU kind>.pt` (`{"meta": [...], "hift": [cases]}`, e.g. `genuineintel-avx512-amx.pt`).
+`--official` is a checkout of FunAudioLLM/CosyVoice with its `third_party/Matcha-TTS` submodule in place. The kit is
+written to `--out`: `model/`, `cases.pt` and `README.md`; an existing kit's groups are kept and the groups made here
+added (`--remake` replaces them). Groups: `llm_sampled`, `stream`, `hift` (with the official HiFT's hidden tensors
+and `spread_<tensor>`, the official code's own variation on this machine, from which the parity tests take their
+tolerances), `llm_bistream` (`--bistream-only`) and `frontend`. `--respread` measures the spreads again and
+`--references` records `KIT/references/<CPU kind>.pt`, changing nothing else. Every group and field:
+docs/parity.md, "The kit tools, group by group", and the README section the tool writes.
 """
 
 from __future__ import annotations
@@ -88,7 +39,8 @@ QWEN_DIR = "CosyVoice-BlankEN"
 MADE_GROUPS = ("llm_sampled", "stream")
 BISTREAM_MARKER = "## The llm_bistream group (made with --bistream-only)"
 HIFT_CACHE_CASE = "cache_source_from_stream"
-# Longer hift cases (mel frames) of the v2 kit (issue 33: a v2 divergence showed at 30 frames on another CPU).
+# Longer hift cases (mel frames) of the v2 kit: a v2 divergence showed at 30 frames on another CPU, not on shorter
+# cases.
 HIFT_LONG_FRAMES = (30, 60, 120)
 # Left out of the longer cases for size: `magnitude` and `phase` hold conv_post_out, the source holds s_stft.
 LONG_CASE_OMITTED = ("s_stft", "conv_post_out")
@@ -377,7 +329,7 @@ class Maker:
         )
 
     def hift_long(self, frames: int) -> dict[str, Any]:
-        """A longer random-mel case (issue 33: a divergence showed at 30 frames), its own draws from `seed`."""
+        """A longer random-mel case (a divergence once showed only from 30 frames), its own draws from `seed`."""
         generator = torch.Generator().manual_seed(self.seed * 1000 + frames)
         mel = torch.randn(1, 80, frames, generator=generator) * 2 - 6  # as the kit's first hift cases
         torch.manual_seed(self.seed * 1000 + frames)

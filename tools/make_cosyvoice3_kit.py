@@ -1,38 +1,18 @@
 """Make the CosyVoice3 conformance kit by running the official code on tiny random weights, or extend one.
 
 Run it in a throwaway virtual environment that has the official repository's requirements, never in
-this project's environment::
+this project's environment (docs/parity.md, "The kit tools")::
 
     python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny \
         --qwen-tokenizer /path/to/tokenizer-files
 
-``--official`` is a checkout of FunAudioLLM/CosyVoice with its Matcha-TTS submodule under
-``third_party/Matcha-TTS``. The official modules are imported from there at run time; nothing of them
-is copied into this repository. ``--qwen-tokenizer`` names Qwen2 tokenizer files to copy into
-``model/CosyVoice-BlankEN`` (the kit's come from ``tests/engine/conftest.py`` with ``qwen2_ids=True``).
-
-Without ``--out/cases.pt`` the script writes ``model/`` (laid out like an official CosyVoice3 directory) and
-``cases.pt`` with every group. With it, the kit is extended in place: its model files and its groups are kept
-as they are and the groups of MADE_GROUPS (``stream``: the official streaming loop; ``frontend``: the official
-text path; ``llm_sampled``: the LLM with the yaml's own sampler, recorded as the v1/v2 kits record it) are added or
-replaced, computed on the kit's own files. The longer hift cases (HIFT_LONG_FRAMES) are added where missing, and
-every hift case gets the official HiFT's hidden tensors it lacks and its spreads, measured afresh on this machine
-(as the v1/v2 tool does: ``measure_spreads``). The README next to them is written by hand
-from what this prints. ``--bistream-only`` makes only the ``llm_bistream`` group (the official
-``inference_bistream``, as the v1/v2 tool makes it: ``bistream_case``), leaves every other group as it is and writes
-its README section itself. ``--respread`` measures only the spreads of the hift cases again, on this machine, and
-writes its README section itself (as the v1/v2 tool does; every recorded tensor stays as it is)::
-
-    python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny --respread
-
-Every hift case made here records the machine (``recorded_cpu_kind``, ``recorded_cpu``: the v1/v2 tool's
-``recorded_cpu``); ``--respread`` adds neither. ``--references`` makes every hift case of the kit afresh (the llm and
-flow cases before them too: ``e2e_zero_shot_from_flow`` decodes the flow's mel), exits unless their inputs (``mel``,
-the fixed source buffers) are the kit's cases' to the bit, and writes them with their hidden tensors and spreads to
-``references/<CPU kind>.pt``, nothing else of the kit but its README section (the v1/v2 tool's
-``write_references``)::
-
-    python tools/make_cosyvoice3_kit.py --official /path/to/CosyVoice --out tests/fixtures/cosyvoice3-tiny --references
+``--official`` is a checkout of FunAudioLLM/CosyVoice with its Matcha-TTS submodule; its modules are imported from
+there at run time, nothing copied. ``--qwen-tokenizer`` names Qwen2 tokenizer files to copy into
+``model/CosyVoice-BlankEN``. Without ``--out/cases.pt`` the script writes ``model/`` and ``cases.pt`` with every
+group; with it, the groups of MADE_GROUPS (``stream``, ``frontend``, ``llm_sampled``) are added or replaced, the
+longer hift cases (HIFT_LONG_FRAMES) added where missing, and every hift case given its hidden tensors and spreads.
+``--bistream-only``, ``--respread`` and ``--references`` work as the v1/v2 tool's (tools/make_conformance_kit.py).
+The kit's README is written by hand from what this prints; the sections of those three flags the tool writes.
 """
 
 from __future__ import annotations
@@ -82,7 +62,7 @@ MADE_GROUPS = ("stream", "frontend", "llm_sampled")
 # by trying seeds); its 12 prompt tokens pad the first hop to 25 + 13, so hops of 38 and 50 (each + 3 look-ahead
 # tokens) and a short final chunk.
 STREAM_SEED = 2019
-# Seed of the longer hift cases' random mels (HIFT_LONG_FRAMES; issue 33).
+# Seed of the longer hift cases' random mels (HIFT_LONG_FRAMES: divergences that show only on long mels).
 HIFT_LONG_SEED = 2033
 # Inputs and RNG seed of the sampled LLM case (`llm_sampled`): a zero-shot prompt, the yaml's ras_sampling.
 SAMPLED_SEED = 2023
@@ -944,7 +924,8 @@ def main() -> None:
         copy_qwen_tokenizer(args.qwen_tokenizer, model_dir)
     model, configs = load_official_model(model_dir)
     cases = torch.load(cases_path, weights_only=True) if extending else reference_cases(model, args.official)
-    # the longer hift cases (issue 33), added to a kit that lacks them; the kit's other cases stay as they are
+    # the longer hift cases (divergences that show only on long mels), added to a kit that lacks them; the kit's
+    # other cases stay as they are
     names = {case["name"] for case in cases["hift"]}
     cases["hift"] += [case for case in hift_long_cases(model.hift) if case["name"] not in names]
     # the HiFT hidden tensors and their spreads, on each case's own inputs

@@ -1,24 +1,14 @@
 """The CosyVoice3 flow (`CausalMaskedDiffWithDiT`): speech tokens -> 80-bin mel with a DiT velocity field, batched.
 
-Unlike v2 there is no token encoder: tokens (prompt + target) are embedded straight to 80 channels, mixed with
-the next 3 tokens by the pre-lookahead convolution (80 -> 1024 -> 80 in the released model) and repeated x2 to
-mel frames; that is mu. The flow-matching ODE, its fixed start noise and classifier-free guidance are the v2 ones
-(`engine.flow.causal.CausalConditionalCFM`); the velocity field is a diffusion transformer (`DiT`, F5-TTS style):
-  input  x, cond, mu and the speaker vector concatenated -> Linear -> + causal grouped-conv position embedding;
-  blocks AdaLayerNormZero (6 modulations from the time embedding) -> rotary self-attention -> gated residual,
-         then the modulated LayerNorm -> tanh-GELU MLP -> gated residual;
-  output AdaLayerNormZero_Final -> Linear to 80 mel bins.
-Rotary embedding: x_transformers' interleaved-pair rotation of width dim_head, applied to the projected q and k
-before they are split into heads, so only the first dim_head channels (head 0) rotate; the others carry no
-position, as in the official model.
+No token encoder: tokens are embedded straight to 80 channels, mixed with the next 3 by the pre-lookahead
+convolution and repeated x2 to mel frames (mu). The ODE, its start noise and classifier-free guidance are v2's
+(`engine.flow.causal.CausalConditionalCFM`); the velocity field is an F5-TTS-style diffusion transformer (`DiT`:
+AdaLayerNormZero blocks with rotary self-attention, where only head 0's channels rotate, as in the official model).
 
-Precision (bfloat16 on GPU by default, engine.nn.precision): LayerNorms and the attention's scores, softmax and
-sums run in fp32, the residual stream between the blocks is kept in fp32, and so is the ODE state; a request whose
-mel comes out non-finite at reduced precision is computed again in fp32 (engine.nn.precision.recompute_non_finite).
-
-Batching: requests are right-padded. Attention keys are masked (static 50-frame chunks when streaming) and the
-only convolutions that read the future are the pre-lookahead's, whose inputs are zeroed past each request, so a
-request's mel does not depend on what it is batched with.
+Precision: LayerNorms, the attention's scores, softmax and sums, the residual stream and the ODE state stay in fp32;
+a non-finite mel at reduced precision is computed again in fp32. Batching: requests are right-padded, keys masked,
+and the pre-lookahead's inputs zeroed past each request, so a request's mel does not depend on what it is batched
+with. The layer by layer description: docs/models.md, "CosyVoice3's DiT flow".
 """
 
 from __future__ import annotations

@@ -2,27 +2,14 @@
 
 `BistreamDecoder` is the official `Qwen2LM.inference_bistream` as a push API: `push_text` adds the next text tokens
 and returns the speech tokens that can be decoded with them; `finish` (no more text) decodes to the end. The LM input
-interleaves text and speech in the family's mix ratio, `mix_ratio = (5, 15)`:
+interleaves text and speech in the family's mix ratio (5 text tokens to 15 speech tokens): after the prompt's groups,
+every 15 decoded tokens the LM emits the unspoken fill token, which asks for the next 5 text tokens; at the end of
+text the rest and the task id join and it decodes to the end token.
 
-- it starts with sos (v3: sos and the prompt text up to and including `<|endofprompt|>`); the rest of the prompt
-  text is the head of the text waiting to join;
-- while prompt speech tokens remain, each 5 waiting text tokens join with the next 15 prompt speech tokens;
-- then the LM decodes speech tokens; every 15 tokens (counted on from the prompt speech, so the first run may be
-  shorter) it emits the fill token (forced at the position where it is due, else when the LM picks it), which is not
-  spoken: it asks for the next 5 text tokens, and decoding waits until 5 more have arrived;
-- at the end of text, whatever text is still waiting and the task id join, and it decodes up to the end token.
-
-As official: each `push_text` lets at most one group of 5 text tokens join (the rest waits, and joins at the end);
-speech tokens are sampled with only id `speech_token_size` masked until the end of text; after a fill token the
-input it came from is kept and, when the text ends right then, fed again with the text left and the task id; prompt
-speech tokens still waiting when the text ends are dropped.
-
-Not official: where the official loop raises (it drew a special id other than the fill token before the end of text,
-or other than the end token after it), the token is drawn again with those ids masked, so an LM that is not sure
-of the protocol (a dummy one) still speaks; and decoding after the end of text stops at `max_token_text_ratio`
-times the text tokens pushed (the official loop has no limit).
-
-A decoder runs one sequence with its own KV cache, outside `TokenGenerator`'s batch.
+Not official: a special id the official loop would raise on is drawn again with those ids masked (so a dummy LM still
+speaks), and decoding after the end of text stops at `max_token_text_ratio` times the text tokens pushed. A decoder
+runs one sequence with its own KV cache, outside `TokenGenerator`'s batch. The protocol rule by rule, and what is
+kept as officially: docs/models.md, "Bi-streaming: text joining the LM as it arrives".
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """Stream state that crosses CUDA streams: the one rule and the one helper (docs/scheduler.md, "CUDA streams").
 
-On CUDA each vocoding lane of the decoder loop issues its kernels on a CUDA stream of its own
-(`engine.runtime.lanes`). A streaming sentence's state (`engine.families.chunking.StreamState`: the v1 flow cache,
-the v3 vocoder window, ...) is made by one lane's job and may be read, replaced and so freed by the other lane's next
-job. Two things can then go wrong, both silently:
-- the reading lane's kernels start before the writing lane's kernels that fill the tensor are done;
-- the caching allocator gives a freed tensor's memory back to the stream it was *allocated* on at once: when the
-  tensor is dropped while the other lane's kernels that read it are still queued, the first lane's next tensor can
-  take that memory and be written under them (a use-after-free no error reports).
+On CUDA each vocoding lane of the decoder loop issues its kernels on a CUDA stream of its own, and a streaming
+sentence's state (`engine.families.chunking.StreamState`) made by one lane's job may be read, replaced and freed by
+the other lane's next job. Without a guard the reader may start before the writer's kernels are done, or the caching
+allocator may reuse a dropped tensor's memory while the other lane's kernels still read it (a silent use-after-free).
 
-The rule: a lane works on a stream state only after `take_over(state)` on its own thread, and a lane's job ends with
-`hand_over(states)` for the states it worked on. `hand_over` records a CUDA event on the lane's stream; `take_over`
-makes the current stream wait for it and marks every CUDA tensor of the state as used on the current stream
-(`Tensor.record_stream`), so that the allocator does not reuse their memory until the current stream's work queued
-before the free is done, whichever thread drops them. The loop thread never reads a state's tensors: it only drops
-them (`DecodeStream.release`), after the job that used them is over. On CPU both are no-ops.
-
-The LLM's state (the token generator's KV cache) lives on the loop thread's stream, the device's default stream. A
-lane changes it too: a stream whose chunk is not finite is stopped from the lane, which drops its generator row
-(the cache is sliced). So every generator call runs its kernels `on_stream(loop_stream(device))`, in order with the
-LLM steps, whichever thread makes it (`SharedGenerator`).
+The rule: a lane works on a stream state only after `take_over(state)` on its own thread (its stream waits for the
+state's last event, and every CUDA tensor of the state is marked used on it, `Tensor.record_stream`), and a lane's
+job ends with `hand_over(states)` (an event recorded on its stream). The LLM's KV cache lives on the loop thread's
+stream, so every generator call runs `on_stream(loop_stream(device))` (`SharedGenerator`). On CPU both are no-ops.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """When each request needs its next audio: the playback clock of a request and the decoder loop's orders.
 
-A person listening to a stream cares about two things: how soon the audio starts, and that it never stalls once
-it has started. So a streaming request's listener is modelled as playing its audio at 1x from its first chunk on:
-its *slack* is the audio handed on so far minus the wall time since its first chunk, and a chunk handed on at
-negative slack is an *underrun* (the listener ran out). Every request has a *deadline*, the time by which it needs
-its next audio:
+A streaming request's listener is modelled as playing its audio at 1x from its first chunk on: its *slack* is the
+audio handed on so far minus the wall time since its first chunk, and a chunk handed on at negative slack is an
+*underrun*. Every request has a *deadline*, the time by which it needs its next audio: a stream with no audio yet,
+its arrival + `target_first_audio_s`; a stream with audio, the moment its listener runs out; a whole request, its
+arrival + `whole_deadline_factor` x its estimated audio length.
 
-- a stream with no audio yet: its arrival + `target_first_audio_s`;
-- a stream with audio: the moment its listener runs out (its first chunk's time + the audio handed on);
-- a whole (non-streaming) request: its arrival + `whole_deadline_factor` x its estimated audio length.
-
-`DeadlinePolicy` admits sentences to the LLM batch, and hands flow + vocoder work to the lanes, earliest deadline
-first, and pauses a sentence whose request has slack to spare when an earlier deadline waits for its slot
-(`Scheduler` resumes it later, its KV cache kept or recomputed). While a stream waits for its first audio, the lanes
-leave the work whose deadline is more than `first_audio_hold_s` away for later (`may_hold`): the device's cores (on
-CPU the LLM step and both lanes share them) go to that first audio, and the held work is due again once its deadline
-comes that near. Among the streams waiting for their first audio, the lanes take the shortest first chunk first (the
-least work before a listener hears something, so the least waiting on average: a short text is not queued behind long
-texts' longer first chunks), until one is `first_audio_passover_s` past its deadline: from then on it goes first.
-Deadlines are fixed points in time that move only when a request's audio is handed on, so the earliest one is always
-served eventually: nothing starves.
-`FcfsPolicy` keeps the first-come order: a running request's next sentence first, then the oldest new request.
+`DeadlinePolicy` admits sentences and hands lane work earliest deadline first, pauses a sentence with slack to spare
+for an earlier deadline, holds far-off work while a stream waits for its first audio (`may_hold`), and among first
+audios takes the shortest first chunk first until one is `first_audio_passover_s` past due; deadlines move only when
+audio is handed on, so nothing starves. `FcfsPolicy` keeps the first-come order. Why and how:
+docs/scheduler.md, "Order: playback deadlines".
 """
 
 from __future__ import annotations

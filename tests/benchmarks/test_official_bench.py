@@ -1,5 +1,5 @@
 """benchmarks/official_bench.py on the tiny preset: the official code's stages (a subprocess of the venv with its
-dependencies) and ours, side by side. Runs only where that checkout and venv exist (README.md, conformance kits);
+dependencies) and ours, side by side. Runs only where that checkout and venv exist (docs/parity.md, "Conformance kits");
 no timing is asserted, the wiring is: both sides make the same number of tokens, frames and samples."""
 
 from __future__ import annotations

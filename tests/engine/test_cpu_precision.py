@@ -1,4 +1,4 @@
-"""`dtype: auto` on CPU (issue 27): the CPU's units read from /proc/cpuinfo, the per-stage choice for faked CPUs and
+"""`dtype: auto` on CPU: the CPU's units read from /proc/cpuinfo, the per-stage choice for faked CPUs and
 model sizes, and the loader applying it (INT8 decoder LLM, bfloat16 flow, float32 vocoder and text encoder)."""
 
 from __future__ import annotations

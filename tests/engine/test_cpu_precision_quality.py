@@ -1,4 +1,4 @@
-"""Reduced precision on CPU against float32 on the conformance kits (issue 27): what `dtype: auto` picks for a
+"""Reduced precision on CPU against float32 on the conformance kits: what `dtype: auto` picks for a
 real-size model (INT8 or bfloat16 LLM, bfloat16 flow) must stay close to float32, stage by stage, on float32 inputs.
 Runs where the CPU has native bfloat16 (AMX or AVX512-BF16); elsewhere bfloat16 is emulated and never chosen.
 

@@ -1,4 +1,4 @@
-"""Numbers read in the text's own language (issue 50 item 4): engine.text.spelled_numbers, engine.text.languages and
+"""Numbers read in the text's own language: engine.text.spelled_numbers, engine.text.languages and
 the front end that uses them, with Chinese and English left exactly as the official front end does."""
 
 from __future__ import annotations

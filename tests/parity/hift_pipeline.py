@@ -2,31 +2,16 @@
 (`CausalHiFTGenerator`) tests.
 
 Each stage of our vocoder is fed the official tensor before it (`teacher_forced`), not our own, and its output is
-compared with the official one: one stage's rounding is not charged to the stages after it, where it grows (a
-difference of 1e-4 Hz in f0 moves the source phase, and the three upsampling stages and exp() of the magnitude
-grow a conv_pre difference of 1e-5 into 1e-3 of speech). So a stage's tolerance can be the official code's own
-variation at that stage, which the kit records per case and tensor (`spread_<tensor>`, the largest difference
-between the official one-thread run and its runs with other thread counts and kernels; tools/make_conformance_kit.py,
-`hidden_with_spread`), grown by another CPU's rounding.
+compared with the official one: one stage's rounding is not charged to the stages after it, where it grows (1e-4 Hz
+in f0 moves the source phase; the upsampling stages grow a conv_pre difference of 1e-5 into 1e-3 of speech). So a
+stage's tolerance can be the official code's own variation at that stage, which the kit records per case and tensor
+(`spread_<tensor>`; tools/make_conformance_kit.py, `hidden_with_spread`), grown by another CPU's rounding.
 
-The bounds, by where the reference was recorded (`recorded_cpu_kind`, `CpuCapabilities.kernel_kind`):
-- **another CPU kind** (`tolerance`): SPREAD_FACTOR x the recorded spread, at least ROUNDING_FLOOR of the tensor's
-  peak. The official code's tensors on an AMD EPYC (Zen 5) and on an Intel Xeon with AMX, teacher-forced, differ
-  from ours on the other machine by at most 1.6x their recorded spread (v2 `cache_source_from_stream` phase
-  2.2e-5 against 1.4e-5; conv_post_out 4.6e-5 against 3.0e-5; v3 conv_post_out 2.0e-4 against 1.2e-4), so 4 leaves
-  a factor 2.5. conv_pre_out and the source do not vary within a machine (spread 0) but do across machines
-  (conv_pre_out 1.4e-5 of a peak of 23): the floor, 2e-6 of the peak, covers it with a factor 3.
-- **end to end** (`e2e_speech_tolerance`), speech from the mel with nothing fed: E2E_SPREAD_FACTOR x the
-  official code's end-to-end spread (`spread_e2e_speech`). A difference of 1e-4 Hz in f0 moves the source phase
-  and the decode grows it: the official code differs between the two machines by up to 1.4e-3 (v2 mel120_long).
-  The kit's spread includes MKL's AVX2 kernels (`mkl_avx2`), which move f0 as another CPU's do; the machines
-  differ by 0.6x to 2.0x that spread in 12 cases of 13 (v2 mel120_long 1.4e-3 against 8.2e-4) and by 4.3x in
-  one (v1 mel33: 6.1e-5 against 1.4e-5), so 8 leaves a factor 1.9.
-- **this machine's CPU kind** (`same_kind_tolerance`): our stages run the official kernels in the official order,
-  so they match to a few float32 ulps (measured on the Intel references of all three kits: every stage bit for bit
-  but the speech, 1.2e-7 through our written-out iSTFT). This is the only bound tight enough to see a
-  rounding-order change inside a stage, such as a fused Snake (issue 33: `fused_snake`), which moves conv_post by
-  about one spread, 4e-6 and more.
+The bounds, by where the reference was recorded (`recorded_cpu_kind`): another CPU kind (`tolerance`: SPREAD_FACTOR x
+the spread, at least ROUNDING_FLOOR of the peak); end to end (`e2e_speech_tolerance`: E2E_SPREAD_FACTOR x
+`spread_e2e_speech`); this machine's CPU kind (`same_kind_tolerance`: a few float32 ulps, the only bound tight enough
+to see a rounding-order change inside a stage such as a fused Snake, `fused_snake`). Each bound's measurements and
+the factor it leaves: docs/parity.md, "HiFT: each stage fed the official tensor before it".
 """
 
 from __future__ import annotations
@@ -216,7 +201,8 @@ def assert_stages_to_the_float32_floor(
 @contextmanager
 def fused_snake() -> Iterator[None]:
     """While in the context, Snake computes `x + 1/alpha * sin^2(alpha x)` with the product and the sum rounded once
-    (`torch.addcmul`), not apart as the official code does: issue 33's bug, which the float32 floor must see."""
+    (`torch.addcmul`), not apart as the official code does: a bug the vocoder once had, which the float32 floor must
+    see."""
 
     def forward(snake: Snake, x: Tensor) -> Tensor:
         alpha = snake.alpha.float()[None, :, None]

@@ -120,7 +120,7 @@ def test_each_stage_matches_official_to_the_float32_floor_on_this_cpu_kind(
 def test_the_float32_floor_sees_a_fused_snake(
     hift: CausalHiFTGenerator, reference_sets: dict[str, list[dict[str, Any]]]
 ) -> None:
-    """The check above fails on issue 33's bug (`hift_pipeline.fused_snake`)."""
+    """The check above fails on the fused-Snake rounding bug (`hift_pipeline.fused_snake`)."""
     cases = final_same_kind_cases(reference_sets)
     with fused_snake(), pytest.raises(AssertionError, match=r"(conv_post_out|magnitude|phase), fed"):
         assert_stages_to_the_float32_floor(lambda case: our_stages(hift, case), cases, f0_tolerance)

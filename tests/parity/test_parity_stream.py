@@ -25,7 +25,8 @@ from tests.conftest import kit_group
 
 # The kits' acceptance for a flow mel, and for each chunk's audio (decode of the recorded mel and source): measured
 # at most 5.4e-6 and 1.5e-6 against the AMD-recorded kits on an Intel Xeon with AMX, on every kernel path the kit
-# tool varies (docs/parity.md). v2's audio had 5e-4 while the vocoder's Snake rounded otherwise (issue 33).
+# tool varies (docs/parity.md). v2's audio had 5e-4 while the vocoder's Snake rounded otherwise (a fused Snake,
+# since fixed).
 MEL_ATOL = 1e-4
 SPEECH_ATOL = 1e-4
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 60
-FIRST_200_S = 2.0  # the goal for a lost ingress replica with two of them
+FIRST_200_S = 2.0  # the goal: with two ingress replicas, a 200 within this long of one being killed
 
 
 def _prompt_wav(seconds: float = 2.0, sample_rate: int = 16000) -> bytes:

@@ -1,4 +1,4 @@
-"""A node lost under load (issue 28, part 5), on a real local 2-node Ray cluster (`ray.cluster_utils.Cluster`).
+"""A node lost under load, on a real local 2-node Ray cluster (`ray.cluster_utils.Cluster`).
 
 The head (the `cpu_node` resource) holds the ingress and the encoder; the decoder asks for a fake GPU fraction,
 which only the worker declares, so its replica lives there. While streams and whole requests run, the worker is

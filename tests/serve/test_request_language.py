@@ -1,5 +1,5 @@
-"""A request's `language` (issue 50 item 4) on the HTTP APIs, and the app arg that turns the spelling off; no Ray
-cluster."""
+"""A request's `language` (the language its numbers are read in) on the HTTP APIs, and the app arg that turns the
+spelling off; no Ray cluster."""
 
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ def test_openai_code_runs_unchanged_with_model_and_voice_names(
     for model in ("tts-1", "tts-1-hd"):
         speech = api.audio.speech.create(model=model, voice="alloy", input="Hi.", response_format="wav")
         assert decode_audio_file(speech.content)[1] == OPENAI_SAMPLE_RATE
-    # The README's migration snippet.
+    # The migration snippet of the README (its "Moving from OpenAI").
     with api.audio.speech.with_streaming_response.create(
         model="gpt-4o-mini-tts", voice="coral", input="Hello from CosyVoice.", response_format="mp3"
     ) as response:

@@ -61,7 +61,8 @@ def serve_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFix
 
 
 def test_cpu_replica_keeps_the_dtype_asked_auto_chosen_at_load() -> None:
-    assert resolve_device_and_dtype(use_gpu=False, dtype="auto") == ("cpu", "auto")  # chosen at load (issue 27)
+    # on CPU, `auto` stays `auto`: the loader chooses each stage's precision at load
+    assert resolve_device_and_dtype(use_gpu=False, dtype="auto") == ("cpu", "auto")
     assert resolve_device_and_dtype(use_gpu=False, dtype="bfloat16") == ("cpu", "bfloat16")
 
 

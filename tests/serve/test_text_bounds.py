@@ -19,7 +19,7 @@ from tests.serve.conftest import bounded_in_time_and_memory
 
 LIMITS = LimitsArgs()  # the defaults: 4096 characters, 6144 tokens
 EMOJI_TEXT = "a" + "\U0001f600" * (LIMITS.max_input_chars - 1)  # 8192 tokens: before the bound, +4.7 GB and 34 s
-REFUSAL_S = 1.0  # the bound; the count takes about a millisecond
+REFUSAL_S = 1.0  # the bound on refusing an over-long text; the count takes about a millisecond
 MAX_GROWTH_BYTES = 200 << 20
 
 

@@ -1,4 +1,4 @@
-"""Voices on a cluster (issue 29, parts 2-3): a local 2-node Ray cluster (`ray.cluster_utils.Cluster`) and a real
+"""Voices on a cluster: a local 2-node Ray cluster (`ray.cluster_utils.Cluster`) and a real
 S3-protocol server the test starts (moto's server mode over HTTP on 127.0.0.1), which the replicas reach through
 s3fs with the AWS_* environment, as on a real cluster.
 
