@@ -9,10 +9,10 @@ batch 1 was out of reach).
 
     python -m benchmarks.roofline --out out/roofline.json [--model dummy] [--seconds 5] [--int8] [--repeats 3]
 
-Medians with spreads (`serve_app.bench.timing`; the weight-read floor of 20 runs); an efficiency (floor / time) above 1 is
-a failed measurement. `rtf_floor` adds the three floors; `efficiency_needed_for_rtf_3` is the fraction of that ideal
-the whole decoder must reach for RTF 3.0 (above 1: out of reach here whatever the code). The default run takes about
-2 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
+Medians with spreads (`serve_app.bench.timing`; the weight-read floor of 20 runs); an efficiency (floor / time) above
+1 is a failed measurement. `rtf_floor` adds the three floors; `efficiency_needed_for_rtf_3` is the fraction of that
+ideal the whole decoder must reach for RTF 3.0 (above 1: out of reach here whatever the code). The default run takes
+about 2 minutes on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
 """
 
 from __future__ import annotations
