@@ -20,7 +20,8 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from serve_app.audio import to_pcm16
 
 

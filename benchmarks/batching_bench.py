@@ -32,7 +32,8 @@ from benchmarks.engine_bench import (
     fixed_length_text_request,
 )
 from engine.loading.loader import load_model
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache
 from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import VoicePrompt

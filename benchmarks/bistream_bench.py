@@ -25,7 +25,9 @@ import torch
 from benchmarks.batching_bench import synthetic_prompt
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
-from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.cloning import VoicePrompt
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import Timing, add_repeat_options, paired, ratio

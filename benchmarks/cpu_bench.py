@@ -31,7 +31,8 @@ from benchmarks.engine_bench import bench_parser, fixed_length_sampling, fixed_l
 from engine.llm.generation import TokenGenerator
 from engine.loading.loader import LoadedModel, load_model
 from engine.nn.precision import AUTO_INT4_DTYPE, cpu_capabilities, decoder_dtypes, module_sizes
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import Timing, paired

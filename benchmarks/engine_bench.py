@@ -30,8 +30,10 @@ from torch.ao.nn.quantized import dynamic as quantized_dynamic
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import LoadedModel, load_model
 from engine.nn.precision import parameter_bytes, quantize_linear_int8
-from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure, paired
 

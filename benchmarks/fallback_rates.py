@@ -27,7 +27,8 @@ import yaml
 from benchmarks.engine_bench import bench_parser, fixed_length_segments
 from engine.loading.loader import load_model
 from engine.nn.precision import cpu_capabilities
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from serve_app.args import CpuFallbackArgs
 from serve_app.bench.progress import BenchmarkRun

@@ -42,10 +42,12 @@ from engine.errors import CosyVoiceError
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
 from engine.nn.precision import FALLBACKS, decoder_dtypes
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.memory import device_memory_budget
-from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, add_repeat_options, measure
 
 FAMILIES = {  # family -> (preset on CUDA: real sizes, preset on CPU: tiny); v3 first: its bf16 is the open question

@@ -24,7 +24,8 @@ import torch
 
 from engine.llm.generation import TokenGenerator
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import FailedMeasurements, Timing, add_repeat_options, paired, ratio
 

@@ -30,7 +30,8 @@ import torch
 from benchmarks.engine_bench import fixed_length_segments
 from engine.loading.loader import load_model
 from engine.runtime import memory
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from serve_app.bench.progress import BenchmarkRun
 
 

@@ -29,7 +29,7 @@ from benchmarks.cpu_bench import choice_for, load_variants, report_settings, spe
 from benchmarks.engine_bench import bench_parser, fixed_length_segments
 from engine.families import ModelConfig
 from engine.loading.loader import PRESETS, PRESETS_DIR
-from engine.runtime.pipeline import TextEncoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import Timing, paired
 

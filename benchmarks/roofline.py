@@ -33,7 +33,8 @@ from engine.llm.generation import TokenGenerator
 from engine.loading.loader import load_model
 from engine.nn.layers import PackedLinear
 from engine.nn.precision import parameter_bytes
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import DEFAULT_REPEATS, DEFAULT_WARMUP, FailedMeasurements, Timing, measure, paired
 

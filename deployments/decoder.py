@@ -40,8 +40,8 @@ from engine.loading.loader import load_model
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO
 from engine.nn.precision import FALLBACKS
 from engine.runtime.bistream import BistreamStart
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.memory import device_memory_budget
-from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, prompt_cache_bound
 from engine.runtime.scheduler import Output, Scheduler, Ticket

@@ -14,8 +14,9 @@ from engine.errors import CosyVoiceError, InvalidInputError
 from engine.loading.loader import load_model
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, model_directory
 from engine.runtime.bistream import BistreamStart
-from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import EncodingPlan, SynthesisRequest
 from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
 from engine.voices.default_voice import (
     DEFAULT_VOICE_FILE,

@@ -5,7 +5,7 @@ from fastapi.responses import Response
 
 from engine.errors import InvalidInputError
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import SynthesisRequest
+from engine.runtime.synthesis_request import SynthesisRequest
 from serve_app.api import api
 from serve_app.schemas import TTSRequest
 from serve_app.synthesis import Synthesis

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.runtime.pipeline import SynthesisRequest
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import Caller
 from serve_app.api import api
 from serve_app.audio import OPENAI_SAMPLE_RATE, audio_format

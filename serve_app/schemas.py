@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from engine.llm.sampling import MAX_SEED, MAX_TOKEN_TEXT_RATIO, MAX_TOP_K, MAX_WIN_SIZE
-from engine.runtime.pipeline import MAX_SPEED, MIN_SPEED
+from engine.runtime.synthesis_request import MAX_SPEED, MIN_SPEED
 from engine.text.frontend import lone_surrogate_at
 from serve_app.audio import FORMATS
 

@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError
 
 from engine.errors import InvalidInputError, TextTooLongError, UnknownVoiceError
 from engine.runtime.bistream import BistreamStart
-from engine.runtime.pipeline import SynthesisRequest
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.text.frontend import complete_sentences, is_speakable
 from engine.voices.registry import is_voice_id
 from observability.http import SynthesisTimer, request_id_of

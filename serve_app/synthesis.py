@@ -18,8 +18,8 @@ from ray.serve.exceptions import BackPressureError
 
 from engine.errors import InvalidInputError, UnknownVoiceError
 from engine.families import models_following_instructions
-from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import EncodingPlan, SynthesisRequest
 from engine.voices.registry import Caller, is_voice_id
 from observability.http import SynthesisTimer, endpoint_of, request_id_of
 from serve_app.audio import AudioFormat, audio_format

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 
-from engine.runtime.pipeline import SynthesisRequest
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import Caller
 from observability.http import SynthesisTimer
 from serve_app.audio import to_pcm16

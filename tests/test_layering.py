@@ -127,7 +127,7 @@ def test_the_graph_sees_the_imports_that_matter() -> None:
     assert "engine.families" in graph["engine.voices.cloning"]  # `from engine.families import families`
     assert "engine.nn.layers" in graph["engine.nn.precision"]  # `from engine.nn import layers`
     assert "engine.runtime.segment" in graph["engine.runtime.streaming"]
-    assert "engine.runtime.pipeline" in graph["deployments.encoder"]
+    assert "engine.runtime.encoder_stage" in graph["deployments.encoder"]
 
 
 def test_no_import_cycles() -> None:

@@ -36,7 +36,7 @@ class ModuleConfigs(NamedTuple):
 @dataclass(frozen=True)
 class VoiceRules:
     """How the family's official frontend writes the LLM's text prompt and conditions an instruct request
-    (engine.runtime.pipeline applies them).
+    (engine.runtime.encoder_stage applies them).
 
     A text that already holds `<|endofprompt|>` was written in the official form by its caller and is taken as
     written; otherwise the rules complete it, so that a caller never needs to type the tag.

@@ -112,7 +112,7 @@ class ChunkStrategy:
     streams_speed: ClassVar[bool] = True  # speed != 1 stretches each chunk's mel (CosyVoice3 refuses it, as officially)
 
     def __init__(self, decoder, schedule: StreamSchedule) -> None:
-        # decoder: engine.runtime.pipeline.SpeechDecoderStage
+        # decoder: engine.runtime.decoder_stage.SpeechDecoderStage
         self.decoder = decoder
         self.schedule = schedule
         self.mel_window = torch.from_numpy(np.hamming(2 * schedule.mel_overlap)).float()

@@ -9,9 +9,9 @@ from functools import partial
 import torch
 
 from engine.errors import as_request_error
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.live_limits import LiveLimits
 from engine.runtime.loop_state import Sentence, awaits_first_audio
-from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SchedulingPolicy
 from engine.runtime.prompt_cache import PromptCache
 from engine.runtime.request_set import RequestSet

@@ -46,7 +46,7 @@ class BistreamStart:
 class BistreamSynthesis:
     """One utterance: `push_text` per text piece (the audio made meanwhile), then `finish` (the rest of the audio).
 
-    `decoder` is an `engine.runtime.pipeline.SpeechDecoderStage`."""
+    `decoder` is an `engine.runtime.decoder_stage.SpeechDecoderStage`."""
 
     def __init__(self, decoder, start: BistreamStart) -> None:
         model = decoder.model

@@ -19,10 +19,10 @@ import torch
 
 from engine.errors import CosyVoiceError, isolate_failures
 from engine.llm.generation import TokenEvent
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.handoff import hand_over, take_over
 from engine.runtime.loop_state import SchedulerStats, Sentence, awaits_first_audio
 from engine.runtime.memory import is_out_of_memory
-from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SchedulingPolicy
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream

@@ -32,13 +32,13 @@ from engine.errors import (
 )
 from engine.llm.generation import TokenGenerator
 from engine.runtime.admission import Admission
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.handoff import SharedGenerator
 from engine.runtime.lanes import Lanes
 from engine.runtime.live_limits import OOM_BACKOFF_S, LiveLimits
 from engine.runtime.llm_steps import LlmSteps
 from engine.runtime.loop_state import Output, SchedulerStats, Sentence, Sink, Ticket
 from engine.runtime.memory import segment_memory
-from engine.runtime.pipeline import SpeechDecoderStage
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, PromptCache, prompt_cache_bound
 from engine.runtime.request_set import RequestSet

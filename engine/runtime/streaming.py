@@ -38,7 +38,7 @@ class DecodeStream:
     """
 
     def __init__(self, decoder, segments: list, llm: TokenGenerator | None = None) -> None:
-        # decoder: engine.runtime.pipeline.SpeechDecoderStage; llm: a generator shared with other work (the scheduler's)
+        # decoder: engine.runtime.decoder_stage.SpeechDecoderStage; llm: a generator shared with other work (the loop)
         model = decoder.model
         self.decoder = decoder
         self.llm = TokenGenerator(model.llm) if llm is None else llm

@@ -41,8 +41,10 @@ from benchmarks.streams import (
     summarize_rate,
 )
 from engine.loading.loader import load_model
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.memory import SAFETY_FACTOR
-from engine.runtime.pipeline import CosyVoice, SpeechDecoderStage, TextEncoderStage
+from engine.runtime.pipeline import CosyVoice
 from serve_app.bench.http_load import LevelResult, LevelRun, Sample, level_dict, summarize
 from serve_app.bench.timing import FailedMeasurements, Timing, add_repeat_options, measure, paired, ratio
 

@@ -13,7 +13,8 @@ from benchmarks import roofline
 from benchmarks.engine_bench import fixed_length_segments
 from benchmarks.roofline import counted_flops, per_token_linears
 from engine.loading.loader import load_model
-from engine.runtime.pipeline import SpeechDecoderStage, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 
 
 def test_counted_flops_include_the_cpu_attention_kernel() -> None:

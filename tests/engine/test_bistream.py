@@ -13,7 +13,8 @@ import torch
 from engine.errors import InvalidInputError
 from engine.llm.bistream import BistreamDecoder
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.cloning import VoicePrompt
 
 PIECES = ["Hello there, ", "this is a ", "streaming test ", "of text that ", "comes in ", "pieces."]

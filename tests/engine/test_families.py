@@ -26,7 +26,7 @@ from engine.families.base import ModelConfig
 from engine.families.chunking import CausalPrefixChunks, CausalPrefixRerunChunks, OverlappingChunks
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESETS, PRESETS_DIR, load_model
-from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream

@@ -16,9 +16,10 @@ import pytest
 import engine.llm.generation
 from engine.errors import DecodeLimitError, InvalidInputError, RequestFailedError
 from engine.llm.sampling import MAX_SEED, SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from tests.engine.conftest import Collected, decode_to_end
 
 POISON_SEED = 666  # the request the fault is injected into

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from engine.errors import InvalidInputError
 from engine.loading.loader import load_frontend, load_model
-from engine.runtime.pipeline import SynthesisRequest, TextEncoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.text.frontend import TextFrontend
 from engine.text.languages import SPELLED_OUT_LANGUAGES, detect_language, language_code, sentences
 from engine.text.spelled_numbers import NumberSpeller

@@ -21,8 +21,9 @@ from engine.runtime import handoff
 from engine.runtime import lanes as lanes_module
 from engine.runtime.handoff import SharedGenerator
 from engine.runtime.lanes import FIRST, MAIN
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.scheduler import Scheduler
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.vocoder.causal_hift import VocoderStream
 from tests.engine.conftest import Collected, step_until
 

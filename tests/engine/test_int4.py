@@ -20,7 +20,9 @@ from engine.nn.precision import (
     decoder_dtypes,
     quantize_linear_int4,
 )
-from engine.runtime.pipeline import SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
+from engine.runtime.synthesis_request import SynthesisRequest
 from serve_app.args import DecoderArgs
 
 F32 = torch.float32

@@ -10,8 +10,9 @@ import pytest
 
 import engine.llm.generation
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 
 SILENT_SEED, SPOKEN_SEED = 7, 3
 

@@ -16,9 +16,10 @@ from engine.errors import UnavailableError
 from engine.llm.generation import TokenGenerator
 from engine.llm.sampling import SamplingOptions
 from engine.nn.conformer import KVCache
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from tests.engine.conftest import Collected, decode_to_end
 
 BACKOFF_S = 30.0

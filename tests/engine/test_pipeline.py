@@ -13,8 +13,11 @@ from engine.errors import CheckpointError, InvalidInputError, NonFiniteOutputErr
 from engine.families.base import ModelConfig
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESETS_DIR, load_model, load_module
+from engine.runtime.decoder_stage import SpeechDecoderStage
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.memory import estimate_request_memory
-from engine.runtime.pipeline import CosyVoice, SpeechDecoderStage, SynthesisRequest, TextEncoderStage
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 
 SHORT = SamplingOptions(seed=7, min_token_text_ratio=2, max_token_text_ratio=4)
 

@@ -15,8 +15,10 @@ from engine.flow.causal import CausalMaskedDiffWithXvec
 from engine.llm.qwen2_lm import QWEN_DIR, Qwen2LM, Qwen2TextEmbedding
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model, load_module
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.memory import estimate_request_memory
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest, TextEncoderStage
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from tests.engine.conftest import write_tiny_qwen_tokenizer
 
 SHORT = SamplingOptions(seed=2, min_token_text_ratio=2, max_token_text_ratio=4)

@@ -20,9 +20,11 @@ from engine.llm.cosyvoice3_lm import ENDOFPROMPT_TOKEN
 from engine.llm.qwen2_lm import QWEN_DIR
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS, PRESETS_DIR, load_model
+from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.memory import estimate_request_memory
-from engine.runtime.pipeline import CosyVoice, SegmentText, SynthesisRequest, TextEncoderStage
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.scheduler import Output, Scheduler
+from engine.runtime.synthesis_request import SegmentText, SynthesisRequest
 from engine.text.frontend import ENDOFPROMPT
 from engine.voices.cloning import VoiceCloner, VoicePrompt
 from tests.conftest import v3_kit_cases, v3_kit_dir

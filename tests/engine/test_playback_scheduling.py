@@ -12,10 +12,11 @@ import pytest
 
 from engine.errors import CosyVoiceError
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, PlaybackClock
 from engine.runtime.scheduler import Scheduler, Ticket
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from tests.engine.conftest import Collected, step_until
 
 TWO_SENTENCES = "This is a much longer request that keeps the decoder busy for a while. " * 8

@@ -25,7 +25,7 @@ from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESETS_DIR, load_model
 from engine.nn.layers import Conv1d, Linear, compute_dtype, float32_compute
 from engine.nn.precision import DTYPES, FALLBACKS, DecoderDtypes, decoder_dtypes
-from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.segment import EncodedSegment
 from engine.vocoder.causal_hift import CausalHiFTConfig, CausalHiFTGenerator
 from tests.conftest import strictly_loaded, v3_kit_cases, v3_kit_dir, v3_yaml

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES, PromptCache, prompt_cache_bound
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.cloning import VoicePrompt
 from tests.engine.conftest import Collected, step_until
 

@@ -15,10 +15,11 @@ import pytest
 
 from engine.errors import CosyVoiceError, DecodeLimitError, RequestTooLargeError, UnavailableError
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
 from engine.runtime.playback import FcfsPolicy
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from tests.engine.conftest import Collected, step_until
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=6, max_token_text_ratio=6)

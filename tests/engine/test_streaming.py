@@ -10,7 +10,8 @@ import pytest
 
 from engine.families.chunking import OverlappingChunks
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 
 
 @dataclass(frozen=True)

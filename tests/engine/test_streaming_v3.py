@@ -13,7 +13,7 @@ from engine.families.chunking import CausalPrefixRerunChunks
 from engine.llm.cosyvoice3_lm import ENDOFPROMPT_TOKEN
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
-from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.scheduler import Output, Scheduler
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream

@@ -10,7 +10,8 @@ import pytest
 from engine.errors import InvalidInputError
 from engine.families import families
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.cloning import VoicePrompt
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=2, max_token_text_ratio=4)

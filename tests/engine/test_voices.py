@@ -12,7 +12,8 @@ import torch
 from engine.errors import CheckpointError
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.speaker_bank import VoiceBank
 
 SHORT = SamplingOptions(seed=3, min_token_text_ratio=2, max_token_text_ratio=4)

@@ -19,7 +19,7 @@ from torch import Tensor
 from engine.families.chunking import OverlappingChunks
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
-from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.segment import EncodedSegment
 from tests.conftest import kit_group
 

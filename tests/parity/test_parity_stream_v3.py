@@ -23,7 +23,7 @@ from engine.flow.masked_diff import FlowRequest
 from engine.llm.cosyvoice3_lm import CosyVoice3LM, CosyVoice3LMConfig
 from engine.llm.generation import GenerationRequest, TokenEvent
 from engine.loading.loader import load_model, load_module
-from engine.runtime.pipeline import SpeechDecoderStage
+from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.streaming import DecodeStream
 from engine.vocoder.causal_hift import F0_LOOKAHEAD, CausalHiFTGenerator

@@ -10,7 +10,7 @@ import pytest
 from ray.serve._private.build_app import build_app as build_deployments
 
 from engine.errors import InvalidInputError
-from engine.runtime.pipeline import SynthesisRequest
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import Caller
 from serve_app.args import AppArgs
 from serve_app.errors import error_payload

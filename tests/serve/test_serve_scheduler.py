@@ -20,8 +20,8 @@ from ray import serve
 
 from engine.errors import RequestTooLargeError
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import SynthesisRequest
 from engine.runtime.segment import EncodedSegment
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import EVERYONE
 from serve_app.args import DecoderArgs
 from serve_app.audio import PCM_MAX

@@ -25,7 +25,8 @@ from ray import serve
 
 from deployments.text_relay import RELAY_NAME_PREFIX
 from engine.llm.sampling import SamplingOptions
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from tests.serve.conftest import TEXT_STREAM_PATH, running_app, wait_until
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app

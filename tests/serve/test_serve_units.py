@@ -37,7 +37,8 @@ from engine.errors import (
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.loading.model_source import served_name
-from engine.runtime.pipeline import CosyVoice, SynthesisRequest
+from engine.runtime.pipeline import CosyVoice
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.speaker_bank import DUMMY_VOICES
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
 from serve_app.cli import with_default_voices_dir

@@ -12,7 +12,8 @@ import pytest
 from deployments.encoder import Encoder
 from engine.errors import TextTooLongError
 from engine.runtime import pipeline
-from engine.runtime.pipeline import MAX_SENTENCE_TOKENS, SynthesisRequest, encoder_batches
+from engine.runtime.encoder_stage import MAX_SENTENCE_TOKENS, encoder_batches
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import EVERYONE
 from serve_app.args import LimitsArgs
 from tests.serve.conftest import bounded_in_time_and_memory
