@@ -80,11 +80,11 @@ class ScalingRules(BaseModel):
     scale_up_utilization: float = Field(
         0.70, description="+1 replica when the replicas' mean utilization over `scale_up_window_s` is above this"
     )
-    scale_up_window_s: float = Field(300.0, ge=0)
+    scale_up_window_s: float = Field(300.0, ge=0, description="the window scale_up_utilization is judged over")
     scale_down_utilization: float = Field(
         0.30, description="-1 when that mean over `scale_down_window_s` is below this and nothing waits"
     )
-    scale_down_window_s: float = Field(1200.0, ge=0)
+    scale_down_window_s: float = Field(1200.0, ge=0, description="the window scale_down_utilization is judged over")
     target_queue_per_replica: float = Field(
         4.0,
         gt=0,

@@ -104,7 +104,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     }
     encoder_scaling = args.encoder.autoscaling
     encoder = Encoder.options(
-        **replica_count(args.encoder.num_replicas, encoder_scaling and encoder_scaling.model_dump(exclude_none=True)),
+        **replica_count(args.encoder.num_replicas, encoder_scaling and encoder_scaling.serve_config()),
         max_ongoing_requests=args.encoder.max_ongoing_requests,
         max_queued_requests=queue_bound(args.encoder.max_queued_requests),
         backpressure_config=backpressure,
@@ -122,7 +122,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     decoder_loop = {
         "max_audio_s": args.limits.max_audio_s,
         "max_request_s": args.limits.max_stream_s,
-        "scheduling": args.scheduler.model_dump(),
+        "scheduling": args.scheduler.decoder_settings(args.decoder.prompt_cache_share),
         "llm_checkpoint": args.llm_checkpoint,
     }
     decoder_scaling = args.decoder.autoscaling
@@ -165,8 +165,15 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             max_queued_requests=queue_bound(fallback.max_queued_requests),
             backpressure_config=backpressure,
             **stopping,
-            autoscaling_config=fallback.autoscaling_config
-            or cpu_fallback_autoscaling_config(gpu_rules, **reporting, wake=wake),
+            **(
+                {"num_replicas": fallback.num_replicas}
+                if fallback.num_replicas is not None
+                else {
+                    "autoscaling_config": cpu_fallback_autoscaling_config(
+                        gpu_rules, fallback.scaling_rules, **reporting, wake=wake
+                    )
+                }
+            ),
             ray_actor_options=cpu_actor_options(fallback.num_cpus, fallback.resources),
         ).bind(
             args.model,

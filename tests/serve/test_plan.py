@@ -288,8 +288,8 @@ def test_the_single_gpu_profile_on_an_8_gb_card_and_a_larger_one() -> None:
     assert (small.replicas_per_gpu, small.max_batch_size, small.max_replicas) == (1, BATCH, 1)
     assert small.windows == ("night 02:00-06:00 UTC: min 0 (the CPU fallback decoder serves at 0)",)
     rules = AppArgs.model_validate(application["args"] | {"decoder": small.decoder_args}).decoder.autoscaling.rules
-    assert (rules["scale_up_utilization"], rules["scale_up_window_s"]) == (0.7, 300)
-    assert (rules["scale_down_utilization"], rules["scale_down_window_s"]) == (0.3, 1200)
+    assert (rules.scale_up_utilization, rules.scale_up_window_s) == (0.7, 300)
+    assert (rules.scale_down_utilization, rules.scale_down_window_s) == (0.3, 1200)
     large = plan_for(machine(CARDS[24], cpus=8), sizes_of("v3"), args)
     assert large.replicas_per_gpu == large.max_replicas > 1 and large.gpu_fraction < small.gpu_fraction
 

@@ -1,0 +1,109 @@
+"""The app args as a person reads them: how many knobs they have, each documented, and what an old config that
+sets a removed or moved field is told.
+
+Counting rule: walk `AppArgs` from the top; a field whose type holds a pydantic model (itself, optional, or a tuple
+of them, such as `voices` and a schedule's `windows`) is a section, walked into; every other field is a leaf knob,
+counted once per place a config can set it (`ingress.num_cpus` and `encoder.num_cpus` are two knobs, though the
+replica base documents them once).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import typing
+from collections.abc import Iterator
+
+import pytest
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from deployments.decoder import scheduling_policy
+from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
+from serve_app.args import AppArgs, SchedulerArgs
+
+# The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
+MAX_LEAF_KNOBS = 116
+
+
+def models_in(annotation: object) -> list[type[BaseModel]]:
+    """The pydantic models a field's type holds: the type itself, or inside Optional, unions, Annotated, tuples."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for argument in typing.get_args(annotation) for model in models_in(argument)]
+
+
+def leaf_knobs(model: type[BaseModel] = AppArgs, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    for name, info in model.model_fields.items():
+        sections = models_in(info.annotation)
+        if not sections:
+            yield prefix + name, info
+        for section in sections:
+            yield from leaf_knobs(section, f"{prefix}{name}.")
+
+
+def test_the_count_follows_the_rule() -> None:
+    """The walk finds nested sections (optional ones and tuples of them too) and counts none of them as a knob."""
+    knobs = dict(leaf_knobs())
+    assert "decoder.autoscaling.rules.schedule.windows.start" in knobs  # a tuple of models, walked into
+    assert "encoder.autoscaling.max_replicas" in knobs  # an optional section
+    assert "ingress.num_cpus" in knobs and "encoder.num_cpus" in knobs  # one base, counted where each is set
+    assert not {"decoder", "decoder.autoscaling", "voices", "decoder.autoscaling.rules.schedule"} & knobs.keys()
+    assert isinstance(AppArgs.model_fields["voices"].annotation, types.GenericAlias)
+
+
+def test_the_app_args_have_at_most_the_allowed_knobs() -> None:
+    knobs = [name for name, _ in leaf_knobs()]
+    assert len(knobs) == len(set(knobs))
+    assert len(knobs) <= MAX_LEAF_KNOBS, f"{len(knobs)} leaf knobs, at most {MAX_LEAF_KNOBS}: {knobs}"
+
+
+def test_every_knob_is_documented() -> None:
+    """Every leaf knob has its description in args.py (or the autoscaling rules' models): the one place a person
+    reads it, and what `python -m serve_app.full_config` and the docs point to."""
+    undocumented = [name for name, info in leaf_knobs() if not (info.description or "").strip()]
+    assert not undocumented
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "named"),
+    [
+        ("scheduler", "first_audio_hold_s", "measured best, 1 s"),
+        ("scheduler", "min_preempt_slack_s", "fixed at 1 s"),
+        ("scheduler", "first_audio_passover_s", "no difference beyond noise"),
+        ("limits", "health_timeout_s", "HEALTH_PROBE_TIMEOUT_S"),
+        ("decoder_cpu", "autoscaling_config", "decoder_cpu.max_replicas"),
+    ],
+)
+def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:
+    with pytest.raises(ValidationError, match=f"{field} was removed: .*{named}"):
+        AppArgs.model_validate({section: {field: 1.0}})
+
+
+def test_the_encoders_fixed_timing_names_the_serve_config_override() -> None:
+    with pytest.raises(ValidationError, match=r"upscale_delay_s was removed: fixed at 5 s.*deployments:"):
+        AppArgs.model_validate({"encoder": {"autoscaling": {"upscale_delay_s": 1}}})
+    scaling = AppArgs.model_validate({"encoder": {"autoscaling": {"max_replicas": 3}}}).encoder.autoscaling
+    assert scaling is not None and scaling.serve_config()["upscale_delay_s"] == 5.0
+
+
+def test_the_prompt_cache_share_moved_to_the_decoder(caplog: pytest.LogCaptureFixture) -> None:
+    serve_logger = logging.getLogger("ray.serve")  # Ray's, which does not propagate to the root logger
+    serve_logger.addHandler(caplog.handler)
+    try:
+        args = AppArgs.model_validate({"scheduler": {"prompt_cache_share": 0.25, "policy": "fcfs"}})
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    assert args.decoder.prompt_cache_share == 0.25 and args.scheduler.policy == "fcfs"
+    assert "decoder.prompt_cache_share" in caplog.text
+    assert args.scheduler.decoder_settings(args.decoder.prompt_cache_share)["prompt_cache_share"] == 0.25
+    with pytest.raises(ValidationError, match="set twice"):
+        AppArgs.model_validate({"scheduler": {"prompt_cache_share": 0.2}, "decoder": {"prompt_cache_share": 0.3}})
+
+
+def test_the_scheduler_section_builds_the_decoders_policy() -> None:
+    """What the Decoder is handed makes its loop's policy; the removed knobs keep the policy's own 1 s."""
+    policy = scheduling_policy(SchedulerArgs(target_first_audio_s=0.5).decoder_settings(0.2))
+    assert isinstance(policy, DeadlinePolicy) and policy.target_first_audio_s == 0.5
+    assert (policy.first_audio_hold_s, policy.min_preempt_slack_s, policy.first_audio_passover_s) == (1.0, 1.0, 1.0)
+    assert isinstance(scheduling_policy(SchedulerArgs(policy="fcfs").decoder_settings(0.1)), FcfsPolicy)
