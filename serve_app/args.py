@@ -46,21 +46,16 @@ class _Strict(BaseModel):
 QUEUE_DESCRIPTION = "requests waiting for a replica beyond this are answered 503 + Retry-After; None: unbounded"
 
 
-PLACEMENT_DESCRIPTION = (
-    "custom Ray resources each replica needs, e.g. {cpu_node: 1} to keep it on nodes that declare `cpu_node` "
-    "(the cluster files give it to CPU nodes only)"
-)
+CPU_RESOURCES_MOVED = "cpu_resources (a top-level field) places every CPU replica: ingress, encoders, CPU fallback"
+CPU_REPLICA_SECTIONS = ("ingress", "encoder", "decoder_cpu")
 
 
-class PlacementArgs(_Strict):
-    """What Ray reserves for each replica of a deployment."""
+class ReplicaArgs(_Strict):
+    """The Serve options every request-serving deployment has (where a replica may run: `AppArgs.cpu_resources`)."""
+
+    REMOVED_FIELDS = {"resources": CPU_RESOURCES_MOVED}
 
     num_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for each replica")
-    resources: dict[str, float] = Field(default_factory=dict, description=PLACEMENT_DESCRIPTION)
-
-
-class ReplicaArgs(PlacementArgs):
-    """The Serve options every request-serving deployment has."""
 
     max_ongoing_requests: int = Field(8, ge=1, description="requests one replica takes at once (Serve's)")
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
@@ -276,21 +271,22 @@ class SchedulerArgs(_Strict):
         return self.model_dump() | {"prompt_cache_share": prompt_cache_share}
 
 
+# Tokens an input may have per character of `max_input_chars` (the model's tokenizer on the text as sent): Chinese
+# takes ~1.1 a character, English ~0.25, emoji 2 and rare scripts up to 4, so a text of emoji or rare script is
+# refused before its length in characters would be.
+TOKENS_PER_INPUT_CHAR = 1.5
+
+
 class LimitsArgs(_Strict):
     REMOVED_FIELDS = {
         "health_timeout_s": "the health probes wait a fixed 2 s for a stage to answer "
-        "(serve_app.health_routes.HEALTH_PROBE_TIMEOUT_S): a live one answers in milliseconds"
+        "(serve_app.health_routes.HEALTH_PROBE_TIMEOUT_S): a live one answers in milliseconds",
+        "max_input_tokens": f"derived: {TOKENS_PER_INPUT_CHAR:g} x max_input_chars (LimitsArgs.max_input_tokens)",
+        "max_prompt_audio_channels": f"the speech tokenizer's bound, {MAX_PROMPT_CHANNELS} "
+        "(engine.voices.cloning.MAX_PROMPT_CHANNELS)",
     }
 
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
-    max_input_tokens: int = Field(
-        6144,
-        ge=1,
-        description="inputs with more tokens (the model's tokenizer on the text as sent, counted before anything "
-        "else is done with it; a CosyVoice2/3 text stream's pieces in all, a v1 one's each sentence) are rejected with "
-        "413: 1.5 a character of the default "
-        "max_input_chars, where Chinese takes ~1.1, English ~0.25, emoji 2 and rare scripts up to 4",
-    )
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
     body_read_timeout_s: float = Field(
@@ -332,9 +328,6 @@ class LimitsArgs(_Strict):
         description="longer prompt recordings are rejected with 400 (at most 30 s: the speech tokenizer's limit)",
     )
     min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
-    max_prompt_audio_channels: int = Field(
-        MAX_PROMPT_CHANNELS, ge=1, description="prompt recordings with more channels are rejected with 400"
-    )
     prompt_audio_sample_rates: tuple[int, ...] = Field(
         PROMPT_SAMPLE_RATES,
         min_length=1,
@@ -376,6 +369,12 @@ class LimitsArgs(_Strict):
         "its end); more: 429 + Retry-After; None: no limit",
     )
 
+    @property
+    def max_input_tokens(self) -> int:
+        """Inputs with more tokens (a CosyVoice2/3 text stream's pieces in all, a v1 one's each sentence) are refused
+        with 413 before anything else is done with them."""
+        return int(TOKENS_PER_INPUT_CHAR * self.max_input_chars)
+
     @model_validator(mode="after")
     def _prompt_rates_are_supported(self) -> LimitsArgs:
         unsupported = sorted(set(self.prompt_audio_sample_rates) - set(PROMPT_SAMPLE_RATES))
@@ -386,11 +385,17 @@ class LimitsArgs(_Strict):
         return self
 
 
-class WyomingArgs(PlacementArgs):
+WYOMING_NUM_CPUS = 0.1
+
+
+class WyomingArgs(_Strict):
     """The Wyoming listener: the protocol Home Assistant talks to local text-to-speech engines (docs/clients.md).
     Wyoming has no authentication, so it is off until `port` is set, binds `host` (loopback by default), and a server
-    with API keys serves it only with `allow_keyless`. On a cluster, `resources` names one that only the node Home
-    Assistant connects to has."""
+    with API keys serves it only with `allow_keyless`. Its replica reserves `WYOMING_NUM_CPUS`: it only relays."""
+
+    REMOVED_FIELDS = {
+        "num_cpus": "fixed at 0.1 (serve_app.args.WYOMING_NUM_CPUS): the listener only relays text and audio"
+    }
 
     port: int | None = Field(
         None, ge=1, le=65535, description="its TCP port (Home Assistant's examples use 10200); None: off"
@@ -414,7 +419,11 @@ class WyomingArgs(PlacementArgs):
         description="announce the listener by mDNS (`_wyoming._tcp`), as Home Assistant discovers Wyoming services, "
         "on the interface it binds (loopback: this machine only), where the zeroconf package is installed",
     )
-    num_cpus: float = inherited(PlacementArgs, "num_cpus", 0.1)
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources the listener's replica needs: one only the node Home Assistant connects to "
+        "has",
+    )
 
     @model_validator(mode="after")
     def _package_installed(self) -> WyomingArgs:
@@ -464,15 +473,16 @@ class CpuFallbackArgs(ReplicaArgs):
     """The optional `DecoderCPU` deployment: the Decoder on CPU (fp32), up while the GPU decoders may be at 0."""
 
     REMOVED_FIELDS = {
+        "batch_wait_timeout_s": "the fallback waits decoder.batch_wait_timeout_s, as the GPU decoder does",
+        "resources": CPU_RESOURCES_MOVED,
         "autoscaling_config": "decoder_cpu.max_replicas bounds the fallback's policy "
         "(autoscaling.policy.CpuFallbackAutoscalingPolicy, up while the GPU decoder's floor may be 0); "
-        "decoder_cpu.num_replicas keeps a fixed count up instead"
+        "decoder_cpu.num_replicas keeps a fixed count up instead",
     }
 
     enabled: bool = Field(False, description="deploy DecoderCPU")
     num_cpus: float = inherited(ReplicaArgs, "num_cpus", 1.0)
     max_batch_size: int = Field(4, ge=1, description="sentences decoding at once in a fallback replica's loop")
-    batch_wait_timeout_s: float = Field(0.05, ge=0, description="as decoder.batch_wait_timeout_s, for the fallback")
     max_queued_requests: int | None = inherited(ReplicaArgs, "max_queued_requests", 32)
     num_replicas: int | None = Field(
         None,
@@ -699,6 +709,11 @@ class AppArgs(_Strict):
     served_model_name: str | None = Field(
         None, description="name shown by /v1/models (default: from `model`: a hub id's repo name, a dir's name)"
     )
+    cpu_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each CPU replica (ingress, encoders, the CPU fallback decoder) needs, e.g. "
+        "{cpu_node: 1} to keep them on nodes that declare `cpu_node` (the cluster files give it to CPU nodes only)",
+    )
     ingress: IngressArgs = IngressArgs()
     encoder: EncoderArgs = EncoderArgs()
     decoder: DecoderArgs = DecoderArgs()
@@ -750,6 +765,35 @@ class AppArgs(_Strict):
             raise ValueError("prompt_cache_share is set twice: keep decoder.prompt_cache_share (its new place) only")
         logger.warning("scheduler.prompt_cache_share is deprecated: it is read as decoder.prompt_cache_share")
         return {**data, "scheduler": scheduler, "decoder": {**decoder, "prompt_cache_share": share}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cpu_resources_moved(cls, data: Any) -> Any:
+        """`resources` of ingress, encoder and decoder_cpu (their old place) are read as `cpu_resources`, with a
+        warning, where every deployed CPU section gives the same."""
+        if not isinstance(data, Mapping):
+            return data
+        sections = {name: data.get(name) for name in CPU_REPLICA_SECTIONS}
+        given = {
+            name: section["resources"]
+            for name, section in sections.items()
+            if isinstance(section, Mapping) and "resources" in section
+        }
+        if not given:
+            return data
+        fallback = sections["decoder_cpu"]
+        fallback_on = (
+            fallback.get("enabled", False) if isinstance(fallback, Mapping) else bool(fallback and fallback.enabled)
+        )
+        deployed = {"ingress", "encoder"} | ({"decoder_cpu"} if fallback_on else set())
+        first = next(iter(given.values()))
+        if "cpu_resources" in data or not deployed <= given.keys() or any(value != first for value in given.values()):
+            raise ValueError(
+                f"{', '.join(f'{name}.resources' for name in given)}: {CPU_RESOURCES_MOVED}; set it once instead"
+            )
+        logger.warning("%s.resources are deprecated: they are read as cpu_resources", "/".join(given))
+        moved = {name: {k: v for k, v in sections[name].items() if k != "resources"} for name in given}
+        return {**data, **moved, "cpu_resources": first}
 
     def wake_rule(self) -> WakeRule | None:
         """When the CPU fallback's load wakes the GPU decoder (None: fallback, wake or decoder autoscaling off)."""

@@ -16,11 +16,11 @@ from autoscaling.policy import cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
 from engine.loading.model_source import hub_model, served_name
-from engine.voices.cloning import PromptAudioLimits
+from engine.voices.cloning import MAX_PROMPT_CHANNELS, PromptAudioLimits
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
 from serve_app.api import api
-from serve_app.args import AppArgs
+from serve_app.args import WYOMING_NUM_CPUS, AppArgs
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
 from serve_app.routing import CPU_DECODER
@@ -60,7 +60,7 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
         prompt_audio=PromptAudioLimits(
             min_seconds=args.limits.min_prompt_audio_s,
             max_seconds=args.limits.max_prompt_audio_s,
-            max_channels=args.limits.max_prompt_audio_channels,
+            max_channels=MAX_PROMPT_CHANNELS,
             sample_rates=args.limits.prompt_audio_sample_rates,
         ),
         voices=tuple(
@@ -109,7 +109,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_queued_requests=queue_bound(args.encoder.max_queued_requests),
         backpressure_config=backpressure,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,  # its requests are short: Serve's default timeout (20 s)
-        ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.encoder.resources),
+        ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.cpu_resources),
     ).bind(
         args.model,
         args.encoder.int8,
@@ -174,13 +174,13 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
                     )
                 }
             ),
-            ray_actor_options=cpu_actor_options(fallback.num_cpus, fallback.resources),
+            ray_actor_options=cpu_actor_options(fallback.num_cpus, args.cpu_resources),
         ).bind(
             args.model,
             use_gpu=False,
             dtype="auto",
             max_batch_size=fallback.max_batch_size,
-            batch_wait_timeout_s=fallback.batch_wait_timeout_s,
+            batch_wait_timeout_s=args.decoder.batch_wait_timeout_s,
             **decoder_loop,
         )
     wyoming = None
@@ -189,7 +189,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         from serve_app.wyoming_server import WyomingServer
 
         wyoming = WyomingServer.options(
-            ray_actor_options=cpu_actor_options(args.wyoming.num_cpus, args.wyoming.resources)
+            ray_actor_options=cpu_actor_options(WYOMING_NUM_CPUS, args.wyoming.resources)
         ).bind(args.wyoming, args.ingress_limits, args.security, TTSIngress.name)
     return TTSIngress.options(
         num_replicas=args.ingress.num_replicas,
@@ -197,7 +197,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_queued_requests=queue_bound(args.ingress.max_queued_requests),
         backpressure_config=backpressure,
         **stopping,
-        ray_actor_options=cpu_actor_options(args.ingress.num_cpus, args.ingress.resources),
+        ray_actor_options=cpu_actor_options(args.ingress.num_cpus, args.cpu_resources),
     ).bind(
         encoder,
         decoder,

@@ -20,10 +20,10 @@ from pydantic.fields import FieldInfo
 
 from deployments.decoder import scheduling_policy
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
-from serve_app.args import AppArgs, SchedulerArgs
+from serve_app.args import AppArgs, LimitsArgs, SchedulerArgs
 
 # The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
-MAX_LEAF_KNOBS = 116
+MAX_LEAF_KNOBS = 109
 
 
 def models_in(annotation: object) -> list[type[BaseModel]]:
@@ -73,6 +73,11 @@ def test_every_knob_is_documented() -> None:
         ("scheduler", "first_audio_passover_s", "no difference beyond noise"),
         ("limits", "health_timeout_s", "HEALTH_PROBE_TIMEOUT_S"),
         ("decoder_cpu", "autoscaling_config", "decoder_cpu.max_replicas"),
+        ("decoder_cpu", "batch_wait_timeout_s", "decoder.batch_wait_timeout_s"),
+        ("limits", "max_input_tokens", "1.5 x max_input_chars"),
+        ("limits", "max_prompt_audio_channels", "MAX_PROMPT_CHANNELS"),
+        ("wyoming", "num_cpus", "WYOMING_NUM_CPUS"),
+        ("decoder", "resources", "cpu_resources"),
     ],
 )
 def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:
@@ -107,3 +112,29 @@ def test_the_scheduler_section_builds_the_decoders_policy() -> None:
     assert isinstance(policy, DeadlinePolicy) and policy.target_first_audio_s == 0.5
     assert (policy.first_audio_hold_s, policy.min_preempt_slack_s, policy.first_audio_passover_s) == (1.0, 1.0, 1.0)
     assert isinstance(scheduling_policy(SchedulerArgs(policy="fcfs").decoder_settings(0.1)), FcfsPolicy)
+
+
+def test_the_cpu_replicas_resources_moved_to_one_field(caplog: pytest.LogCaptureFixture) -> None:
+    """An old config's equal `resources` on every deployed CPU section are read as `cpu_resources`; one that leaves a
+    deployed section out, or gives two, is refused (moving it would pin that section too, or pick one)."""
+    pinned = {"resources": {"cpu_node": 1}}
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(caplog.handler)
+    try:
+        args = AppArgs.model_validate({"ingress": pinned, "encoder": {**pinned, "int8": True}})
+    finally:
+        serve_logger.removeHandler(caplog.handler)
+    assert args.cpu_resources == {"cpu_node": 1} and args.encoder.int8
+    assert "read as cpu_resources" in caplog.text
+    for refused in (
+        {"ingress": pinned},
+        {"ingress": pinned, "encoder": pinned, "decoder_cpu": {"enabled": True}},
+        {"ingress": pinned, "encoder": {"resources": {"other": 1}}},
+        {"ingress": pinned, "encoder": pinned, "cpu_resources": {"cpu_node": 1}},
+    ):
+        with pytest.raises(ValidationError, match="places every CPU replica"):
+            AppArgs.model_validate(refused)
+
+
+def test_the_token_bound_follows_the_character_bound() -> None:
+    assert LimitsArgs(max_input_chars=200).max_input_tokens == 300
