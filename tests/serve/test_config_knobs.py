@@ -1,45 +1,27 @@
 """The app args as a person reads them: how many knobs they have, each documented, and what an old config that
 sets a removed or moved field is told.
 
-Counting rule: walk `AppArgs` from the top; a field whose type holds a pydantic model (itself, optional, or a tuple
-of them, such as `voices` and a schedule's `windows`) is a section, walked into; every other field is a leaf knob,
-counted once per place a config can set it (`ingress.num_cpus` and `encoder.num_cpus` are two knobs, though the
-replica base documents them once).
+Counting rule (`serve_app.full_config.leaf_knobs`): walk `AppArgs` from the top; a field whose type holds a pydantic
+model (itself, optional, or a tuple of them, such as `voices` and a schedule's `windows`) is a section, walked into;
+every other field is a leaf knob, counted once per place a config can set it (`ingress.num_cpus` and
+`encoder.num_cpus` are two knobs, though the replica base documents them once).
 """
 
 from __future__ import annotations
 
 import logging
 import types
-import typing
-from collections.abc import Iterator
 
 import pytest
-from pydantic import BaseModel, ValidationError
-from pydantic.fields import FieldInfo
+from pydantic import ValidationError
 
 from deployments.decoder import scheduling_policy
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
 from serve_app.args import AppArgs, LimitsArgs, SchedulerArgs
+from serve_app.full_config import knob_table, leaf_knobs, main
 
 # The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
 MAX_LEAF_KNOBS = 109
-
-
-def models_in(annotation: object) -> list[type[BaseModel]]:
-    """The pydantic models a field's type holds: the type itself, or inside Optional, unions, Annotated, tuples."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [model for argument in typing.get_args(annotation) for model in models_in(argument)]
-
-
-def leaf_knobs(model: type[BaseModel] = AppArgs, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
-    for name, info in model.model_fields.items():
-        sections = models_in(info.annotation)
-        if not sections:
-            yield prefix + name, info
-        for section in sections:
-            yield from leaf_knobs(section, f"{prefix}{name}.")
 
 
 def test_the_count_follows_the_rule() -> None:
@@ -56,6 +38,14 @@ def test_the_app_args_have_at_most_the_allowed_knobs() -> None:
     knobs = [name for name, _ in leaf_knobs()]
     assert len(knobs) == len(set(knobs))
     assert len(knobs) <= MAX_LEAF_KNOBS, f"{len(knobs)} leaf knobs, at most {MAX_LEAF_KNOBS}: {knobs}"
+
+
+def test_the_knob_table_lists_each_knob_once_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--knobs"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [name for name, _ in leaf_knobs()]
+    assert "| `decoder.prompt_cache_share` | `0.1` | share of a decoder replica's memory budget" in knob_table()
+    assert "| `voices.file` | required |" in knob_table()
 
 
 def test_every_knob_is_documented() -> None:
