@@ -15,9 +15,7 @@ import types
 import pytest
 from pydantic import ValidationError
 
-from deployments.decoder import scheduling_policy
-from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
-from serve_app.args import AppArgs, LimitsArgs, SchedulerArgs
+from serve_app.args import AppArgs, LimitsArgs
 from serve_app.full_config import knob_table, leaf_knobs, main
 
 # The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
@@ -94,14 +92,6 @@ def test_the_prompt_cache_share_moved_to_the_decoder(caplog: pytest.LogCaptureFi
     assert args.scheduler.decoder_settings(args.decoder.prompt_cache_share)["prompt_cache_share"] == 0.25
     with pytest.raises(ValidationError, match="set twice"):
         AppArgs.model_validate({"scheduler": {"prompt_cache_share": 0.2}, "decoder": {"prompt_cache_share": 0.3}})
-
-
-def test_the_scheduler_section_builds_the_decoders_policy() -> None:
-    """What the Decoder is handed makes its loop's policy; the removed knobs keep the policy's own 1 s."""
-    policy = scheduling_policy(SchedulerArgs(target_first_audio_s=0.5).decoder_settings(0.2))
-    assert isinstance(policy, DeadlinePolicy) and policy.target_first_audio_s == 0.5
-    assert (policy.first_audio_hold_s, policy.min_preempt_slack_s, policy.first_audio_passover_s) == (1.0, 1.0, 1.0)
-    assert isinstance(scheduling_policy(SchedulerArgs(policy="fcfs").decoder_settings(0.1)), FcfsPolicy)
 
 
 def test_the_cpu_replicas_resources_moved_to_one_field(caplog: pytest.LogCaptureFixture) -> None:
