@@ -56,7 +56,6 @@ class ReplicaArgs(_Strict):
     REMOVED_FIELDS = {"resources": CPU_RESOURCES_MOVED}
 
     num_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for each replica")
-
     max_ongoing_requests: int = Field(8, ge=1, description="requests one replica takes at once (Serve's)")
     max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
 
@@ -111,9 +110,6 @@ class DecoderAutoscalingArgs(_Strict):
     )
     look_back_period_s: float = Field(30.0, gt=0, description="Serve averages each replica metric over this")
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas push their metrics")
-
-    def scaling_rules(self) -> ScalingRules:
-        return self.rules
 
     def serve_config(self, wake: WakeRule | None = None) -> dict[str, Any]:
         """The GPU decoder deployment's Serve `autoscaling_config` (woken under `wake`, see `AppArgs.wake_rule`)."""

@@ -126,7 +126,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         "llm_checkpoint": args.llm_checkpoint,
     }
     decoder_scaling = args.decoder.autoscaling
-    gpu_rules = decoder_scaling.scaling_rules() if decoder_scaling else None
+    gpu_rules = decoder_scaling.rules if decoder_scaling else None
     wake = args.wake_rule()
     decoder = Decoder.options(
         **replica_count(args.decoder.num_replicas, decoder_scaling and decoder_scaling.serve_config(wake)),

@@ -393,7 +393,7 @@ def _replica_range(decoder: DecoderArgs, fallback: bool) -> dict[str, Any]:
     """The decoders' replica bounds, and the schedule's windows in words."""
     if decoder.autoscaling is None:
         return {"min_replicas": decoder.num_replicas, "max_replicas": decoder.num_replicas, "windows": ()}
-    rules = decoder.autoscaling.scaling_rules()
+    rules = decoder.autoscaling.rules
     windows = tuple(
         f"{window.name} {window.start}-{window.end} {rules.schedule.timezone}: "
         + ", ".join(

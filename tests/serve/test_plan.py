@@ -93,7 +93,7 @@ def test_each_card_holds_the_replicas_it_is_given_and_no_more(version: str, card
     if n == 1:
         assert decoder.autoscaling is None and decoder.num_replicas == 1
     else:  # 1 to the card's count, on the decoder policy (its 70%/5 min up, 30%/20 min down rules)
-        rules = decoder.autoscaling.scaling_rules()
+        rules = decoder.autoscaling.rules
         assert (rules.min_replicas, rules.max_replicas) == (1, n) == (plan.min_replicas, plan.max_replicas)
         assert (rules.scale_up_utilization, rules.scale_up_window_s) == (0.7, 300)
         assert (rules.scale_down_utilization, rules.scale_down_window_s) == (0.3, 1200)
