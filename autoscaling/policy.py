@@ -20,8 +20,10 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from autoscaling.metrics import FIRST_AUDIO_WAIT_S, QUEUE_DEPTH, UTILIZATION
 from autoscaling.schedule import Schedule, ScheduleWindow
@@ -48,51 +50,66 @@ DEFAULT_SCHEDULE = Schedule(
 )
 
 
-@dataclass(frozen=True)
-class ScalingRules:
+class ScalingRules(BaseModel):
     """Thresholds, windows, cooldowns and bounds of the decoder policy (see the module docstring)."""
 
-    min_replicas: int = 1
-    max_replicas: int = 12  # the evening peak at the cited GPU rate needs 12 (docs/autoscaling.md)
-    scale_up_utilization: float = 0.70
-    scale_up_window_s: float = 300.0
-    scale_down_utilization: float = 0.30
-    scale_down_window_s: float = 1200.0
-    target_queue_per_replica: float = 4.0
-    queue_scale_up_factor: float = 2.0
-    scale_up_cooldown_s: float = 180.0
-    scale_down_cooldown_s: float = 600.0
-    schedule: Schedule = field(default_factory=lambda: DEFAULT_SCHEDULE)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.min_replicas <= self.max_replicas:
+    min_replicas: int = Field(1, ge=0, description="the floor outside the schedule's windows")
+    max_replicas: int = Field(
+        12,
+        ge=0,
+        description="the ceiling outside the windows (the evening peak at the cited GPU rate needs 12: "
+        "docs/autoscaling.md)",
+    )
+    scale_up_utilization: float = Field(
+        0.70, description="+1 replica when the replicas' mean utilization over `scale_up_window_s` is above this"
+    )
+    scale_up_window_s: float = Field(300.0, ge=0, description="the window scale_up_utilization is judged over")
+    scale_down_utilization: float = Field(
+        0.30, description="-1 when that mean over `scale_down_window_s` is below this and nothing waits"
+    )
+    scale_down_window_s: float = Field(1200.0, ge=0, description="the window scale_down_utilization is judged over")
+    target_queue_per_replica: float = Field(
+        4.0,
+        gt=0,
+        description="at once, without cooldown: waiting requests per replica above this scale up to "
+        "ceil(waiting / this)",
+    )
+    queue_scale_up_factor: float = Field(
+        2.0,
+        ge=1,
+        description="... at most this x the running replicas per step (a queue built while replicas "
+        "start does not jump to max_replicas)",
+    )
+    scale_up_cooldown_s: float = Field(180.0, ge=0, description="since the target last changed, before +1")
+    scale_down_cooldown_s: float = Field(600.0, ge=0, description="since the target last changed, before -1")
+    schedule: Schedule = Field(
+        DEFAULT_SCHEDULE, description="time-of-day windows with their own bounds (default: a peak at 2, a night at 0)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ScalingRules:
+        if self.min_replicas > self.max_replicas:
             raise ValueError(f"need 0 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}")
         if not 0 <= self.scale_down_utilization < self.scale_up_utilization <= 1:
             raise ValueError("need 0 <= scale_down_utilization < scale_up_utilization <= 1")
-        if self.target_queue_per_replica <= 0:
-            raise ValueError("target_queue_per_replica must be > 0")
-        if self.queue_scale_up_factor < 1:
-            raise ValueError("queue_scale_up_factor must be >= 1")
-        for name in ("scale_up_window_s", "scale_down_window_s", "scale_up_cooldown_s", "scale_down_cooldown_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+        return self
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ScalingRules:
         """Build from JSON-style `policy_kwargs` (the schedule as a dict, see `Schedule.from_dict`)."""
         values = dict(kwargs)
-        unknown = set(values) - set(cls.__dataclass_fields__)
+        unknown = set(values) - set(cls.model_fields)
         if unknown:
             raise ValueError(f"unknown scaling rule(s): {sorted(unknown)}")
         if "schedule" in values:
-            values["schedule"] = Schedule.from_dict(values["schedule"] or {})
-        return cls(**values)
+            values["schedule"] = values["schedule"] or {}
+        return cls.model_validate(values)
 
     def to_kwargs(self) -> dict[str, Any]:
         """JSON-serializable kwargs that `from_kwargs` turns back into these rules."""
-        values = asdict(self)
-        values["schedule"] = self.schedule.to_dict()
-        return values
+        return self.model_dump(mode="json")
 
     @property
     def bucket_s(self) -> float:
@@ -418,7 +435,9 @@ class CpuFallbackAutoscalingPolicy(_ReportingPolicy):
         self.board = board
         self._marked_until = 0.0
         rules = ScalingRules.from_kwargs({"schedule": {}, **policy_kwargs})
-        self.rules = replace(rules, min_replicas=max(1, rules.min_replicas), max_replicas=max(1, rules.max_replicas))
+        self.rules = rules.model_copy(
+            update={"min_replicas": max(1, rules.min_replicas), "max_replicas": max(1, rules.max_replicas)}
+        )
 
     def active(self, timestamp: float) -> bool:
         checked = (timestamp, timestamp + self.lead_s, timestamp - self.handover_s)

@@ -7,11 +7,12 @@ timestamp with the configured `zoneinfo` zone.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def _parse_clock(text: str) -> dt.time:
@@ -25,58 +26,68 @@ def _parse_clock(text: str) -> dt.time:
         raise ValueError(f"time of day must be 'HH:MM', got {text!r}") from error
 
 
-@dataclass(frozen=True)
-class ScheduleWindow:
+class _Rules(BaseModel):
+    """A frozen part of the policy's rules: validated once (from the app args or Serve's `policy_kwargs`), unknown
+    keys refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ScheduleWindow(_Rules):
     """Replica bounds that hold between `start` and `end` ('HH:MM', end exclusive, may wrap midnight)."""
 
-    name: str
-    start: str
-    end: str
-    min_replicas: int | None = None
-    max_replicas: int | None = None
+    name: str = Field(description="the window's name, in the logs and the plan")
+    start: str = Field(description="'HH:MM' (quoted in YAML: an unquoted 21:00 reads as a number)")
+    end: str = Field(description="'HH:MM', exclusive; before `start`: the window wraps midnight")
+    min_replicas: int | None = Field(None, ge=0, description="the floor inside the window; None: the rules' own")
+    max_replicas: int | None = Field(None, ge=0, description="the ceiling inside the window; None: the rules' own")
 
-    def __post_init__(self) -> None:
-        if self._clocks[0] == self._clocks[1]:
+    @field_validator("start", "end", mode="before")
+    @classmethod
+    def _clock_text(cls, text: Any) -> str:
+        _parse_clock(text)
+        return text
+
+    @model_validator(mode="after")
+    def _not_empty_nor_inverted(self) -> ScheduleWindow:
+        if self.clocks[0] == self.clocks[1]:
             raise ValueError(f"window {self.name!r} is empty: start == end")
-        for bound in (self.min_replicas, self.max_replicas):
-            if bound is not None and bound < 0:
-                raise ValueError(f"window {self.name!r}: replica bounds must be >= 0")
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(f"window {self.name!r}: min_replicas > max_replicas")
+        return self
 
     @cached_property
-    def _clocks(self) -> tuple[dt.time, dt.time]:
+    def clocks(self) -> tuple[dt.time, dt.time]:
         return _parse_clock(self.start), _parse_clock(self.end)
 
     def contains(self, clock: dt.time) -> bool:
-        start, end = self._clocks
+        start, end = self.clocks
         if start < end:
             return start <= clock < end
         return clock >= start or clock < end  # wraps midnight
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> ScheduleWindow:
-        return cls(**spec)
+        return cls.model_validate(spec)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "start": self.start,
-            "end": self.end,
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-        }
+        return self.model_dump(mode="json")
 
 
-@dataclass(frozen=True)
-class Schedule:
+class Schedule(_Rules):
     """Ordered windows in one time zone; the first window containing the local time wins."""
 
-    timezone: str = "UTC"
-    windows: tuple[ScheduleWindow, ...] = ()
+    timezone: str = Field("UTC", description="the zoneinfo zone the windows' clocks are read in, e.g. Asia/Shanghai")
+    windows: tuple[ScheduleWindow, ...] = Field((), description="each with its own replica bounds; the first wins")
 
-    def __post_init__(self) -> None:
-        ZoneInfo(self.timezone)  # raises ZoneInfoNotFoundError on an unknown zone
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, timezone: str) -> str:
+        try:
+            ZoneInfo(timezone)
+        except (ZoneInfoNotFoundError, ValueError):  # ValueError: a malformed key such as a path
+            raise ValueError(f"unknown time zone {timezone!r}") from None
+        return timezone
 
     def active_window(self, timestamp: float) -> ScheduleWindow | None:
         clock = dt.datetime.fromtimestamp(timestamp, tz=ZoneInfo(self.timezone)).time()
@@ -91,8 +102,7 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> Schedule:
-        windows: Sequence[Mapping[str, Any]] = spec.get("windows", ())
-        return cls(timezone=spec.get("timezone", "UTC"), windows=tuple(ScheduleWindow.from_dict(w) for w in windows))
+        return cls.model_validate(spec)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"timezone": self.timezone, "windows": [window.to_dict() for window in self.windows]}
+        return self.model_dump(mode="json")

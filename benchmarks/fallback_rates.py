@@ -30,7 +30,7 @@ from engine.nn.precision import cpu_capabilities
 from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
-from serve_app.args import CpuFallbackArgs
+from serve_app.args import CpuFallbackArgs, DecoderArgs
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import BATCH_RATIO_BOUND, FailedMeasurements, Timing, paired, ratio
 
@@ -43,6 +43,12 @@ def profile_fallback() -> CpuFallbackArgs:
     """The GPU profile's `decoder_cpu` section (its defaults where the profile sets nothing)."""
     (application,) = yaml.safe_load(PROFILE.read_text())["applications"]
     return CpuFallbackArgs.model_validate(application["args"].get("decoder_cpu", {}))
+
+
+def profile_batch_wait_s() -> float:
+    """The GPU profile's admission wait, which its fallback waits too (`decoder.batch_wait_timeout_s`)."""
+    (application,) = yaml.safe_load(PROFILE.read_text())["applications"]
+    return DecoderArgs.model_validate(application["args"].get("decoder", {})).batch_wait_timeout_s
 
 
 def batch_sizes(max_batch_size: int) -> list[int]:
@@ -79,7 +85,7 @@ def measure_startup(
                 use_gpu=False,
                 dtype="auto",
                 max_batch_size=fallback.max_batch_size,
-                batch_wait_timeout_s=fallback.batch_wait_timeout_s,
+                batch_wait_timeout_s=profile_batch_wait_s(),
             )
             started = time.perf_counter()
             handle = serve.run(app, name=APP_NAME, route_prefix=None)

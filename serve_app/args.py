@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic.fields import FieldInfo
 
 from autoscaling.policy import ScalingRules, WakeRule, decoder_autoscaling_config
+from autoscaling.schedule import Schedule
 from engine.errors import CheckpointError
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
@@ -18,33 +22,73 @@ from engine.voices.registry import provisioned_voice_id
 from engine.voices.store import is_store_url
 from serve_app.exposure import is_loopback
 
+logger = logging.getLogger("ray.serve")
+
 
 class _Strict(BaseModel):
     # Inputs stay out of error messages: they may hold API keys.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
+    # Fields this section had and no longer has: name -> what replaced it, or why it went. A config that still sets
+    # one is refused with that message rather than pydantic's bare "extra inputs are not permitted".
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            removed = [f"{name} was removed: {cls.REMOVED_FIELDS[name]}" for name in cls.REMOVED_FIELDS if name in data]
+            if removed:
+                raise ValueError("; ".join(removed))
+        return data
+
 
 QUEUE_DESCRIPTION = "requests waiting for a replica beyond this are answered 503 + Retry-After; None: unbounded"
 
 
-PLACEMENT_DESCRIPTION = (
-    "custom Ray resources each replica needs, e.g. {cpu_node: 1} to keep it on nodes that declare `cpu_node` "
-    "(the cluster files give it to CPU nodes only)"
-)
+CPU_RESOURCES_MOVED = "cpu_resources (a top-level field) places every CPU replica: ingress, encoders, CPU fallback"
+CPU_REPLICA_SECTIONS = ("ingress", "encoder", "decoder_cpu")
+
+
+class ReplicaArgs(_Strict):
+    """The Serve options every request-serving deployment has (where a replica may run: `AppArgs.cpu_resources`)."""
+
+    REMOVED_FIELDS = {"resources": CPU_RESOURCES_MOVED}
+
+    num_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for each replica")
+    max_ongoing_requests: int = Field(8, ge=1, description="requests one replica takes at once (Serve's)")
+    max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
+
+
+def inherited(base: type[BaseModel], name: str, default: Any) -> Any:
+    """`base`'s field `name` with another default: its constraints and description stay the base's (one
+    documentation for every replica kind)."""
+    return FieldInfo.merge_field_infos(base.model_fields[name], default=default)
+
+
+# The encoders' Serve autoscaling timing, fixed: a short up delay (a burst must not wait at the encoders while the
+# decoders idle), a long down delay, and Serve's look-back and report interval for requests that take ~0.1 s.
+ENCODER_SCALING_TIMING = {
+    "upscale_delay_s": 5.0,
+    "downscale_delay_s": 300.0,
+    "look_back_period_s": 10.0,
+    "metrics_interval_s": 2.0,
+}
 
 
 class EncoderAutoscalingArgs(_Strict):
     """Serve's built-in policy on the encoders' ongoing + queued requests (the fields are Serve's
-    `autoscaling_config` keys). Short up delay: a burst must not wait at the encoders while decoders idle."""
+    `autoscaling_config` keys; its timing is `ENCODER_SCALING_TIMING`)."""
 
-    min_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=1)
-    max_replicas: int = Field(16, ge=1)
+    REMOVED_FIELDS = {
+        name: f"fixed at {value:g} s (serve_app.args.ENCODER_SCALING_TIMING); to tune it anyway, give the Encoder an "
+        "autoscaling_config in the Serve config's `deployments:` section, which overrides the app's"
+        for name, value in ENCODER_SCALING_TIMING.items()
+    } | {"initial_replicas": "the encoders start at min_replicas (Serve's own default)"}
+
+    min_replicas: int = Field(1, ge=1, description="the fewest encoder replicas")
+    max_replicas: int = Field(16, ge=1, description="the most encoder replicas")
     target_ongoing_requests: float = Field(2.0, gt=0, description="per replica; the text encoder runs ~1 at a time")
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(300.0, ge=0)
-    look_back_period_s: float = Field(10.0, gt=0)
-    metrics_interval_s: float = Field(2.0, gt=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> EncoderAutoscalingArgs:
@@ -52,42 +96,32 @@ class EncoderAutoscalingArgs(_Strict):
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         return self
 
+    def serve_config(self) -> dict[str, Any]:
+        """The Encoder deployment's Serve `autoscaling_config`."""
+        return self.model_dump() | ENCODER_SCALING_TIMING
+
 
 class DecoderAutoscalingArgs(_Strict):
     """The decoder policy (`autoscaling.policy.DecoderAutoscalingPolicy`) and how often replicas report to it."""
 
-    rules: dict[str, Any] = Field(
-        default_factory=dict,
-        description="autoscaling.policy.ScalingRules fields: thresholds, windows, cooldowns, min/max_replicas, "
-        "schedule; unset ones keep the seed's defaults",
+    rules: ScalingRules = Field(
+        default_factory=ScalingRules,
+        description="thresholds, windows, cooldowns, min/max_replicas, schedule (autoscaling.policy.ScalingRules)",
     )
     look_back_period_s: float = Field(30.0, gt=0, description="Serve averages each replica metric over this")
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas push their metrics")
 
-    @model_validator(mode="after")
-    def _rules_are_valid(self) -> DecoderAutoscalingArgs:
-        self.scaling_rules()  # a ValueError names the bad rule
-        return self
-
-    def scaling_rules(self) -> ScalingRules:
-        return ScalingRules.from_kwargs(self.rules)
-
     def serve_config(self, wake: WakeRule | None = None) -> dict[str, Any]:
         """The GPU decoder deployment's Serve `autoscaling_config` (woken under `wake`, see `AppArgs.wake_rule`)."""
-        rules = self.scaling_rules()
-        return decoder_autoscaling_config(rules, self.look_back_period_s, self.metrics_interval_s, wake)
+        return decoder_autoscaling_config(self.rules, self.look_back_period_s, self.metrics_interval_s, wake)
 
 
-class EncoderArgs(_Strict):
+class EncoderArgs(ReplicaArgs):
     """CPU replicas: frontend, text encoder, voice features."""
 
     num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
     autoscaling: EncoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
-    num_cpus: float = Field(0.5, gt=0)
-    resources: dict[str, float] = Field(default_factory=dict, description=PLACEMENT_DESCRIPTION)
     int8: bool = Field(False, description="INT8 dynamic quantization of the text encoder's Linear layers")
-    max_ongoing_requests: int = Field(8, ge=1)
-    max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
 
 
 class TextArgs(_Strict):
@@ -101,13 +135,12 @@ class TextArgs(_Strict):
     )
 
 
-class DecoderArgs(_Strict):
+class DecoderArgs(ReplicaArgs):
     """Speech-token LM + flow + vocoder replicas; a GPU fraction each, or CPU with num_gpus 0."""
 
     num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
     autoscaling: DecoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPU fraction per replica; 0 runs on CPU")
-    num_cpus: float = Field(0.5, gt=0)
     dtype: Literal["auto", "auto-int4", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="auto: on a GPU float16 (CosyVoice3: bfloat16 LLM and flow); on CPU per stage for the CPU and "
@@ -139,7 +172,7 @@ class DecoderArgs(_Strict):
         "runs to its end, so this also bounds how long a new request's first chunk waits); None: 8 on a GPU, 1 on "
         "CPU",
     )
-    max_ongoing_requests: int | None = Field(
+    max_ongoing_requests: int | None = Field(  # type: ignore[assignment]  # None: derived from the batches
         None, ge=1, description="default: 2 x max_batch_size x max_concurrent_batches (batches must be able to fill)"
     )
     memory_budget_gb: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
@@ -149,7 +182,15 @@ class DecoderArgs(_Strict):
         "of the card (num_gpus) less its weights and a reserve (a tenth, at least 256 MiB); on CPU what the "
         "container's memory limit (else the host's memory) leaves at start, less the same reserve. None: no byte bound",
     )
-    max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
+    prompt_cache_share: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="share of a decoder replica's memory budget its cache of prepared voice prompts may hold (the "
+        "LLM's KV cache over each cloned voice's prompt prefix, the flow's prompt tensors; counted in the budget and "
+        "given back to live requests that need it); 256 MiB when the replica has no budget; 0: no cache",
+    )
     mps_thread_share: bool = Field(
         False,
         description="under CUDA MPS (docs/gpu_sharing.md), hold each replica to its num_gpus share of the GPU's SMs: "
@@ -210,50 +251,39 @@ class SchedulerArgs(_Strict):
         description="a whole request's deadline: its arrival + this x its estimated audio length (0.3 s per text "
         "token)",
     )
-    min_preempt_slack_s: float = Field(
-        1.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="a generating sentence is paused for an earlier deadline only if its own is at least this far "
-        "off, and this much later than the waiting one's",
-    )
-    first_audio_hold_s: float = Field(
-        1.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="while a stream waits for its first audio, the flow + vocoder work whose deadline is further off "
-        "than this waits, so the shared cores make that first audio (0: never held)",
-    )
-    first_audio_passover_s: float = Field(
-        1.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="among streams waiting for their first audio, the shortest first chunk is made first; one that "
-        "is this far past its first-audio deadline goes first, earliest deadline first (so none starves)",
-    )
-    prompt_cache_share: float = Field(
-        0.1,
-        ge=0,
-        lt=1,
-        allow_inf_nan=False,
-        description="share of a decoder replica's memory budget its cache of prepared voice prompts may hold (the "
-        "LLM's KV cache over each cloned voice's prompt prefix, the flow's prompt tensors; counted in the budget and "
-        "given back to live requests that need it); 256 MiB when the replica has no budget; 0: no cache",
-    )
+
+    # Tuned by measurement, not a deployment's choice (docs/performance.md, the late-short-stream runs on 2 CPU cores):
+    # the loop keeps engine.runtime.playback.DeadlinePolicy's 1 s for each.
+    REMOVED_FIELDS = {
+        "first_audio_hold_s": "fixed at the measured best, 1 s (a late short stream's median time to first audio "
+        "0.40 s, against 0.56 s without a hold and 0.50 s with 2 s: docs/performance.md, runs 6-12)",
+        "min_preempt_slack_s": "fixed at 1 s, lowered from 2 s by measurement (docs/performance.md, runs 6-12)",
+        "first_audio_passover_s": "fixed at 1 s: 0.5 s made no difference beyond noise (docs/performance.md, "
+        "runs 30-31)",
+    }
+
+    def decoder_settings(self, prompt_cache_share: float) -> dict[str, Any]:
+        """The Decoder's `scheduling` argument: the policy's name and settings, with the prompt cache's share."""
+        return self.model_dump() | {"prompt_cache_share": prompt_cache_share}
+
+
+# Tokens an input may have per character of `max_input_chars` (the model's tokenizer on the text as sent): Chinese
+# takes ~1.1 a character, English ~0.25, emoji 2 and rare scripts up to 4, so a text of emoji or rare script is
+# refused before its length in characters would be.
+TOKENS_PER_INPUT_CHAR = 1.5
 
 
 class LimitsArgs(_Strict):
+    REMOVED_FIELDS = {
+        "health_timeout_s": "the health probes wait a fixed 2 s for a stage to answer "
+        "(serve_app.health_routes.HEALTH_PROBE_TIMEOUT_S): a live one answers in milliseconds",
+        "max_input_tokens": f"derived: {TOKENS_PER_INPUT_CHAR:g} x max_input_chars (LimitsArgs.max_input_tokens)",
+        "max_prompt_audio_channels": f"the speech tokenizer's bound, {MAX_PROMPT_CHANNELS} "
+        "(engine.voices.cloning.MAX_PROMPT_CHANNELS)",
+    }
+
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
-    max_input_tokens: int = Field(
-        6144,
-        ge=1,
-        description="inputs with more tokens (the model's tokenizer on the text as sent, counted before anything "
-        "else is done with it; a CosyVoice2/3 text stream's pieces in all, a v1 one's each sentence) are rejected with "
-        "413: 1.5 a character of the default "
-        "max_input_chars, where Chinese takes ~1.1, English ~0.25, emoji 2 and rare scripts up to 4",
-    )
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
-    health_timeout_s: float = Field(2.0, gt=0, description="how long /healthz waits for each stage")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
     body_read_timeout_s: float = Field(
         10.0,
@@ -294,9 +324,6 @@ class LimitsArgs(_Strict):
         description="longer prompt recordings are rejected with 400 (at most 30 s: the speech tokenizer's limit)",
     )
     min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
-    max_prompt_audio_channels: int = Field(
-        MAX_PROMPT_CHANNELS, ge=1, description="prompt recordings with more channels are rejected with 400"
-    )
     prompt_audio_sample_rates: tuple[int, ...] = Field(
         PROMPT_SAMPLE_RATES,
         min_length=1,
@@ -338,6 +365,12 @@ class LimitsArgs(_Strict):
         "its end); more: 429 + Retry-After; None: no limit",
     )
 
+    @property
+    def max_input_tokens(self) -> int:
+        """Inputs with more tokens (a CosyVoice2/3 text stream's pieces in all, a v1 one's each sentence) are refused
+        with 413 before anything else is done with them."""
+        return int(TOKENS_PER_INPUT_CHAR * self.max_input_chars)
+
     @model_validator(mode="after")
     def _prompt_rates_are_supported(self) -> LimitsArgs:
         unsupported = sorted(set(self.prompt_audio_sample_rates) - set(PROMPT_SAMPLE_RATES))
@@ -348,10 +381,17 @@ class LimitsArgs(_Strict):
         return self
 
 
+WYOMING_NUM_CPUS = 0.1
+
+
 class WyomingArgs(_Strict):
     """The Wyoming listener: the protocol Home Assistant talks to local text-to-speech engines (docs/clients.md).
     Wyoming has no authentication, so it is off until `port` is set, binds `host` (loopback by default), and a server
-    with API keys serves it only with `allow_keyless`."""
+    with API keys serves it only with `allow_keyless`. Its replica reserves `WYOMING_NUM_CPUS`: it only relays."""
+
+    REMOVED_FIELDS = {
+        "num_cpus": "fixed at 0.1 (serve_app.args.WYOMING_NUM_CPUS): the listener only relays text and audio"
+    }
 
     port: int | None = Field(
         None, ge=1, le=65535, description="its TCP port (Home Assistant's examples use 10200); None: off"
@@ -375,10 +415,10 @@ class WyomingArgs(_Strict):
         description="announce the listener by mDNS (`_wyoming._tcp`), as Home Assistant discovers Wyoming services, "
         "on the interface it binds (loopback: this machine only), where the zeroconf package is installed",
     )
-    num_cpus: float = Field(0.1, gt=0)
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description=PLACEMENT_DESCRIPTION + "; on a cluster, one that only the node Home Assistant connects to has",
+        description="custom Ray resources the listener's replica needs: one only the node Home Assistant connects to "
+        "has",
     )
 
     @model_validator(mode="after")
@@ -416,30 +456,45 @@ class WyomingArgs(_Strict):
         return ()
 
 
-class IngressArgs(_Strict):
-    num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.25, gt=0)
-    resources: dict[str, float] = Field(default_factory=dict, description=PLACEMENT_DESCRIPTION)
-    max_ongoing_requests: int = Field(64, ge=1)
-    max_queued_requests: int | None = Field(256, ge=1, description=QUEUE_DESCRIPTION + " (by the HTTP proxy)")
+class IngressArgs(ReplicaArgs):
+    """The HTTP ingress replicas (their queue is the HTTP proxy's)."""
+
+    num_replicas: int = Field(1, ge=1, description="ingress replicas (fixed)")
+    num_cpus: float = inherited(ReplicaArgs, "num_cpus", 0.25)
+    max_ongoing_requests: int = inherited(ReplicaArgs, "max_ongoing_requests", 64)
+    max_queued_requests: int | None = inherited(ReplicaArgs, "max_queued_requests", 256)
 
 
-class CpuFallbackArgs(_Strict):
+class CpuFallbackArgs(ReplicaArgs):
     """The optional `DecoderCPU` deployment: the Decoder on CPU (fp32), up while the GPU decoders may be at 0."""
 
-    enabled: bool = False
-    num_cpus: float = Field(1.0, gt=0)
-    resources: dict[str, float] = Field(default_factory=dict, description=PLACEMENT_DESCRIPTION)
-    max_batch_size: int = Field(4, ge=1)
-    batch_wait_timeout_s: float = Field(0.05, ge=0)
-    max_ongoing_requests: int = Field(8, ge=1)
-    max_queued_requests: int | None = Field(32, ge=1, description=QUEUE_DESCRIPTION)
-    autoscaling_config: dict[str, Any] | None = Field(
+    REMOVED_FIELDS = {
+        "batch_wait_timeout_s": "the fallback waits decoder.batch_wait_timeout_s, as the GPU decoder does",
+        "resources": CPU_RESOURCES_MOVED,
+        "autoscaling_config": "decoder_cpu.max_replicas bounds the fallback's policy "
+        "(autoscaling.policy.CpuFallbackAutoscalingPolicy, up while the GPU decoder's floor may be 0); "
+        "decoder_cpu.num_replicas keeps a fixed count up instead",
+    }
+
+    enabled: bool = Field(False, description="deploy DecoderCPU")
+    num_cpus: float = inherited(ReplicaArgs, "num_cpus", 1.0)
+    max_batch_size: int = Field(4, ge=1, description="sentences decoding at once in a fallback replica's loop")
+    max_queued_requests: int | None = inherited(ReplicaArgs, "max_queued_requests", 32)
+    num_replicas: int | None = Field(
         None,
-        description="Serve autoscaling_config; default: autoscaling.policy.cpu_fallback_autoscaling_config() "
-        "for the decoder's rules (its schedule decides when the fallback is up)",
+        ge=1,
+        description="a fixed count, always up; None: scaled by autoscaling.policy.CpuFallbackAutoscalingPolicy, up "
+        "while the GPU decoder's schedule may take it to 0 (from 10 minutes before to 15 after)",
     )
+    max_replicas: int = Field(4, ge=1, description="the most fallback replicas the policy runs")
     poll_interval_s: float = Field(2.0, gt=0, description="how often the ingress re-reads the replica counts")
+
+    @property
+    def scaling_rules(self) -> ScalingRules:
+        """The fallback's own rules: the seed's thresholds, 1 to `max_replicas` while it is up, no schedule of its
+        own (the GPU decoder's decides when it is up)."""
+        return ScalingRules(min_replicas=1, max_replicas=self.max_replicas, schedule=Schedule())
+
     wake: bool = Field(
         True,
         description="inside the GPU decoder's 0-floor windows, waits at this fallback wake a GPU decoder replica "
@@ -563,8 +618,8 @@ class AudioArgs(_Strict):
     maximum at those rates, aac and opus where speech has no audible artefacts."""
 
     mp3_kbps: int = Field(160, ge=32, le=160, description="mp3 (MPEG-2 layer III at 22.05/24 kHz: 160 at most)")
-    aac_kbps: int = Field(96, ge=16, le=256)
-    opus_kbps: int = Field(64, ge=6, le=256)
+    aac_kbps: int = Field(96, ge=16, le=256, description="aac (no audible artefacts on speech at 96)")
+    opus_kbps: int = Field(64, ge=6, le=256, description="opus (no audible artefacts on speech at 64)")
 
     def bit_rate(self, format_name: str) -> int | None:
         """Bits per second of a lossy format; None for the lossless ones."""
@@ -650,6 +705,11 @@ class AppArgs(_Strict):
     served_model_name: str | None = Field(
         None, description="name shown by /v1/models (default: from `model`: a hub id's repo name, a dir's name)"
     )
+    cpu_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each CPU replica (ingress, encoders, the CPU fallback decoder) needs, e.g. "
+        "{cpu_node: 1} to keep them on nodes that declare `cpu_node` (the cluster files give it to CPU nodes only)",
+    )
     ingress: IngressArgs = IngressArgs()
     encoder: EncoderArgs = EncoderArgs()
     decoder: DecoderArgs = DecoderArgs()
@@ -683,6 +743,53 @@ class AppArgs(_Strict):
         description="dir with campplus.onnx and speech_tokenizer_v1.onnx (v2, v3: _v2.onnx, _v3.onnx); default: the "
         "model dir, or for a tiny preset the tiny cloning models it ships",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_cache_share_moved(cls, data: Any) -> Any:
+        """`scheduler.prompt_cache_share` (its old place) is read as `decoder.prompt_cache_share`, with a warning."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("scheduler"), Mapping):
+            return data
+        scheduler = dict(data["scheduler"])
+        if "prompt_cache_share" not in scheduler:
+            return data
+        share = scheduler.pop("prompt_cache_share")
+        decoder = data.get("decoder") or {}
+        if isinstance(decoder, BaseModel):
+            decoder = decoder.model_dump(exclude_unset=True)
+        if "prompt_cache_share" in decoder:
+            raise ValueError("prompt_cache_share is set twice: keep decoder.prompt_cache_share (its new place) only")
+        logger.warning("scheduler.prompt_cache_share is deprecated: it is read as decoder.prompt_cache_share")
+        return {**data, "scheduler": scheduler, "decoder": {**decoder, "prompt_cache_share": share}}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cpu_resources_moved(cls, data: Any) -> Any:
+        """`resources` of ingress, encoder and decoder_cpu (their old place) are read as `cpu_resources`, with a
+        warning, where every deployed CPU section gives the same."""
+        if not isinstance(data, Mapping):
+            return data
+        sections = {name: data.get(name) for name in CPU_REPLICA_SECTIONS}
+        given = {
+            name: section["resources"]
+            for name, section in sections.items()
+            if isinstance(section, Mapping) and "resources" in section
+        }
+        if not given:
+            return data
+        fallback = sections["decoder_cpu"]
+        fallback_on = (
+            fallback.get("enabled", False) if isinstance(fallback, Mapping) else bool(fallback and fallback.enabled)
+        )
+        deployed = {"ingress", "encoder"} | ({"decoder_cpu"} if fallback_on else set())
+        first = next(iter(given.values()))
+        if "cpu_resources" in data or not deployed <= given.keys() or any(value != first for value in given.values()):
+            raise ValueError(
+                f"{', '.join(f'{name}.resources' for name in given)}: {CPU_RESOURCES_MOVED}; set it once instead"
+            )
+        logger.warning("%s.resources are deprecated: they are read as cpu_resources", "/".join(given))
+        moved = {name: {k: v for k, v in sections[name].items() if k != "resources"} for name in given}
+        return {**data, **moved, "cpu_resources": first}
 
     def wake_rule(self) -> WakeRule | None:
         """When the CPU fallback's load wakes the GPU decoder (None: fallback, wake or decoder autoscaling off)."""

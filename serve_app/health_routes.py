@@ -15,6 +15,9 @@ from serve_app.ingress_base import IngressBase
 logger = logging.getLogger("ray.serve")
 
 HEALTH_MAX_AGE_S = 1.0
+# How long /healthz (and a stream that lost its relay) waits for a text relay or the Wyoming listener to answer: a
+# live actor answers in milliseconds, so this only bounds the wait on a lost one.
+HEALTH_PROBE_TIMEOUT_S = 2.0
 
 
 class HealthRoutes(IngressBase):
@@ -38,7 +41,7 @@ class HealthRoutes(IngressBase):
         except Exception as exc:  # the last view stands
             logger.warning("could not re-read the replica counts for /healthz: %s", exc)
         ready = self.router.ready()
-        relay_problem = await self.text_relays.problem(self.limits.health_timeout_s)
+        relay_problem = await self.text_relays.problem(HEALTH_PROBE_TIMEOUT_S)
         exposed = await asyncio.to_thread(exposure_warning)  # read afresh: replicas come and go (~10 ms)
         polled_at = self.router.polled_at
         body = {
@@ -62,7 +65,7 @@ class HealthRoutes(IngressBase):
         if self._wyoming_warnings is None:
             try:
                 answer = self.wyoming.serving_warnings.remote()
-                self._wyoming_warnings = await asyncio.wait_for(answer, self.limits.health_timeout_s)
+                self._wyoming_warnings = await asyncio.wait_for(answer, HEALTH_PROBE_TIMEOUT_S)
             except Exception as exc:
                 return (f"the Wyoming listener does not answer ({type(exc).__name__}): see the WyomingServer's log",)
         return self._wyoming_warnings

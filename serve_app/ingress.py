@@ -16,11 +16,11 @@ from autoscaling.policy import cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
 from engine.loading.model_source import hub_model, served_name
-from engine.voices.cloning import PromptAudioLimits
+from engine.voices.cloning import MAX_PROMPT_CHANNELS, PromptAudioLimits
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
 from serve_app.api import api
-from serve_app.args import AppArgs
+from serve_app.args import WYOMING_NUM_CPUS, AppArgs
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
 from serve_app.routing import CPU_DECODER
@@ -60,7 +60,7 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
         prompt_audio=PromptAudioLimits(
             min_seconds=args.limits.min_prompt_audio_s,
             max_seconds=args.limits.max_prompt_audio_s,
-            max_channels=args.limits.max_prompt_audio_channels,
+            max_channels=MAX_PROMPT_CHANNELS,
             sample_rates=args.limits.prompt_audio_sample_rates,
         ),
         voices=tuple(
@@ -104,12 +104,12 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     }
     encoder_scaling = args.encoder.autoscaling
     encoder = Encoder.options(
-        **replica_count(args.encoder.num_replicas, encoder_scaling and encoder_scaling.model_dump(exclude_none=True)),
+        **replica_count(args.encoder.num_replicas, encoder_scaling and encoder_scaling.serve_config()),
         max_ongoing_requests=args.encoder.max_ongoing_requests,
         max_queued_requests=queue_bound(args.encoder.max_queued_requests),
         backpressure_config=backpressure,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,  # its requests are short: Serve's default timeout (20 s)
-        ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.encoder.resources),
+        ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.cpu_resources),
     ).bind(
         args.model,
         args.encoder.int8,
@@ -122,11 +122,11 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     decoder_loop = {
         "max_audio_s": args.limits.max_audio_s,
         "max_request_s": args.limits.max_stream_s,
-        "scheduling": args.scheduler.model_dump(),
+        "scheduling": args.scheduler.decoder_settings(args.decoder.prompt_cache_share),
         "llm_checkpoint": args.llm_checkpoint,
     }
     decoder_scaling = args.decoder.autoscaling
-    gpu_rules = decoder_scaling.scaling_rules() if decoder_scaling else None
+    gpu_rules = decoder_scaling.rules if decoder_scaling else None
     wake = args.wake_rule()
     decoder = Decoder.options(
         **replica_count(args.decoder.num_replicas, decoder_scaling and decoder_scaling.serve_config(wake)),
@@ -165,15 +165,22 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             max_queued_requests=queue_bound(fallback.max_queued_requests),
             backpressure_config=backpressure,
             **stopping,
-            autoscaling_config=fallback.autoscaling_config
-            or cpu_fallback_autoscaling_config(gpu_rules, **reporting, wake=wake),
-            ray_actor_options=cpu_actor_options(fallback.num_cpus, fallback.resources),
+            **(
+                {"num_replicas": fallback.num_replicas}
+                if fallback.num_replicas is not None
+                else {
+                    "autoscaling_config": cpu_fallback_autoscaling_config(
+                        gpu_rules, fallback.scaling_rules, **reporting, wake=wake
+                    )
+                }
+            ),
+            ray_actor_options=cpu_actor_options(fallback.num_cpus, args.cpu_resources),
         ).bind(
             args.model,
             use_gpu=False,
             dtype="auto",
             max_batch_size=fallback.max_batch_size,
-            batch_wait_timeout_s=fallback.batch_wait_timeout_s,
+            batch_wait_timeout_s=args.decoder.batch_wait_timeout_s,
             **decoder_loop,
         )
     wyoming = None
@@ -182,7 +189,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         from serve_app.wyoming_server import WyomingServer
 
         wyoming = WyomingServer.options(
-            ray_actor_options=cpu_actor_options(args.wyoming.num_cpus, args.wyoming.resources)
+            ray_actor_options=cpu_actor_options(WYOMING_NUM_CPUS, args.wyoming.resources)
         ).bind(args.wyoming, args.ingress_limits, args.security, TTSIngress.name)
     return TTSIngress.options(
         num_replicas=args.ingress.num_replicas,
@@ -190,7 +197,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_queued_requests=queue_bound(args.ingress.max_queued_requests),
         backpressure_config=backpressure,
         **stopping,
-        ray_actor_options=cpu_actor_options(args.ingress.num_cpus, args.ingress.resources),
+        ray_actor_options=cpu_actor_options(args.ingress.num_cpus, args.cpu_resources),
     ).bind(
         encoder,
         decoder,

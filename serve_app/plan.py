@@ -374,7 +374,8 @@ def _scaled(args: AppArgs, count: int) -> dict[str, Any]:
     scaling = args.decoder.autoscaling
     if scaling is None and count == 1:
         return section | {"num_replicas": 1}
-    rules = {"min_replicas": 1, "schedule": {"windows": []}} | (scaling.rules if scaling else {})
+    own_rules = scaling.rules.model_dump(mode="json", exclude_unset=True) if scaling else {}
+    rules = {"min_replicas": 1, "schedule": {"windows": []}} | own_rules
     rules["max_replicas"] = min(rules.get("max_replicas", count), count)
     rules["min_replicas"] = min(rules["min_replicas"], rules["max_replicas"])
     reporting = scaling.model_dump(exclude={"rules"}) if scaling else {}
@@ -384,7 +385,7 @@ def _scaled(args: AppArgs, count: int) -> dict[str, Any]:
 def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs) -> Plan:
     llm_int4 = args.decoder.dtype == AUTO_INT4_DTYPE
     dtypes = _dtypes(args.decoder.dtype, lambda: cpu_auto_choice(inventory.cpu, sizes.gemm, llm_int4))
-    section = args.decoder.model_dump(exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
+    section = args.decoder.model_dump(mode="json", exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
     return _plan(args, inventory, dtypes, section)
 
 
@@ -392,7 +393,7 @@ def _replica_range(decoder: DecoderArgs, fallback: bool) -> dict[str, Any]:
     """The decoders' replica bounds, and the schedule's windows in words."""
     if decoder.autoscaling is None:
         return {"min_replicas": decoder.num_replicas, "max_replicas": decoder.num_replicas, "windows": ()}
-    rules = decoder.autoscaling.scaling_rules()
+    rules = decoder.autoscaling.rules
     windows = tuple(
         f"{window.name} {window.start}-{window.end} {rules.schedule.timezone}: "
         + ", ".join(

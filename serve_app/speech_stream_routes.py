@@ -55,6 +55,7 @@ from serve_app.errors import (
     validation_param,
 )
 from serve_app.guard import WEBSOCKET_PROTOCOL
+from serve_app.health_routes import HEALTH_PROBE_TIMEOUT_S
 from serve_app.openai_routes import OpenAIRoutes
 from serve_app.responses import OutputAudio
 from serve_app.schemas import StreamEnd, StreamFlush, StreamMessage, StreamStart, StreamText
@@ -296,7 +297,7 @@ class SpeechStreamRoutes(OpenAIRoutes):
                 reader.result()
             speaker.result()
         except ServiceUnavailableError:  # a lost replica: the decoder's, or the relay the decoder read from
-            await self.text_relays.problem(self.limits.health_timeout_s)  # found lost: the next session makes one
+            await self.text_relays.problem(HEALTH_PROBE_TIMEOUT_S)  # found lost: the next session makes one
             raise
         finally:  # cancelling the speaker cancels its decoder call; a decoder call yet to wait for text ends too
             for task in (speaker, reader):

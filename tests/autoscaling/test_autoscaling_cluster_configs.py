@@ -82,7 +82,7 @@ def test_the_gpu_fraction_is_the_same_everywhere(config: str) -> None:
 def assert_gpu_slots_fit_the_decoders(gpus: float) -> None:
     """`gpus` at the profile's fraction give exactly the decoder's highest max_replicas: none short, none idle."""
     args = profile_args()
-    assert gpus * round(1 / args.decoder.num_gpus) == args.decoder.autoscaling.scaling_rules().highest_ceiling()
+    assert gpus * round(1 / args.decoder.num_gpus) == args.decoder.autoscaling.rules.highest_ceiling()
 
 
 def test_cluster_nodes_fit_the_decoders_and_keep_cpu_replicas_off_gpus() -> None:

@@ -331,7 +331,9 @@ NOON_NIGHT = ScalingRules(
     scale_down_window_s=10.0,
     scale_up_cooldown_s=0.0,
     scale_down_cooldown_s=0.0,
-    schedule=Schedule(timezone="UTC", windows=(ScheduleWindow("night", "11:00", "13:00", min_replicas=0),)),
+    schedule=Schedule(
+        timezone="UTC", windows=(ScheduleWindow(name="night", start="11:00", end="13:00", min_replicas=0),)
+    ),
 )
 
 

@@ -8,11 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from engine.runtime import memory
 from engine.runtime.memory import HostMemory, device_memory_budget, memory_budget_for
-from serve_app.args import DecoderArgs
 
 GIB = 2**30
 
@@ -94,12 +92,3 @@ def test_on_cuda_auto_takes_the_replicas_fraction_of_the_card(
     monkeypatch.setattr(memory.torch.cuda, "memory_allocated", lambda device: GIB)
     budget = device_memory_budget(torch.device("cuda", 0), share)
     assert budget == memory_budget_for(expected_share_bytes, GIB)
-
-
-def test_the_app_args_take_auto_a_size_or_none() -> None:
-    assert DecoderArgs().memory_budget_gb == "auto"
-    assert DecoderArgs(memory_budget_gb=2.5).memory_budget_gb == 2.5
-    assert DecoderArgs(memory_budget_gb=None).memory_budget_gb is None
-    for bad in (0, -1, "big"):
-        with pytest.raises(ValidationError):
-            DecoderArgs(memory_budget_gb=bad)

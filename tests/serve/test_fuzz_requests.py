@@ -31,8 +31,7 @@ from tests.serve.conftest import TEXT_STREAM_PATH, running_app, text_stream_exch
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
 APP = "fuzz"
-MAX_INPUT_CHARS = 200
-MAX_INPUT_TOKENS = 300  # below the 399 of EMOJI_TEXT's 200 characters
+MAX_INPUT_CHARS = 200  # and so at most 300 tokens (1.5 a character): below the 399 of EMOJI_TEXT's
 MAX_TEXT_STREAMS = 2
 TEXT_STREAM_IDLE_S = 2.0
 MAX_AUDIO_S = 3.0  # every accepted request is short: the fuzz run stays quick on CPU
@@ -48,7 +47,6 @@ def base_url() -> Iterator[str]:
         "decoder": {"num_cpus": 0.5, "max_batch_size": 4},
         "limits": {
             "max_input_chars": MAX_INPUT_CHARS,
-            "max_input_tokens": MAX_INPUT_TOKENS,
             "max_text_streams": MAX_TEXT_STREAMS,
             "text_stream_idle_s": TEXT_STREAM_IDLE_S,
             "max_audio_s": MAX_AUDIO_S,

@@ -41,8 +41,9 @@ WHOLE = 2
 CLIENT_TIMEOUT_S = 120.0  # generous: a hang shows as a timeout, never as a stuck test
 ARGS: dict[str, Any] = {
     "model": "tiny",
-    "ingress": {"num_cpus": 0.1, "resources": {"cpu_node": 1}},
-    "encoder": {"num_cpus": 0.2, "resources": {"cpu_node": 1}},
+    "cpu_resources": {"cpu_node": 1},
+    "ingress": {"num_cpus": 0.1},
+    "encoder": {"num_cpus": 0.2},
     "decoder": {
         "num_gpus": 0.25,  # only the worker has a (fake) GPU: no CUDA here, so it computes on CPU in fp32
         "num_cpus": 0.2,

@@ -93,7 +93,7 @@ def test_each_card_holds_the_replicas_it_is_given_and_no_more(version: str, card
     if n == 1:
         assert decoder.autoscaling is None and decoder.num_replicas == 1
     else:  # 1 to the card's count, on the decoder policy (its 70%/5 min up, 30%/20 min down rules)
-        rules = decoder.autoscaling.scaling_rules()
+        rules = decoder.autoscaling.rules
         assert (rules.min_replicas, rules.max_replicas) == (1, n) == (plan.min_replicas, plan.max_replicas)
         assert (rules.scale_up_utilization, rules.scale_up_window_s) == (0.7, 300)
         assert (rules.scale_down_utilization, rules.scale_down_window_s) == (0.3, 1200)
@@ -288,8 +288,8 @@ def test_the_single_gpu_profile_on_an_8_gb_card_and_a_larger_one() -> None:
     assert (small.replicas_per_gpu, small.max_batch_size, small.max_replicas) == (1, BATCH, 1)
     assert small.windows == ("night 02:00-06:00 UTC: min 0 (the CPU fallback decoder serves at 0)",)
     rules = AppArgs.model_validate(application["args"] | {"decoder": small.decoder_args}).decoder.autoscaling.rules
-    assert (rules["scale_up_utilization"], rules["scale_up_window_s"]) == (0.7, 300)
-    assert (rules["scale_down_utilization"], rules["scale_down_window_s"]) == (0.3, 1200)
+    assert (rules.scale_up_utilization, rules.scale_up_window_s) == (0.7, 300)
+    assert (rules.scale_down_utilization, rules.scale_down_window_s) == (0.3, 1200)
     large = plan_for(machine(CARDS[24], cpus=8), sizes_of("v3"), args)
     assert large.replicas_per_gpu == large.max_replicas > 1 and large.gpu_fraction < small.gpu_fraction
 

@@ -70,7 +70,7 @@ def test_gpu_cluster_profile() -> None:
     assert args.voices_dir is not None and args.voices_dir.startswith("s3://")
     assert args.decoder.max_batch_size == 4
     assert args.decoder.ongoing_requests_limit >= args.decoder.max_batch_size
-    rules = args.decoder.autoscaling.scaling_rules()
+    rules = args.decoder.autoscaling.rules
     assert rules.lowest_floor() == 0 and args.decoder_cpu.enabled  # a night at 0 GPUs, served by the fallback
 
 

@@ -25,8 +25,6 @@ ray = pytest.importorskip("ray")
 schemathesis = pytest.importorskip("schemathesis")
 from ray import serve  # noqa: E402
 
-from autoscaling.policy import ScalingRules, cpu_fallback_autoscaling_config  # noqa: E402
-from autoscaling.schedule import Schedule  # noqa: E402
 from serve_app import build_app  # noqa: E402
 from tests.serve.conftest import running_app  # noqa: E402
 
@@ -43,11 +41,6 @@ KIT_MODEL = Path(__file__).parents[1] / "fixtures" / "cosyvoice1-tiny" / "model"
 DECODER_QUEUE = 2
 DECODER_ONGOING = 2
 
-# Always active: the GPU schedule's floor is 0 all day, so the fallback keeps exactly one replica.
-ALWAYS_ON_FALLBACK = cpu_fallback_autoscaling_config(
-    gpu_rules=ScalingRules(min_replicas=0, schedule=Schedule()),
-    cpu_rules=ScalingRules(min_replicas=1, max_replicas=1, schedule=Schedule()),
-)
 ARGS: dict[str, Any] = {
     "model": "tiny",
     "ingress": {"num_cpus": 0.1},
@@ -59,7 +52,7 @@ ARGS: dict[str, Any] = {
         "max_ongoing_requests": DECODER_ONGOING,
         "max_queued_requests": DECODER_QUEUE,
     },
-    "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "poll_interval_s": 0.5, "autoscaling_config": ALWAYS_ON_FALLBACK},
+    "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "poll_interval_s": 0.5, "num_replicas": 1},  # always one up
     "limits": {
         "max_input_chars": 600,
         "long_text_chars": 120,

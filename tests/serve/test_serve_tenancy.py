@@ -72,7 +72,6 @@ def test_admin_keys_from_config_and_environment() -> None:
         b"env-1",
         b"env-2",
     )
-    assert SecurityArgs().admin_keys_env == "COSYVOICE_ADMIN_KEYS"
     assert "from-config" not in repr(security)
 
 

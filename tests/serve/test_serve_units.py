@@ -235,11 +235,13 @@ def test_the_scheduler_app_args_make_the_decoder_loops_policy() -> None:
     from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
     from serve_app.args import AppArgs
 
-    assert scheduling_policy(AppArgs().scheduler.model_dump()) == DeadlinePolicy()
+    def policy_of(args: AppArgs) -> object:  # what build_app hands each Decoder
+        return scheduling_policy(args.scheduler.decoder_settings(args.decoder.prompt_cache_share))
+
+    assert policy_of(AppArgs()) == DeadlinePolicy()
     args = AppArgs.model_validate({"scheduler": {"policy": "deadline", "target_first_audio_s": 3.0}})
-    assert scheduling_policy(args.scheduler.model_dump()).target_first_audio_s == 3.0
-    fcfs = AppArgs.model_validate({"scheduler": {"policy": "fcfs"}}).scheduler
-    assert isinstance(scheduling_policy(fcfs.model_dump()), FcfsPolicy)
+    assert policy_of(args) == DeadlinePolicy(target_first_audio_s=3.0)
+    assert isinstance(policy_of(AppArgs.model_validate({"scheduler": {"policy": "fcfs"}})), FcfsPolicy)
     with pytest.raises(ValueError, match="policy"):
         AppArgs.model_validate({"scheduler": {"policy": "lifo"}})
 
