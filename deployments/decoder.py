@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -30,7 +29,6 @@ from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sa
 from deployments.text_relay import TextSessionClosedError
 from engine.errors import (
     CosyVoiceError,
-    DecodeLimitError,
     InvalidInputError,
     RequestFailedError,
     UnavailableError,
@@ -89,6 +87,14 @@ def later_sentences_error(exc: Exception) -> CosyVoiceError:
     if isinstance(cause, (RayActorError, ObjectLostError, TaskCancelledError)):
         return UnavailableError("the encoder failed while encoding this request's later sentences; retry")
     return as_request_error(exc)
+
+
+def text_relay_error(exc: Exception) -> CosyVoiceError:
+    """The error that ends a bi-streamed utterance whose text did not come: the loop's refusal of a piece, else 503
+    (its session's relay failed: the ingress starts a new one for the next session)."""
+    if isinstance(exc, CosyVoiceError):
+        return exc
+    return UnavailableError("the text relay of this session failed; retry")
 
 
 def resolve_device_and_dtype(use_gpu: bool, dtype: str) -> tuple[str, str]:
@@ -164,7 +170,7 @@ class Decoder:
         self.batch_wait_timeout_s = batch_wait_timeout_s
         self._loop_is_busy = False
         self._loop_thread: threading.Thread | None = None
-        self._bistreams = 0  # bi-streamed utterances decoding now (beside the loop: `bistream`)
+        self._bistreams = 0  # bi-streamed utterances in the loop now (`bistream`)
         self.set_max_batch_size(max_batch_size)
         # Ray exports a gauge only while it is set again and again: one that stays unset drops out of the scrape
         # (about 30 s after the last request here), so dashboards would read "No data" instead of an idle 0.
@@ -251,17 +257,22 @@ class Decoder:
             raise error
         taking_later = asyncio.create_task(self._take_later_sentences(slot)) if slot.later else None
         try:
-            while (item := await slot.outputs.get()) is not None:
-                self.load.first_audio(slot)  # its time to first audio is known: it no longer counts as waiting
-                if isinstance(item, RequestFailedError):  # its cause stays here: the client gets a 500 with the id
-                    cause, request_id = item.__cause__, slot.request_id
-                    logger.error("request failed in the decoder loop", exc_info=cause, extra={"request_id": request_id})
-                if isinstance(item, CosyVoiceError):
-                    raise item
-                yield item
+            async for audio in self._audio(slot):
+                yield audio
         finally:
             if taking_later is not None:
                 taking_later.cancel()  # the request ended or its caller left: its later sentences are not awaited
+
+    async def _audio(self, slot: _Slot) -> AsyncIterator[np.ndarray]:
+        """The audio the loop hands the slot, until its end; the error that ended it is raised."""
+        while (item := await slot.outputs.get()) is not None:
+            self.load.first_audio(slot)  # its time to first audio is known: it no longer counts as waiting
+            if isinstance(item, RequestFailedError):  # its cause stays here: the client gets a 500 with the id
+                cause, request_id = item.__cause__, slot.request_id
+                logger.error("request failed in the decoder loop", exc_info=cause, extra={"request_id": request_id})
+            if isinstance(item, CosyVoiceError):
+                raise item
+            yield item
 
     async def _take_later_sentences(self, slot: _Slot) -> None:
         """Hand the request's later sentences to the loop as the encoder's calls return them; a failure (the
@@ -300,67 +311,46 @@ class Decoder:
         self, start: BistreamStart, relay: ray.actor.ActorHandle, session: str, request_id: str = ""
     ) -> AsyncIterator[np.ndarray]:
         """One bi-streamed utterance (CosyVoice2/3): its text ids come through `relay` (a `TextRelay`, piece by piece
-        until None); audio chunks as they are made. It decodes on worker threads beside the scheduler's loop, one push
-        at a time: not in the loop's batch, its admission or its memory budget, so at most `max_batch_size` of them
-        decode at once (each holds a KV cache and a share of the cores); one more is refused with a 503.
+        until None); audio chunks as they are made. It is a request of the replica's loop like the others
+        (`Scheduler.submit_bistream`: a slot, the memory budget, the ceilings, cancellation): its LM steps beside the
+        batch, its chunks on the lanes.
 
-        Its slot is a lease, taken and given back here alone, however the call ends: its audio done, a ceiling passed
-        (checked on a timer while it waits for text, not only as audio comes), its session closed by the ingress, or
-        the call cancelled (the ingress cancels it when its client leaves)."""
-        if self._bistreams >= self.max_batch_size:
-            raise UnavailableError(
-                f"this decoder replica is bi-streaming its most utterances at once ({self.max_batch_size}); retry, "
-                "or send the text whole"
-            )
+        The call ends however the utterance does: its audio done, a ceiling passed (the loop ends it while it waits
+        for text too), its session closed by the ingress (it ends quietly), or the call cancelled (the ingress
+        cancels it when its client leaves)."""
+        slot = _Slot([start.voice], True, request_id, asyncio.get_running_loop(), started=True)
+        slot.ticket = self.scheduler.submit_bistream(start, slot.push)
+        if self._loop_thread is None:
+            self._start_loop(asyncio.get_running_loop())
         self._bistreams += 1
+        self.load.request_accepted(key=slot)
         self._publish_load()
+        logger.info("bi-streamed utterance started", extra={"request_id": request_id})
+        relaying = asyncio.create_task(self._relay_text(slot.ticket, relay, session, request_id))
         try:
-            async for chunk in self._bistream(start, relay, session, request_id):
-                yield chunk
-        except TextSessionClosedError:  # its client left: nobody listens for the rest
-            logger.info("bi-streamed utterance ended: its session was closed", extra={"request_id": request_id})
+            async for chunk in self._audio(slot):
+                if chunk.size:
+                    yield chunk
         finally:
+            relaying.cancel()
+            if not slot.ticket.ended:
+                self.scheduler.cancel(slot.ticket)
             self._bistreams -= 1
+            self.load.request_finished(waiting=False, key=slot)
             self._publish_load()
 
-    async def _bistream(
-        self, start: BistreamStart, relay: ray.actor.ActorHandle, session: str, request_id: str
-    ) -> AsyncIterator[np.ndarray]:
-        synthesis = await asyncio.to_thread(self.stage.open_bistream, start)
-        logger.info("bi-streamed utterance started", extra={"request_id": request_id})
-        scheduler = self.scheduler  # its ceilings apply here too: audio length, and wall time from the start
-        max_samples = math.inf if scheduler.max_audio_s is None else scheduler.max_audio_s * self.stage.sample_rate
-        deadline = time.monotonic() + (math.inf if scheduler.max_request_s is None else scheduler.max_request_s)
-        samples = 0
-        over_time = DecodeLimitError(
-            f"the utterance took longer than the limit of {scheduler.max_request_s} s; send a shorter text"
-        )
-
-        def checked(chunk: np.ndarray) -> np.ndarray:
-            nonlocal samples
-            samples += len(chunk)
-            if samples > max_samples:
-                raise DecodeLimitError(
-                    f"the utterance passed the limit of {scheduler.max_audio_s:g} s of audio; send a shorter text"
-                )
-            if time.monotonic() > deadline:
-                raise over_time
-            return chunk
-
-        async def next_text() -> list[int] | None:
-            """The next piece's ids, waited for until the deadline at most (a client that sends nothing more)."""
-            try:
-                left_s = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-                return await asyncio.wait_for(relay.get.remote(session), left_s)
-            except asyncio.TimeoutError:  # on Python 3.10 not the built-in TimeoutError
-                raise over_time from None
-
-        while (tokens := await next_text()) is not None:
-            for chunk in await asyncio.to_thread(synthesis.push_text, tokens):
-                yield checked(chunk)
-        rest = synthesis.finish()
-        while (chunk := await asyncio.to_thread(next, rest, None)) is not None:
-            yield checked(chunk)
+    async def _relay_text(self, ticket: Ticket, relay: ray.actor.ActorHandle, session: str, request_id: str) -> None:
+        """Hand the utterance's text pieces to the loop as the relay gives them, then its end; its session closed (its
+        client left) cancels it, a relay that fails or a piece the loop refuses ends it with that error."""
+        try:
+            while (tokens := await relay.get.remote(session)) is not None:
+                self.scheduler.push_text(ticket, tokens)
+            self.scheduler.push_text(ticket, None)
+        except TextSessionClosedError:  # its client left: nobody listens for the rest
+            logger.info("bi-streamed utterance ended: its session was closed", extra={"request_id": request_id})
+            self.scheduler.cancel(ticket)
+        except Exception as exc:
+            self.scheduler.abort(ticket, text_relay_error(exc))
 
     async def _admit_batch(self, slots: list[_Slot]) -> list[CosyVoiceError | None]:
         """An admission batch: hand every request to the loop (a refusal comes back as its error)."""

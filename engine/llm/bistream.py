@@ -89,7 +89,9 @@ class BistreamDecoder:
         self.tokens: list[int] = []  # every id the LM produced, fill tokens included (the sampler's history)
         self.spoken = 0  # speech tokens returned
         self.text_pushed = 0
-        self.finished = False
+        self.finished = False  # the text has ended
+        self._decoding = False
+        self._limit = 0  # speech tokens at most once the text has ended
         ratio = model.mix_ratio[1]
         self.next_fill = (len(speech) // ratio + 1) * ratio - len(speech)
 
@@ -126,11 +128,19 @@ class BistreamDecoder:
         self.spoken += 1
         self.input = self.model.speech_embedding.weight[token : token + 1]
 
+    @property
+    def decoding(self) -> bool:
+        """Whether `step` decodes now: after `add_text` until the fill token, after `end_text` until the end."""
+        return self._decoding
+
     @torch.inference_mode()
-    def push_text(self, tokens: Tensor) -> list[int]:
-        """The next text token ids [N] -> the speech tokens decoded now (none while waiting for text)."""
+    def add_text(self, tokens: Tensor) -> None:
+        """The next text token ids [N] (one piece): the LM decodes with them (`step`) if they complete what it waits
+        for (the prompt's groups, or the next text group after a fill token)."""
         if self.finished:
             raise InvalidInputError("text was pushed after the end of the text")
+        if self._decoding:
+            raise InvalidInputError("a text piece was added while the LM was still decoding the last one")
         tokens = tokens.reshape(-1).long().to(self.device)
         self.text = torch.cat([self.text, self._embed(tokens)])
         self.text_pushed += len(tokens)
@@ -139,39 +149,62 @@ class BistreamDecoder:
             self.input = torch.cat([self.input, self.text[:text_group], self.prompt_speech[:speech_group]])
             self.text, self.prompt_speech = self.text[text_group:], self.prompt_speech[speech_group:]
         if len(self.prompt_speech):
-            return []
+            return
         after_fill = bool(self.tokens) and self.tokens[-1] == model.fill_token
         if after_fill or (not self.tokens and self.cache.length == 0 and len(self.input) == 1):
             if len(self.text) < text_group:
-                return []
+                return
             joined = self.text[:text_group]
             self.input = joined if after_fill else torch.cat([self.input, joined])
             self.text = self.text[text_group:]
-        out = []
-        while True:
-            scores = self._step()
-            if len(self.tokens) == self.next_fill:
-                token = model.fill_token
-            else:
-                token = self._sample(scores, allowed=model.fill_token)
-            if token == model.fill_token:
-                self.next_fill = len(self.tokens) + speech_group + 1
-                self.tokens.append(token)
-                return out
-            self._accept(token)
-            out.append(token)
+        self._decoding = True
 
     @torch.inference_mode()
-    def finish(self) -> Iterator[int]:
-        """No more text: the speech tokens to the end token (or the length limit), one at a time."""
+    def end_text(self) -> None:
+        """No more text: `step` decodes to the end token (or the length limit)."""
         if self.finished:
             raise InvalidInputError("the text has already ended")
         self.finished = True
         self.input = torch.cat([self.input, self.text, self.task_id.to(self.input.dtype)])
-        limit = max(1, int(self.text_pushed * self.options.max_token_text_ratio))
-        while self.spoken < limit:
-            token = self._sample(self._step(), allowed=self.model.end_token)
-            if token == self.model.end_token:
-                return
-            self._accept(token)
-            yield token
+        self._limit = max(1, int(self.text_pushed * self.options.max_token_text_ratio))
+        self._decoding = True
+
+    @torch.inference_mode()
+    def step(self) -> int | None:
+        """One LM step while `decoding` -> the speech token decoded, or None when the step ended the decoding: a
+        fill token (the LM waits for the next text piece) or, after the end of the text, the end token or limit."""
+        model = self.model
+        if self.finished:
+            if self.spoken >= self._limit:
+                self._decoding = False
+                return None
+            token = self._sample(self._step(), allowed=model.end_token)
+            if token == model.end_token:
+                self._decoding = False
+                return None
+        else:
+            scores = self._step()
+            token = model.fill_token if len(self.tokens) == self.next_fill else self._sample(scores, model.fill_token)
+            if token == model.fill_token:
+                self.next_fill = len(self.tokens) + model.mix_ratio[1] + 1
+                self.tokens.append(token)
+                self._decoding = False
+                return None
+        self._accept(token)
+        return token
+
+    def push_text(self, tokens: Tensor) -> list[int]:
+        """The next text token ids [N] -> the speech tokens decoded now (none while waiting for text)."""
+        self.add_text(tokens)
+        return list(self._decode())
+
+    def finish(self) -> Iterator[int]:
+        """No more text: the speech tokens to the end token (or the length limit), one at a time."""
+        self.end_text()
+        return self._decode()
+
+    def _decode(self) -> Iterator[int]:
+        while self._decoding:
+            token = self.step()
+            if token is not None:
+                yield token

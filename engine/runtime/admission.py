@@ -9,6 +9,7 @@ from functools import partial
 import torch
 
 from engine.errors import as_request_error
+from engine.runtime.bistream import open_bistream_decoder
 from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.live_limits import LiveLimits
 from engine.runtime.loop_state import Sentence, awaits_first_audio
@@ -123,7 +124,10 @@ class Admission:
         """Its generator row (and stream, when streaming), made from its segment -> True. On the LLM's CUDA stream:
         a voice's prompt prefix may be prefilled here."""
         with self.llm.on_loop_stream():
-            if sentence.request.streaming:
+            if sentence.bistream_start is not None:  # its own LM state, stepped beside the batch (`LlmSteps`)
+                sentence.bistream = open_bistream_decoder(self.stage.model, sentence.bistream_start)
+                sentence.stream = self.streams.add_fed(sentence.segment)
+            elif sentence.request.streaming:
                 sentence.stream = self.streams.add(sentence.segment)
                 sentence.llm_id = sentence.stream.llm_id
             else:
@@ -151,7 +155,8 @@ class Admission:
             self.stats.joined_running_batch += 1
         if ticket.admitted and not ticket.sentences[ticket.admitted - 1].done:
             self.stats.pipelined_sentences += 1
-        requests.by_llm_id[sentence.llm_id] = sentence
+        if sentence.llm_id is not None:
+            requests.by_llm_id[sentence.llm_id] = sentence
         ticket.admitted += 1
         self.stats.admitted += 1
         requests.live.append(sentence)

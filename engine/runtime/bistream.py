@@ -7,7 +7,8 @@ normalised, as the official generator input) go to the LM (`engine.llm.bistream.
 `inference_bistream`), and its speech tokens through the family's streaming chunks (`DecodeStream.add_fed`).
 
 v1 has no bi-streaming (its LM was not trained on mixed text and speech): it is refused here, and the WebSocket
-route speaks v1 sentence by sentence. A bi-streamed utterance decodes on its own, outside the scheduler's batch.
+route speaks v1 sentence by sentence. In a decoder replica an utterance is a request of its loop
+(`Scheduler.submit_bistream`): its LM steps one token per loop step beside the batch, its chunks on the lanes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from engine.errors import InvalidInputError
 from engine.families.base import ModelFamily
 from engine.llm.bistream import BistreamDecoder
+from engine.loading.loader import LoadedModel
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.streaming import DecodeStream
 
@@ -43,24 +45,36 @@ class BistreamStart:
     voice: EncodedSegment
 
 
+def open_bistream_decoder(model: LoadedModel, start: BistreamStart) -> BistreamDecoder:
+    """The LM side of one bi-streamed utterance on `model`'s decoder device (InvalidInputError: not a bi-streaming
+    family, or a prompt out of range)."""
+    check_bistream(model.config.family)
+    voice, device = start.voice, model.decoder_device
+    return BistreamDecoder(
+        model.llm,
+        torch.as_tensor(start.prompt_text_tokens, dtype=torch.long, device=device),
+        torch.as_tensor(voice.llm_prompt_speech_tokens, dtype=torch.long, device=device),
+        voice.sampling,
+    )
+
+
+def check_text_piece(model: LoadedModel, tokens: object) -> list[int]:
+    """A text piece as the decoder takes it: a list of the LM's text ids; else InvalidInputError."""
+    vocabulary = model.llm.llm.model.model.embed_tokens.num_embeddings
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocabulary for t in tokens):
+        raise InvalidInputError(f"a text piece is a list of text ids in [0, {vocabulary})")
+    return tokens
+
+
 class BistreamSynthesis:
     """One utterance: `push_text` per text piece (the audio made meanwhile), then `finish` (the rest of the audio).
 
     `decoder` is an `engine.runtime.decoder_stage.SpeechDecoderStage`."""
 
     def __init__(self, decoder, start: BistreamStart) -> None:
-        model = decoder.model
-        check_bistream(model.config.family)
-        voice = start.voice
-        device = model.decoder_device
-        self.llm = BistreamDecoder(
-            model.llm,
-            torch.as_tensor(start.prompt_text_tokens, dtype=torch.long, device=device),
-            torch.as_tensor(voice.llm_prompt_speech_tokens, dtype=torch.long, device=device),
-            voice.sampling,
-        )
+        self.llm = open_bistream_decoder(decoder.model, start)
         self.audio = DecodeStream(decoder, [])
-        self.stream = self.audio.add_fed(voice)
+        self.stream = self.audio.add_fed(start.voice)
 
     def push_text(self, tokens: list[int]) -> list[np.ndarray]:
         """The next piece's text ids -> the audio chunks made with it (none while the LM waits for text)."""

@@ -30,6 +30,37 @@ class LlmSteps:
         self.max_audio_s, self.max_speech_tokens = max_audio_s, max_speech_tokens
 
     def step(self) -> None:
+        """One step of the batch (if a sentence generates in it), then one of each bi-stream that can decode."""
+        if self.llm.active:
+            self._batch_step()
+        for sentence in [s for s in self.requests.live if s.bistream is not None and not s.tokens_done]:
+            try:
+                with self.llm.on_loop_stream():
+                    event = self._bistream_step(sentence)
+            except Exception as exc:  # this utterance's input or state: it ends, the others go on
+                self.requests.fail(sentence.request, as_request_error(exc))
+                continue
+            if event is not None:
+                self._take_token(sentence, event)
+
+    def _bistream_step(self, sentence: Sentence) -> TokenEvent | None:
+        """Give the bi-stream's LM its next text piece if it waits for one, and step it once -> the event of its
+        stream (a speech token, or its end), or None (it waits for text, or a fill token asked for more)."""
+        decoder, stream = sentence.bistream, sentence.stream
+        while not decoder.decoding and not decoder.finished and sentence.text_pieces:
+            piece = sentence.text_pieces.popleft()
+            if piece is None:
+                decoder.end_text()
+            else:
+                decoder.add_text(torch.tensor(piece, dtype=torch.long))
+        token = decoder.step() if decoder.decoding else None
+        if decoder.finished and not decoder.decoding:  # the end token or the length limit: vocoding comes next
+            sentence.tokens_done = True
+            sentence.bistream = None
+            return TokenEvent(stream.llm_id, token, "eos", None)
+        return None if token is None else TokenEvent(stream.llm_id, token, None, None)
+
+    def _batch_step(self) -> None:
         requests = self.requests
         generating = [s for s in requests.live if not (s.tokens_done or s.paused or s.held)]
         batch_size = self.llm.active

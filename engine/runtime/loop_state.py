@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 
 from engine.errors import CosyVoiceError
+from engine.llm.bistream import BistreamDecoder
 from engine.llm.generation import TokenEvent
+from engine.runtime.bistream import BistreamStart
 from engine.runtime.playback import PlaybackClock
 from engine.runtime.segment import EncodedSegment
 
@@ -38,6 +40,11 @@ class Sentence:
     tokens_done: bool = False
     done: bool = False
     outputs: list[np.ndarray] = field(default_factory=list)  # made, not yet handed on (an earlier one still runs)
+    # a bi-streamed utterance: its start, then its LM (from admission), and the text pieces it has not taken yet
+    # (None: the text ended)
+    bistream_start: BistreamStart | None = None
+    bistream: BistreamDecoder | None = None
+    text_pieces: deque[list[int] | None] = field(default_factory=deque)
 
 
 @dataclass(eq=False)

@@ -106,6 +106,7 @@ class RequestSet:
             if sentence.llm_id is not None:
                 del self.by_llm_id[sentence.llm_id]
                 sentence.llm_id = None
+            sentence.bistream = None  # its LM's KV cache goes with it
         for sentence in ticket.sentences:
             sentence.done = True
         if ticket in self.queue:

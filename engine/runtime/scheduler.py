@@ -32,13 +32,14 @@ from engine.errors import (
 )
 from engine.llm.generation import TokenGenerator
 from engine.runtime.admission import Admission
+from engine.runtime.bistream import BistreamStart, check_bistream, check_text_piece
 from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.handoff import SharedGenerator
 from engine.runtime.lanes import Lanes
 from engine.runtime.live_limits import OOM_BACKOFF_S, LiveLimits
 from engine.runtime.llm_steps import LlmSteps
 from engine.runtime.loop_state import Output, SchedulerStats, Sentence, Sink, Ticket
-from engine.runtime.memory import segment_memory
+from engine.runtime.memory import PLANNED_SPEECH_S, estimate_request_memory, segment_memory
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, PromptCache, prompt_cache_bound
 from engine.runtime.request_set import RequestSet
@@ -155,6 +156,45 @@ class Scheduler:
         self._wakeup.set()
         return ticket
 
+    def submit_bistream(self, start: BistreamStart, sink: Sink) -> Ticket:
+        """Queue a bi-streamed utterance (CosyVoice2/3): its text comes by `push_text`, its audio goes to `sink` as
+        a stream's does. It is a request like the others: a slot, the memory budget, the ceilings, cancellation."""
+        check_bistream(self.stage.model.config.family)
+        self.streams.check_streamable(start.voice)
+        now = self.clock()
+        playback = PlaybackClock(now, 0.0, first_chunk_s=self._first_chunk_s)
+        expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
+        ticket = Ticket(sentences=[], streaming=True, sink=sink, playback=playback, expires_at=expires_at)
+        ticket.sentences = [Sentence(start.voice, ticket, self._bistream_memory(start), bistream_start=start)]
+        with self._lock:
+            self._check_running()
+            self._inbox.append(ticket)
+        self._wakeup.set()
+        return ticket
+
+    def push_text(self, ticket: Ticket, tokens: list[int] | None) -> None:
+        """The next text piece's ids of a bi-streamed utterance (`submit_bistream`); None: its text ended."""
+        if tokens is not None:
+            check_text_piece(self.stage.model, tokens)
+        with self._lock:
+            self._check_running()
+            self._later.append(partial(self._take_text, ticket, tokens))
+        self._wakeup.set()
+
+    def _bistream_memory(self, start: BistreamStart) -> int:
+        """A bi-streamed utterance's estimate: its text is unknown when it starts, so it counts as long as the audio
+        ceiling allows (without one, as long as a planned sentence)."""
+        config, voice = self.stage.model.config, start.voice
+        speech_tokens = config.speech_tokens_for(self.max_audio_s or PLANNED_SPEECH_S)
+        return estimate_request_memory(
+            config,
+            math.ceil(speech_tokens / voice.sampling.max_token_text_ratio),
+            prompt_text_tokens=len(start.prompt_text_tokens),
+            prompt_speech_tokens=len(voice.llm_prompt_speech_tokens),
+            max_token_text_ratio=voice.sampling.max_token_text_ratio,
+            dtype_bytes=self.stage.model.dtype.itemsize,
+        ).total_bytes
+
     def extend(self, ticket: Ticket, segments: list[EncodedSegment], final: bool) -> None:
         """Queue the next sentences of a request submitted incomplete, after those it has (the last ones if `final`).
         Refused, the request unchanged, as `submit` refuses (the caller then ends it: `abort`)."""
@@ -261,7 +301,7 @@ class Scheduler:
     def step(self) -> None:
         """One round of the loop: take in, one LLM step, admit, then start the flow + vocoder jobs that are due."""
         requests = self.requests
-        self._wait_if_only_vocoding()
+        self._wait_if_idle()
         self.limits.relax()
         self._finish_jobs()
         self._take_inbox()
@@ -270,8 +310,7 @@ class Scheduler:
         # the audio made is handed on before anything is chosen: a request's deadline moves with its playback clock
         for ticket in {sentence.request for sentence in requests.live}:
             requests.flush(ticket)
-        if self.llm.active:
-            self.llm_steps.step()
+        self.llm_steps.step()
         self.admission.admit()  # after the step: a sentence whose last token just came hands its slot on first
         self.lanes.start_jobs(requests.live, self.vocode_batch)
         self.admission.hold_rows_for_first_audio()  # here: a loop about to wait for a job knows which rows generate
@@ -286,17 +325,25 @@ class Scheduler:
         self.requests.end_all(error)
         self.lanes.drop()  # a running job's results are dropped
 
-    def _wait_if_only_vocoding(self) -> None:
-        """With nothing to generate or admit, wait for a running job (or a new request, or a cancel): the last step
-        started every job that could start."""
+    def _wait_if_idle(self) -> None:
+        """With nothing to generate or admit, wait for a running job, or for text when every live sentence is a
+        bi-stream waiting for it (or for a new request, a cancel, a ceiling): the last step started every job that
+        could start."""
         self._wakeup.clear()  # what sets it after this line is seen by the wait; what set it before, by the checks
-        if not self.lanes.all_running:
+        live = self.requests.live
+        if self.lanes.jobs:
+            if not self.lanes.all_running:
+                return
+        elif not live or not all(_waits_for_text(s) for s in live):
             return
         if self.llm.active or self._inbox or self._later or self.admission.admissible():
             return
-        if any(s.request.cancelled for s in self.requests.live) or self._incomplete_due():
+        if any(s.request.cancelled for s in live) or self._incomplete_due():
             return
-        self._wakeup.wait()
+        if any(s.bistream is not None and (s.bistream.decoding or s.text_pieces) for s in live):
+            return
+        expires_at = min((s.request.expires_at for s in live), default=math.inf)
+        self._wakeup.wait(None if math.isinf(expires_at) else max(0.0, expires_at - self.clock()))
 
     def _take_inbox(self) -> None:
         with self._lock:  # one take: a request's later sentences never come in before it
@@ -311,6 +358,11 @@ class Scheduler:
             return
         ticket.playback.estimated_audio_s += sum(s.segment.text_len for s in sentences) * SECONDS_PER_TEXT_TOKEN
         self.requests.add_sentences(ticket, sentences, final)
+
+    def _take_text(self, ticket: Ticket, tokens: list[int] | None) -> None:
+        if not ticket.ended:
+            ticket.sentences[0].text_pieces.append(tokens)
+            ticket.playback.estimated_audio_s += len(tokens or ()) * SECONDS_PER_TEXT_TOKEN
 
     def _take_error(self, ticket: Ticket, error: CosyVoiceError) -> None:
         if not ticket.ended:
@@ -334,6 +386,12 @@ class Scheduler:
             else:
                 self.requests.take_waves(job.sentences, job.future.result(), self.limits.run_alone)
             self.lanes.forget_released(job)
+
+
+def _waits_for_text(sentence: Sentence) -> bool:
+    """A bi-streamed sentence whose LM waits for its next text piece, with none there."""
+    decoder = sentence.bistream
+    return decoder is not None and not decoder.decoding and not sentence.text_pieces and not sentence.tokens_done
 
 
 def _first_chunk_s(streams: DecodeStream) -> float:

@@ -28,8 +28,6 @@ from engine.llm.sampling import make_generator
 from engine.runtime.memory import is_out_of_memory
 from engine.runtime.segment import EncodedSegment
 
-FED = -1  # the llm_id of a stream whose tokens come from its owner (no generator row: cancelling it is a no-op)
-
 
 class DecodeStream:
     """Iterate to advance every segment; each step yields one entry per segment, in order: a float32
@@ -48,6 +46,7 @@ class DecodeStream:
         self.strategy: ChunkStrategy | None = None if strategy is None else strategy(decoder)
         self.streams: list[StreamState] = []
         self._by_llm_id: dict[int, StreamState] = {}
+        self._fed_ids = 0  # fed streams get ids -1, -2, ...: no generator row has one, so cancelling them is a no-op
         for segment in segments:
             self.add(segment)
 
@@ -77,11 +76,13 @@ class DecodeStream:
         return stream
 
     def add_fed(self, segment: EncodedSegment) -> StreamState:
-        """Start streaming a segment whose tokens its owner gives (`feed`), not `self.llm` (bi-streaming); only its
-        voice fields are read."""
+        """Start streaming a segment whose tokens its owner gives (`feed`, or `record` with events of its `llm_id`),
+        not `self.llm` (bi-streaming); only its voice fields are read."""
         self.check_streamable(segment)
-        stream = self._state(segment, FED)
+        self._fed_ids -= 1
+        stream = self._state(segment, self._fed_ids)
         self.streams.append(stream)
+        self._by_llm_id[stream.llm_id] = stream  # `record` takes its tokens too, as events of its id
         return stream
 
     def feed(self, stream: StreamState, tokens: list[int], done: bool) -> None:

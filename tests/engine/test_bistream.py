@@ -14,8 +14,10 @@ from engine.errors import InvalidInputError
 from engine.llm.bistream import BistreamDecoder
 from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import CosyVoice
+from engine.runtime.scheduler import Scheduler
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.cloning import VoicePrompt
+from tests.engine.conftest import Collected, step_until
 
 PIECES = ["Hello there, ", "this is a ", "streaming test ", "of text that ", "comes in ", "pieces."]
 SHORT = {"seed": 7, "max_token_text_ratio": 3.0}
@@ -82,3 +84,54 @@ def test_v1_has_no_bistreaming() -> None:
     tts = CosyVoice.load("tiny")
     with pytest.raises(InvalidInputError, match="sentence by sentence"):
         next(tts.bistream(iter(PIECES), tts.voices[0]))
+
+
+def _loop_bistream(tts: CosyVoice, loop: Scheduler, pieces: list[list[int] | None]) -> Collected:
+    start = tts.encoder.bistream_start(
+        SynthesisRequest(text="", voice=tts.voices[0], sampling=SamplingOptions(**SHORT))
+    )
+    sink = Collected()
+    ticket = loop.submit_bistream(start, sink)
+    for piece in pieces:
+        loop.push_text(ticket, piece)
+    return sink
+
+
+def test_a_bistream_in_the_decoder_loop_speaks_as_alone_beside_other_requests(tts: CosyVoice) -> None:
+    """In a replica's loop an utterance is one more request: its LM steps beside the batch, its chunks on the lanes,
+    and its audio is what the utterance makes alone, piece for piece."""
+    ids = [tts.encoder.text_piece_tokens(piece) for piece in PIECES]
+    alone = tts.decoder.open_bistream(
+        tts.encoder.bistream_start(SynthesisRequest(text="", voice=tts.voices[0], sampling=SamplingOptions(**SHORT)))
+    )
+    expected = [chunk for piece in ids for chunk in alone.push_text(piece)] + list(alone.finish())
+    loop = Scheduler(tts.decoder, max_live=4)
+    [segment] = tts.encoder.encode(
+        SynthesisRequest("A whole request beside it.", tts.voices[0], sampling=SamplingOptions(**SHORT))
+    )
+    whole = Collected()
+    loop.submit([segment], streaming=False, sink=whole)
+    sink = _loop_bistream(tts, loop, [*ids, None])
+    step_until(loop, lambda: sink.ended and whole.ended)
+    np.testing.assert_allclose(np.concatenate(sink.chunks), np.concatenate(expected), atol=1e-5)
+    assert whole.chunks and loop.live == 0 and loop.streams.streams == []
+
+
+def test_a_bistream_in_the_loop_is_cancelled_or_refused_alone(tts: CosyVoice) -> None:
+    loop = Scheduler(tts.decoder, max_live=4)
+    ids = tts.encoder.text_piece_tokens(PIECES[0])
+    left = _loop_bistream(tts, loop, [ids, ids])
+    step_until(loop, lambda: loop.live == 1)
+    loop.cancel(loop.requests.live[0].request)
+    step_until(loop, lambda: left.ended)
+    assert loop.live == 0 and loop.stats.cancelled == 1 and loop.streams.streams == []
+    ticket = loop.submit_bistream(
+        tts.encoder.bistream_start(SynthesisRequest(text="", voice=tts.voices[0])), Collected()
+    )
+    with pytest.raises(InvalidInputError, match="text ids"):
+        loop.push_text(ticket, [10**9])
+    with pytest.raises(InvalidInputError, match="no bi-streaming"):
+        v1 = CosyVoice.load("tiny")
+        Scheduler(v1.decoder, max_live=1).submit_bistream(
+            tts.encoder.bistream_start(SynthesisRequest(text="", voice=tts.voices[0])), Collected()
+        )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -23,6 +25,7 @@ from ray.exceptions import (
 )
 from ray.serve.exceptions import BackPressureError
 
+from autoscaling.metrics import ReplicaLoadTracker
 from deployments.decoder import Decoder, resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
 from deployments.text_relay import TextSessionClosedError
@@ -33,11 +36,13 @@ from engine.errors import (
     NonFiniteOutputError,
     UnavailableError,
     UnknownVoiceError,
+    as_request_error,
 )
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.loading.model_source import served_name
 from engine.runtime.pipeline import CosyVoice
+from engine.runtime.scheduler import Scheduler
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.speaker_bank import DUMMY_VOICES
 from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
@@ -546,42 +551,51 @@ class FakeRelay:
         self.get = SimpleNamespace(remote=get)
 
 
-def test_decoder_bistream_speaks_the_relayed_text_within_the_ceilings() -> None:
+def test_decoder_bistream_speaks_the_relayed_text_in_the_loop_within_the_ceilings() -> None:
+    """The replica's bi-stream call on its loop: the relayed pieces spoken, the ceilings the loop keeps (the time one
+    while the utterance waits for text), a closed session ending quietly, a refused piece ending it alone; each time
+    the replica's count of utterances goes back to 0."""
     tts = CosyVoice.load("cosyvoice3-tiny")
     sampling = SamplingOptions(seed=3, max_token_text_ratio=3.0)
     start = tts.encoder.bistream_start(SynthesisRequest(text="", voice=tts.voices[0], sampling=sampling))
     pieces = [tts.encoder.text_piece_tokens(word) for word in ("Hello ", "there, ", "this is ", "a test.")]
-    bistream = Decoder.func_or_class.bistream
+    decoder_class = Decoder.func_or_class
 
-    def replica(max_audio_s: float | None, decoding: int = 0, max_request_s: float | None = None) -> SimpleNamespace:
-        scheduler = SimpleNamespace(max_audio_s=max_audio_s, max_request_s=max_request_s)
-        replica = SimpleNamespace(stage=tts.decoder, scheduler=scheduler, max_batch_size=2, _bistreams=decoding)
-        replica._bistream = partial(Decoder.func_or_class._bistream, replica)
-        replica.published = []  # the slots in use each time the gauges were set
+    def replica(max_audio_s: float | None = None, max_request_s: float | None = None) -> SimpleNamespace:
+        scheduler = Scheduler(tts.decoder, max_live=2, max_audio_s=max_audio_s, max_request_s=max_request_s)
+        loop = threading.Thread(target=scheduler.run, args=(lambda busy: None, as_request_error), daemon=True)
+        loop.start()
+        replica = SimpleNamespace(scheduler=scheduler, _loop_thread=loop, _bistreams=0, load=ReplicaLoadTracker(2))
+        replica._audio = partial(decoder_class._audio, replica)
+        replica._relay_text = partial(decoder_class._relay_text, replica)
+        replica.published = []  # the utterances in the loop each time the gauges were set
         replica._publish_load = lambda: replica.published.append(replica._bistreams)
         return replica
 
-    async def run(
-        replica: SimpleNamespace, items: list[list[int] | Exception | None] | None = None
-    ) -> list[np.ndarray]:
+    async def run(replica: SimpleNamespace, items: list[list[int] | Exception | None] | None = None) -> list:
         relay = FakeRelay([*pieces, None] if items is None else items)
-        return [chunk async for chunk in bistream(replica, start, relay, "s", "req-1")]
+        return [chunk async for chunk in decoder_class.bistream(replica, start, relay, "s", "req-1")]
 
-    spoken = replica(None)
+    spoken = replica()
     audio = np.concatenate(asyncio.run(run(spoken)))
     assert np.isfinite(audio).all() and len(audio) > tts.sample_rate // 10
-    assert spoken._bistreams == 0 and spoken.published == [1, 0]  # its slot was taken, then given back
+    assert spoken._bistreams == 0 and spoken.published == [1, 0]  # counted in, then out
     # A client that sends a piece and then nothing: the wall-clock ceiling ends it while it waits for text.
-    waiting = replica(None, max_request_s=0.2)
-    with pytest.raises(DecodeLimitError, match=r"took longer than the limit of 0\.2 s"):
+    waiting = replica(max_request_s=0.2)
+    with pytest.raises(DecodeLimitError, match=r"longer than the limit of 0\.2 s"):
         asyncio.run(asyncio.wait_for(run(waiting, pieces[:1]), 30))
     assert waiting._bistreams == 0
-    # Its session closed by the ingress (the client left): it ends, quietly, its slot given back.
-    closed = replica(None)
+    # Its session closed by the ingress (the client left): it ends, quietly.
+    closed = replica()
     assert asyncio.run(run(closed, [TextSessionClosedError()])) == [] and closed._bistreams == 0
-    limited = replica(0.1)
+    limited = replica(max_audio_s=0.1)
     with pytest.raises(DecodeLimitError, match=r"0\.1 s of audio"):
         asyncio.run(run(limited))
-    assert limited._bistreams == 0
-    with pytest.raises(UnavailableError, match="most utterances at once"):  # two decode already
-        asyncio.run(run(replica(None, decoding=2)))
+    refused = replica()
+    with pytest.raises(InvalidInputError, match="text ids"):
+        asyncio.run(run(refused, [[-1]]))
+    assert refused._bistreams == 0
+    ended = time.monotonic() + 30  # the loop thread forgets the ended utterance at its step after handing on the error
+    while refused.scheduler.live and time.monotonic() < ended:
+        time.sleep(0.01)
+    assert refused.scheduler.live == 0
