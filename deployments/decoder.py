@@ -40,7 +40,7 @@ from engine.nn.precision import FALLBACKS
 from engine.runtime.bistream import BistreamStart
 from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.memory import device_memory_budget
-from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
+from engine.runtime.playback import SchedulingPolicy
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, prompt_cache_bound
 from engine.runtime.scheduler import Output, Scheduler, Ticket
 from engine.runtime.segment import EncodedSegment
@@ -121,11 +121,13 @@ class Decoder:
         max_vocode_batch: int | None = None,
         max_audio_s: float | None = None,
         max_request_s: float | None = None,
-        scheduling: dict[str, Any] | None = None,
+        policy: SchedulingPolicy | None = None,
+        prompt_cache_share: float = DEFAULT_PROMPT_CACHE_SHARE,
         llm_checkpoint: str = LLM_CHECKPOINT_AUTO,
     ) -> None:
-        """`scheduling`: the app args' `scheduler` section (policy name and its settings); `llm_checkpoint`: the LLM's
-        checkpoint in an official model dir (`engine.loading.model_source.llm_checkpoint_file`)."""
+        """`policy`: the loop's order (None: `DeadlinePolicy`'s defaults); `prompt_cache_share`: the share of the memory
+        budget its cache of prepared voice prompts may hold; `llm_checkpoint`: the LLM's checkpoint in an official
+        model dir (`engine.loading.model_source.llm_checkpoint_file`)."""
         device, dtype = resolve_device_and_dtype(use_gpu, dtype)
         self.device = torch.device(device)
         if self.device.type == "cuda" and gpu_fraction:
@@ -135,8 +137,7 @@ class Decoder:
         loaded = load_model(model, dtype=dtype, device=device, components=("decoder",), llm_checkpoint=llm_checkpoint)
         self.stage = SpeechDecoderStage(loaded)
         self.gpu_fraction = gpu_fraction
-        scheduling = scheduling or {}
-        self.prompt_cache_share = float(scheduling.get("prompt_cache_share", DEFAULT_PROMPT_CACHE_SHARE))
+        self.prompt_cache_share = prompt_cache_share
         budget = self._budget_bytes(memory_budget_gb)
         self.scheduler = Scheduler(
             self.stage,
@@ -146,7 +147,7 @@ class Decoder:
             max_vocode_batch=max_vocode_batch,
             max_audio_s=max_audio_s,
             max_request_s=max_request_s,
-            policy=scheduling_policy(scheduling),
+            policy=policy,
             on_request_end=self._request_ended,
             on_out_of_memory=self._out_of_memory,
         )
@@ -503,12 +504,3 @@ class Decoder:
         """The autoscaling policy's inputs (numbers only: anything else makes Serve stop collecting)."""
         self._publish_load()
         return self.load.snapshot()
-
-
-def scheduling_policy(settings: dict[str, Any]) -> SchedulingPolicy:
-    """The loop's policy from the app args' `scheduler` section: {"policy": "deadline" | "fcfs", its settings} (and
-    the prompt cache's share, which is no policy's)."""
-    settings = dict(settings)
-    settings.pop("prompt_cache_share", None)
-    name = settings.pop("policy", "deadline")
-    return FcfsPolicy() if name == "fcfs" else DeadlinePolicy(**settings)

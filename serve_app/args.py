@@ -17,6 +17,7 @@ from engine.errors import CheckpointError
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
 from engine.nn.precision import AUTO_INT4_DTYPE
+from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
 from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
 from engine.voices.registry import provisioned_voice_id
 from engine.voices.store import is_store_url
@@ -256,15 +257,19 @@ class SchedulerArgs(_Strict):
     # the loop keeps engine.runtime.playback.DeadlinePolicy's 1 s for each.
     REMOVED_FIELDS = {
         "first_audio_hold_s": "fixed at the measured best, 1 s (a late short stream's median time to first audio "
-        "0.40 s, against 0.56 s without a hold and 0.50 s with 2 s: docs/performance.md, runs 6-12)",
-        "min_preempt_slack_s": "fixed at 1 s, lowered from 2 s by measurement (docs/performance.md, runs 6-12)",
-        "first_audio_passover_s": "fixed at 1 s: 0.5 s made no difference beyond noise (docs/performance.md, "
-        "runs 30-31)",
+        "0.40 s, against 0.56 s without a hold and 0.50 s with 2 s: docs/history/performance-runs.md)",
+        "min_preempt_slack_s": "fixed at 1 s, lowered from 2 s by measurement (docs/history/performance-runs.md)",
+        "first_audio_passover_s": "fixed at 1 s: 0.5 s made no difference beyond noise "
+        "(docs/history/performance-runs.md, runs 30-31)",
     }
 
-    def decoder_settings(self, prompt_cache_share: float) -> dict[str, Any]:
-        """The Decoder's `scheduling` argument: the policy's name and settings, with the prompt cache's share."""
-        return self.model_dump() | {"prompt_cache_share": prompt_cache_share}
+    def decoder_policy(self) -> SchedulingPolicy:
+        """The policy every decoder replica's loop orders its work by."""
+        if self.policy == "fcfs":
+            return FcfsPolicy()
+        return DeadlinePolicy(
+            target_first_audio_s=self.target_first_audio_s, whole_deadline_factor=self.whole_deadline_factor
+        )
 
 
 # Tokens an input may have per character of `max_input_chars` (the model's tokenizer on the text as sent): Chinese

@@ -122,7 +122,8 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     decoder_loop = {
         "max_audio_s": args.limits.max_audio_s,
         "max_request_s": args.limits.max_stream_s,
-        "scheduling": args.scheduler.decoder_settings(args.decoder.prompt_cache_share),
+        "policy": args.scheduler.decoder_policy(),
+        "prompt_cache_share": args.decoder.prompt_cache_share,
         "llm_checkpoint": args.llm_checkpoint,
     }
     decoder_scaling = args.decoder.autoscaling

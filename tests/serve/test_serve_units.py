@@ -236,12 +236,11 @@ def test_mps_thread_share_gives_each_gpu_replica_its_share_of_the_sms_before_cud
 
 
 def test_the_scheduler_app_args_make_the_decoder_loops_policy() -> None:
-    from deployments.decoder import scheduling_policy
     from engine.runtime.playback import DeadlinePolicy, FcfsPolicy
     from serve_app.args import AppArgs
 
     def policy_of(args: AppArgs) -> object:  # what build_app hands each Decoder
-        return scheduling_policy(args.scheduler.decoder_settings(args.decoder.prompt_cache_share))
+        return args.scheduler.decoder_policy()
 
     assert policy_of(AppArgs()) == DeadlinePolicy()
     args = AppArgs.model_validate({"scheduler": {"policy": "deadline", "target_first_audio_s": 3.0}})
