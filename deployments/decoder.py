@@ -236,7 +236,7 @@ class Decoder:
     def _track(
         self, segments: list[EncodedSegment], streaming: bool, request_id: str, later: list[ray.ObjectRef] | None = None
     ) -> Iterator[_Slot]:
-        self.scheduler.check_fits(segments)  # a request that can never fit is refused before it queues
+        self.scheduler.limits.check_fits(segments)  # a request that can never fit is refused before it queues
         if later is not None and not (isinstance(later, list) and all(isinstance(r, ray.ObjectRef) for r in later)):
             raise InvalidInputError("later sentences come as a list of references to the encoder's calls")
         slot = _Slot(segments, streaming, request_id, asyncio.get_running_loop(), later or [])

@@ -10,15 +10,19 @@ its request ends with `UnavailableError` (503) naming the replica's memory limit
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from engine.errors import UnavailableError
+from engine.errors import RequestTooLargeError, UnavailableError
+from engine.loading.loader import LoadedModel
+from engine.runtime.bistream import BistreamStart
 from engine.runtime.loop_state import Sentence
-from engine.runtime.memory import describe_memory_limit
+from engine.runtime.memory import PLANNED_SPEECH_S, describe_memory_limit, estimate_request_memory, segment_memory
 from engine.runtime.request_set import RequestSet
+from engine.runtime.segment import EncodedSegment
 
 logger = logging.getLogger(__name__)
 
@@ -26,19 +30,19 @@ OOM_BACKOFF_S = 30.0  # how long a live limit lowered by an out-of-memory holds 
 
 
 class LiveLimits:
-    """`max_live` generating sentences within `memory_budget_bytes` (None: no budget); after an out-of-memory the
-    live limit is lowered for a while (`live_limit`)."""
+    """`max_live` generating sentences within `memory_budget_bytes` (None: no budget), each counted by its estimate
+    (`engine.runtime.memory`); after an out-of-memory the live limit is lowered for a while (`live_limit`)."""
 
     def __init__(
         self,
         max_live: int,
         memory_budget_bytes: int | None,
-        device: torch.device,
+        model: LoadedModel,
         requests: RequestSet,
         on_out_of_memory: Callable[[int], None] | None = None,
         backoff_s: float = OOM_BACKOFF_S,
     ) -> None:
-        self.max_live, self.memory_budget_bytes, self.device = max_live, memory_budget_bytes, device
+        self.max_live, self.memory_budget_bytes, self.model = max_live, memory_budget_bytes, model
         self.requests, self.lanes, self.stats, self.clock = requests, requests.lanes, requests.stats, requests.clock
         self.on_out_of_memory = on_out_of_memory
         self.backoff_s = backoff_s
@@ -49,6 +53,36 @@ class LiveLimits:
     def live_limit(self) -> int:
         """The live sentences admitted now: `max_live`, lower for a while after running out of device memory."""
         return self.max_live if self._lowered is None else min(self.max_live, self._lowered)
+
+    def memory_estimate(self, segment: EncodedSegment) -> int:
+        """Bytes one sentence holds while it is live: its KV cache at its longest, flow and vocoder activations."""
+        return segment_memory(self.model.config, segment, self.model.dtype.itemsize).total_bytes
+
+    def check_fits(self, segments: list[EncodedSegment]) -> list[int]:
+        """Each sentence's memory estimate; `RequestTooLargeError` when one alone exceeds the whole budget."""
+        estimates = [self.memory_estimate(segment) for segment in segments]
+        budget = self.memory_budget_bytes
+        if budget is not None and max(estimates, default=0) > budget:
+            raise RequestTooLargeError(
+                f"a sentence of this request needs about {max(estimates) / 2**20:.0f} MiB of decoder memory; the "
+                f"replica's whole budget is {budget / 2**20:.0f} MiB: send shorter sentences or a lower "
+                "max_token_text_ratio"
+            )
+        return estimates
+
+    def bistream_estimate(self, start: BistreamStart, max_audio_s: float | None) -> int:
+        """A bi-streamed utterance's estimate: its text is unknown when it starts, so it counts as long as the audio
+        ceiling allows (without one, as long as a planned sentence)."""
+        config, voice = self.model.config, start.voice
+        speech_tokens = config.speech_tokens_for(max_audio_s or PLANNED_SPEECH_S)
+        return estimate_request_memory(
+            config,
+            math.ceil(speech_tokens / voice.sampling.max_token_text_ratio),
+            prompt_text_tokens=len(start.prompt_text_tokens),
+            prompt_speech_tokens=len(voice.llm_prompt_speech_tokens),
+            max_token_text_ratio=voice.sampling.max_token_text_ratio,
+            dtype_bytes=self.model.dtype.itemsize,
+        ).total_bytes
 
     def free_cached_memory(self) -> None:
         """Count an out-of-memory and hand the allocator's cached blocks back, so the retry finds them free."""
@@ -94,7 +128,7 @@ class LiveLimits:
         except torch.cuda.OutOfMemoryError:
             self.free_cached_memory()
         self.stats.oom_ended += 1
-        limit = describe_memory_limit(self.device, self.memory_budget_bytes)
+        limit = describe_memory_limit(self.model.decoder_device, self.memory_budget_bytes)
         logger.warning("a sentence ran out of device memory in %s even alone (%s): its request ends", where, limit)
         self.requests.fail(
             sentence.request,

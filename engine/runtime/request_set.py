@@ -16,6 +16,7 @@ from engine.errors import CosyVoiceError, DecodeLimitError, RequestFailedError
 from engine.runtime.handoff import SharedGenerator
 from engine.runtime.lanes import FIRST, Lanes
 from engine.runtime.loop_state import Output, SchedulerStats, Sentence, Ticket
+from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN
 from engine.runtime.streaming import DecodeStream
 
 # (sentence, where, work) -> work's result, run again alone after running out of device memory; None: it ended
@@ -74,7 +75,10 @@ class RequestSet:
         self.incomplete.update(t for t in arrived if not t.complete)
 
     def add_sentences(self, ticket: Ticket, sentences: list[Sentence], final: bool) -> None:
-        """A request's later sentences came (the last ones if `final`)."""
+        """A request's later sentences came (the last ones if `final`); a request that ended meanwhile ignores them."""
+        if ticket.ended:
+            return
+        ticket.playback.estimated_audio_s += sum(s.segment.text_len for s in sentences) * SECONDS_PER_TEXT_TOKEN
         ticket.sentences += sentences
         if final:
             ticket.complete = True
@@ -82,6 +86,18 @@ class RequestSet:
         if ticket.admitted < len(ticket.sentences) and ticket not in self.queue:
             self.queue.append(ticket)
         self.flush(ticket)  # ends a request whose every sentence was handed on before its last word came
+
+    def add_text(self, ticket: Ticket, tokens: list[int] | None) -> None:
+        """A bi-streamed utterance's next text piece (None: its text ended)."""
+        if not ticket.ended:
+            ticket.sentences[0].text_pieces.append(tokens)
+            ticket.playback.estimated_audio_s += len(tokens or ()) * SECONDS_PER_TEXT_TOKEN
+
+    def abort(self, ticket: Ticket, error: CosyVoiceError) -> None:
+        """End a request with `error` from outside its work (its later sentences or text cannot come)."""
+        if not ticket.ended:
+            self.fail(ticket, error)
+            self.drop({ticket})
 
     def end_all(self, error: CosyVoiceError) -> None:
         """The loop failed: every request ends with `error`."""

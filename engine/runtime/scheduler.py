@@ -27,7 +27,6 @@ import torch
 from engine.errors import (
     CosyVoiceError,
     InvalidInputError,
-    RequestTooLargeError,
     UnavailableError,
 )
 from engine.llm.generation import TokenGenerator
@@ -39,7 +38,6 @@ from engine.runtime.lanes import Lanes
 from engine.runtime.live_limits import OOM_BACKOFF_S, LiveLimits
 from engine.runtime.llm_steps import LlmSteps
 from engine.runtime.loop_state import Output, SchedulerStats, Sentence, Sink, Ticket
-from engine.runtime.memory import PLANNED_SPEECH_S, estimate_request_memory, segment_memory
 from engine.runtime.playback import SECONDS_PER_TEXT_TOKEN, DeadlinePolicy, PlaybackClock, SchedulingPolicy
 from engine.runtime.prompt_cache import DEFAULT_PROMPT_CACHE_SHARE, PromptCache, prompt_cache_bound
 from engine.runtime.request_set import RequestSet
@@ -110,28 +108,13 @@ class Scheduler:
         self.requests = RequestSet(
             self.llm, self.streams, self.lanes, self.stats, stage.sample_rate, clock, on_request_end
         )
-        self.limits = LiveLimits(max_live, memory_budget_bytes, device, self.requests, on_out_of_memory, oom_backoff_s)
+        self.limits = LiveLimits(
+            max_live, memory_budget_bytes, stage.model, self.requests, on_out_of_memory, oom_backoff_s
+        )
         self.admission = Admission(stage, self.requests, self.limits, self.policy, self.prompt_cache, hold_rows)
         self.llm_steps = LlmSteps(self.requests, self.limits, self.admission, max_audio_s, self.max_speech_tokens)
 
     # --- any thread ------------------------------------------------------------------------------------
-
-    def memory_estimate(self, segment: EncodedSegment) -> int:
-        """Bytes one sentence holds while it is live: its KV cache at its longest, flow and vocoder activations."""
-        model = self.stage.model
-        return segment_memory(model.config, segment, model.dtype.itemsize).total_bytes
-
-    def check_fits(self, segments: list[EncodedSegment]) -> list[int]:
-        """Each sentence's memory estimate; `RequestTooLargeError` when one alone exceeds the whole budget."""
-        estimates = [self.memory_estimate(segment) for segment in segments]
-        budget = self.limits.memory_budget_bytes
-        if budget is not None and max(estimates, default=0) > budget:
-            raise RequestTooLargeError(
-                f"a sentence of this request needs about {max(estimates) / 2**20:.0f} MiB of decoder memory; the "
-                f"replica's whole budget is {budget / 2**20:.0f} MiB: send shorter sentences or a lower "
-                "max_token_text_ratio"
-            )
-        return estimates
 
     def submit(self, segments: list[EncodedSegment], streaming: bool, sink: Sink, complete: bool = True) -> Ticket:
         """Queue a request (refused at once if its segments are not what this decoder takes, if it can never fit,
@@ -165,7 +148,8 @@ class Scheduler:
         playback = PlaybackClock(now, 0.0, first_chunk_s=self._first_chunk_s)
         expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
         ticket = Ticket(sentences=[], streaming=True, sink=sink, playback=playback, expires_at=expires_at)
-        ticket.sentences = [Sentence(start.voice, ticket, self._bistream_memory(start), bistream_start=start)]
+        estimate = self.limits.bistream_estimate(start, self.max_audio_s)
+        ticket.sentences = [Sentence(start.voice, ticket, estimate, bistream_start=start)]
         with self._lock:
             self._check_running()
             self._inbox.append(ticket)
@@ -178,22 +162,8 @@ class Scheduler:
             check_text_piece(self.stage.model, tokens)
         with self._lock:
             self._check_running()
-            self._later.append(partial(self._take_text, ticket, tokens))
+            self._later.append(partial(self.requests.add_text, ticket, tokens))
         self._wakeup.set()
-
-    def _bistream_memory(self, start: BistreamStart) -> int:
-        """A bi-streamed utterance's estimate: its text is unknown when it starts, so it counts as long as the audio
-        ceiling allows (without one, as long as a planned sentence)."""
-        config, voice = self.stage.model.config, start.voice
-        speech_tokens = config.speech_tokens_for(self.max_audio_s or PLANNED_SPEECH_S)
-        return estimate_request_memory(
-            config,
-            math.ceil(speech_tokens / voice.sampling.max_token_text_ratio),
-            prompt_text_tokens=len(start.prompt_text_tokens),
-            prompt_speech_tokens=len(voice.llm_prompt_speech_tokens),
-            max_token_text_ratio=voice.sampling.max_token_text_ratio,
-            dtype_bytes=self.stage.model.dtype.itemsize,
-        ).total_bytes
 
     def extend(self, ticket: Ticket, segments: list[EncodedSegment], final: bool) -> None:
         """Queue the next sentences of a request submitted incomplete, after those it has (the last ones if `final`).
@@ -203,7 +173,7 @@ class Scheduler:
         sentences = self._checked_sentences(ticket, segments)
         with self._lock:
             self._check_running()
-            self._later.append(partial(self._take_later, ticket, sentences, final))
+            self._later.append(partial(self.requests.add_sentences, ticket, sentences, final))
         self._wakeup.set()
 
     def abort(self, ticket: Ticket, error: CosyVoiceError) -> None:
@@ -211,7 +181,7 @@ class Scheduler:
         one was refused)."""
         with self._lock:
             if self.failure is None:  # else the failure ended it
-                self._later.append(partial(self._take_error, ticket, error))
+                self._later.append(partial(self.requests.abort, ticket, error))
         self._wakeup.set()
 
     def cancel(self, ticket: Ticket) -> None:
@@ -224,7 +194,7 @@ class Scheduler:
             self.stage.check_segment(segment)
             if ticket.streaming:
                 self.streams.check_streamable(segment)
-        estimates = self.check_fits(segments)
+        estimates = self.limits.check_fits(segments)
         return [Sentence(s, ticket, bytes_) for s, bytes_ in zip(segments, estimates, strict=True)]
 
     def _check_running(self) -> None:
@@ -247,10 +217,6 @@ class Scheduler:
     def live_limit(self) -> int:
         """The live sentences admitted now (also the flow + vocoder batch cap): `LiveLimits.live_limit`."""
         return self.limits.live_limit
-
-    @property
-    def vocode_batch(self) -> int:
-        return min(self.max_vocode_batch, self.live_limit)
 
     @property
     def awaiting_sentences(self) -> int:
@@ -312,7 +278,7 @@ class Scheduler:
             requests.flush(ticket)
         self.llm_steps.step()
         self.admission.admit()  # after the step: a sentence whose last token just came hands its slot on first
-        self.lanes.start_jobs(requests.live, self.vocode_batch)
+        self.lanes.start_jobs(requests.live, min(self.max_vocode_batch, self.live_limit))
         self.admission.hold_rows_for_first_audio()  # here: a loop about to wait for a job knows which rows generate
         requests.live = [s for s in requests.live if not s.done]
 
@@ -352,22 +318,6 @@ class Scheduler:
         self.requests.take_arrivals(arrived)
         for take in later:
             take()
-
-    def _take_later(self, ticket: Ticket, sentences: list[Sentence], final: bool) -> None:
-        if ticket.ended:  # cancelled or failed meanwhile
-            return
-        ticket.playback.estimated_audio_s += sum(s.segment.text_len for s in sentences) * SECONDS_PER_TEXT_TOKEN
-        self.requests.add_sentences(ticket, sentences, final)
-
-    def _take_text(self, ticket: Ticket, tokens: list[int] | None) -> None:
-        if not ticket.ended:
-            ticket.sentences[0].text_pieces.append(tokens)
-            ticket.playback.estimated_audio_s += len(tokens or ()) * SECONDS_PER_TEXT_TOKEN
-
-    def _take_error(self, ticket: Ticket, error: CosyVoiceError) -> None:
-        if not ticket.ended:
-            self.requests.fail(ticket, error)
-            self.requests.drop({ticket})
 
     def _drop_cancelled(self) -> None:
         cancelled = self.requests.cancelled()

@@ -235,6 +235,9 @@ def test_python_m_engine_speaks_with_the_tiny_preset(tmp_path: Path, capsys: pyt
     audio, rate = sf.read(out, dtype="float32")
     assert rate == 24000 and len(audio) > 0 and np.isfinite(audio).all()
     assert "at 24000 Hz" in capsys.readouterr().out
+    quantized = tmp_path / "int4.wav"  # the CPU server's dtypes are the command's too
+    assert engine_cli(["Hello.", "--model", "cosyvoice3-tiny", "--dtype", "auto-int4", "-o", str(quantized)]) == 0
+    assert np.isfinite(sf.read(quantized, dtype="float32")[0]).all()
 
 
 # --- memory -------------------------------------------------------------------------------------------------
@@ -254,7 +257,7 @@ def test_the_memory_estimate_of_the_v3_presets(preset: str) -> None:
 def test_a_v3_request_is_admitted_by_its_memory_estimate_and_decoded_in_the_loop(tiny: CosyVoice) -> None:
     segments = tiny.encoder.encode(SynthesisRequest("Through the decoder loop.", tiny.voices[0], sampling=SHORT))
     scheduler = Scheduler(tiny.decoder, max_live=2, memory_budget_bytes=None)
-    [estimate] = scheduler.check_fits(segments)
+    [estimate] = scheduler.limits.check_fits(segments)
     outputs: list[Output] = []
     with pytest.raises(RequestTooLargeError, match="decoder memory"):
         Scheduler(tiny.decoder, max_live=2, memory_budget_bytes=estimate - 1).submit(segments, False, outputs.append)

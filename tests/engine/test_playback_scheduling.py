@@ -123,7 +123,7 @@ def test_a_preempted_stream_resumes_with_the_audio_it_has_unpreempted(model: str
     [short] = _segments(tts, "Hi there.", 2, 4.0)
     clock = FakeClock()  # frozen: the long stream's slack grows with every chunk
     probe = Scheduler(tts.decoder, max_live=1)
-    budget = None if keep_cache else probe.memory_estimate(long) + probe.memory_estimate(short) - 1
+    budget = None if keep_cache else probe.limits.memory_estimate(long) + probe.limits.memory_estimate(short) - 1
     scheduler = Scheduler(tts.decoder, max_live=1, memory_budget_bytes=budget, clock=clock)
     preempted, newcomer = Collected(), Collected()
     ticket = scheduler.submit([long], streaming=True, sink=preempted)

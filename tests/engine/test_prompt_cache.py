@@ -121,7 +121,7 @@ def test_the_cache_gives_its_bytes_back_to_a_sentence_that_needs_them(tts: CosyV
     probe = Scheduler(tts.decoder, max_live=4)
     run(probe, [first], streaming=False)
     entry = probe.prompt_cache.nbytes
-    need = max(probe.memory_estimate(first), probe.memory_estimate(second))
+    need = max(probe.limits.memory_estimate(first), probe.limits.memory_estimate(second))
     # room for one sentence and one entry: the second voice's entry must push the first one's out to fit
     scheduler = Scheduler(tts.decoder, max_live=4, memory_budget_bytes=need + entry, prompt_cache_bytes=2 * entry)
     run(scheduler, [first], streaming=False)

@@ -128,7 +128,7 @@ def test_cancelling_frees_the_slot_at_the_next_step(tts: CosyVoice, streaming: b
 
 def test_a_request_that_can_never_fit_is_refused_before_it_is_queued(tts: CosyVoice) -> None:
     [segment] = _segments(tts, "Too long for this budget.", LONG)
-    estimate = Scheduler(tts.decoder, max_live=4).memory_estimate(segment)
+    estimate = Scheduler(tts.decoder, max_live=4).limits.memory_estimate(segment)
     scheduler = Scheduler(tts.decoder, max_live=4, memory_budget_bytes=estimate - 1)
     with pytest.raises(RequestTooLargeError, match="budget"):
         scheduler.submit([segment], streaming=False, sink=Collected())
@@ -139,7 +139,7 @@ def test_the_memory_budget_counts_each_request_by_its_own_length(tts: CosyVoice)
     [short] = _segments(tts, "Short.", SHORT)
     [long] = _segments(tts, "A far longer sentence, with many more words in it than the short one.", LONG)
     probe = Scheduler(tts.decoder, max_live=8)
-    short_bytes, long_bytes = probe.memory_estimate(short), probe.memory_estimate(long)
+    short_bytes, long_bytes = probe.limits.memory_estimate(short), probe.limits.memory_estimate(long)
     assert long_bytes > 3 * short_bytes
     # Room for the long one and two short ones, not for two long ones.
     budget = long_bytes + 2 * short_bytes
@@ -346,7 +346,7 @@ def test_a_refused_later_sentence_ends_its_request_with_the_refusal(tts: CosyVoi
     [short] = _segments(tts, "Short.", SHORT)
     [long] = _segments(tts, "A far longer sentence, with many more words in it than the short one.", LONG)
     probe = Scheduler(tts.decoder, max_live=8)
-    scheduler = Scheduler(tts.decoder, max_live=8, memory_budget_bytes=probe.memory_estimate(long) - 1)
+    scheduler = Scheduler(tts.decoder, max_live=8, memory_budget_bytes=probe.limits.memory_estimate(long) - 1)
     sink = Collected()
     ticket = scheduler.submit([short], streaming=True, sink=sink, complete=False)
     scheduler.step()
