@@ -10,6 +10,7 @@ import soundfile as sf
 
 from engine.errors import CosyVoiceError
 from engine.loading.loader import PRESETS
+from engine.nn.precision import AUTO_DTYPE, AUTO_INT4_DTYPE
 from engine.runtime.pipeline import CosyVoice
 
 
@@ -19,7 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", default="out.wav", help="output wav file")
     parser.add_argument("--model", default="tiny", help=f"official model dir, or a preset: {', '.join(PRESETS)}")
     parser.add_argument("--voice", default=None, help="speaker id (default: the model's first voice)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16", AUTO_DTYPE, AUTO_INT4_DTYPE],
+        help=f"the decoder's weights; {AUTO_DTYPE}: each module's pick for this device (on CPU by its units), "
+        f"{AUTO_INT4_DTYPE}: the same with the LLM in 4 bits (CPU)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--int8", action="store_true", help="INT8 Linear layers for CPU execution")
     parser.add_argument("--instruct", default=None, help="an instruction (v1 -Instruct models)")
