@@ -22,7 +22,8 @@ RECORDED_DIR = Path(__file__).resolve().parents[1] / "docs" / "gpu_check"
 
 
 class PlanError(ValueError):
-    """The machine cannot run the app as asked (a card too small for one decoder replica, cuda without a GPU)."""
+    """The machine cannot run the app as asked (a card too small for one decoder replica, cuda without a GPU), or a
+    recorded footprint cannot be read. Here, below `serve_app.plan`, since `recorded_footprints` raises it too."""
 
 
 @dataclass(frozen=True)
