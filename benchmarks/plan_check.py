@@ -8,7 +8,7 @@ memory (nvidia-smi's per-process figure, sampled while they run) against the pla
 `benchmarks/gpu_check.sh` runs it as its `plan_check` part (the real-size v3 dummy on the card; with --cpu the tiny
 model on CPU, where nvidia-smi has nothing to show). The JSON is written as the check goes. A complete one from a GPU,
 copied into docs/gpu_check/, is a recorded footprint: its largest peak per replica replaces the plan's estimate for the
-same replica on a card of that name (`serve_app.plan.recorded_footprints`), in `run`, `plan` and this check.
+same replica on a card of that name (`serve_app.footprints.recorded_footprints`), in `run`, `plan` and this check.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import httpx
 from engine.loading.loader import model_sizes
 from serve_app.args import AppArgs
 from serve_app.bench.http_load import free_port, wait_until_answering
-from serve_app.plan import Plan, inventory_here, plan_for, recorded_footprints
+from serve_app.footprints import recorded_footprints
+from serve_app.inventory import inventory_here
+from serve_app.plan import Plan, plan_for
 
 TEXT = "Hello from CosyVoice. This sentence streams while the next one is made, as a voice agent's would."
 SAMPLE_S = 0.5

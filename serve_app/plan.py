@@ -10,35 +10,23 @@ hold, and the CUDA context outside it) and the CPUs leave room for, scaled betwe
 policy (`autoscaling.policy`). A card too small for one replica is a `PlanError` with the numbers and the CPU choice.
 `decoder.num_gpus` set in the args is kept (and checked); `device` cpu or cuda overrides the choice.
 
-A footprint measured on a card replaces that estimate: `benchmarks/gpu_check.sh`'s plan_check part writes each
-replica's peak memory (nvidia-smi's figure per process, CUDA context included) beside the plan it ran; its
-`plan_check.json`, kept in RECORDED_DIR (docs/gpu_check/), is read by `recorded_footprints`, and `plan_for` uses the
-largest peak recorded for the same card name, dtypes, batch size, weights and loop budget in place of the estimated
-total when it counts the replicas a card holds (each replica's fraction still holds its allocator share). The plan
-says which it used.
+A footprint measured on a card (`serve_app.footprints`) replaces that estimate where one matches; the plan says which
+it used. The inventory comes from `serve_app.inventory`.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import os
-import shutil
-import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Literal
 
 from engine.loading.loader import ModelSizes
 from engine.nn.precision import (
     AUTO_DTYPE,
     AUTO_INT4_DTYPE,
-    CpuCapabilities,
     DecoderDtypes,
     cpu_auto_choice,
-    cpu_capabilities,
     gpu_auto_dtypes,
     parse_dtype,
 )
@@ -50,93 +38,11 @@ from engine.runtime.memory import (
     share_for_budget,
 )
 from serve_app.args import AppArgs, DecoderArgs
+from serve_app.footprints import DecoderMemory, MeasuredFootprint, PlanError
+from serve_app.inventory import GIB, Gpu, Inventory
 
 Device = Literal["auto", "cpu", "cuda"]
-GIB = 2**30
-# Native bfloat16 from Ampere (compute capability 8.0) on.
-BFLOAT16_CAPABILITY = 8.0
 GPU_FRACTION_STEPS = 10_000  # Ray keeps fractional resources to 1e-4
-# The GPU check's plan_check reports kept for the plan (the module docstring); absent outside a checkout of the repo
-RECORDED_DIR = Path(__file__).resolve().parents[1] / "docs" / "gpu_check"
-
-
-class PlanError(ValueError):
-    """The machine cannot run the app as asked (a card too small for one decoder replica, cuda without a GPU)."""
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    memory_bytes: int
-    native_bfloat16: bool
-
-
-@dataclass(frozen=True)
-class Inventory:
-    """What the app can use: the GPUs and CPUs Ray sees, and the CPU's units (the CPU decoders' `auto` dtypes)."""
-
-    gpus: tuple[Gpu, ...]
-    cpus: float
-    cpu: CpuCapabilities
-
-    def describe(self) -> str:
-        if not self.gpus:
-            return f"no GPU, {self.cpus:g} CPUs"
-        cards = ", ".join(
-            f"{gpu.name} {gpu.memory_bytes / GIB:.1f} GiB{'' if gpu.native_bfloat16 else ' (no native bfloat16)'}"
-            for gpu in self.gpus
-        )
-        return f"{len(self.gpus)} GPU(s): {cards}; {self.cpus:g} CPUs"
-
-
-@dataclass(frozen=True)
-class MeasuredFootprint:
-    """A decoder replica's peak memory on a card, as a plan_check report recorded it, and what it was measured for."""
-
-    gpu_name: str
-    dtypes: dict[str, str]
-    max_batch_size: int
-    weights_bytes: int
-    budget_bytes: int
-    peak_bytes: int
-    source: str  # the report's path
-
-
-@dataclass(frozen=True)
-class DecoderMemory:
-    """One GPU decoder replica's memory: its allocator's share holds the weights, the loop's budget and the reserve
-    beside them (`engine.runtime.memory.memory_budget_for`); the CUDA context lies outside the share. A recorded
-    peak per replica, where there is one, stands for the whole in place of that estimate."""
-
-    weights_bytes: int
-    budget_bytes: int
-    share_bytes: int
-    context_bytes: int
-    measured_bytes: int | None = None
-    measured_in: str | None = None
-
-    @property
-    def reserve_bytes(self) -> int:
-        return self.share_bytes - self.weights_bytes - self.budget_bytes
-
-    @property
-    def estimated_bytes(self) -> int:
-        return self.share_bytes + self.context_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.estimated_bytes if self.measured_bytes is None else self.measured_bytes
-
-    def describe(self) -> str:
-        estimate = (
-            f"weights {self.weights_bytes / GIB:.2f} GiB + loop budget {self.budget_bytes / GIB:.2f} GiB + reserve "
-            f"{self.reserve_bytes / GIB:.2f} GiB (the allocator's share, {self.share_bytes / GIB:.2f} GiB) + CUDA "
-            f"context ~{self.context_bytes / GIB:.2f} GiB (an estimate) = {self.estimated_bytes / GIB:.2f} GiB"
-        )
-        if self.measured_bytes is None:
-            return estimate
-        measured = f"{self.measured_bytes / GIB:.2f} GiB measured at its peak ({self.measured_in})"
-        return f"{measured}, in place of the estimate: {estimate}"
 
 
 @dataclass(frozen=True)
@@ -305,38 +211,6 @@ def _with_measurement(
     return replace(memory, measured_bytes=largest.peak_bytes, measured_in=largest.source)
 
 
-def recorded_footprints(directory: Path | None = None) -> tuple[MeasuredFootprint, ...]:
-    """The footprints of the plan_check reports (`benchmarks/plan_check.py`'s JSON) in `directory` (default
-    RECORDED_DIR; none where it does not exist). PlanError, naming the file, for one that is not a complete report of
-    a run on a GPU."""
-    directory = RECORDED_DIR if directory is None else directory
-    footprints = []
-    for path in sorted(directory.glob("*.json")):
-        try:
-            report = json.loads(path.read_text())
-            plan, peaks = report["plan"], report["per_replica_peak_bytes"]
-            if not (report["complete"] and plan["device"] == "cuda" and peaks):
-                raise ValueError("it did not run to its end on a GPU with nvidia-smi's readings")
-            planned_card = min(plan["inventory"]["gpus"], key=lambda gpu: gpu["memory_bytes"])
-            footprints.append(
-                MeasuredFootprint(
-                    gpu_name=planned_card["name"],
-                    dtypes=plan["dtypes"],
-                    max_batch_size=plan["max_batch_size"],
-                    weights_bytes=plan["memory"]["weights_bytes"],
-                    budget_bytes=plan["memory"]["budget_bytes"],
-                    peak_bytes=max(peaks),
-                    source=str(path),
-                )
-            )
-        except (KeyError, TypeError, ValueError) as exc:  # json's JSONDecodeError is a ValueError
-            raise PlanError(
-                f"{path} is not a complete plan_check report of a GPU run ({type(exc).__name__}: {exc}); "
-                f"{directory} holds only those (benchmarks/plan_check.py)"
-            ) from None
-    return tuple(footprints)
-
-
 def _shares(card: int, memory: DecoderMemory, cpu_bound: int) -> tuple[int, float]:
     """(replicas per card, num_gpus of each): as many as the card holds and the CPUs leave room for, at least one,
     each at an equal part of what their CUDA contexts leave of the card, rounded down to Ray's resource precision."""
@@ -405,52 +279,3 @@ def _replica_range(decoder: DecoderArgs, fallback: bool) -> dict[str, Any]:
         for window in rules.schedule.windows
     )
     return {"min_replicas": rules.min_replicas, "max_replicas": rules.max_replicas, "windows": windows}
-
-
-def gpus_from_nvidia_smi(
-    environ: Mapping[str, str] = os.environ, command: str = "nvidia-smi", timeout_s: float = 10.0
-) -> tuple[Gpu, ...]:
-    """The GPUs `nvidia-smi` lists (none where it is missing or fails), those CUDA_VISIBLE_DEVICES names (by index or
-    UUID) where it is set: what a CUDA process here, and Ray, sees. nvidia-smi, not CUDA: this process must not hold a
-    CUDA context on the card it is planning for."""
-    if shutil.which(command, path=environ.get("PATH")) is None:
-        return ()
-    query = "--query-gpu=index,uuid,name,memory.total,compute_cap"
-    try:
-        result = subprocess.run(
-            [command, query, "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=dict(environ),
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    if result.returncode != 0:
-        return ()
-    rows = [[field.strip() for field in row] for row in csv.reader(result.stdout.splitlines()) if len(row) == 5]
-    cards = {
-        (index, uuid): Gpu(name, int(float(mib)) * 2**20, float(capability) >= BFLOAT16_CAPABILITY)
-        for index, uuid, name, mib, capability in rows
-    }
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return tuple(cards.values())
-    chosen = []
-    for wanted in (item.strip() for item in visible.split(",") if item.strip()):
-        match = [gpu for (index, uuid), gpu in cards.items() if wanted == index or uuid.startswith(wanted)]
-        if not match:  # CUDA stops at the first device it cannot find
-            break
-        chosen.append(match[0])
-    return tuple(chosen)
-
-
-def inventory_here(gpus_seen: int | None = None, cpus: float | None = None) -> Inventory:
-    """This machine's inventory: the GPUs nvidia-smi lists (the first `gpus_seen`: those Ray sees, in `run`) and
-    `cpus` (default the CPUs this process may run on)."""
-    gpus = gpus_from_nvidia_smi()
-    return Inventory(
-        gpus=gpus if gpus_seen is None else gpus[:gpus_seen],
-        cpus=float(len(os.sched_getaffinity(0))) if cpus is None else cpus,
-        cpu=cpu_capabilities(),
-    )

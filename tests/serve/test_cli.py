@@ -13,8 +13,10 @@ import pytest
 
 from serve_app.args import AppArgs
 from serve_app.bench.http_load import free_port
-from serve_app.cli import API_KEY_ENV, URL_ENV, parser, port_in_use, startup_warnings
 from serve_app.cli import main as cli_main
+from serve_app.cli import parser
+from serve_app.cli_client import API_KEY_ENV
+from serve_app.cli_run import URL_ENV, port_in_use, startup_warnings
 from serve_app.exposure import RAY_LOOPBACK_ENV
 
 

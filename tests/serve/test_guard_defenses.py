@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request, WebSocket
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
 from serve_app.args import SecurityArgs
-from serve_app.cli import startup_warnings
+from serve_app.cli_run import startup_warnings
 from serve_app.errors import error_body
 from serve_app.guard import (
     WEBSOCKET_KEY_PROTOCOL_PREFIX,

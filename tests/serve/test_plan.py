@@ -20,10 +20,11 @@ from engine.loading.loader import ModelSizes, model_sizes
 from engine.nn.precision import CpuCapabilities
 from engine.runtime.memory import estimate_request_memory, memory_budget_for
 from engine.text.frontend import SEGMENT_MAX_LEN
-from serve_app import cli
-from serve_app import plan as planning
+from serve_app import cli, footprints
 from serve_app.args import AppArgs
-from serve_app.plan import Gpu, Inventory, Plan, PlanError, gpus_from_nvidia_smi, plan_for, recorded_footprints
+from serve_app.footprints import PlanError, recorded_footprints
+from serve_app.inventory import Gpu, Inventory, gpus_from_nvidia_smi
+from serve_app.plan import Plan, plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
@@ -271,7 +272,7 @@ def test_the_plan_command_on_this_machine_and_a_described_one(
     # a footprint recorded for the card (a test's record, in place of docs/gpu_check/'s) is the one it takes
     a10g = Gpu("NVIDIA A10G", 24 * GIB, True)
     path = record(tmp_path / "recorded", plan_for(machine(a10g), sizes_of("v3"), AppArgs(model=MODELS["v3"])), [GIB])
-    monkeypatch.setattr(planning, "RECORDED_DIR", path.parent)
+    monkeypatch.setattr(footprints, "RECORDED_DIR", path.parent)
     code, out, err = plan("--gpus", "1", "--gpu-memory-gb", "24", "--gpu-name", a10g.name)
     assert code == 0 and f"1.00 GiB measured at its peak ({path})" in out, err
     path.write_text("[]")

@@ -12,7 +12,7 @@ import pytest
 import ray
 import yaml
 
-from serve_app import cli
+from serve_app import cli, cli_run
 from serve_app.args import AppArgs
 from serve_app.exposure import RAY_LOOPBACK_ENV, is_loopback, on_every_interface
 
@@ -50,9 +50,9 @@ def test_run_leaves_ray_token_auth_on_and_binds_ray_to_loopback_with_http(
 
 def test_run_starts_two_ingress_replicas_unless_told_otherwise() -> None:
     options = cli.parser().parse_args(["run"])
-    assert cli.app_args_of({}, options)["ingress"] == {"num_replicas": 2}
+    assert cli_run.app_args_of({}, options)["ingress"] == {"num_replicas": 2}
     configured = {"args": {"ingress": {"num_replicas": 1, "num_cpus": 0.5}}}
-    assert cli.app_args_of(configured, options)["ingress"] == {"num_replicas": 1, "num_cpus": 0.5}
+    assert cli_run.app_args_of(configured, options)["ingress"] == {"num_replicas": 1, "num_cpus": 0.5}
 
 
 def test_a_port_on_every_interface_is_told_from_one_on_loopback() -> None:

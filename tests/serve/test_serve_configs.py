@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 from autoscaling.policy import DECODER_POLICY_PATH
 from serve_app import build_app
 from serve_app.args import AppArgs
-from serve_app.cli import read_serve_config
+from serve_app.cli_run import read_serve_config
 from serve_app.full_config import render
 
 CONFIGS = Path(__file__).parents[2] / "configs"

@@ -19,7 +19,8 @@ from ray import serve
 
 from serve_app import build_app
 from serve_app.cli import main as cli_main
-from serve_app.cli import parser, with_default_voices_dir
+from serve_app.cli import parser
+from serve_app.cli_run import with_default_voices_dir
 from tests.serve.conftest import running_app, text_stream_exchange
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
