@@ -30,9 +30,9 @@ from engine.nn.precision import cpu_capabilities
 from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
-from serve_app.args import CpuFallbackArgs, DecoderArgs
 from serve_app.bench.progress import BenchmarkRun
 from serve_app.bench.timing import BATCH_RATIO_BOUND, FailedMeasurements, Timing, paired, ratio
+from serve_app.decoder_args import CpuFallbackArgs, DecoderArgs
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 PROFILE = REPOSITORY / "configs" / "gpu_cluster.yaml"

@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import SecretStr
 
 from engine.errors import InvalidInputError
-from serve_app.args import SecurityArgs
 from serve_app.exposure import is_loopback
+from serve_app.request_args import SecurityArgs
 
 logger = logging.getLogger("ray.serve")
 

@@ -20,9 +20,10 @@ from engine.voices.cloning import MAX_PROMPT_CHANNELS, PromptAudioLimits
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
 from serve_app.api import api
-from serve_app.args import WYOMING_NUM_CPUS, AppArgs
+from serve_app.args import AppArgs
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
+from serve_app.replica_args import WYOMING_NUM_CPUS
 from serve_app.routing import CPU_DECODER
 from serve_app.speech_stream_routes import SpeechStreamRoutes
 from serve_app.voice_routes import VoiceRoutes

@@ -10,7 +10,6 @@ from ray.serve.handle import DeploymentHandle
 
 from autoscaling.policy import RayWakeBoard, ScalingRules, WakeRule
 from deployments.text_relay import TextRelays
-from serve_app.args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import (
     BodyTimeouts,
@@ -21,6 +20,7 @@ from serve_app.guard import (
     load_keys,
     serving_warnings,
 )
+from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.tenancy import TenancySettings, configure_tenancy
 

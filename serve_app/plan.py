@@ -37,7 +37,8 @@ from engine.runtime.memory import (
     planned_budget_bytes,
     share_for_budget,
 )
-from serve_app.args import AppArgs, DecoderArgs
+from serve_app.args import AppArgs
+from serve_app.decoder_args import DecoderArgs
 from serve_app.footprints import DecoderMemory, MeasuredFootprint, PlanError
 from serve_app.inventory import GIB, Gpu, Inventory
 

@@ -35,8 +35,8 @@ from engine.errors import InvalidInputError
 from engine.text.frontend import complete_sentences, is_speakable
 from engine.voices.registry import Caller
 from observability.http import ABORTED, COMPLETE, ingress_metrics
-from serve_app.args import LimitsArgs
 from serve_app.errors import ServiceUnavailableError, StreamIdleError, error_payload
+from serve_app.request_args import LimitsArgs
 from serve_app.wyoming_events import check_plain_text, event_text, event_voice, info_event, read_event
 from serve_app.wyoming_speech import WYOMING_ENDPOINT
 

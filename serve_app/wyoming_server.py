@@ -15,8 +15,9 @@ from ray import serve
 
 from engine.voices.registry import EVERYONE, Caller
 from observability import STRUCTURED_LOGGING
-from serve_app.args import LimitsArgs, SecurityArgs, WyomingArgs
 from serve_app.guard import keys_configured
+from serve_app.replica_args import WyomingArgs
+from serve_app.request_args import LimitsArgs, SecurityArgs
 from serve_app.wyoming_listener import WyomingListener
 from serve_app.wyoming_zeroconf import Announcement
 

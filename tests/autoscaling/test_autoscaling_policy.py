@@ -37,7 +37,7 @@ from autoscaling.policy import (
     gpu_draining,
 )
 from autoscaling.schedule import Schedule, ScheduleWindow
-from serve_app.args import EncoderAutoscalingArgs
+from serve_app.replica_args import ENCODER_SCALING_TIMING, EncoderAutoscalingArgs
 
 UTC = ZoneInfo("UTC")
 NO_SCHEDULE = Schedule()
@@ -615,7 +615,7 @@ def test_an_encoder_burst_scales_the_encoders_within_the_up_delay() -> None:
     from autoscaling.simulate import serve_decision
 
     encoder = EncoderAutoscalingArgs()
-    config = AutoscalingConfig(**encoder.model_dump(exclude_none=True))
+    config = AutoscalingConfig(**encoder.serve_config())  # what the Encoder deployment gets
     target, state, history = 1, {}, []
     for tick in range(80):  # 8 s of 0.1 s controller ticks
         now = NOON + 0.1 * tick
@@ -625,4 +625,5 @@ def test_an_encoder_burst_scales_the_encoders_within_the_up_delay() -> None:
         history.append((round(0.1 * tick, 1), target))
     first = first_change(history, 1)
     assert first is not None and first[1] == encoder.max_replicas == 16
-    assert encoder.upscale_delay_s <= first[0] <= encoder.upscale_delay_s + 0.5
+    up_delay_s = ENCODER_SCALING_TIMING["upscale_delay_s"]
+    assert up_delay_s <= first[0] <= up_delay_s + 0.5

@@ -23,7 +23,7 @@ from engine.nn.precision import (
 from engine.runtime.decoder_stage import SpeechDecoderStage
 from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.synthesis_request import SynthesisRequest
-from serve_app.args import DecoderArgs
+from serve_app.decoder_args import DecoderArgs
 
 F32 = torch.float32
 

@@ -242,7 +242,7 @@ def healthz_ingress(router: Any, serving_warnings: tuple[str, ...] = ()) -> Any:
     from types import SimpleNamespace
 
     from deployments.text_relay import TextRelays
-    from serve_app.args import LimitsArgs
+    from serve_app.request_args import LimitsArgs
 
     async def no_wyoming_warnings() -> tuple[str, ...]:
         return ()

@@ -15,8 +15,9 @@ import types
 import pytest
 from pydantic import ValidationError
 
-from serve_app.args import AppArgs, LimitsArgs
+from serve_app.args import AppArgs
 from serve_app.full_config import knob_table, leaf_knobs, main
+from serve_app.request_args import LimitsArgs
 
 # The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
 MAX_LEAF_KNOBS = 109

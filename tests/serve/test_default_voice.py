@@ -11,8 +11,9 @@ from engine.errors import UnknownVoiceError
 from engine.voices.cloning import decode_prompt_audio
 from engine.voices.default_voice import DEFAULT_VOICE_FILE, DEFAULT_VOICE_ID
 from engine.voices.registry import is_voice_id
-from serve_app.args import DEFAULT_OPENAI_VOICES, AppArgs
+from serve_app.args import AppArgs
 from serve_app.ingress import voice_cloning_config
+from serve_app.request_args import DEFAULT_OPENAI_VOICES
 from serve_app.synthesis import mapped_voice, openai_voice_table
 
 # asset/zero_shot_prompt.wav of FunAudioLLM/CosyVoice at ace7c47 (engine/voices/assets/README.md)

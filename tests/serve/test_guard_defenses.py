@@ -17,7 +17,6 @@ import pytest
 from fastapi import FastAPI, Request, WebSocket
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
-from serve_app.args import SecurityArgs
 from serve_app.cli_run import startup_warnings
 from serve_app.errors import error_body
 from serve_app.guard import (
@@ -31,6 +30,7 @@ from serve_app.guard import (
     configure_guard,
     serving_warnings,
 )
+from serve_app.request_args import SecurityArgs
 from tests.serve.conftest import healthz_ingress
 
 KEY = "k-0123456789abcdef"

@@ -21,9 +21,9 @@ from ray import serve
 
 from engine.nn.precision import CpuCapabilities
 from engine.voices.default_voice import DEFAULT_VOICE_ID, DEFAULT_VOICE_NAME
-from serve_app.args import OPENAI_VOICE_NAMES
 from serve_app.cli_run import follow_plan
 from serve_app.inventory import Gpu, Inventory
+from serve_app.request_args import OPENAI_VOICE_NAMES
 from tests.engine.conftest import REPO_ID, V3_KIT_MODEL, hugging_face_cache
 from tests.serve.conftest import running_app
 

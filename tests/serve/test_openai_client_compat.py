@@ -20,8 +20,8 @@ from engine.errors import InvalidInputError
 from engine.voices.default_voice import DEFAULT_VOICE_ID
 from engine.voices.registry import EVERYONE, Caller, VoiceRegistry
 from serve_app import openai_routes
-from serve_app.args import DEFAULT_MODEL_ALIASES, OPENAI_VOICE_NAMES, OpenAIArgs
 from serve_app.openai_routes import OpenAIRoutes, ignored_instructions_headers
+from serve_app.request_args import DEFAULT_MODEL_ALIASES, OPENAI_VOICE_NAMES, OpenAIArgs
 from serve_app.schemas import SpeechRequest
 from serve_app.speech_stream_routes import done_event
 from serve_app.synthesis import instructions_refusal

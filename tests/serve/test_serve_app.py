@@ -26,10 +26,10 @@ from ray import serve  # noqa: E402
 
 from autoscaling.metrics import METRIC_NAMES  # noqa: E402
 from serve_app import build_app  # noqa: E402
-from serve_app.args import DEFAULT_OPENAI_VOICES, LimitsArgs  # noqa: E402
 from serve_app.audio import FORMATS, OPENAI_SAMPLE_RATE  # noqa: E402
 from serve_app.cli import main as cli_main  # noqa: E402
 from serve_app.ingress import TTSIngress  # noqa: E402
+from serve_app.request_args import DEFAULT_OPENAI_VOICES, LimitsArgs  # noqa: E402
 from tests.serve.conftest import text_stream_exchange, wait_until_healthy  # noqa: E402
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app

@@ -19,9 +19,10 @@ from autoscaling.policy import MemoryWakeBoard, ScalingRules, WakeRule
 from autoscaling.schedule import Schedule
 from engine.errors import InvalidInputError
 from serve_app import routing
-from serve_app.args import AppArgs, SecurityArgs
+from serve_app.args import AppArgs
 from serve_app.errors import error_body, error_response
 from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
+from serve_app.request_args import SecurityArgs
 from serve_app.routing import CPU_DECODER, ENCODER, GPU_DECODER, DecoderRouter, choose_decoder
 from tests.serve.conftest import healthz_ingress
 

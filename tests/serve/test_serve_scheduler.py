@@ -23,8 +23,8 @@ from engine.llm.sampling import SamplingOptions
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import EVERYONE
-from serve_app.args import DecoderArgs
 from serve_app.audio import PCM_MAX
+from serve_app.decoder_args import DecoderArgs
 from serve_app.errors import engine_error
 from tests.serve.conftest import running_app, wait_until
 

@@ -30,12 +30,12 @@ from zeroconf import DNSAddress, DNSIncoming, DNSOutgoing, DNSQuestion, DNSServi
 from zeroconf.const import _CLASS_IN, _FLAGS_QR_QUERY, _TYPE_SRV
 
 from engine.voices.registry import EVERYONE, Caller
-from serve_app.args import SecurityArgs
 from serve_app.bench.http_load import free_port
 from serve_app.cli import main as cli_main
 from serve_app.cli_client import API_KEY_ENV
 from serve_app.errors import error_body
 from serve_app.guard import load_keys
+from serve_app.request_args import SecurityArgs
 from serve_app.tenancy import (
     KeyTenancy,
     TenancySettings,

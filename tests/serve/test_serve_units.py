@@ -45,10 +45,12 @@ from engine.runtime.pipeline import CosyVoice
 from engine.runtime.scheduler import Scheduler
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.speaker_bank import DUMMY_VOICES
-from serve_app.args import OPENAI_VOICE_NAMES, AppArgs, DecoderArgs, LimitsArgs
+from serve_app.args import AppArgs
 from serve_app.cli_run import with_default_voices_dir
+from serve_app.decoder_args import DecoderArgs
 from serve_app.errors import StreamIdleError, error_payload, unavailable_error
 from serve_app.openai_routes import openai_mode, served_model
+from serve_app.request_args import OPENAI_VOICE_NAMES, LimitsArgs
 from serve_app.responses import speech_usage
 from serve_app.schemas import StreamFlush
 from serve_app.speech_stream_routes import SpeechStreamRoutes, TextStream, TextStreamSlots, close_code, error_event

@@ -11,11 +11,11 @@ import pytest
 
 from deployments.encoder import Encoder
 from engine.errors import TextTooLongError
-from engine.runtime import pipeline
+from engine.runtime import encoder_stage
 from engine.runtime.encoder_stage import MAX_SENTENCE_TOKENS, encoder_batches
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import EVERYONE
-from serve_app.args import LimitsArgs
+from serve_app.request_args import LimitsArgs
 from tests.serve.conftest import bounded_in_time_and_memory
 
 LIMITS = LimitsArgs()  # the defaults: 4096 characters, 6144 tokens
@@ -67,7 +67,7 @@ def test_sentences_encode_alike_in_any_batches(encoder: Encoder, monkeypatch: py
     assert encoder_batches([5000], 1024**2) == [slice(0, 1)] and encoder_batches([], 1) == []
     plan = encoder.stage.plan(request("This is one of the many short sentences of this text. " * 20))
     together = encoder.stage.encode_planned(plan)
-    monkeypatch.setattr(pipeline, "ENCODER_BATCH_TOKEN_PAIRS", 1)  # every sentence in a batch of its own
+    monkeypatch.setattr(encoder_stage, "ENCODER_BATCH_TOKEN_PAIRS", 1)  # every sentence in a batch of its own
     alone = encoder.stage.encode_planned(plan)
     assert len(together) == len(alone) > 1
     for one, other in zip(together, alone, strict=True):

@@ -18,8 +18,9 @@ from engine.families import COSYVOICE1, COSYVOICE2
 from engine.loading.loader import PRESET_VOICE_MODELS
 from engine.voices.cloning import PROMPT_SAMPLE_RATES, PromptAudioLimits, VoiceCloner, decode_prompt_audio
 from engine.voices.registry import EVERYONE, Caller, VoiceForbiddenError, VoiceRegistryFullError
-from serve_app.args import AppArgs, LimitsArgs
+from serve_app.args import AppArgs
 from serve_app.ingress import voice_cloning_config
+from serve_app.request_args import LimitsArgs
 from tests.serve.conftest import bounded_in_time_and_memory, constant_flac
 
 MAX_GROWTH_BYTES = 200 << 20  # the refused uploads below would take 300 MB to gigabytes if decoded whole

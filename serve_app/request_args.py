@@ -1,0 +1,268 @@
+"""What the app args (`serve_app.args`) allow of a request and its caller: limits, API keys, the OpenAI names, audio
+encoding, provisioned voices."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field, SecretStr, model_validator
+
+from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
+from engine.voices.registry import provisioned_voice_id
+from engine.voices.store import is_store_url
+from serve_app.args_base import StrictArgs
+
+# Tokens an input may have per character of `max_input_chars` (the model's tokenizer on the text as sent): Chinese
+# takes ~1.1 a character, English ~0.25, emoji 2 and rare scripts up to 4, so a text of emoji or rare script is
+# refused before its length in characters would be.
+TOKENS_PER_INPUT_CHAR = 1.5
+
+
+class LimitsArgs(StrictArgs):
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "health_timeout_s": "the health probes wait a fixed 2 s for a stage to answer "
+        "(serve_app.health_routes.HEALTH_PROBE_TIMEOUT_S): a live one answers in milliseconds",
+        "max_input_tokens": f"derived: {TOKENS_PER_INPUT_CHAR:g} x max_input_chars (LimitsArgs.max_input_tokens)",
+        "max_prompt_audio_channels": f"the speech tokenizer's bound, {MAX_PROMPT_CHANNELS} "
+        "(engine.voices.cloning.MAX_PROMPT_CHANNELS)",
+    }
+
+    max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
+    long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
+    body_read_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the longest wait for the next piece of a request body; a client that stalls longer gets 408 "
+        "and its connection is closed, freeing its ingress slot",
+    )
+    body_read_deadline_s: float = Field(
+        120.0, gt=0, description="the whole body must arrive within this (a client that trickles it in gets 408 too)"
+    )
+    max_stream_s: float = Field(
+        300.0,
+        gt=0,
+        description="wall-clock seconds one decoder call (a stream, or a sentence of a whole request) may take from "
+        "its arrival at the decoder; past it, it ends with 413 and frees its slot",
+    )
+    max_audio_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds of speech one decoder call (a stream, or a sentence of a whole request) may make; past "
+        "it, it ends with 413 and frees its slot (sampling.max_token_text_ratio also bounds it per text length)",
+    )
+    retry_after_s: float = Field(1.0, ge=0, description="the Retry-After of 503 answers (overload, replica lost)")
+    reroute_s: float = Field(
+        30.0,
+        ge=0,
+        description="a stream whose decoder replica is lost before its first audio is sent again (to another replica "
+        "or the replacement) for up to this long, then answered 503 + Retry-After",
+    )
+    # Voice registration (POST /v1/voices): the uploaded prompt recording and the registry.
+    max_prompt_audio_bytes: int = Field(
+        10 << 20, ge=1, description="larger voice uploads are rejected with 413, before decoding"
+    )
+    max_prompt_audio_s: float = Field(
+        MAX_PROMPT_SECONDS,
+        gt=0,
+        le=MAX_PROMPT_SECONDS,
+        description="longer prompt recordings are rejected with 400 (at most 30 s: the speech tokenizer's limit)",
+    )
+    min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
+    prompt_audio_sample_rates: tuple[int, ...] = Field(
+        PROMPT_SAMPLE_RATES,
+        min_length=1,
+        description="the sample rates (Hz) a prompt recording may have, others are rejected with 400; some of "
+        f"{', '.join(map(str, PROMPT_SAMPLE_RATES))} (each resamples to the models' rates in bounded memory)",
+    )
+    max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")
+    max_voices_per_key: int | None = Field(
+        20,
+        ge=1,
+        description="with API keys on, registered voices one key may own (shared ones count for none); past it, "
+        "registering answers 409; None: only max_voices",
+    )
+    text_stream_idle_s: float = Field(
+        60.0,
+        gt=0,
+        description="a text stream (/v1/audio/speech/stream) that sends no text to speak for this long while it has "
+        "no audio in the making ends with an error event (408), freeing its ingress slot, whatever else it sends "
+        "(flush with nothing to speak, empty text)",
+    )
+    max_text_streams: int | None = Field(
+        None,
+        ge=1,
+        description="text streams one ingress replica holds at once; one more is refused at its handshake with 503 "
+        "(1013 where the handshake cannot be answered). Below ingress.max_ongoing_requests, so that sockets never "
+        "take the slots plain requests need; None: half of them (32 of the default 64)",
+    )
+    max_text_streams_per_key: int | None = Field(
+        None,
+        ge=1,
+        description="with API keys on, text streams one key may hold at once in one ingress replica (one more: 503); "
+        "below max_concurrent_requests_per_key, which counts them too; None: half of that (4 of the default 8), or "
+        "no bound of its own where that is None",
+    )
+    max_concurrent_requests_per_key: int | None = Field(
+        8,
+        ge=1,
+        description="with API keys on, requests one key may have in flight in one ingress replica (a stream until "
+        "its end); more: 429 + Retry-After; None: no limit",
+    )
+
+    @property
+    def max_input_tokens(self) -> int:
+        """Inputs with more tokens (a CosyVoice2/3 text stream's pieces in all, a v1 one's each sentence) are refused
+        with 413 before anything else is done with them."""
+        return int(TOKENS_PER_INPUT_CHAR * self.max_input_chars)
+
+    @model_validator(mode="after")
+    def _prompt_rates_are_supported(self) -> LimitsArgs:
+        unsupported = sorted(set(self.prompt_audio_sample_rates) - set(PROMPT_SAMPLE_RATES))
+        if unsupported:
+            raise ValueError(
+                f"prompt_audio_sample_rates: {unsupported} Hz not supported; choose from {list(PROMPT_SAMPLE_RATES)}"
+            )
+        return self
+
+
+class SecurityArgs(StrictArgs):
+    api_keys: tuple[SecretStr, ...] = Field((), description="bearer tokens accepted on every endpoint but /healthz")
+    api_keys_env: str | None = Field(
+        "COSYVOICE_API_KEYS", description="env variable read by the ingress replicas: more keys, comma-separated"
+    )
+    admin_keys: tuple[SecretStr, ...] = Field(
+        (),
+        description="bearer tokens accepted like api_keys that also see, use and delete every registered voice "
+        "(other keys: only their own and the shared ones)",
+    )
+    admin_keys_env: str | None = Field(
+        "COSYVOICE_ADMIN_KEYS",
+        description="env variable read by the ingress replicas: more admin keys, comma-separated",
+    )
+    allowed_model_roots: tuple[str, ...] | None = Field(
+        None, description="directories a model dir must lie in (symlinks resolved); None: any path without '..'"
+    )
+    allowed_hosts: tuple[str, ...] | None = Field(
+        None,
+        description="Host header names (without port) the server answers, '*' for any; others get 421 (DNS "
+        "rebinding). None: without API keys localhost, 127.0.0.1, [::1] and the HTTP host Serve binds; with keys any",
+    )
+    allowed_origins: tuple[str, ...] = Field(
+        (),
+        description="browser origins (scheme://host[:port]) besides the server's own that may POST or DELETE on a "
+        "server without API keys, '*' for any; other cross-origin writes get 403 (cross-site request forgery)",
+    )
+
+
+# OpenAI's speech voices. The presets' built-in speakers are dummy_female and dummy_male: OpenAI's voices split
+# between them by the register OpenAI describes (an official model dir names its own speakers in `openai.voices`).
+OPENAI_VOICE_NAMES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "coral",
+    "echo",
+    "fable",
+    "onyx",
+    "nova",
+    "sage",
+    "shimmer",
+    "verse",
+    "marin",
+    "cedar",
+)
+
+DEFAULT_OPENAI_VOICES = {
+    "alloy": "dummy_female",
+    "ash": "dummy_male",
+    "ballad": "dummy_male",
+    "coral": "dummy_female",
+    "echo": "dummy_male",
+    "fable": "dummy_male",
+    "onyx": "dummy_male",
+    "nova": "dummy_female",
+    "sage": "dummy_female",
+    "shimmer": "dummy_female",
+    "verse": "dummy_male",
+    "marin": "dummy_female",
+    "cedar": "dummy_male",
+}
+
+DEFAULT_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+class OpenAIArgs(StrictArgs):
+    """What lets code written for OpenAI's speech endpoint run unchanged: its model and voice names, and instructions
+    that a voice cannot follow."""
+
+    model_aliases: tuple[str, ...] = Field(
+        DEFAULT_MODEL_ALIASES, description="`model` values accepted besides the served model name (and listed)"
+    )
+    voices: dict[str, str] = Field(
+        default_factory=lambda: dict(DEFAULT_OPENAI_VOICES),
+        description="voice name -> a built-in speaker or registered voice id of the served model",
+    )
+    strict_instructions: bool = Field(
+        False,
+        description="answer 400 to `instructions` the voice cannot follow (/v1/audio/speech, the text stream's "
+        "start); false: speak the input without them, as OpenAI's tts-1 does, and say so (X-Instructions: ignored)",
+    )
+
+    @model_validator(mode="after")
+    def _names_are_not_empty(self) -> OpenAIArgs:
+        if any(not alias.strip() for alias in self.model_aliases):
+            raise ValueError("openai.model_aliases must not hold empty names")
+        if any(not name.strip() or not target.strip() for name, target in self.voices.items()):
+            raise ValueError("openai.voices must map non-empty names to non-empty voices")
+        return self
+
+
+class AudioArgs(StrictArgs):
+    """The bit rates of the lossy formats, chosen for clean speech at 22-24 kHz mono: mp3 at the 160 kbit/s MPEG-2
+    maximum at those rates, aac and opus where speech has no audible artefacts."""
+
+    mp3_kbps: int = Field(160, ge=32, le=160, description="mp3 (MPEG-2 layer III at 22.05/24 kHz: 160 at most)")
+    aac_kbps: int = Field(96, ge=16, le=256, description="aac (no audible artefacts on speech at 96)")
+    opus_kbps: int = Field(64, ge=6, le=256, description="opus (no audible artefacts on speech at 64)")
+
+    def bit_rate(self, format_name: str) -> int | None:
+        """Bits per second of a lossy format; None for the lossless ones."""
+        kbps = {"mp3": self.mp3_kbps, "aac": self.aac_kbps, "opus": self.opus_kbps}.get(format_name)
+        return None if kbps is None else kbps * 1000
+
+
+class ProvisionedVoiceArgs(StrictArgs):
+    """A voice registered at start-up (idempotently: the same id on every start and every replica is one voice),
+    shared by every API key, outside `limits.max_voices_per_key`; only an admin key deletes it (the next start
+    registers it again)."""
+
+    file: str = Field(
+        min_length=1,
+        description="the recording (1-30 s, wav/flac/ogg/mp3, 16-48 kHz): a path every encoder node can read (the "
+        "model volume) or an object-store URL (s3://bucket/key)",
+    )
+    transcript: str = Field(min_length=1, description="what the recording says")
+    id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="the operator's name for it; its registry id is this when it has the shape voice_<12 hex>, else "
+        "one derived from it (GET /v1/voices shows it)",
+    )
+    name: str | None = Field(None, min_length=1, max_length=64, description="its display name (default: id)")
+    openai_name: str | None = Field(
+        None, min_length=1, description="the OpenAI voice name (alloy, ash, ...) that stands for it in openai.voices"
+    )
+
+    @property
+    def voice_id(self) -> str:
+        return provisioned_voice_id(self.id)
+
+    @model_validator(mode="after")
+    def _readable_path(self) -> ProvisionedVoiceArgs:
+        if not is_store_url(self.file) and ".." in Path(self.file).parts:
+            raise ValueError(f"voice file path {self.file!r} must not contain '..'")
+        if not self.transcript.strip():
+            raise ValueError("a provisioned voice needs a transcript")
+        return self
