@@ -11,6 +11,7 @@ from typing import Any
 from ray import serve
 
 from engine.errors import CosyVoiceError, InvalidInputError
+from engine.families.base import InstructionSupport
 from engine.loading.loader import load_model
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, model_directory
 from engine.runtime.bistream import BistreamStart
@@ -67,6 +68,30 @@ class VoiceCloningConfig:
     prompt_audio: PromptAudioLimits
     voices: tuple[ProvisionedVoice, ...] = ()  # registered at start-up, idempotently
     default_voice: bool = True  # a model without built-in speakers is provisioned DEFAULT_VOICE too
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress knows of the served model, asked once from an encoder replica (`Encoder.info`)."""
+
+    model: str  # the loaded model's name
+    family: str  # its family's name (CosyVoice2, ...)
+    version: int
+    instructions: InstructionSupport  # how it takes instructions (the family's answer for this model)
+    streaming: bool  # its family streams
+    streaming_speed: bool  # ... at any speed, not only 1.0
+    bistream: bool  # its family bi-streams a text that comes piece by piece (CosyVoice2/3)
+    voices: tuple[str, ...]  # the built-in speakers
+    sample_rate: int
+    speech_tokens_per_s: int
+    voice_cloning: bool  # voices can be registered
+    llm_checkpoint: str | None  # the LLM checkpoint it runs (None: dummy weights)
+    default_voice: str | None  # the id OpenAI's voice names fall back to on a model without speakers, if any
+    languages: tuple[str, ...]
+
+    def streams_at(self, speed: float) -> bool:
+        """Whether a request at `speed` streams (CosyVoice3, as the official code, at 1.0 only)."""
+        return self.streaming and (speed == 1.0 or self.streaming_speed)
 
 
 DEFAULT_VOICE = ProvisionedVoice(
@@ -233,24 +258,24 @@ class Encoder:
     def delete_voice(self, voice_id: str, caller: Caller) -> bool:
         return self.registry is not None and self.registry.delete(voice_id, caller)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ModelInfo:
         family = self.stage.model.config.family
-        return {
-            "model": self.model_name,
-            "family": family.name,
-            "version": family.version,
-            "instructions": family.instruction_support(self.model_name),
-            "streaming": family.streaming is not None,
-            "streaming_speed": family.streaming is not None and family.streaming.streams_speed,
-            "bistream": family.bistream,
-            "voices": self.stage.voices,
-            "sample_rate": self.stage.sample_rate,
-            "speech_tokens_per_s": self.stage.model.config.speech_token_rate,
-            "voice_cloning": self.cloner is not None,
-            "llm_checkpoint": self.llm_checkpoint,
-            "default_voice": self.default_voice,
-            "languages": list(family.languages),
-        }
+        return ModelInfo(
+            model=self.model_name,
+            family=family.name,
+            version=family.version,
+            instructions=family.instruction_support(self.model_name),
+            streaming=family.streaming is not None,
+            streaming_speed=family.streaming is not None and family.streaming.streams_speed,
+            bistream=family.bistream,
+            voices=tuple(self.stage.voices),
+            sample_rate=self.stage.sample_rate,
+            speech_tokens_per_s=self.stage.model.config.speech_token_rate,
+            voice_cloning=self.cloner is not None,
+            llm_checkpoint=self.llm_checkpoint,
+            default_voice=self.default_voice,
+            languages=tuple(family.languages),
+        )
 
     def ping(self) -> bool:
         return True
