@@ -15,7 +15,7 @@ from engine.families.base import InstructionSupport
 from engine.loading.loader import load_model
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, model_directory
 from engine.runtime.bistream import BistreamStart
-from engine.runtime.pipeline import EncodingPlan, SynthesisRequest, TextEncoderStage
+from engine.runtime.pipeline import SegmentText, SynthesisRequest, TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
 from engine.voices.default_voice import (
@@ -94,6 +94,22 @@ class ModelInfo:
         return self.streaming and (speed == 1.0 or self.streaming_speed)
 
 
+@dataclass(frozen=True)
+class SentencePlan:
+    """A request's sentences as `Encoder.encode_first` split them, held by the ingress while the first is decoded and
+    given back to `Encoder.encode_planned` (any replica) for the others: their texts and whose voice they are spoken
+    in, not the voice's arrays (embeddings, prompt speech and features), which the encoder looks up again rather than
+    send them to the ingress and back."""
+
+    request: SynthesisRequest  # validated: its seed is drawn
+    caller: Caller  # who asked: a registered voice is one this caller sees (encode_first checked)
+    texts: tuple[SegmentText, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.texts)
+
+
 DEFAULT_VOICE = ProvisionedVoice(
     file=str(DEFAULT_VOICE_FILE),
     transcript=DEFAULT_VOICE_TRANSCRIPT,
@@ -167,17 +183,20 @@ class Encoder:
 
     def encode_first(
         self, request: SynthesisRequest, request_id: str, caller: Caller
-    ) -> tuple[list[EncodedSegment], EncodingPlan]:
+    ) -> tuple[list[EncodedSegment], SentencePlan]:
         """The first sentence's segment alone, and the plan whose other sentences `encode_planned` encodes: the first
         can reach the decoder while the others are encoded (each segment is as `encode` makes it); a registered voice
         must be one `caller` sees."""
         plan = self.stage.plan(request, prompt=self.registered_prompt(request.voice, caller))
         first = self.stage.encode_planned(plan, 0, 1)
         logger.info("encoded the first of %d segment(s)", plan.num_segments, extra={"request_id": request_id})
-        return first, plan
+        return first, SentencePlan(plan.request, caller, plan.texts)
 
-    def encode_planned(self, plan: EncodingPlan, start: int, request_id: str = "") -> list[EncodedSegment]:
-        """The segments of the plan's sentences from `start` on, in order (its voice was checked by `encode_first`)."""
+    def encode_planned(self, sentences: SentencePlan, start: int, request_id: str = "") -> list[EncodedSegment]:
+        """The segments of the plan's sentences from `start` on, in order, their voice looked up again on this
+        replica."""
+        request = sentences.request
+        plan = self.stage.replan(request, sentences.texts, self.registered_prompt(request.voice, sentences.caller))
         segments = self.stage.encode_planned(plan, start)
         logger.info("encoded segments %d to %d", start, plan.num_segments - 1, extra={"request_id": request_id})
         return segments

@@ -18,10 +18,10 @@ from fastapi.responses import Response, StreamingResponse
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from deployments.encoder import ModelInfo
+from deployments.encoder import ModelInfo, SentencePlan
 from engine.errors import InvalidInputError
 from engine.families.cosyvoice1 import INSTRUCT_MODEL_MARK
-from engine.runtime.pipeline import EncodingPlan, SynthesisRequest
+from engine.runtime.pipeline import SynthesisRequest
 from engine.runtime.segment import EncodedSegment
 from engine.voices.registry import Caller, is_voice_id
 from observability.http import SynthesisTimer, endpoint_of, request_id_of
@@ -267,7 +267,7 @@ class Synthesis:
         return Response(body, media_type=output.format.media_type, headers=output.headers)
 
     async def stream_audio(
-        self, first: list[EncodedSegment], plan: EncodingPlan, request_id: str
+        self, first: list[EncodedSegment], plan: SentencePlan, request_id: str
     ) -> AsyncIterator[np.ndarray]:
         """Audio chunks of the plan's sentences in order, through the decoder's streaming path (which ends the request
         at its ceilings: `limits.max_stream_s`, `limits.max_audio_s`): `first` (its first sentences, encoded) at once,
