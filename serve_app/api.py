@@ -4,6 +4,7 @@ settings."""
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,16 +51,22 @@ def _reject_request_id(message: str) -> JSONResponse:
     return JSONResponse(error_body(400, message, "invalid_request_id"), status_code=400)
 
 
-def build_api(routers: Iterable[APIRouter], guard: GuardSettings, tenancy: TenancySettings) -> FastAPI:
-    """The app of `routers` behind the middlewares, with these settings of the guard and the tenancy."""
+class RouteGroup(Protocol):
+    """Routes on the ingress replica's `Synthesis` (serve_app's `*_routes` modules)."""
+
+    def router(self) -> APIRouter: ...
+
+
+def build_api(groups: Iterable[RouteGroup], guard: GuardSettings, tenancy: TenancySettings) -> FastAPI:
+    """The app of the route groups behind the middlewares, with these settings of the guard and the tenancy."""
     api = FastAPI(
         title="cosyvoice-serve",
         description="CosyVoice text-to-speech on Ray Serve",
         exception_handlers=EXCEPTION_HANDLERS,
     )
     api.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    for router in routers:
-        api.include_router(router)
+    for group in groups:
+        api.include_router(group.router())
     # Each key's identity and in-flight limit, inside the guard: with keys on, only valid keys reach it.
     api.add_middleware(KeyTenancy, error_body=error_body, settings=tenancy)
     # API keys and the body size limit; added before the next, so it runs inside the observability middleware (401s

@@ -27,7 +27,7 @@ from engine.voices.cloning import PromptAudioLimits
 from engine.voices.registry import Caller
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
-from serve_app.api import build_api
+from serve_app.api import RouteGroup, build_api
 from serve_app.args import AppArgs, AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.browser_rules import browser_rules
 from serve_app.guard import BodyTimeouts, GuardSettings, load_api_keys, load_keys, serving_warnings
@@ -112,7 +112,7 @@ class IngressReplica:
         synthesis = Synthesis(encoder, router, model_name, limits, openai or OpenAIArgs(), audio or AudioArgs())
         text_relays = TextRelays()  # the text streams' relay to the decoders (CosyVoice2/3)
         openai_routes = OpenAIRoutes(synthesis)
-        self.route_groups = (
+        self.route_groups: tuple[RouteGroup, ...] = (
             HealthRoutes(synthesis, warnings, text_relays, wyoming),
             VoiceRoutes(synthesis),
             openai_routes,
@@ -123,14 +123,16 @@ class IngressReplica:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The replica's app, which Serve asks for once the replica is made."""
-        return build_api((group.router() for group in self.route_groups), self.guard, self.tenancy)
+        return build_api(self.route_groups, self.guard, self.tenancy)
 
     async def wyoming_catalog(self, caller: Caller) -> WyomingCatalog:
+        """Wyoming's `describe` for `caller` (`WyomingSpeech.catalog`)."""
         return await self.wyoming_calls.catalog(caller)
 
     async def wyoming_speech(
         self, text: str, voice: str | None, caller: Caller, request_id: str
     ) -> AsyncIterator[tuple[int, bytes]]:
+        """Wyoming's `synthesize`: `text` as PCM chunks (`WyomingSpeech.speech`), streamed through the handle."""
         async for chunk in self.wyoming_calls.speech(text, voice, caller, request_id):
             yield chunk
 
