@@ -7,7 +7,7 @@ cannot follow `start`'s instructions, which were ignored, `instructions: "ignore
 message, or a failure, gets an `error` event in OpenAI's error shape and a close (1008 for the client's errors, 1013
 for a 503, 1011 else).
 
-CosyVoice2/3 (`bistream` in the encoder's info): one bi-streamed utterance per session (engine.runtime.bistream, the
+CosyVoice2/3 (`ModelInfo.bistream`): one bi-streamed utterance per session (engine.runtime.bistream, the
 official `inference_bistream`): each text delta is tokenized as it comes and its ids go, through this replica's
 `TextRelay` actor, to the one decoder call speaking the session, so audio starts before the text is complete;
 `flush` changes nothing there. v1, whose LLM has no bi-streaming, is sentence-buffered: each whole sentence
