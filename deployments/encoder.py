@@ -11,12 +11,13 @@ from typing import Any
 from ray import serve
 
 from engine.errors import CosyVoiceError, InvalidInputError
+from engine.families.base import InstructionSupport
 from engine.loading.loader import load_model
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, model_directory
 from engine.runtime.bistream import BistreamStart
 from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
-from engine.runtime.synthesis_request import EncodingPlan, SynthesisRequest
+from engine.runtime.synthesis_request import SegmentText, SynthesisRequest
 from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
 from engine.voices.default_voice import (
     DEFAULT_VOICE_FILE,
@@ -68,6 +69,46 @@ class VoiceCloningConfig:
     prompt_audio: PromptAudioLimits
     voices: tuple[ProvisionedVoice, ...] = ()  # registered at start-up, idempotently
     default_voice: bool = True  # a model without built-in speakers is provisioned DEFAULT_VOICE too
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress knows of the served model, asked once from an encoder replica (`Encoder.info`)."""
+
+    model: str  # the loaded model's name
+    family: str  # its family's name (CosyVoice2, ...)
+    version: int
+    instructions: InstructionSupport  # how it takes instructions (the family's answer for this model)
+    streaming: bool  # its family streams
+    streaming_speed: bool  # ... at any speed, not only 1.0
+    bistream: bool  # its family bi-streams a text that comes piece by piece (CosyVoice2/3)
+    voices: tuple[str, ...]  # the built-in speakers
+    sample_rate: int
+    speech_tokens_per_s: int
+    voice_cloning: bool  # voices can be registered
+    llm_checkpoint: str | None  # the LLM checkpoint it runs (None: dummy weights)
+    default_voice: str | None  # the id OpenAI's voice names fall back to on a model without speakers, if any
+    languages: tuple[str, ...]
+
+    def streams_at(self, speed: float) -> bool:
+        """Whether a request at `speed` streams (CosyVoice3, as the official code, at 1.0 only)."""
+        return self.streaming and (speed == 1.0 or self.streaming_speed)
+
+
+@dataclass(frozen=True)
+class SentencePlan:
+    """A request's sentences as `Encoder.encode_first` split them, held by the ingress while the first is decoded and
+    given back to `Encoder.encode_planned` (any replica) for the others: their texts and whose voice they are spoken
+    in, not the voice's arrays (embeddings, prompt speech and features), which the encoder looks up again rather than
+    send them to the ingress and back."""
+
+    request: SynthesisRequest  # validated: its seed is drawn
+    caller: Caller  # who asked: a registered voice is one this caller sees (encode_first checked)
+    texts: tuple[SegmentText, ...]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.texts)
 
 
 DEFAULT_VOICE = ProvisionedVoice(
@@ -143,17 +184,20 @@ class Encoder:
 
     def encode_first(
         self, request: SynthesisRequest, request_id: str, caller: Caller
-    ) -> tuple[list[EncodedSegment], EncodingPlan]:
+    ) -> tuple[list[EncodedSegment], SentencePlan]:
         """The first sentence's segment alone, and the plan whose other sentences `encode_planned` encodes: the first
         can reach the decoder while the others are encoded (each segment is as `encode` makes it); a registered voice
         must be one `caller` sees."""
         plan = self.stage.plan(request, prompt=self.registered_prompt(request.voice, caller))
         first = self.stage.encode_planned(plan, 0, 1)
         logger.info("encoded the first of %d segment(s)", plan.num_segments, extra={"request_id": request_id})
-        return first, plan
+        return first, SentencePlan(plan.request, caller, plan.texts)
 
-    def encode_planned(self, plan: EncodingPlan, start: int, request_id: str = "") -> list[EncodedSegment]:
-        """The segments of the plan's sentences from `start` on, in order (its voice was checked by `encode_first`)."""
+    def encode_planned(self, sentences: SentencePlan, start: int, request_id: str = "") -> list[EncodedSegment]:
+        """The segments of the plan's sentences from `start` on, in order, their voice looked up again on this
+        replica."""
+        request = sentences.request
+        plan = self.stage.replan(request, sentences.texts, self.registered_prompt(request.voice, sentences.caller))
         segments = self.stage.encode_planned(plan, start)
         logger.info("encoded segments %d to %d", start, plan.num_segments - 1, extra={"request_id": request_id})
         return segments
@@ -234,24 +278,24 @@ class Encoder:
     def delete_voice(self, voice_id: str, caller: Caller) -> bool:
         return self.registry is not None and self.registry.delete(voice_id, caller)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ModelInfo:
         family = self.stage.model.config.family
-        return {
-            "model": self.model_name,
-            "family": family.name,
-            "version": family.version,
-            "instructions": family.instruction_support(self.model_name),
-            "streaming": family.streaming is not None,
-            "streaming_speed": family.streaming is not None and family.streaming.streams_speed,
-            "bistream": family.bistream,
-            "voices": self.stage.voices,
-            "sample_rate": self.stage.sample_rate,
-            "speech_tokens_per_s": self.stage.model.config.speech_token_rate,
-            "voice_cloning": self.cloner is not None,
-            "llm_checkpoint": self.llm_checkpoint,
-            "default_voice": self.default_voice,
-            "languages": list(family.languages),
-        }
+        return ModelInfo(
+            model=self.model_name,
+            family=family.name,
+            version=family.version,
+            instructions=family.instruction_support(self.model_name),
+            streaming=family.streaming is not None,
+            streaming_speed=family.streaming is not None and family.streaming.streams_speed,
+            bistream=family.bistream,
+            voices=tuple(self.stage.voices),
+            sample_rate=self.stage.sample_rate,
+            speech_tokens_per_s=self.stage.model.config.speech_token_rate,
+            voice_cloning=self.cloner is not None,
+            llm_checkpoint=self.llm_checkpoint,
+            default_voice=self.default_voice,
+            languages=tuple(family.languages),
+        )
 
     def ping(self) -> bool:
         return True

@@ -1,9 +1,8 @@
 """Request checks in front of the HTTP API: bearer API keys, the request body size and read time, the Host and
 Origin of browser requests, safe voice names.
 
-`RequestGuard` is a plain ASGI middleware on the ingress's FastAPI app. The app object is frozen into the
-deployment when the module is imported, so its settings cannot be passed at construction: each ingress
-replica (one per process) installs them with `configure_guard` from its `__init__`.
+`RequestGuard` is a plain ASGI middleware on the ingress's FastAPI app, which each ingress replica builds with its
+settings (`serve_app.api.build_api`); the browser rules it applies are `serve_app.browser_rules`'.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from engine.errors import InvalidInputError
+from serve_app.browser_rules import WEBSOCKET, BrowserRules, header
 from serve_app.exposure import is_loopback
 from serve_app.request_args import SecurityArgs
 
@@ -39,6 +39,12 @@ Headers = list[tuple[bytes, bytes]]
 OPEN_PATHS = frozenset({"/healthz", "/", "/favicon.ico"})
 OPEN_PREFIXES = ("/static/",)
 MAX_VOICE_NAME_CHARS = 128
+
+# A browser's WebSocket cannot send an Authorization header: it may offer the key as a subprotocol instead, this
+# prefix and the key in unpadded base64url (Kubernetes does the same), next to `WEBSOCKET_PROTOCOL`, which the
+# server accepts.
+WEBSOCKET_PROTOCOL = "cosyvoice-tts"
+WEBSOCKET_KEY_PROTOCOL_PREFIX = "cosyvoice-tts.bearer."
 
 
 class BodyReadTimeoutError(Exception):
@@ -70,110 +76,6 @@ class BodyTimeouts:
         return timed
 
 
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "[::]"})
-ANY = "*"
-# Methods a cross-site form or fetch can send that change something here (GET and HEAD only read).
-WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-# A WebSocket handshake is checked as a write: any page may open one to any host (CORS does not cover it), and a
-# text stream synthesizes.
-WEBSOCKET = "WEBSOCKET"
-# A browser's WebSocket cannot send an Authorization header: it may offer the key as a subprotocol instead, this
-# prefix and the key in unpadded base64url (Kubernetes does the same), next to `WEBSOCKET_PROTOCOL`, which the
-# server accepts.
-WEBSOCKET_PROTOCOL = "cosyvoice-tts"
-WEBSOCKET_KEY_PROTOCOL_PREFIX = "cosyvoice-tts.bearer."
-
-
-def normalized_host(host: str) -> str:
-    """A host as a Host header spells it: lowercase, no trailing dot, an IPv6 address in brackets."""
-    host = host.strip().lower().rstrip(".")
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def host_of(authority: str) -> str:
-    """The host of a Host header value: 'example.com:8000' -> 'example.com', '[::1]:8000' -> '[::1]'."""
-    authority = authority.strip().lower()
-    if authority.startswith("["):
-        return authority.partition("]")[0] + "]"
-    return authority.partition(":")[0].rstrip(".")
-
-
-def without_default_port(authority: str, scheme: str | None = None) -> str:
-    """`authority` lowercase, without the default port of `scheme` (of either http or https when None)."""
-    authority = authority.strip().lower()
-    ports = {"http": (":80",), "https": (":443",)}.get(scheme or "", (":80", ":443"))
-    for port in ports:
-        if authority.endswith(port):
-            return authority.removesuffix(port)
-    return authority
-
-
-def origin_authority(origin: str) -> str | None:
-    """'https://Example.com:443' -> 'example.com'; None for an opaque ('null') or malformed origin."""
-    scheme, separator, authority = origin.strip().lower().partition("://")
-    if not separator or not authority or "/" in authority:
-        return None
-    return without_default_port(authority, scheme)
-
-
-def header(headers: list[tuple[bytes, bytes]], wanted: bytes) -> str | None:
-    for name, value in headers:
-        if name.lower() == wanted:
-            return value.decode("latin-1")
-    return None
-
-
-@dataclass(frozen=True)
-class BrowserRules:
-    """Defences of a server without API keys against web pages in the user's browser: an unknown Host (DNS
-    rebinding: another site's name resolved to this server) gets 421, a write from another origin (cross-site
-    request forgery) 403. Clients that are not browsers send no Origin and a Host that names the server."""
-
-    allowed_hosts: frozenset[str] | None = None  # None: any
-    allowed_origins: frozenset[str] | None = None  # cross-origin writes from these; None: any (no check)
-
-    def refusal(self, method: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, str, str] | None:
-        """(status, message, code) for a request these rules refuse, None for one they let through."""
-        host_header = header(headers, b"host")
-        if self.allowed_hosts is not None and host_header is not None:
-            host = host_of(host_header)
-            if host not in self.allowed_hosts:
-                allowed = ", ".join(sorted(self.allowed_hosts))
-                return 421, f"unknown host {host!r}: this server answers {allowed} (security.allowed_hosts)", "bad_host"
-        origin = header(headers, b"origin")
-        if self.allowed_origins is None or origin is None or method.upper() not in WRITE_METHODS | {WEBSOCKET}:
-            return None
-        same_origin = host_header is not None and origin_authority(origin) == without_default_port(host_header)
-        if same_origin or origin.strip().lower().rstrip("/") in self.allowed_origins:
-            return None
-        return (
-            403,
-            f"cross-origin {method.upper()} from {origin!r} refused: a server without API keys takes writes from "
-            "its own pages and from clients that send no Origin (set security.api_keys, or list the origin in "
-            "security.allowed_origins)",
-            "cross_origin_refused",
-        )
-
-
-def browser_rules(security: SecurityArgs, bound_host: str | None, has_keys: bool) -> BrowserRules:
-    """The rules of `security` for a server whose HTTP proxy binds `bound_host` (None: unknown). With API keys no
-    page can act for the user (it cannot read the key), so the defaults check nothing; without keys they accept
-    the loopback names and the bound host, and writes from the server's own origin."""
-    if security.allowed_hosts is not None:
-        hosts = None if ANY in security.allowed_hosts else frozenset(map(normalized_host, security.allowed_hosts))
-    elif has_keys:
-        hosts = None
-    else:
-        bound = normalized_host(bound_host or "")
-        hosts = LOOPBACK_HOSTS | ({bound} if bound not in WILDCARD_HOSTS else set())
-    if has_keys or ANY in security.allowed_origins:
-        origins = None
-    else:
-        origins = frozenset(origin.strip().lower().rstrip("/") for origin in security.allowed_origins)
-    return BrowserRules(hosts, origins)
-
-
 def serving_warnings(security: SecurityArgs, bound_host: str | None, has_keys: bool) -> tuple[str, ...]:
     """What is unsafe in how the server runs: serving beyond loopback without API keys."""
     if has_keys or bound_host is None or is_loopback(bound_host):
@@ -194,19 +96,10 @@ class GuardSettings:
     # Paths whose bodies may be larger than `max_body_bytes` (uploads), and their own limit.
     body_limits_by_path: Mapping[str, int] = field(default_factory=dict)
     body_timeouts: BodyTimeouts = BodyTimeouts()
-    browser: BrowserRules = BrowserRules()
+    browser: BrowserRules = field(default_factory=BrowserRules)
 
     def body_limit(self, path: str) -> int:
         return self.body_limits_by_path.get(path, self.max_body_bytes)
-
-
-_settings: GuardSettings | None = None
-
-
-def configure_guard(settings: GuardSettings | None) -> None:
-    """Install this process's settings; None turns the guard off."""
-    global _settings
-    _settings = settings
 
 
 def load_keys(
@@ -304,13 +197,14 @@ class RequestGuard:
     (when keys are configured; /healthz and the page are open), 413 for a body over the limit, 408 for one that
     does not arrive in time."""
 
-    def __init__(self, app: ASGIApp, error_body: ErrorBody) -> None:
+    def __init__(self, app: ASGIApp, error_body: ErrorBody, settings: GuardSettings) -> None:
         self.app = app
         self.error_body = error_body
+        self.settings = settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        settings = _settings
-        if scope["type"] not in ("http", "websocket") or settings is None:
+        settings = self.settings
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         headers = scope.get("headers", [])

@@ -5,12 +5,15 @@ import logging
 import time
 from typing import Any
 
+from fastapi import APIRouter
 from fastapi.responses import FileResponse, JSONResponse
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
-from serve_app.api import STATIC_DIR, api
+from deployments.text_relay import TextRelays
+from serve_app.api import STATIC_DIR
 from serve_app.exposure import exposure_warning
-from serve_app.ingress_base import IngressBase
+from serve_app.synthesis import Synthesis
 
 logger = logging.getLogger("ray.serve")
 
@@ -20,33 +23,56 @@ HEALTH_MAX_AGE_S = 1.0
 HEALTH_PROBE_TIMEOUT_S = 2.0
 
 
-class HealthRoutes(IngressBase):
-    @api.get("/", include_in_schema=False)
+class HealthRoutes:
+    """The page, the probe and the model list, on the replica's `Synthesis`; `serving_warnings` (what is unsafe in
+    how the server runs), the text streams' relays and the Wyoming listener (None: off) are what `/healthz` reports
+    beside the replica counts."""
+
+    def __init__(
+        self,
+        synthesis: Synthesis,
+        serving_warnings: tuple[str, ...],
+        text_relays: TextRelays,
+        wyoming: DeploymentHandle | None = None,
+    ) -> None:
+        self.synthesis = synthesis
+        self.serving_warnings = serving_warnings
+        self.text_relays = text_relays
+        self.wyoming = wyoming
+        self._wyoming_warnings: tuple[str, ...] | None = None
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/", self.page, methods=["GET"], include_in_schema=False)
+        router.add_api_route("/favicon.ico", self.favicon, methods=["GET"], include_in_schema=False)
+        router.add_api_route("/healthz", self.healthz, methods=["GET"])
+        router.add_api_route("/v1/models", self.models, methods=["GET"])
+        return router
+
     async def page(self) -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
-    @api.get("/favicon.ico", include_in_schema=False)
     async def favicon(self) -> FileResponse:
         return FileResponse(STATIC_DIR / "favicon.svg", media_type="image/svg+xml")
 
-    @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
         """200 while the encoder and a decoder deployment (GPU or its CPU fallback) have a running replica, else 503.
 
         From the router's view, re-read when older than `HEALTH_MAX_AGE_S` (so a probe sees a replica's death within
         about a second: the view counts only replicas whose actor is alive), else the view it has.
         """
+        router = self.synthesis.router
         try:
-            await self.router.refresh_if_older(serve.get_replica_context().app_name, HEALTH_MAX_AGE_S)
+            await router.refresh_if_older(serve.get_replica_context().app_name, HEALTH_MAX_AGE_S)
         except Exception as exc:  # the last view stands
             logger.warning("could not re-read the replica counts for /healthz: %s", exc)
-        ready = self.router.ready()
+        ready = router.ready()
         relay_problem = await self.text_relays.problem(HEALTH_PROBE_TIMEOUT_S)
         exposed = await asyncio.to_thread(exposure_warning)  # read afresh: replicas come and go (~10 ms)
-        polled_at = self.router.polled_at
+        polled_at = router.polled_at
         body = {
             "status": "unavailable" if not ready else "degraded" if relay_problem else "ok",
-            "running_replicas": self.router.running,
+            "running_replicas": router.running,
             "checked_s_ago": None if polled_at is None else round(time.monotonic() - polled_at, 3),
             # serving beyond loopback without API keys, Ray's ports on every interface, a lost text relay, Wyoming's
             "warnings": [
@@ -70,13 +96,12 @@ class HealthRoutes(IngressBase):
                 return (f"the Wyoming listener does not answer ({type(exc).__name__}): see the WyomingServer's log",)
         return self._wyoming_warnings
 
-    @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         """The served model, then its aliases (openai.model_aliases): `model` may be any of them; each says which LLM
         checkpoint the model runs (None: dummy weights)."""
-        checkpoint = (await self.model_info())["llm_checkpoint"]
+        checkpoint = (await self.synthesis.model_info()).llm_checkpoint
         data = [
             {"id": name, "object": "model", "owned_by": "cosyvoice-serve", "llm_checkpoint": checkpoint}
-            for name in self.model_names
+            for name in self.synthesis.model_names
         ]
         return {"object": "list", "data": data}

@@ -1,44 +1,148 @@
 """The ingress deployment `TTSIngress` and the application builder `build_app(args)`.
 
-`TTSIngress` is one Serve replica class made of the route groups: health and models (`health_routes`), voices
-(`voice_routes`), OpenAI's speech endpoint (`openai_routes`) with its text stream WebSocket (`speech_stream_routes`)
-and the native endpoint (`native_routes`), the speech routes on the shared synthesis path (`synthesis`). The FastAPI
-app with its handlers and middlewares is `serve_app.api`.
+`TTSIngress` is one Serve replica made by composition: it holds one `Synthesis` (the way to the encoder and the
+decoders, `serve_app.synthesis`) and the route groups on it: health and models (`health_routes`), voices
+(`voice_routes`), OpenAI's speech endpoint (`openai_routes`) with its text stream WebSocket (`speech_stream_routes`),
+and the native endpoint (`native_routes`); Serve asks it for its FastAPI app (`serve_app.api.build_api`, with the
+middlewares' settings of this replica) once it is made. Its own methods are what the Wyoming listener calls
+(`wyoming_speech`).
 """
 
+import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
 
-from autoscaling.policy import cpu_fallback_autoscaling_config
+from autoscaling.policy import RayWakeBoard, ScalingRules, WakeRule, cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
+from deployments.text_relay import TextRelays
 from engine.loading.model_source import hub_model, served_name
 from engine.voices.cloning import MAX_PROMPT_CHANNELS, PromptAudioLimits
+from engine.voices.registry import Caller
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
-from serve_app.api import api
+from serve_app.api import RouteGroup, build_api
 from serve_app.args import AppArgs
+from serve_app.browser_rules import browser_rules
+from serve_app.guard import BodyTimeouts, GuardSettings, load_api_keys, load_keys, serving_warnings
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
+from serve_app.openai_routes import OpenAIRoutes
 from serve_app.replica_args import WYOMING_NUM_CPUS
-from serve_app.routing import CPU_DECODER
+from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
+from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.speech_stream_routes import SpeechStreamRoutes
-from serve_app.voice_routes import VoiceRoutes
-from serve_app.wyoming_speech import WyomingSpeech
+from serve_app.synthesis import Synthesis
+from serve_app.tenancy import TenancySettings
+from serve_app.voice_routes import VOICES_PATH, VoiceRoutes
+from serve_app.wyoming_speech import WyomingCatalog, WyomingSpeech
+
+logger = logging.getLogger("ray.serve")
+
+# Room for the multipart framing and the text fields around the audio of a voice upload (POST /v1/voices).
+UPLOAD_FORM_OVERHEAD_BYTES = 64 << 10
 
 
-class IngressRoutes(HealthRoutes, VoiceRoutes, SpeechStreamRoutes, WyomingSpeech, NativeRoutes):
-    """The HTTP ingress: every route group on one replica (Serve finds inherited routes through the class's MRO), and
-    the Wyoming listener's calls (`WyomingSpeech`)."""
+def serve_http_host() -> str | None:
+    """The host Serve's HTTP proxies bind (`http_options.host`), from the controller; None where it is unknown."""
+    try:
+        # Ray 2.60 has no public getter for it; serve.status() goes through the same client.
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception as exc:
+        logger.warning("could not read Serve's HTTP host (%s): Host checks accept the loopback names only", exc)
+        return None
 
 
-# The routes' class is a module attribute of its own (the deployment is not a class): a replica unpickling the
-# deployment then imports this module, whose `serve.ingress` binds each route's `self` in that process too. The
-# serve_app package builds nothing on import (the CLI must start at once), so nothing else would.
-TTSIngress = serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)(serve.ingress(api)(IngressRoutes))
+def request_checks(
+    security: SecurityArgs, limits: LimitsArgs, bound_host: str | None
+) -> tuple[GuardSettings, TenancySettings, tuple[str, ...]]:
+    """The middlewares' settings of an ingress replica whose HTTP proxies bind `bound_host` (its API keys read from
+    `security` and this process's environment), and the warnings of how it serves."""
+    keys = load_api_keys(security)
+    admin_keys = load_keys(security.admin_keys, security.admin_keys_env)
+    keys_on = bool(keys + admin_keys)
+    upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
+    guard = GuardSettings(
+        keys + admin_keys,
+        limits.max_body_bytes,
+        {VOICES_PATH: upload_limit},
+        body_timeouts=BodyTimeouts(limits.body_read_timeout_s, limits.body_read_deadline_s),
+        browser=browser_rules(security, bound_host, keys_on),
+    )
+    tenancy = TenancySettings(
+        keys_on=keys_on,
+        admin_keys=admin_keys,
+        max_concurrent_requests_per_key=limits.max_concurrent_requests_per_key,
+        retry_after_s=limits.retry_after_s,
+    )
+    return guard, tenancy, serving_warnings(security, bound_host, keys_on)
+
+
+@serve.ingress()
+class IngressReplica:
+    """The HTTP ingress: one `Synthesis`, the route groups on it and their app, and the Wyoming listener's calls."""
+
+    def __init__(
+        self,
+        encoder: DeploymentHandle,
+        decoder: DeploymentHandle,
+        model_name: str,
+        limits: LimitsArgs,
+        security: SecurityArgs | None = None,
+        openai: OpenAIArgs | None = None,
+        audio: AudioArgs | None = None,
+        decoder_cpu: DeploymentHandle | None = None,
+        routing_poll_s: float = 2.0,
+        gpu_rules: ScalingRules | None = None,
+        wake: WakeRule | None = None,
+        wyoming: DeploymentHandle | None = None,
+    ) -> None:
+        self.guard, self.tenancy, warnings = request_checks(security or SecurityArgs(), limits, serve_http_host())
+        for warning in warnings:
+            logger.warning(warning)
+        decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
+        router = DecoderRouter(decoders, routing_poll_s, gpu_rules, RayWakeBoard() if wake else None)
+        router.start(serve.get_replica_context().app_name)
+        synthesis = Synthesis(encoder, router, model_name, limits, openai or OpenAIArgs(), audio or AudioArgs())
+        text_relays = TextRelays()  # the text streams' relay to the decoders (CosyVoice2/3)
+        openai_routes = OpenAIRoutes(synthesis)
+        self.route_groups: tuple[RouteGroup, ...] = (
+            HealthRoutes(synthesis, warnings, text_relays, wyoming),
+            VoiceRoutes(synthesis),
+            openai_routes,
+            SpeechStreamRoutes(synthesis, openai_routes, text_relays),
+            NativeRoutes(synthesis),
+        )
+        self.wyoming_calls = WyomingSpeech(synthesis)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The replica's app, which Serve asks for once the replica is made."""
+        return build_api(self.route_groups, self.guard, self.tenancy)
+
+    async def wyoming_catalog(self, caller: Caller) -> WyomingCatalog:
+        """Wyoming's `describe` for `caller` (`WyomingSpeech.catalog`)."""
+        return await self.wyoming_calls.catalog(caller)
+
+    async def wyoming_speech(
+        self, text: str, voice: str | None, caller: Caller, request_id: str
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """Wyoming's `synthesize`: `text` as PCM chunks (`WyomingSpeech.speech`), streamed through the handle."""
+        async for chunk in self.wyoming_calls.speech(text, voice, caller, request_id):
+            yield chunk
+
+
+# A module attribute of its own (the deployment is not a class): a replica unpickling the deployment imports this
+# module, and so the classes its replica is made of. The serve_app package builds nothing on import (the CLI must
+# start at once).
+TTSIngress = serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)(IngressReplica)
 
 
 def queue_bound(max_queued_requests: int | None) -> int:

@@ -4,18 +4,17 @@
 import logging
 import re
 from collections.abc import Hashable
-from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from deployments.encoder import ModelInfo
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import Caller
-from serve_app.api import api
-from serve_app.audio import OPENAI_SAMPLE_RATE, audio_format
+from serve_app.audio import OPENAI_SAMPLE_RATE
 from serve_app.errors import UnknownModelError
 from serve_app.schemas import SpeechOptions, SpeechRequest
-from serve_app.synthesis import Mode, Synthesis, instructions_refusal, streams_at
+from serve_app.synthesis import Synthesis, delivery, instructions_refusal
 from serve_app.tenancy import caller_of
 
 logger = logging.getLogger("ray.serve")
@@ -50,14 +49,6 @@ def served_model(name: str, served: str, aliases: tuple[str, ...]) -> str | None
     return alias if alias != name and alias in aliases else None
 
 
-def openai_mode(stream_format: str, response_format: str, info: dict[str, Any], speed: float) -> Mode:
-    """How an OpenAI speech request is answered: "sse" events, else a streamed body ("stream", OpenAI's default),
-    or the whole file where the format, or the model's family at this speed, cannot stream."""
-    if stream_format == "sse":
-        return "sse"
-    return "stream" if audio_format(response_format).streamable and streams_at(info, speed) else "whole"
-
-
 _logged_fields = LoggedOnce(MAX_LOGGED_FIELDS)
 
 
@@ -89,55 +80,66 @@ def ignored_instructions_headers(reason: str) -> dict[str, str]:
     return {"X-Instructions": "ignored", "X-Instructions-Reason": reason.encode("ascii", "backslashreplace").decode()}
 
 
-class OpenAIRoutes(Synthesis):
+class OpenAIRoutes:
+    """OpenAI's speech endpoint and Open WebUI's lists, on the replica's `Synthesis`."""
+
+    def __init__(self, synthesis: Synthesis) -> None:
+        self.synthesis = synthesis
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/v1/audio/speech", self.openai_speech, methods=["POST"])
+        router.add_api_route("/v1/audio/models", self.audio_models, methods=["GET"])
+        router.add_api_route("/v1/audio/voices", self.audio_voices, methods=["GET"])
+        return router
+
     async def openai_request(
-        self, body: SpeechOptions, text: str, caller: Caller
+        self, body: SpeechOptions, text: str, caller: Caller, info: ModelInfo
     ) -> tuple[SynthesisRequest, str | None]:
         """The synthesis request of OpenAI's speech options: the model name checked (an alias, also with a snapshot
         suffix), the voice resolved (OpenAI names included), empty instructions as none; and, where the voice cannot
         follow the instructions, why: they are dropped, as OpenAI's tts-1 ignores them (unless
         `openai.strict_instructions`, where the request goes on with them, to be refused with that reason)."""
-        if served_model(body.model, self.model_name, self.model_names[1:]) is None:
-            accepted = ", ".join(repr(name) for name in self.model_names)
+        synthesis = self.synthesis
+        if served_model(body.model, synthesis.model_name, synthesis.model_names[1:]) is None:
+            accepted = ", ".join(repr(name) for name in synthesis.model_names)
             raise UnknownModelError(
                 f"unknown model {body.model!r}; this server accepts {accepted} (an alias also with a snapshot suffix "
                 "such as -2025-12-15)"
             )
-        voice = await self.resolve_voice(body.voice_id, caller)
+        voice = await synthesis.resolve_voice(body.voice_id, caller, info)
         instructions = body.instructions if body.instructions and body.instructions.strip() else None  # "": none
         ignored = None
-        if instructions is not None and not self.openai.strict_instructions:
-            info = await self.model_info()
+        if instructions is not None and not synthesis.openai.strict_instructions:
             ignored = instructions_refusal(info, voice)
             if ignored is not None:
-                log_ignored_instructions(info["model"], voice, ignored)
+                log_ignored_instructions(info.model, voice, ignored)
                 instructions = None
         request = SynthesisRequest(
             text=text, voice=voice, instruct_text=instructions, speed=body.speed, language=body.language
         )
         return request, ignored
 
-    @api.post("/v1/audio/speech")
     async def openai_speech(self, body: SpeechRequest, http: Request) -> Response:
         """OpenAI's speech endpoint: `stream_format` "audio" streams the file as it is decoded (every format but
         flac), "sse" sends it as base64 `speech.audio.delta` events."""
         log_ignored_fields(body)
-        request, ignored = await self.openai_request(body, body.input, caller_of(http.scope))
-        mode = openai_mode(body.stream_format, body.response_format, await self.model_info(), body.speed)
-        response = await self.respond(request, body.response_format, mode, http, output_rate=OPENAI_SAMPLE_RATE)
+        info = await self.synthesis.model_info()
+        request, ignored = await self.openai_request(body, body.input, caller_of(http.scope), info)
+        answer = delivery(body.stream_format, body.response_format, info, body.speed)
+        response = await self.synthesis.respond(request, answer, info, http, output_rate=OPENAI_SAMPLE_RATE)
         if ignored is not None:
             response.headers.update(ignored_instructions_headers(ignored))
         return response
 
-    @api.get("/v1/audio/models")
     async def audio_models(self) -> dict[str, list[dict[str, str]]]:
         """Open WebUI's model list (its OpenAI engine reads `{base}/audio/models`): the names `model` takes, as
         `/v1/models` lists them."""
-        return {"models": [{"id": name} for name in self.model_names]}
+        return {"models": [{"id": name} for name in self.synthesis.model_names]}
 
-    @api.get("/v1/audio/voices")
     async def audio_voices(self, http: Request) -> dict[str, list[dict[str, str]]]:
         """Open WebUI's voice list (`{base}/audio/voices`): the voices the caller may use (`voice_catalog`), each
         with the `voice` to send (`id`) and what its menu shows (`name`)."""
-        voices = await self.voice_catalog(caller_of(http.scope))
+        info = await self.synthesis.model_info()
+        voices = await self.synthesis.voice_catalog(caller_of(http.scope), info)
         return {"voices": [{"id": voice.name, "name": voice.description} for voice in voices]}

@@ -4,7 +4,7 @@ key may have in flight.
 `KeyTenancy` is a plain ASGI middleware inside `RequestGuard`, so with keys on only requests with a valid key
 (or to an open path, without one) reach it. It puts the caller (`voice_registry.Caller`: the key's owner id and
 whether it is an admin key) on the request scope, where the endpoints read it with `caller_of`. Like the guard,
-its settings are installed per ingress replica with `configure_tenancy`, and its counts are per replica.
+each ingress replica gives it its settings (`serve_app.api.build_api`), and its counts are per replica.
 
 A key is never stored: the voices it registers hold its owner id, a one-way HMAC-SHA256 of the key.
 """
@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass
 
 from engine.voices.registry import EVERYONE, Caller
+from serve_app.browser_rules import WEBSOCKET
 from serve_app.guard import (
-    WEBSOCKET,
     ASGIApp,
     ErrorBody,
     Receive,
@@ -50,15 +50,6 @@ class TenancySettings:
     admin_keys: tuple[bytes, ...]  # keys that see, use and delete every registered voice
     max_concurrent_requests_per_key: int | None  # None: no limit
     retry_after_s: float  # the Retry-After of the 429
-
-
-_settings: TenancySettings | None = None
-
-
-def configure_tenancy(settings: TenancySettings | None) -> None:
-    """Install this process's settings; None turns the middleware off."""
-    global _settings
-    _settings = settings
 
 
 def caller_of(scope: Scope) -> Caller:
@@ -97,14 +88,15 @@ class KeyTenancy:
     has `max_concurrent_requests_per_key` requests in flight. A request holds its slot until the app returns: after
     the whole response (a stream's last chunk), an error, or a cancel (the client left)."""
 
-    def __init__(self, app: ASGIApp, error_body: ErrorBody) -> None:
+    def __init__(self, app: ASGIApp, error_body: ErrorBody, settings: TenancySettings) -> None:
         self.app = app
         self.error_body = error_body
+        self.settings = settings
         self.slots = KeySlots()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        settings = _settings
-        if scope["type"] not in ("http", "websocket") or settings is None:
+        settings = self.settings
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         if not settings.keys_on:

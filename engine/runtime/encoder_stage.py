@@ -83,6 +83,13 @@ class TextEncoderStage:
         voice = self._voice_conditioning(request, prompt)
         return EncodingPlan(request, voice, tuple(self._segment_texts(request, voice)))
 
+    def replan(
+        self, request: SynthesisRequest, texts: tuple[SegmentText, ...], prompt: VoicePrompt | None = None
+    ) -> EncodingPlan:
+        """The plan of a validated `request` whose sentences `plan` split already (`texts`), its voice made again from
+        the speaker or `prompt`: the texts are small to send, the voice's arrays are not."""
+        return EncodingPlan(request, self._voice_conditioning(request, prompt), texts)
+
     @torch.inference_mode()
     def encode_planned(self, plan: EncodingPlan, start: int = 0, stop: int | None = None) -> list[EncodedSegment]:
         """The segments of the plan's sentences `start` to `stop` (None: the last), each as `encode` makes it (its

@@ -236,21 +236,36 @@ def concurrent_adds(registries: list[Any], prompt: Callable[[int], Any], attempt
     return outcomes
 
 
-def healthz_ingress(router: Any, serving_warnings: tuple[str, ...] = ()) -> Any:
-    """What `/healthz` reads of the ingress, around `router`: its serving warnings, no text relay made yet, the
-    default limits, and no Wyoming listener."""
+def healthz_routes(router: Any, serving_warnings: tuple[str, ...] = ()) -> Any:
+    """The health route group around `router`: its serving warnings, no text relay made yet, the default limits, and
+    no Wyoming listener."""
     from types import SimpleNamespace
 
     from deployments.text_relay import TextRelays
+    from serve_app.health_routes import HealthRoutes
     from serve_app.request_args import LimitsArgs
 
-    async def no_wyoming_warnings() -> tuple[str, ...]:
-        return ()
+    return HealthRoutes(SimpleNamespace(router=router, limits=LimitsArgs()), serving_warnings, TextRelays())
 
-    return SimpleNamespace(
-        router=router,
-        serving_warnings=serving_warnings,
-        text_relays=TextRelays(),
-        limits=LimitsArgs(),
-        wyoming_warnings=no_wyoming_warnings,
-    )
+
+def model_info(**fields: Any) -> Any:
+    """The `ModelInfo` of the tiny v1 model (with neither speakers nor cloning), with `fields` instead."""
+    from deployments.encoder import ModelInfo
+
+    tiny = {
+        "model": "tiny",
+        "family": "CosyVoice v1",
+        "version": 1,
+        "instructions": "none",
+        "streaming": True,
+        "streaming_speed": True,
+        "bistream": False,
+        "voices": (),
+        "sample_rate": 22050,
+        "speech_tokens_per_s": 50,
+        "voice_cloning": False,
+        "llm_checkpoint": None,
+        "default_voice": None,
+        "languages": (),
+    }
+    return ModelInfo(**tiny | fields)

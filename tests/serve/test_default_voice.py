@@ -14,7 +14,7 @@ from engine.voices.registry import is_voice_id
 from serve_app.args import AppArgs
 from serve_app.ingress import voice_cloning_config
 from serve_app.request_args import DEFAULT_OPENAI_VOICES
-from serve_app.synthesis import mapped_voice, openai_voice_table
+from serve_app.voice_names import mapped_voice, openai_voice_table
 
 # asset/zero_shot_prompt.wav of FunAudioLLM/CosyVoice at ace7c47 (engine/voices/assets/README.md)
 OFFICIAL_SHA256 = "c7b31d6dbe7cc6a716dded00550db5b50940bf209e424e4ad207b12e657c8ff6"

@@ -8,7 +8,6 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,27 +16,26 @@ import pytest
 from fastapi import FastAPI, Request, WebSocket
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
+from serve_app.browser_rules import BrowserRules, browser_rules
 from serve_app.cli_run import startup_warnings
 from serve_app.errors import error_body
 from serve_app.guard import (
     WEBSOCKET_KEY_PROTOCOL_PREFIX,
     WEBSOCKET_PROTOCOL,
     BodyTimeouts,
-    BrowserRules,
     GuardSettings,
     RequestGuard,
-    browser_rules,
-    configure_guard,
     serving_warnings,
 )
 from serve_app.request_args import SecurityArgs
-from tests.serve.conftest import healthz_ingress
+from tests.serve.conftest import healthz_routes
 
 KEY = "k-0123456789abcdef"
 IDLE_S = 0.3
 
 
-def _app() -> FastAPI:
+def _app(settings: GuardSettings) -> FastAPI:
+    """An app behind the guard with `settings`."""
     app = FastAPI()
 
     @app.post("/echo")
@@ -54,14 +52,8 @@ def _app() -> FastAPI:
         await ws.send_text("hello")
         await ws.close()
 
-    app.add_middleware(RequestGuard, error_body=error_body)
+    app.add_middleware(RequestGuard, error_body=error_body, settings=settings)
     return app
-
-
-@pytest.fixture
-def app() -> Iterator[FastAPI]:
-    yield _app()
-    configure_guard(None)
 
 
 def _run(coro):
@@ -101,8 +93,8 @@ def _status_and_json(sent: list[dict[str, Any]]) -> tuple[int, dict[str, str], d
     return start["status"], headers, json.loads(body)
 
 
-def test_a_body_that_stalls_gets_408_and_closes_the_connection(app: FastAPI) -> None:
-    configure_guard(GuardSettings((), 1 << 20, body_timeouts=BodyTimeouts(idle_s=IDLE_S, total_s=60)))
+def test_a_body_that_stalls_gets_408_and_closes_the_connection() -> None:
+    app = _app(GuardSettings((), 1 << 20, body_timeouts=BodyTimeouts(idle_s=IDLE_S, total_s=60)))
     pieces = [{"type": "http.request", "body": b"x" * 10, "more_body": True}]
 
     async def stalls() -> dict[str, Any]:
@@ -120,9 +112,9 @@ def test_a_body_that_stalls_gets_408_and_closes_the_connection(app: FastAPI) -> 
     assert took_s >= IDLE_S
 
 
-def test_a_body_that_trickles_in_gets_408_at_the_total_deadline(app: FastAPI) -> None:
+def test_a_body_that_trickles_in_gets_408_at_the_total_deadline() -> None:
     total_s = 0.5
-    configure_guard(GuardSettings((), 1 << 20, body_timeouts=BodyTimeouts(idle_s=10, total_s=total_s)))
+    app = _app(GuardSettings((), 1 << 20, body_timeouts=BodyTimeouts(idle_s=10, total_s=total_s)))
 
     async def trickles() -> dict[str, Any]:
         await asyncio.sleep(0.02)  # never a long pause, never the end
@@ -134,8 +126,8 @@ def test_a_body_that_trickles_in_gets_408_at_the_total_deadline(app: FastAPI) ->
     assert took_s >= total_s
 
 
-def test_a_body_that_arrives_in_pieces_within_the_timeouts_passes(app: FastAPI) -> None:
-    configure_guard(GuardSettings((), 1 << 20, body_timeouts=BodyTimeouts(idle_s=IDLE_S, total_s=60)))
+def test_a_body_that_arrives_in_pieces_within_the_timeouts_passes() -> None:
+    app = _app(GuardSettings((), 1 << 20, body_timeouts=BodyTimeouts(idle_s=IDLE_S, total_s=60)))
     pieces = [{"type": "http.request", "body": b"x" * 10, "more_body": index < 4} for index in range(5)]
 
     async def in_pieces() -> dict[str, Any]:
@@ -156,8 +148,8 @@ def _requests(app: FastAPI, requests: list[tuple[str, dict[str, str]]]) -> list[
     return _run(calls())
 
 
-def test_without_keys_unknown_hosts_get_421(app: FastAPI) -> None:
-    configure_guard(GuardSettings((), 1 << 20, browser=browser_rules(SecurityArgs(), "10.0.0.5", has_keys=False)))
+def test_without_keys_unknown_hosts_get_421() -> None:
+    app = _app(GuardSettings((), 1 << 20, browser=browser_rules(SecurityArgs(), "10.0.0.5", has_keys=False)))
     allowed = ["localhost:8000", "127.0.0.1:8000", "[::1]:8000", "LOCALHOST", "10.0.0.5:8000", "localhost."]
     refused = ["evil.example:8000", "evil.example", "127.0.0.1.evil.example", "10.0.0.6:8000"]
     responses = _requests(app, [("POST", {"host": host}) for host in allowed + refused])
@@ -179,14 +171,14 @@ def test_without_keys_unknown_hosts_get_421(app: FastAPI) -> None:
     ],
 )
 def test_allowed_hosts_setting(
-    app: FastAPI, security: SecurityArgs, bound: str | None, has_keys: bool, host: str, status: int
+    security: SecurityArgs, bound: str | None, has_keys: bool, host: str, status: int
 ) -> None:
-    configure_guard(GuardSettings((), 1 << 20, browser=browser_rules(security, bound, has_keys)))
+    app = _app(GuardSettings((), 1 << 20, browser=browser_rules(security, bound, has_keys)))
     assert _requests(app, [("POST", {"host": host})])[0].status_code == status
 
 
-def test_without_keys_cross_origin_writes_get_403_and_same_origin_pages_pass(app: FastAPI) -> None:
-    configure_guard(GuardSettings((), 1 << 20, browser=browser_rules(SecurityArgs(), "127.0.0.1", has_keys=False)))
+def test_without_keys_cross_origin_writes_get_403_and_same_origin_pages_pass() -> None:
+    app = _app(GuardSettings((), 1 << 20, browser=browser_rules(SecurityArgs(), "127.0.0.1", has_keys=False)))
     own = {"host": "127.0.0.1:8000"}
     passing = [
         ("POST", own),  # curl, the openai SDKs: no Origin
@@ -207,15 +199,13 @@ def test_without_keys_cross_origin_writes_get_403_and_same_origin_pages_pass(app
     assert "security.api_keys" in error["message"]
 
 
-def test_listed_origins_and_servers_with_keys_take_cross_origin_writes(app: FastAPI) -> None:
+def test_listed_origins_and_servers_with_keys_take_cross_origin_writes() -> None:
     listed = SecurityArgs(allowed_origins=("http://localhost:3000/",))
-    configure_guard(GuardSettings((), 1 << 20, browser=browser_rules(listed, "127.0.0.1", has_keys=False)))
+    app = _app(GuardSettings((), 1 << 20, browser=browser_rules(listed, "127.0.0.1", has_keys=False)))
     own = {"host": "127.0.0.1:8000"}
     dev, other = (own | {"origin": origin} for origin in ("http://LOCALHOST:3000", "http://localhost:3001"))
     assert [response.status_code for response in _requests(app, [("POST", dev), ("POST", other)])] == [200, 403]
-    configure_guard(
-        GuardSettings((KEY.encode(),), 1 << 20, browser=browser_rules(SecurityArgs(), "0.0.0.0", has_keys=True))
-    )
+    app = _app(GuardSettings((KEY.encode(),), 1 << 20, browser=browser_rules(SecurityArgs(), "0.0.0.0", has_keys=True)))
     keyed = own | {"origin": "https://evil.example", "authorization": f"Bearer {KEY}"}
     assert _requests(app, [("POST", keyed)])[0].status_code == 200
 
@@ -234,15 +224,15 @@ def _denial(app: FastAPI, headers: dict[str, str]) -> tuple[int, dict[str, Any]]
     return denied.value.status_code, denied.value.json()["error"]
 
 
-def test_a_websocket_handshake_is_checked_as_a_write_and_may_carry_the_key_as_a_subprotocol(app: FastAPI) -> None:
+def test_a_websocket_handshake_is_checked_as_a_write_and_may_carry_the_key_as_a_subprotocol() -> None:
     # Any page may open a WebSocket to any host (CORS does not cover it): without keys, only the server's own page.
-    configure_guard(GuardSettings((), 1 << 20, browser=browser_rules(SecurityArgs(), "127.0.0.1", has_keys=False)))
+    app = _app(GuardSettings((), 1 << 20, browser=browser_rules(SecurityArgs(), "127.0.0.1", has_keys=False)))
     assert _websocket(app, {"origin": "http://127.0.0.1:8000"}) == ("hello", None)
     assert _websocket(app, {})[0] == "hello"  # a program: no Origin
     status, error = _denial(app, {"origin": "https://evil.example"})
     assert status == 403 and error["code"] == "cross_origin_refused"
 
-    configure_guard(
+    app = _app(
         GuardSettings((KEY.encode(),), 1 << 20, browser=browser_rules(SecurityArgs(), "127.0.0.1", has_keys=True))
     )
     status, error = _denial(app, {})
@@ -274,7 +264,6 @@ def test_healthz_carries_the_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.serve
 
     from serve_app import routing
-    from serve_app.ingress import TTSIngress
     from serve_app.routing import ENCODER, GPU_DECODER, DecoderRouter
 
     async def running(app_name: str, names) -> dict[str, int]:
@@ -286,7 +275,7 @@ def test_healthz_carries_the_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     async def probe(warnings: tuple[str, ...]) -> dict[str, Any]:
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)
         await router.refresh("app")
-        response = await TTSIngress.func_or_class.healthz(healthz_ingress(router, warnings))
+        response = await healthz_routes(router, warnings).healthz()
         assert response.status_code == 200
         return json.loads(response.body)
 

@@ -296,12 +296,12 @@ def test_each_request_is_counted_once_with_the_status_its_client_got_and_a_cut_s
 
     import observability.http as http_observability
     from engine.errors import InvalidInputError
-    from serve_app.api import _reject_request_id, api
+    from serve_app.api import EXCEPTION_HANDLERS, _reject_request_id
 
     counter = RecordingCounter()
     monkeypatch.setattr(http_observability, "ingress_metrics", lambda: type("M", (), {"requests": counter})())
     app = FastAPI()
-    for exception, handler in api.exception_handlers.items():  # the ingress's own error handling
+    for exception, handler in EXCEPTION_HANDLERS.items():  # the ingress's own error handling
         app.add_exception_handler(exception, handler)
     app.add_middleware(http_observability.RequestObservability, reject=_reject_request_id)
 

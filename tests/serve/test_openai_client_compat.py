@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,21 +16,23 @@ from typing import Any
 import pytest
 from fastapi.responses import Response
 
-from deployments.encoder import Encoder
+from deployments.encoder import Encoder, ModelInfo
 from engine.errors import InvalidInputError
+from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.default_voice import DEFAULT_VOICE_ID
 from engine.voices.registry import EVERYONE, Caller, VoiceRegistry
 from serve_app import openai_routes
 from serve_app.openai_routes import OpenAIRoutes, ignored_instructions_headers
-from serve_app.request_args import DEFAULT_MODEL_ALIASES, OPENAI_VOICE_NAMES, OpenAIArgs
+from serve_app.request_args import DEFAULT_MODEL_ALIASES, OPENAI_VOICE_NAMES, AudioArgs, LimitsArgs, OpenAIArgs
 from serve_app.schemas import SpeechRequest
-from serve_app.speech_stream_routes import done_event
-from serve_app.synthesis import instructions_refusal
+from serve_app.synthesis import Synthesis, instructions_refusal
+from serve_app.text_stream import done_event
+from tests.serve.conftest import model_info
 from tests.serve.test_voice_registry import ALICE, BOB, make_prompt
 
-V1_INFO = {"model": "tiny", "family": "CosyVoice v1", "instructions": "none", "voices": ["dummy_female", "dummy_male"]}
-V1_INSTRUCT_INFO = {**V1_INFO, "model": "CosyVoice-300M-Instruct", "instructions": "any_voice"}
-V3_INFO = {**V1_INFO, "model": "cosyvoice3-tiny", "family": "CosyVoice3", "instructions": "registered_voices"}
+V1_INFO = model_info(voices=("dummy_female", "dummy_male"))
+V1_INSTRUCT_INFO = replace(V1_INFO, model="CosyVoice-300M-Instruct", instructions="any_voice")
+V3_INFO = replace(V1_INFO, model="cosyvoice3-tiny", family="CosyVoice3", instructions="registered_voices")
 INSTRUCTIONS = "You will receive partial sentences. Do not complete the sentence, just read out the text."
 
 
@@ -62,16 +65,24 @@ class EncoderVoiceCalls:
         self.named_voice = remote_call(Encoder.func_or_class.named_voice)
 
 
-def routes_of(info: dict[str, Any], registry: VoiceRegistry, **openai: Any) -> OpenAIRoutes:
-    """The OpenAI route group on an ingress replica's state (what `IngressBase.__init__` sets that these routes read),
-    serving a model that `info` describes."""
-    routes = OpenAIRoutes.__new__(OpenAIRoutes)
-    routes.encoder = EncoderVoiceCalls(registry)
-    routes.openai = OpenAIArgs(**openai)
-    routes.model_name = info["model"]
-    routes.model_names = (info["model"], *DEFAULT_MODEL_ALIASES)
-    routes._info = {"default_voice": None, **info}
-    return routes
+def routes_of(info: ModelInfo, registry: VoiceRegistry, **openai: Any) -> OpenAIRoutes:
+    """The OpenAI route group on an ingress replica's `Synthesis` (voices from `registry`, no decoders), serving a
+    model that `info` describes."""
+    synthesis = Synthesis(
+        EncoderVoiceCalls(registry), None, info.model, LimitsArgs(), OpenAIArgs(**openai), AudioArgs()
+    )
+    synthesis._info = info  # as if asked of an encoder replica
+    return OpenAIRoutes(synthesis)
+
+
+def served(routes: OpenAIRoutes) -> ModelInfo:
+    """The model the routes serve, as a request reads it."""
+    return asyncio.run(routes.synthesis.model_info())
+
+
+def ask(routes: OpenAIRoutes, body: SpeechRequest) -> tuple[SynthesisRequest, str | None]:
+    """`openai_request` of `body` (its text "Hi.", keys off), as `/v1/audio/speech` makes it."""
+    return asyncio.run(routes.openai_request(body, "Hi.", EVERYONE, served(routes)))
 
 
 def speech(voice: str, instructions: str | None = INSTRUCTIONS) -> SpeechRequest:
@@ -94,16 +105,16 @@ def test_instructions_a_voice_cannot_follow_are_dropped_said_and_logged_once_per
 ) -> None:
     routes = routes_of(V1_INFO, VoiceRegistry(tmp_path))
     for _ in range(2):
-        request, ignored = asyncio.run(routes.openai_request(speech("ash"), "Hi.", EVERYONE))
+        request, ignored = ask(routes, speech("ash"))
         assert request.voice == "dummy_male" and request.instruct_text is None  # spoken, without them
         assert ignored is not None and "cannot follow instructions" in ignored
-    asyncio.run(routes.openai_request(speech("dummy_female"), "Hi.", EVERYONE))
+    ask(routes, speech("dummy_female"))
     logged = [record.getMessage() for record in serve_log.records]
     assert len(logged) == 2 and "'dummy_male'" in logged[0] and "'dummy_female'" in logged[1], logged
     assert all("openai.strict_instructions" in message and "'tiny'" in message for message in logged)
     # none given (an empty one is none): nothing to ignore
     for instructions in (None, "  "):
-        request, ignored = asyncio.run(routes.openai_request(speech("ash", instructions), "Hi.", EVERYONE))
+        request, ignored = ask(routes, speech("ash", instructions))
         assert request.instruct_text is None and ignored is None
 
 
@@ -111,18 +122,18 @@ def test_a_voice_that_follows_instructions_keeps_them(tmp_path: Path) -> None:
     registry = VoiceRegistry(tmp_path)
     voice = registry.add(make_prompt(), "mine", duration_s=1.0, caller=EVERYONE).id
     routes = routes_of(V3_INFO, registry)
-    request, ignored = asyncio.run(routes.openai_request(speech(voice), "Hi.", EVERYONE))
+    request, ignored = ask(routes, speech(voice))
     assert request.instruct_text == INSTRUCTIONS and ignored is None
-    request, ignored = asyncio.run(routes.openai_request(speech("alloy"), "Hi.", EVERYONE))  # a built-in speaker
+    request, ignored = ask(routes, speech("alloy"))  # a built-in speaker
     assert request.instruct_text is None and ignored is not None and "registered (cloned) voice only" in ignored
 
 
 def test_strict_instructions_keep_the_400(tmp_path: Path, serve_log: pytest.LogCaptureFixture) -> None:
     routes = routes_of(V1_INFO, VoiceRegistry(tmp_path), strict_instructions=True)
-    request, ignored = asyncio.run(routes.openai_request(speech("ash"), "Hi.", EVERYONE))
+    request, ignored = ask(routes, speech("ash"))
     assert request.instruct_text == INSTRUCTIONS and ignored is None
     with pytest.raises(InvalidInputError, match="cannot follow instructions") as refused:
-        asyncio.run(routes.checked(request, "mp3", "whole"))
+        routes.synthesis.checked(request, served(routes))
     assert refused.value.http_status == 400 and not serve_log.records
 
 
@@ -155,9 +166,11 @@ def test_open_webui_reads_the_models_and_the_voices_the_caller_may_use(tmp_path:
     voices = {voice["id"]: voice["name"] for voice in asyncio.run(routes.audio_voices(http)).get("voices", [])}
     # The registered voices oldest first; those of the same second by id (the registry's order).
     registered = [record.id for record in sorted([shared, own_record], key=lambda r: (r.created_at, r.id))]
-    assert list(voices) == [*V1_INFO["voices"], *OPENAI_VOICE_NAMES, "narrator", *registered]
+    assert list(voices) == [*V1_INFO.voices, *OPENAI_VOICE_NAMES, "narrator", *registered]
     assert other not in voices  # another key's voice
     assert voices["alloy"] == "alloy (OpenAI's name for dummy_female)" and voices[own] == "Alice's"
     assert voices["narrator"] == f"narrator (OpenAI's name for {shared.id})" and voices[shared.id] == "House"
     for voice in voices:
-        asyncio.run(routes.resolve_voice(voice, ALICE))  # known to the request path: no UnknownVoiceError
+        asyncio.run(
+            routes.synthesis.resolve_voice(voice, ALICE, served(routes))
+        )  # known to the request path: no UnknownVoiceError

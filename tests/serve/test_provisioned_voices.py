@@ -20,7 +20,7 @@ from engine.errors import UnknownVoiceError
 from engine.voices.registry import is_voice_id, provisioned_voice_id
 from serve_app import build_app
 from serve_app.args import AppArgs
-from serve_app.synthesis import mapped_voice, openai_voice_table
+from serve_app.voice_names import mapped_voice, openai_voice_table
 from tests.serve.conftest import running_app
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app

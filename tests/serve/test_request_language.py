@@ -9,13 +9,16 @@ from types import SimpleNamespace
 import pytest
 from ray.serve._private.build_app import build_app as build_deployments
 
+from deployments.encoder import ModelInfo
 from engine.errors import InvalidInputError
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.registry import Caller
 from serve_app.args import AppArgs
 from serve_app.errors import error_payload
-from serve_app.ingress import TTSIngress, build_app
+from serve_app.ingress import build_app
+from serve_app.openai_routes import OpenAIRoutes
 from serve_app.schemas import SpeechRequest, StreamStart, TTSRequest
+from tests.serve.conftest import model_info
 
 
 def test_the_openai_body_takes_a_language_and_the_request_carries_it() -> None:
@@ -24,12 +27,13 @@ def test_the_openai_body_takes_a_language_and_the_request_carries_it() -> None:
     )
     assert body.model_extra == {}  # a field of its own, not an ignored one
 
-    async def resolve_voice(voice: str, caller: Caller) -> str:
+    async def resolve_voice(voice: str, caller: Caller, info: ModelInfo) -> str:
         return "dummy_female"
 
-    ingress = SimpleNamespace(model_name="tiny", model_names=("tiny", "tts-1"), resolve_voice=resolve_voice)
-    openai_request = TTSIngress.func_or_class.openai_request
-    request, ignored = asyncio.run(openai_request(ingress, body, body.input, Caller(None, admin=False)))
+    routes = OpenAIRoutes(
+        SimpleNamespace(model_name="tiny", model_names=("tiny", "tts-1"), resolve_voice=resolve_voice)
+    )
+    request, ignored = asyncio.run(routes.openai_request(body, body.input, Caller(None, admin=False), model_info()))
     assert ignored is None  # no instructions sent
     assert request.language == "de-DE" and request.validated().language == "de"
     assert StreamStart.model_validate({"type": "start", "model": "tiny", "voice": "alloy", "language": "ja"}).language

@@ -21,10 +21,10 @@ from engine.errors import InvalidInputError
 from serve_app import routing
 from serve_app.args import AppArgs
 from serve_app.errors import error_body, error_response
-from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, configure_guard, load_api_keys
+from serve_app.guard import GuardSettings, RequestGuard, check_voice_name, load_api_keys
 from serve_app.request_args import SecurityArgs
 from serve_app.routing import CPU_DECODER, ENCODER, GPU_DECODER, DecoderRouter, choose_decoder
-from tests.serve.conftest import healthz_ingress
+from tests.serve.conftest import healthz_routes
 
 KEY = "k-0123456789abcdef"
 LIMIT = 64
@@ -42,10 +42,9 @@ def guarded() -> Iterator[httpx.AsyncClient]:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.add_middleware(RequestGuard, error_body=error_body)
-    configure_guard(GuardSettings(api_keys=(KEY.encode(), b"other-key"), max_body_bytes=LIMIT))
+    settings = GuardSettings(api_keys=(KEY.encode(), b"other-key"), max_body_bytes=LIMIT)
+    app.add_middleware(RequestGuard, error_body=error_body, settings=settings)
     yield httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-    configure_guard(None)
 
 
 def _run(coro):
@@ -292,7 +291,6 @@ def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch
     import ray.serve
 
     from serve_app.health_routes import HEALTH_MAX_AGE_S
-    from serve_app.ingress import TTSIngress
 
     reads = 0
 
@@ -305,7 +303,6 @@ def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch
         return fake_running
 
     monkeypatch.setattr(ray.serve, "get_replica_context", lambda: SimpleNamespace(app_name="app"))
-    healthz = TTSIngress.func_or_class.healthz
 
     async def probes(views: list[dict[str, int]]) -> list[int]:
         nonlocal reads
@@ -313,9 +310,9 @@ def test_healthz_rereads_a_view_older_than_a_second_whatever_it_says(monkeypatch
         monkeypatch.setattr(routing, "running_replicas", serving(views))
         router = DecoderRouter({GPU_DECODER: "gpu"}, poll_interval_s=3600)  # no poll during the probes
         await router.refresh("app")
-        ingress = healthz_ingress(router)
+        routes = healthz_routes(router)
         router.polled_at -= 2 * HEALTH_MAX_AGE_S
-        return [(await healthz(ingress)).status_code for _ in range(5)]
+        return [(await routes.healthz()).status_code for _ in range(5)]
 
     # a view that predates the start is re-read once; the fresh one serves the probes of the next second
     assert _run(probes([{ENCODER: 0, GPU_DECODER: 1}, {ENCODER: 1, GPU_DECODER: 1}])) == [200] * 5

@@ -40,7 +40,6 @@ from serve_app.tenancy import (
     KeyTenancy,
     TenancySettings,
     caller_of,
-    configure_tenancy,
     owner_id,
 )
 from serve_app.wyoming_zeroconf import MDNS_GROUP, service_name
@@ -121,9 +120,7 @@ async def call(middleware: KeyTenancy, path: str, key: str | None) -> list[dict[
 @pytest.fixture
 def tenancy() -> Iterator[tuple[KeyTenancy, App]]:
     app = App()
-    configure_tenancy(TenancySettings(True, (ADMIN.encode(),), LIMIT, RETRY_AFTER_S))
-    yield KeyTenancy(app, error_body), app
-    configure_tenancy(None)
+    yield KeyTenancy(app, error_body, TenancySettings(True, (ADMIN.encode(),), LIMIT, RETRY_AFTER_S)), app
 
 
 def _run(coro: Any) -> Any:
@@ -132,19 +129,15 @@ def _run(coro: Any) -> Any:
 
 def test_the_caller_is_on_the_scope() -> None:
     app = App()
-    middleware = KeyTenancy(app, error_body)
+    keys_on = KeyTenancy(app, error_body, TenancySettings(True, (ADMIN.encode(),), LIMIT, RETRY_AFTER_S))
+    keys_off = KeyTenancy(app, error_body, TenancySettings(False, (), LIMIT, RETRY_AFTER_S))
 
     async def requests() -> None:
-        configure_tenancy(TenancySettings(True, (ADMIN.encode(),), LIMIT, RETRY_AFTER_S))
         for key in (ALICE, ADMIN, None):  # None: an open path (the guard lets only those through without a key)
-            await call(middleware, "/ok", key)
-        configure_tenancy(TenancySettings(False, (), LIMIT, RETRY_AFTER_S))
-        await call(middleware, "/ok", None)
+            await call(keys_on, "/ok", key)
+        await call(keys_off, "/ok", None)
 
-    try:
-        _run(requests())
-    finally:
-        configure_tenancy(None)
+    _run(requests())
     assert app.callers == [
         Caller(owner_id(ALICE.encode()), admin=False),
         Caller(owner_id(ADMIN.encode()), admin=True),
@@ -246,20 +239,16 @@ def test_a_websocket_holds_its_keys_slot_and_one_over_the_limit_is_refused_at_th
 
 def test_no_limit_when_none_or_keys_off() -> None:
     async def many(settings: TenancySettings, key: str | None) -> list[int]:
-        configure_tenancy(settings)
         app = App()
-        middleware = KeyTenancy(app, error_body)
+        middleware = KeyTenancy(app, error_body, settings)
         streams = [asyncio.create_task(call(middleware, "/stream", key)) for _ in range(LIMIT + 2)]
         while len(app.callers) < len(streams):
             await asyncio.sleep(0.01)
         app.release.set()
         return [messages[0]["status"] for messages in await asyncio.gather(*streams)]
 
-    try:
-        assert _run(many(TenancySettings(True, (), None, RETRY_AFTER_S), ALICE)) == [200] * (LIMIT + 2)
-        assert _run(many(TenancySettings(False, (), LIMIT, RETRY_AFTER_S), None)) == [200] * (LIMIT + 2)
-    finally:
-        configure_tenancy(None)
+    assert _run(many(TenancySettings(True, (), None, RETRY_AFTER_S), ALICE)) == [200] * (LIMIT + 2)
+    assert _run(many(TenancySettings(False, (), LIMIT, RETRY_AFTER_S), None)) == [200] * (LIMIT + 2)
 
 
 # --- on a real Serve app ----------------------------------------------------------------------------------

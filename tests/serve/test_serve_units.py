@@ -49,13 +49,17 @@ from serve_app.args import AppArgs
 from serve_app.cli_run import with_default_voices_dir
 from serve_app.decoder_args import DecoderArgs
 from serve_app.errors import StreamIdleError, error_payload, unavailable_error
-from serve_app.openai_routes import openai_mode, served_model
-from serve_app.request_args import OPENAI_VOICE_NAMES, LimitsArgs
+from serve_app.native_routes import default_voice
+from serve_app.openai_routes import served_model
+from serve_app.request_args import OPENAI_VOICE_NAMES, AudioArgs, LimitsArgs, OpenAIArgs
 from serve_app.responses import speech_usage
 from serve_app.schemas import StreamFlush
-from serve_app.speech_stream_routes import SpeechStreamRoutes, TextStream, TextStreamSlots, close_code, error_event
-from serve_app.synthesis import check_streams, mapped_voice
+from serve_app.speech_stream_routes import SpeechStreamRoutes
+from serve_app.synthesis import Synthesis, call, check_streams, delivery
+from serve_app.text_stream import TextStream, TextStreamSlots, close_code, error_event
+from serve_app.voice_names import mapped_voice
 from tests.engine.conftest import CACHED_COMMIT, REPO_ID, V3_KIT_MODEL, hugging_face_cache
+from tests.serve.conftest import model_info
 
 
 @pytest.fixture
@@ -195,9 +199,9 @@ def test_openai_voice_names_map_through_the_table() -> None:
         mapped_voice("echo", table, built_in)
 
 
-V2_INFO = {"family": "CosyVoice2", "streaming": True, "streaming_speed": True}
-V3_INFO = {"family": "CosyVoice3", "streaming": True, "streaming_speed": False}  # speed only when whole
-NO_STREAMS = {"family": "Future", "streaming": False, "streaming_speed": False}
+V2_INFO = model_info(family="CosyVoice2", streaming=True, streaming_speed=True)
+V3_INFO = model_info(family="CosyVoice3", streaming=True, streaming_speed=False)  # speed only when whole
+NO_STREAMS = model_info(family="Future", streaming=False, streaming_speed=False)
 
 
 def test_a_streamed_request_the_family_cannot_stream_is_a_400() -> None:
@@ -210,13 +214,25 @@ def test_a_streamed_request_the_family_cannot_stream_is_a_400() -> None:
 
 
 def test_openai_speech_is_sent_whole_where_the_format_or_the_family_cannot_stream() -> None:
-    assert openai_mode("audio", "mp3", V2_INFO, 1.0) == "stream"
-    assert openai_mode("audio", "flac", V2_INFO, 1.0) == "whole"
-    assert openai_mode("audio", "mp3", NO_STREAMS, 1.0) == "whole"
-    assert openai_mode("sse", "mp3", NO_STREAMS, 1.0) == "sse"  # respond() then sends one event at the end
-    assert openai_mode("audio", "mp3", V2_INFO, 1.5) == "stream"  # v1/v2 stretch each chunk
-    assert openai_mode("audio", "mp3", V3_INFO, 1.0) == "stream"
-    assert openai_mode("audio", "mp3", V3_INFO, 1.5) == "whole"  # CosyVoice3 applies speed to whole requests only
+    def answer(asked: str, fmt: str, info: Any, speed: float) -> tuple[str, bool]:
+        decided = delivery(asked, fmt, info, speed)
+        return decided.mode, decided.streamed
+
+    assert answer("audio", "mp3", V2_INFO, 1.0) == ("stream", True)
+    assert answer("audio", "flac", V2_INFO, 1.0) == ("whole", False)
+    assert answer("audio", "mp3", NO_STREAMS, 1.0) == ("whole", False)
+    assert answer("sse", "mp3", NO_STREAMS, 1.0) == ("sse", False)  # one event at the end
+    assert answer("sse", "flac", V2_INFO, 1.0) == ("sse", False)
+    assert answer("sse", "mp3", V2_INFO, 1.0) == ("sse", True)
+    assert answer("audio", "mp3", V2_INFO, 1.5) == ("stream", True)  # v1/v2 stretch each chunk
+    assert answer("audio", "mp3", V3_INFO, 1.0) == ("stream", True)
+    assert answer("audio", "mp3", V3_INFO, 1.5) == ("whole", False)  # CosyVoice3 applies speed to whole requests only
+    assert answer("whole", "mp3", V2_INFO, 1.0) == ("whole", False)
+    assert answer("stream", "mp3", V2_INFO, 1.0) == ("stream", True)
+    with pytest.raises(InvalidInputError, match="cannot be streamed"):
+        delivery("stream", "flac", V2_INFO, 1.0)
+    with pytest.raises(InvalidInputError, match=r"streams at speed 1\.0 only"):
+        delivery("stream", "mp3", V3_INFO, 1.5)
 
 
 def test_mps_thread_share_gives_each_gpu_replica_its_share_of_the_sms_before_cuda_starts() -> None:
@@ -278,8 +294,6 @@ class _FakeCall:
 def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders_call_for_the_rest(
     sentences: int,
 ) -> None:
-    from serve_app.ingress import TTSIngress
-
     rest, stream, sent = _FakeCall(), _FakeCall([np.ones(4, np.float32)] * 2), {}
     encoder = SimpleNamespace(encode_planned=SimpleNamespace(remote=lambda plan, start, request_id: rest))
 
@@ -288,11 +302,13 @@ def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders
         return stream
 
     decoder = SimpleNamespace(stream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=stream_remote)))
-    ingress = SimpleNamespace(encoder=encoder, router=SimpleNamespace(handle=lambda: decoder), limits=LimitsArgs())
+    synthesis = Synthesis(
+        encoder, SimpleNamespace(handle=lambda: decoder), "tiny", LimitsArgs(), OpenAIArgs(), AudioArgs()
+    )
 
     async def first_chunk_then_leave() -> None:
         plan = SimpleNamespace(num_segments=sentences)
-        chunks = TTSIngress.func_or_class.stream_audio(ingress, ["first sentence"], plan, "req-1")
+        chunks = synthesis.stream_audio(["first sentence"], plan, "req-1")
         assert len(await anext(chunks)) == 4
         await chunks.aclose()  # the client left
 
@@ -371,7 +387,6 @@ def test_a_stream_whose_first_chunks_were_lost_with_the_decoders_node_is_sent_ag
     """A node lost under a stream: the decoder's chunks that lived in its object store cannot be fetched
     (ObjectReconstructionFailedError, not a RayActorError); a stream that sent nothing yet goes again."""
     from serve_app import synthesis
-    from serve_app.ingress import TTSIngress
 
     monkeypatch.setattr(synthesis, "REROUTE_BACKOFF_S", 0.0)
     calls = [_FailingCall(_lost_with_its_node()), _FakeCall([np.ones(4, np.float32)] * 2)]
@@ -382,11 +397,12 @@ def test_a_stream_whose_first_chunks_were_lost_with_the_decoders_node_is_sent_ag
         return calls[len(tried) - 1]
 
     decoder = SimpleNamespace(stream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=stream_remote)))
-    ingress = SimpleNamespace(router=SimpleNamespace(handle=lambda: decoder), limits=LimitsArgs())
+    router = SimpleNamespace(handle=lambda: decoder)
+    synthesis = Synthesis(None, router, "tiny", LimitsArgs(), OpenAIArgs(), AudioArgs())
 
     async def all_chunks() -> list[np.ndarray]:
         plan = SimpleNamespace(num_segments=1)
-        return [c async for c in TTSIngress.func_or_class.stream_audio(ingress, ["first sentence"], plan, "req-1")]
+        return [c async for c in synthesis.stream_audio(["first sentence"], plan, "req-1")]
 
     assert len(asyncio.run(all_chunks())) == 2
     assert tried == [["first sentence"]] * 2
@@ -394,7 +410,6 @@ def test_a_stream_whose_first_chunks_were_lost_with_the_decoders_node_is_sent_ag
 
 def test_a_call_whose_result_was_lost_with_its_node_is_retried_once_then_503() -> None:
     from serve_app.errors import ServiceUnavailableError
-    from serve_app.ingress_base import IngressBase
 
     outcomes: list[Exception | str] = [_lost_with_its_node(), "audio"]
 
@@ -404,28 +419,20 @@ def test_a_call_whose_result_was_lost_with_its_node_is_retried_once_then_503() -
             raise outcome
         return outcome
 
-    assert asyncio.run(IngressBase.call(make_call)) == "audio"
+    assert asyncio.run(call(make_call)) == "audio"
     outcomes[:] = [_lost_with_its_node(), _lost_with_its_node()]
     with pytest.raises(ServiceUnavailableError, match="a replica failed"):
-        asyncio.run(IngressBase.call(make_call))
+        asyncio.run(call(make_call))
     status, body = error_payload(_lost_with_its_node(), "req-1")
     assert status == 503 and "replica failed" in body["error"]["message"]
 
 
 def test_a_request_without_voice_to_a_model_without_speakers_takes_the_default_voice_else_is_a_400() -> None:
-    from serve_app.ingress import TTSIngress
-
-    def ingress_with(speakers: list[str], default: str | None = None) -> SimpleNamespace:
-        async def model_info() -> dict[str, Any]:
-            return {"voices": speakers, "default_voice": default}
-
-        return SimpleNamespace(model_info=model_info)
-
-    default_voice = TTSIngress.func_or_class.default_voice
-    assert asyncio.run(default_voice(ingress_with(["dummy_female"], "voice_0123456789ab"))) == "dummy_female"
-    assert asyncio.run(default_voice(ingress_with([], "voice_0123456789ab"))) == "voice_0123456789ab"
+    speakers = model_info(voices=("dummy_female",), default_voice="voice_0123456789ab")
+    assert default_voice(speakers) == "dummy_female"
+    assert default_voice(model_info(default_voice="voice_0123456789ab")) == "voice_0123456789ab"
     with pytest.raises(InvalidInputError, match="no built-in speakers: pass `voice`"):
-        asyncio.run(default_voice(ingress_with([])))  # CosyVoice3 with default_voice off: registered voices only
+        default_voice(model_info())  # CosyVoice3 with default_voice off: registered voices only
 
 
 class _SilentSocket:
