@@ -1,24 +1,12 @@
 """How each model family streams: when a stream has a chunk of speech tokens, and how the chunk becomes audio.
 
 A family (engine.families) names its `ChunkStrategy`; `engine.runtime.streaming.DecodeStream` drives it while the
-LLM generates. A strategy acts on a `StreamState` (one segment's tokens so far, flow and vocoder caches).
-- `OverlappingChunks` (CosyVoice v1, `CosyVoiceModel.tts`): a chunk is `hop + overlap` new tokens; the flow keeps
-  the start noise and `mu` of the overlapping frames (its `flow_cache`), so the chunk continues the previous
-  one's trajectory, and the overlapping mel frames are cross-faded (Hamming).
-- `CausalPrefixChunks` (CosyVoice2, `CosyVoice2Model.tts`): the causal flow runs on the whole token prefix with
-  chunk masks; a chunk ends `pre_lookahead` tokens before the newest token (they are only look-ahead context),
-  its mel starts at `2 * token_offset`, and the first hop is padded so that chunks line up with the 25-token
-  training chunks counted from the prompt. Hops grow 25 -> 50 -> 100 tokens.
-- Both: the vocoder gets the last mel frames and source samples of the previous chunk in front of the new
-  ones (HiFT cache), and the cached tail of the previous waveform is cross-faded into the new one.
-- `CausalPrefixRerunChunks` (CosyVoice3, `CosyVoice2Model.tts` with `CosyVoice3Model.token2wav`): the v2 chunks
-  and flow calls (the DiT's 50-frame attention chunks are 25 tokens); no HiFT cache and no cross-fade: the
-  causal vocoder runs again over all the mel so far (`finalize=False` but for the last chunk, so the look-ahead
-  frames' samples wait for the next chunk) and the chunk is what it gives past the samples already sent. The
-  engine re-runs only the window that can change those samples (`CausalHiFTGenerator.continue_streams`), so a
-  chunk costs the same at any point of a long utterance. Speed other than 1 is refused, as officially.
-Tokens reach the flow as in the official `llm_job`: a family's silent tokens are dropped past a run of 5
-(`engine.llm.generation.SilentRunFilter`, applied by `DecodeStream`).
+LLM generates. A strategy acts on a `StreamState` (one segment's tokens so far, flow and vocoder caches):
+`OverlappingChunks` (v1: overlapping token chunks, the flow's start noise kept, mel frames cross-faded),
+`CausalPrefixChunks` (v2: the causal flow over the whole token prefix with chunk masks, hops 25 -> 50 -> 100) and
+`CausalPrefixRerunChunks` (v3: the v2 chunks, the causal vocoder run again over a bounded window of the mel so far).
+Tokens reach the flow as in the official `llm_job` (silent runs cut past 5). Each strategy rule by rule, against the
+official code: docs/models.md, "Streaming chunk by chunk".
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """The CosyVoice3 vocoder (`CausalHiFTGenerator`): the v2 HiFT (NSF source + iSTFTNet, 24 kHz) made causal.
 
-Differences from engine/vocoder/hift.py's `HiFTGenerator`, as in the official class:
-- every convolution is causal (zeros on the left) except two that look right: conv_pre (k5) reads the next 4 mel
-  frames and the f0 predictor's first conv (k4) the next 3;
-- upsampling is nearest x rate followed by a causal conv (no transposed conv); the source downsampling convs are
-  causal too;
-- the f0 predictor (`CausalConvRNNF0Predictor`) runs in float64, whatever the weights' dtype: the source phase
-  integrates f0 over the whole utterance, and the official code moves the predictor to float64 for that;
-- the NSF source is not random per call: a fixed initial phase and a fixed uniform noise sequence (the official
-  buffers), and frame phases are repeated (nearest) rather than interpolated up to the sample rate, so the phase
-  is a cumulative sum over frames and any run of frames can be made alone (`source_from_draws(first_frame=)`).
-  The official buffers come from the global RNG state at construction, which depends on the whole model build;
-  this engine draws its own once from a seeded generator, so parity is checked on `decode(mel, source)` with the
-  recorded source and on the source from the recorded buffers.
-
-`finalize=False` is the streaming call: the last frames are look-ahead only. The f0 predictor then yields
-T - 3 frames; decode consumes 4 more as conv_pre look-ahead and drops the last hop of samples, whose iSTFT
-overlap is incomplete, so a chunk of T mel frames gives (T - 8) * hop samples.
-
-Streaming (`continue_streams`): the official loop runs inference() again over all the mel so far at every chunk and
-sends the samples past those already sent, which costs O(n^2) over an utterance. Only the convolutions' reach
-(`decode_history_frames`, 30 frames for the released layout) before the first new sample can change it, so a
-stream keeps that window of mel and the f0 of every frame (the source phase sums over them all) and decodes only
-the window: the same samples, within float rounding, at a bounded cost per chunk.
-
-Batch-first: items are right-padded; because only the two look-right convolutions read ahead and their inputs
-are zeroed past each item, an item's audio does not depend on what it is batched with.
+As the official class: causal convolutions but for two that read ahead (conv_pre the next 4 mel frames, the f0
+predictor's first conv the next 3), nearest upsampling then a causal conv, an f0 predictor in float64, and an NSF
+source from fixed buffers with phases repeated per frame, so any run of frames can be made alone. `finalize=False`
+is the streaming call: a chunk of T mel frames gives (T - 8) * hop samples. `continue_streams` decodes only the window
+the convolutions can reach (`decode_history_frames`) instead of the whole mel so far: the same samples at a bounded
+cost per chunk. Batch-first: an item's audio does not depend on what it is batched with. Each difference from
+`engine.vocoder.hift` and why: docs/models.md, "CosyVoice3's causal vocoder".
 """
 
 from __future__ import annotations
