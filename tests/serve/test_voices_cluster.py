@@ -54,8 +54,8 @@ def app_args(node: str, bucket: str) -> dict[str, Any]:
     (application,) = yaml.safe_load(PROFILE.read_text())["applications"]
     args = deepcopy(application["args"])
     assert args["model"].endswith("/Fun-CosyVoice3-0.5B-2512") and args["voices_dir"].startswith("s3://")
-    on_node = {"num_cpus": 0.1, "resources": {node: 1}}
-    args.update(model="cosyvoice3-tiny", voices_dir=f"{bucket}/registry")
+    on_node = {"num_cpus": 0.1}
+    args.update(model="cosyvoice3-tiny", voices_dir=f"{bucket}/registry", cpu_resources={node: 1})
     args["voices"] = [
         {
             "file": f"{bucket}/recordings/narrator.wav",
