@@ -70,17 +70,18 @@ class LiveLimits:
             )
         return estimates
 
-    def bistream_estimate(self, start: BistreamStart, max_audio_s: float | None) -> int:
-        """A bi-streamed utterance's estimate: its text is unknown when it starts, so it counts as long as the audio
-        ceiling allows (without one, as long as a planned sentence)."""
+    def bistream_estimate(self, start: BistreamStart) -> int:
+        """A bi-streamed utterance's estimate: its text is unknown when it starts, so it counts as the sentence a
+        replica is planned for (`PLANNED_SPEECH_S` of speech). Counting it to the audio ceiling (600 s by default)
+        made one utterance fill a CPU replica's budget, so that text streams ran one at a time."""
         config, voice = self.model.config, start.voice
-        speech_tokens = config.speech_tokens_for(max_audio_s or PLANNED_SPEECH_S)
+        ratio = voice.sampling.max_token_text_ratio
         return estimate_request_memory(
             config,
-            math.ceil(speech_tokens / voice.sampling.max_token_text_ratio),
+            math.ceil(config.speech_tokens_for(PLANNED_SPEECH_S) / ratio),
             prompt_text_tokens=len(start.prompt_text_tokens),
             prompt_speech_tokens=len(voice.llm_prompt_speech_tokens),
-            max_token_text_ratio=voice.sampling.max_token_text_ratio,
+            max_token_text_ratio=ratio,
             dtype_bytes=self.model.dtype.itemsize,
         ).total_bytes
 

@@ -148,7 +148,7 @@ class Scheduler:
         playback = PlaybackClock(now, 0.0, first_chunk_s=self._first_chunk_s)
         expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
         ticket = Ticket(sentences=[], streaming=True, sink=sink, playback=playback, expires_at=expires_at)
-        estimate = self.limits.bistream_estimate(start, self.max_audio_s)
+        estimate = self.limits.bistream_estimate(start)
         ticket.sentences = [Sentence(start.voice, ticket, estimate, bistream_start=start)]
         with self._lock:
             self._check_running()

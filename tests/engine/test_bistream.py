@@ -135,3 +135,15 @@ def test_a_bistream_in_the_loop_is_cancelled_or_refused_alone(tts: CosyVoice) ->
         Scheduler(v1.decoder, max_live=1).submit_bistream(
             tts.encoder.bistream_start(SynthesisRequest(text="", voice=tts.voices[0])), Collected()
         )
+
+
+def test_text_streams_decode_side_by_side_within_a_small_budget(tts: CosyVoice) -> None:
+    """A bi-stream counts as the sentence a replica is planned for, not as long as the 600 s audio ceiling allows:
+    counted so, one filled a CPU replica's budget and text streams ran one after the other."""
+    loop = Scheduler(tts.decoder, max_live=4, max_audio_s=600.0, memory_budget_bytes=2 * 2**30)
+    ids = tts.encoder.text_piece_tokens(PIECES[0])
+    sinks = [_loop_bistream(tts, loop, [ids, None]) for _ in range(3)]
+    loop.step()
+    assert loop.live == 3
+    step_until(loop, lambda: all(sink.ended for sink in sinks))
+    assert all(sink.chunks for sink in sinks)
