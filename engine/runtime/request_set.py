@@ -59,16 +59,10 @@ class RequestSet:
         """Live sentences that count against the live limit: all but the paused ones."""
         return sum(not s.paused for s in tuple(self.live))
 
-    def overdue(self, now: float) -> set[Ticket]:
-        """The requests past their time ceiling, queued, live or waiting for their later sentences."""
-        return {s.request for s in self.live if now > s.request.expires_at} | {
-            t for t in (*self.queue, *self.incomplete) if now > t.expires_at
-        }
-
-    def cancelled(self) -> set[Ticket]:
-        return {s.request for s in self.live if s.request.cancelled} | {
-            t for t in (*self.queue, *self.incomplete) if t.cancelled
-        }
+    def tickets_where(self, holds: Callable[[Ticket], bool]) -> set[Ticket]:
+        """The requests, queued, live or waiting for their later sentences, for which `holds`."""
+        held = {s.request for s in self.live} | set(self.queue) | self.incomplete
+        return {ticket for ticket in held if holds(ticket)}
 
     def take_arrivals(self, arrived: list[Ticket]) -> None:
         self.queue.extend(arrived)
@@ -137,7 +131,8 @@ class RequestSet:
 
     def end_over_time(self, max_request_s: float | None) -> None:
         """End the requests past their time ceiling (`max_request_s` after submission)."""
-        overdue = self.overdue(self.clock())
+        now = self.clock()
+        overdue = self.tickets_where(lambda ticket: now > ticket.expires_at)
         for ticket in overdue:
             self.stats.over_limit += 1
             self.stop(

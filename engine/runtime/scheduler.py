@@ -128,16 +128,9 @@ class Scheduler:
             sum(s.text_len for s in segments) * SECONDS_PER_TEXT_TOKEN,
             first_chunk_s=min(segments[0].text_len * SECONDS_PER_TEXT_TOKEN, self._first_chunk_s),
         )
-        expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
-        ticket = Ticket(
-            sentences=[], streaming=streaming, sink=sink, playback=playback, expires_at=expires_at, complete=complete
-        )
+        ticket = self._ticket(now, streaming, sink, playback, complete)
         ticket.sentences = self._checked_sentences(ticket, segments)
-        with self._lock:
-            self._check_running()
-            self._inbox.append(ticket)
-        self._wakeup.set()
-        return ticket
+        return self._queue(ticket)
 
     def submit_bistream(self, start: BistreamStart, sink: Sink) -> Ticket:
         """Queue a bi-streamed utterance (CosyVoice2/3): its text comes by `push_text`, its audio goes to `sink` as
@@ -145,16 +138,9 @@ class Scheduler:
         check_bistream(self.stage.model.config.family)
         self.streams.check_streamable(start.voice)
         now = self.clock()
-        playback = PlaybackClock(now, 0.0, first_chunk_s=self._first_chunk_s)
-        expires_at = now + (self.max_request_s if self.max_request_s is not None else float("inf"))
-        ticket = Ticket(sentences=[], streaming=True, sink=sink, playback=playback, expires_at=expires_at)
-        estimate = self.limits.bistream_estimate(start)
-        ticket.sentences = [Sentence(start.voice, ticket, estimate, bistream_start=start)]
-        with self._lock:
-            self._check_running()
-            self._inbox.append(ticket)
-        self._wakeup.set()
-        return ticket
+        ticket = self._ticket(now, True, sink, PlaybackClock(now, 0.0, first_chunk_s=self._first_chunk_s))
+        ticket.sentences = [Sentence(start.voice, ticket, self.limits.bistream_estimate(start), bistream_start=start)]
+        return self._queue(ticket)
 
     def push_text(self, ticket: Ticket, tokens: list[int] | None) -> None:
         """The next text piece's ids of a bi-streamed utterance (`submit_bistream`); None: its text ended."""
@@ -188,6 +174,21 @@ class Scheduler:
         """The caller left: the request's sentences leave the live set at the next `step`."""
         ticket.cancelled = True
         self._wakeup.set()
+
+    def _ticket(
+        self, now: float, streaming: bool, sink: Sink, playback: PlaybackClock, complete: bool = True
+    ) -> Ticket:
+        """A request arriving `now`, its sentences still to be set; it expires `max_request_s` later."""
+        expires_at = now + (self.max_request_s if self.max_request_s is not None else math.inf)
+        return Ticket([], streaming, sink, playback, expires_at, complete=complete)
+
+    def _queue(self, ticket: Ticket) -> Ticket:
+        """Hand a new request to the loop (refused once the loop has failed)."""
+        with self._lock:
+            self._check_running()
+            self._inbox.append(ticket)
+        self._wakeup.set()
+        return ticket
 
     def _checked_sentences(self, ticket: Ticket, segments: list[EncodedSegment]) -> list[Sentence]:
         for segment in segments:  # here, not at admission: work refused inside `step` costs the loop a step
@@ -320,7 +321,7 @@ class Scheduler:
             take()
 
     def _drop_cancelled(self) -> None:
-        cancelled = self.requests.cancelled()
+        cancelled = self.requests.tickets_where(lambda ticket: ticket.cancelled)
         for ticket in cancelled:
             self.requests.stop(ticket, None)
             self.stats.cancelled += 1
