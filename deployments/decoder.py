@@ -321,8 +321,7 @@ class Decoder:
         cancels it when its client leaves)."""
         slot = _Slot([start.voice], True, request_id, asyncio.get_running_loop(), started=True)
         slot.ticket = self.scheduler.submit_bistream(start, slot.push)
-        if self._loop_thread is None:
-            self._start_loop(asyncio.get_running_loop())
+        self._ensure_loop()
         self._bistreams += 1
         self.load.request_accepted(key=slot)
         self._publish_load()
@@ -371,13 +370,15 @@ class Decoder:
                 # Batches run outside any one request's context: name their requests so logs can be joined.
                 logger.info("batch started", extra={"path": path, "request_ids": ids})
         self._publish_load()
-        if self._loop_thread is None:
-            self._start_loop(asyncio.get_running_loop())
+        self._ensure_loop()
         return errors
 
-    def _start_loop(self, event_loop: asyncio.AbstractEventLoop) -> None:
-        """The replica's decoding loop, in a thread of its own: steps back to back while there is work, asleep
-        when there is none (no thread hop per step)."""
+    def _ensure_loop(self) -> None:
+        """The replica's decoding loop, started on its first request in a thread of its own: steps back to back while
+        there is work, asleep when there is none (no thread hop per step)."""
+        if self._loop_thread is not None:
+            return
+        event_loop = asyncio.get_running_loop()
 
         def on_busy(busy: bool) -> None:
             event_loop.call_soon_threadsafe(self._loop_busy, busy)

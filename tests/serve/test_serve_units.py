@@ -575,6 +575,7 @@ def test_decoder_bistream_speaks_the_relayed_text_in_the_loop_within_the_ceiling
         loop.start()
         replica = SimpleNamespace(scheduler=scheduler, _loop_thread=loop, _bistreams=0, load=ReplicaLoadTracker(2))
         replica._audio = partial(decoder_class._audio, replica)
+        replica._ensure_loop = partial(decoder_class._ensure_loop, replica)  # the loop above is running
         replica._relay_text = partial(decoder_class._relay_text, replica)
         replica.published = []  # the utterances in the loop each time the gauges were set
         replica._publish_load = lambda: replica.published.append(replica._bistreams)
