@@ -7,9 +7,12 @@ Two runs on the same decoder, alternating (order swapped every pair, so load on 
 bi-streamed, the text's ids arriving one every 1 / `--tokens-per-second` s and pushed to the LM as they come
 (`BistreamSynthesis.push_text`), the utterance prepared before t = 0 as a WebSocket `start` does; and whole, the text
 encoded at t = 0 and its first sentence streamed, as `/v1/audio/speech` streams a text. Each is timed to its first
-non-empty audio chunk; `bistream_first_audio_ratio` is bi-streamed / whole, pair by pair. `--prompt-seconds` > 0
-speaks in a voice cloned from a synthetic prompt that long, else in the first built-in voice. The default run takes
-about 1 minute on the 2-core machine (Intel Xeon with AMX, 2026-12-07).
+non-empty audio chunk; `bistream_first_audio_ratio` is bi-streamed / whole, pair by pair. Then `--concurrent`
+utterances' LMs decode the text (given 5 ids whenever one waits for text) to their ends, alternating: stepped together
+(`step_together`, one batched forward a step, as a replica's loop steps them) and one after another (each alone, as the
+loop did before); `lm_steps_speedup` is one after another / together, pair by pair (at most `--concurrent`).
+`--prompt-seconds` > 0 speaks in a voice cloned from a synthetic prompt that long, else in the first built-in voice.
+The default run takes about 5 minutes on the 2-core machine (AMD EPYC, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.batching_bench import synthetic_prompt
+from engine.llm.bistream import BistreamDecoder, step_together
 from engine.llm.sampling import SamplingOptions
 from engine.loading.loader import load_model
 from engine.runtime.decoder_stage import SpeechDecoderStage
@@ -30,7 +34,14 @@ from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.synthesis_request import SynthesisRequest
 from engine.voices.cloning import VoicePrompt
 from serve_app.bench.progress import BenchmarkRun
-from serve_app.bench.timing import Timing, add_repeat_options, paired, ratio
+from serve_app.bench.timing import (
+    BATCH_RATIO_BOUND,
+    FailedMeasurements,
+    Timing,
+    add_repeat_options,
+    paired,
+    ratio,
+)
 
 TEXT = (
     "Thanks for calling, I can help you move your appointment to a later time this week. "
@@ -125,6 +136,85 @@ def measure_bistream(
     }
 
 
+TEXT_GROUP = 5  # text ids an LM waiting for text is given at once: the families' mix ratio's text group
+
+
+def decode_utterances(decoders: list[BistreamDecoder], ids: list[int], together: bool) -> list[list[int]]:
+    """Decode each utterance's LM to its end on `ids` -> each one's speech tokens. `together`: every step steps all
+    those decoding in one `step_together`; else each decodes alone, one after another."""
+    spoken: list[list[int]] = [[] for _ in decoders]
+    given = [0] * len(decoders)
+
+    def feed(index: int) -> None:
+        decoder = decoders[index]
+        while not decoder.decoding and not decoder.finished:
+            if given[index] >= len(ids):
+                decoder.end_text()
+            else:
+                decoder.add_text(torch.tensor(ids[given[index] : given[index] + TEXT_GROUP]))
+                given[index] += TEXT_GROUP
+
+    if not together:
+        for index, decoder in enumerate(decoders):
+            feed(index)
+            while decoder.decoding:
+                token = decoder.step()
+                spoken[index] += [] if token is None else [token]
+                feed(index)
+        return spoken
+    while True:
+        for index in range(len(decoders)):
+            feed(index)
+        decoding = [index for index, decoder in enumerate(decoders) if decoder.decoding]
+        if not decoding:
+            return spoken
+        for index, outcome in zip(decoding, step_together([decoders[i] for i in decoding]), strict=True):
+            if isinstance(outcome, Exception):
+                raise outcome
+            spoken[index] += [] if outcome is None else [outcome]
+
+
+def measure_lm_steps(
+    encoder: TextEncoderStage,
+    decoder: SpeechDecoderStage,
+    prompt: VoicePrompt | None,
+    concurrent: int,
+    repeats: int,
+    warmup: int,
+    bench: BenchmarkRun,
+) -> dict[str, Any]:
+    """`concurrent` utterances decoded together and one after another, alternating (see the module); both ways must
+    decode the same tokens."""
+    bench.plan(warmup + repeats)
+    voice = "voice_benchmark" if prompt is not None else encoder.voices[0]
+    ids = encoder.text_piece_tokens(TEXT)
+    times: dict[str, list[float]] = {"together": [], "one_by_one": []}
+    spoken: dict[bool, list[list[int]]] = {}
+    for index in range(warmup + repeats):
+        for together in (True, False) if index % 2 == 0 else (False, True):
+            decoders = []
+            for seed in range(concurrent):
+                sampling = SamplingOptions(**{**SAMPLING.__dict__, "seed": seed})
+                start = encoder.bistream_start(SynthesisRequest(text="", voice=voice, sampling=sampling), prompt)
+                decoders.append(decoder.open_bistream(start).llm)
+            started = time.perf_counter()
+            spoken[together] = decode_utterances(decoders, ids, together)
+            if index >= warmup:
+                times["together" if together else "one_by_one"].append(time.perf_counter() - started)
+        if spoken[True] != spoken[False]:
+            raise SystemExit("the utterances decoded together spoke other tokens than one after another")
+        bench.step(f"lm pair {index + 1}/{warmup + repeats}", lm_steps={"seconds_samples": times})
+    together, one_by_one = Timing(tuple(times["together"])), Timing(tuple(times["one_by_one"]))
+    return {
+        "concurrent": concurrent,
+        **together.fields("together_s"),
+        **one_by_one.fields("one_by_one_s"),
+        **paired(ratio, one_by_one, together).fields("speedup"),
+        "speech_tokens": [len(tokens) for tokens in spoken[True]],
+        "seconds_samples": times,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bistream_bench.json"))
@@ -133,6 +223,7 @@ def main() -> None:
     add_repeat_options(parser)
     parser.add_argument("--tokens-per-second", type=float, default=20.0, help="how fast the text arrives")
     parser.add_argument("--prompt-seconds", type=float, default=0.0, help="a cloned voice's prompt (0: a speaker)")
+    parser.add_argument("--concurrent", type=int, default=3, help="utterances whose LM steps are batched")
     args = parser.parse_args()
     bench = BenchmarkRun("bistream", args.out)
     bench.record(
@@ -149,11 +240,19 @@ def main() -> None:
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
     prompt = synthetic_prompt(encoder, args.prompt_seconds) if args.prompt_seconds > 0 else None
     timing = measure_bistream(encoder, decoder, prompt, args.tokens_per_second, args.repeats, args.warmup, bench)
+    lm_steps = measure_lm_steps(encoder, decoder, prompt, args.concurrent, args.repeats, args.warmup, bench)
+    failed = FailedMeasurements()
+    speedup = (
+        Timing(tuple(lm_steps["seconds_samples"]["one_by_one"])),
+        Timing(tuple(lm_steps["seconds_samples"]["together"])),
+    )
     figures = {
         "bistream_first_audio_ratio": timing["ratio"],
         "bistream_first_audio_ratio_spread": timing["ratio_spread"],
+        **failed.bounded_fields("lm_steps_speedup", paired(ratio, *speedup), 0.0, args.concurrent, BATCH_RATIO_BOUND),
     }
-    print(json.dumps(bench.finish({"bistream": timing, **figures}), indent=2))
+    report = {"bistream": timing, "lm_steps": lm_steps, **figures, "failed_measurements": failed.entries}
+    print(json.dumps(bench.finish(report), indent=2))
 
 
 if __name__ == "__main__":

@@ -459,6 +459,7 @@ class Decoder:
             "mixed_steps": stats.mixed_steps,
             "pipelined_sentences": stats.pipelined_sentences,
             "vocode_batch_size_counts": dict(stats.vocode_batch_size_counts),
+            "bistream_batch_size_counts": dict(stats.bistream_batch_size_counts),
             "llm_steps_while_vocoding": stats.llm_steps_while_vocoding,
             "first_lane_chunks": stats.first_lane_chunks,
             "admitted": stats.admitted,

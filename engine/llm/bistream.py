@@ -14,15 +14,17 @@ kept as officially: docs/models.md, "Bi-streaming: text joining the LM as it arr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.errors import InvalidInputError
 from engine.llm.qwen2_lm import embed_text
 from engine.llm.sampling import SamplingOptions, make_generator, sample_token
+from engine.nn.conformer import KVCache
 from engine.nn.layers import log_softmax_fp32
 
 
@@ -101,14 +103,6 @@ class BistreamDecoder:
             self.model.speech_embedding.weight.dtype
         )
 
-    def _step(self) -> Tensor:
-        """Feed `self.input` -> the log-softmax scores [classes] (fp32, CPU) of the next id. The input stays as it
-        is until the caller replaces it (the official loop keeps it after a fill token)."""
-        x = self.input[None]
-        valid = torch.ones(1, x.shape[1], dtype=torch.bool, device=self.device)
-        hidden = self.model.llm.forward_incremental(x, valid, self.cache)[:, -1]
-        return log_softmax_fp32(self.model.llm_decoder(hidden))[0].float().cpu()
-
     def _sample(self, scores: Tensor, allowed: int) -> int:
         """The next id from scores [classes]: a speech token or the special id `allowed` (the fill token before the
         end of text, with id speech_token_size masked as officially; the end token after it)."""
@@ -169,21 +163,31 @@ class BistreamDecoder:
         self._limit = max(1, int(self.text_pushed * self.options.max_token_text_ratio))
         self._decoding = True
 
-    @torch.inference_mode()
     def step(self) -> int | None:
         """One LM step while `decoding` -> the speech token decoded, or None when the step ended the decoding: a
         fill token (the LM waits for the next text piece) or, after the end of the text, the end token or limit."""
+        [outcome] = step_together([self])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    @property
+    def _at_limit(self) -> bool:
+        return self.finished and self.spoken >= self._limit
+
+    def _next(self, scores: Tensor | None) -> int | None:
+        """What `step` returns, from the scores [classes] of the LM's forward over `self.input` (None: at the
+        limit, where no forward runs)."""
         model = self.model
+        if scores is None:
+            self._decoding = False
+            return None
         if self.finished:
-            if self.spoken >= self._limit:
-                self._decoding = False
-                return None
-            token = self._sample(self._step(), allowed=model.end_token)
+            token = self._sample(scores, allowed=model.end_token)
             if token == model.end_token:
                 self._decoding = False
                 return None
         else:
-            scores = self._step()
             token = model.fill_token if len(self.tokens) == self.next_fill else self._sample(scores, model.fill_token)
             if token == model.fill_token:
                 self.next_fill = len(self.tokens) + model.mix_ratio[1] + 1
@@ -208,3 +212,44 @@ class BistreamDecoder:
             token = self.step()
             if token is not None:
                 yield token
+
+
+@torch.inference_mode()
+def step_together(decoders: Sequence[BistreamDecoder]) -> list[int | Exception | None]:
+    """One `step` of each of these decoders (each `decoding`, all of one model) -> what each step returns, in order,
+    or the exception its step raised (the others' steps stand).
+
+    The decoders past their prefill run their LM forward as one batch, their caches joined for it and split after;
+    a batch forward that raises runs again one decoder at a time, so that an error is its own decoder's.
+    """
+    joined = [i for i, d in enumerate(decoders) if not d._at_limit and d.cache.length]
+    scores: dict[int, Tensor] = {}
+    if len(joined) > 1:
+        try:
+            scores = dict(zip(joined, _forward([decoders[i] for i in joined]), strict=True))
+        except Exception:  # one decoder's state may be at fault: each runs alone below
+            scores = {}
+    outcomes: list[int | Exception | None] = []
+    for i, decoder in enumerate(decoders):
+        try:
+            row = None if decoder._at_limit else scores[i] if i in scores else _forward([decoder])[0]
+            outcomes.append(decoder._next(row))
+        except Exception as exc:
+            outcomes.append(exc)
+    return outcomes
+
+
+def _forward(decoders: Sequence[BistreamDecoder]) -> Tensor:
+    """Feed each decoder's `input` to its LM (left-padded into one batch) -> the log-softmax scores [B, classes] (fp32,
+    CPU) of each one's next id. The inputs stay as they are until `_next` replaces them (the official loop keeps one
+    after a fill token); each decoder's cache is its row of the batch's afterwards."""
+    model, device = decoders[0].model, decoders[0].device
+    width = max(len(d.input) for d in decoders)
+    x = torch.stack([F.pad(d.input, (0, 0, width - len(d.input), 0)) for d in decoders])
+    valid = torch.stack([torch.arange(width, device=device) >= width - len(d.input) for d in decoders])
+    cache = KVCache.concat([d.cache for d in decoders])
+    hidden = model.llm.forward_incremental(x, valid, cache)[:, -1]
+    scores = log_softmax_fp32(model.llm_decoder(hidden)).float().cpu()
+    for decoder, part in zip(decoders, cache.split() if len(decoders) > 1 else [cache], strict=True):
+        decoder.cache = part
+    return scores

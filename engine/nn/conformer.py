@@ -208,6 +208,21 @@ class KVCache:
         merged.length = length
         return merged
 
+    def split(self) -> list[KVCache]:
+        """One cache per row, each a view of this one's buffers without the leading columns its row does not use (no
+        copy: the rows' next columns are written into this cache's spare ones, which nothing else reads)."""
+        parts = []
+        for row in range(self.batch):
+            used = self.valid[row, : self.length].nonzero()
+            first = int(used[0, 0]) if len(used) else self.length
+            part = copy.copy(self)
+            part.valid = self.valid[row : row + 1, first:]
+            part.keys = [None if k is None else k[row : row + 1, :, first:] for k in self.keys]
+            part.values = [None if v is None else v[row : row + 1, :, first:] for v in self.values]
+            part.length = self.length - first
+            parts.append(part)
+        return parts
+
     def _regrid(self, rows: Tensor | None, first: int, capacity: int) -> None:
         """New buffers of `capacity` columns holding `rows` (all when None) and the columns first..length-1."""
 

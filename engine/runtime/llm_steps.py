@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import DecodeLimitError, as_request_error
+from engine.llm.bistream import step_together
 from engine.llm.generation import TokenEvent
 from engine.runtime.admission import Admission
 from engine.runtime.live_limits import LiveLimits
@@ -30,30 +31,48 @@ class LlmSteps:
         self.max_audio_s, self.max_speech_tokens = max_audio_s, max_speech_tokens
 
     def step(self) -> None:
-        """One step of the batch (if a sentence generates in it), then one of each bi-stream that can decode."""
+        """One step of the batch (if a sentence generates in it), then one of the bi-streams that can decode, their
+        LM forwards batched together."""
         if self.llm.active:
             self._batch_step()
+        decoding = []
         for sentence in [s for s in self.requests.live if s.bistream is not None and not s.tokens_done]:
             try:
-                with self.llm.on_loop_stream():
-                    event = self._bistream_step(sentence)
-            except Exception as exc:  # this utterance's input or state: it ends, the others go on
+                self._feed_text(sentence)
+            except Exception as exc:  # this utterance's input: it ends, the others go on
                 self.requests.fail(sentence.request, as_request_error(exc))
                 continue
+            if sentence.bistream.decoding:
+                decoding.append(sentence)
+        if not decoding:
+            return
+        with self.llm.on_loop_stream():
+            outcomes = step_together([s.bistream for s in decoding])
+        self.stats.bistream_batch_size_counts[len(decoding)] += 1
+        for sentence, outcome in zip(decoding, outcomes, strict=True):
+            if isinstance(outcome, Exception):  # this utterance's state: it ends, the others go on
+                self.requests.fail(sentence.request, as_request_error(outcome))
+                continue
+            event = self._bistream_event(sentence, outcome)
             if event is not None:
                 self._take_token(sentence, event)
 
-    def _bistream_step(self, sentence: Sentence) -> TokenEvent | None:
-        """Give the bi-stream's LM its next text piece if it waits for one, and step it once -> the event of its
-        stream (a speech token, or its end), or None (it waits for text, or a fill token asked for more)."""
-        decoder, stream = sentence.bistream, sentence.stream
+    @staticmethod
+    def _feed_text(sentence: Sentence) -> None:
+        """Give the bi-stream's LM its next text pieces while it waits for them (None: the text's end)."""
+        decoder = sentence.bistream
         while not decoder.decoding and not decoder.finished and sentence.text_pieces:
             piece = sentence.text_pieces.popleft()
             if piece is None:
                 decoder.end_text()
             else:
                 decoder.add_text(torch.tensor(piece, dtype=torch.long))
-        token = decoder.step() if decoder.decoding else None
+
+    @staticmethod
+    def _bistream_event(sentence: Sentence, token: int | None) -> TokenEvent | None:
+        """The event of a bi-stream's step that returned `token`: a speech token, its stream's end, or None (a fill
+        token asked for more text)."""
+        decoder, stream = sentence.bistream, sentence.stream
         if decoder.finished and not decoder.decoding:  # the end token or the length limit: vocoding comes next
             sentence.tokens_done = True
             sentence.bistream = None

@@ -73,6 +73,8 @@ class SchedulerStats:
     mixed_steps: int = 0  # LLM steps shared by whole and streaming sentences
     pipelined_sentences: int = 0  # sentences admitted while the one before them in their request was vocoded
     vocode_batch_size_counts: Counter[int] = field(default_factory=Counter)
+    # bi-streamed utterances' LM steps by how many utterances each ran (their forwards are one batch)
+    bistream_batch_size_counts: Counter[int] = field(default_factory=Counter)
     llm_steps_while_vocoding: int = 0  # LLM steps that ran while a flow + vocoder job was running
     first_lane_chunks: int = 0  # first chunks made on the first-audio lane
     admitted: int = 0

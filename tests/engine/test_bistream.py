@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidInputError
-from engine.llm.bistream import BistreamDecoder
+from engine.llm.bistream import BistreamDecoder, step_together
 from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import CosyVoice
 from engine.runtime.scheduler import Scheduler
@@ -147,3 +147,62 @@ def test_text_streams_decode_side_by_side_within_a_small_budget(tts: CosyVoice) 
     assert loop.live == 3
     step_until(loop, lambda: all(sink.ended for sink in sinks))
     assert all(sink.chunks for sink in sinks)
+    assert max(loop.stats.bistream_batch_size_counts) == 3  # their LM steps ran as one batch
+
+
+def _decoder(tts: CosyVoice, seed: int) -> BistreamDecoder:
+    start = tts.encoder.bistream_start(
+        SynthesisRequest(text="", voice=tts.voices[0], sampling=SamplingOptions(seed=seed, max_token_text_ratio=3.0))
+    )
+    return BistreamDecoder(tts.decoder.model.llm, torch.as_tensor(start.prompt_text_tokens), None, start.voice.sampling)
+
+
+def _decode_together(decoders: list[BistreamDecoder], pieces: list[list[int]]) -> list[list[int]]:
+    """Each decoder takes its pieces (decoder i starts i pieces late, so their caches differ in length) and ends its
+    text; every step steps all the decoders that decode, together -> each one's speech tokens."""
+    spoken: list[list[int]] = [[] for _ in decoders]
+    queues = [[None] * i + [torch.tensor(p) for p in pieces] + ["end"] for i in range(len(decoders))]
+    while any(d.decoding or queue for d, queue in zip(decoders, queues, strict=True)):
+        for decoder, queue in zip(decoders, queues, strict=True):
+            while not decoder.decoding and not decoder.finished and queue:
+                piece = queue.pop(0)
+                if piece == "end":
+                    decoder.end_text()
+                elif piece is not None:
+                    decoder.add_text(piece)
+                    break
+        decoding = [i for i, d in enumerate(decoders) if d.decoding]
+        outcomes = step_together([decoders[i] for i in decoding])
+        for i, outcome in zip(decoding, outcomes, strict=True):
+            assert not isinstance(outcome, Exception)
+            if outcome is not None:
+                spoken[i].append(outcome)
+    return spoken
+
+
+def test_bistreams_stepped_together_speak_as_each_alone(tts: CosyVoice) -> None:
+    """Their LM forwards in one batch (left-padded, caches of different lengths joined and split again) give each
+    utterance the tokens it decodes alone."""
+    pieces = [tts.encoder.text_piece_tokens(piece) for piece in PIECES]
+    alone = []
+    for seed in (1, 2, 3):
+        decoder = _decoder(tts, seed)
+        alone.append([token for piece in pieces for token in decoder.push_text(torch.tensor(piece))])
+        alone[-1] += list(decoder.finish())
+    together = _decode_together([_decoder(tts, seed) for seed in (1, 2, 3)], pieces)
+    assert together == alone and all(alone)
+
+
+def test_a_bistream_whose_step_fails_ends_alone(tts: CosyVoice) -> None:
+    """A forward that raises for one utterance's state is that utterance's failure: the batch runs again one
+    decoder at a time, and the other decodes on as it would alone."""
+    text = torch.tensor([token for piece in PIECES for token in tts.encoder.text_piece_tokens(piece)])
+    healthy, broken, alone = _decoder(tts, 1), _decoder(tts, 2), _decoder(tts, 1)
+    for decoder in (healthy, broken, alone):
+        decoder.add_text(text)
+        decoder.step()  # the prefill, alone
+        assert decoder.decoding
+    broken.input = broken.input[:, :-1]  # a width the LM cannot take
+    healthy_token, failure = step_together([healthy, broken])
+    assert healthy_token == alone.step() and healthy_token is not None
+    assert isinstance(failure, RuntimeError)
