@@ -11,6 +11,7 @@ admission queue gathers arrivals for `batch_wait_timeout_s` only while the loop 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -343,9 +344,11 @@ class Decoder:
         """Hand the utterance's text pieces to the loop as the relay gives them, then its end; its session closed (its
         client left) cancels it, a relay that fails or a piece the loop refuses ends it with that error."""
         try:
-            while (tokens := await relay.get.remote(session)) is not None:
+            for index in itertools.count():  # a call sent again reads the session's pieces again from the first
+                tokens = await relay.get.remote(session, index)
                 self.scheduler.push_text(ticket, tokens)
-            self.scheduler.push_text(ticket, None)
+                if tokens is None:
+                    break
         except TextSessionClosedError:  # its client left: nobody listens for the rest
             logger.info("bi-streamed utterance ended: its session was closed", extra={"request_id": request_id})
             self.scheduler.cancel(ticket)

@@ -3,10 +3,11 @@ decoder replica that speaks it.
 
 Serve routes every call anew, so text that arrives after the decoder's streaming call began cannot be sent to that
 replica by another call: the ingress puts each piece's ids here (one relay actor per ingress replica, made on its
-first session) and the decoder's `bistream` call takes them out, in order, until the end (None). A session the
-ingress closed (its client left, or it failed) stays closed: a `get` for it, waiting or later (a decoder call that
-started after the close), raises `TextSessionClosedError`, so no decoder waits for text that will never come.
-`TextRelays` is the ingress replica's hold on its relay.
+first session) and the decoder's `bistream` call reads them, piece by piece in order, until the end (None). The
+pieces stay until the session closes, so a call sent again to another replica (its replica was lost before the first
+audio) reads them again from the first. A session the ingress closed (its client left, or it failed) stays closed: a
+`get` for it, waiting or later (a decoder call that started after the close), raises `TextSessionClosedError`, so no
+decoder waits for text that will never come. `TextRelays` is the ingress replica's hold on its relay.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from ray.exceptions import RayActorError
 # How long a closed session is remembered: longer than any decoder call that might still start for it waits in a
 # queue (limits.max_stream_s bounds a call's time in the decoder, queued or decoding).
 CLOSED_SESSION_MEMORY_S = 900.0
-_CLOSED = object()  # put into a closed session's queue: wakes its waiting `get`
 RELAY_NAME_PREFIX = "text-relay-"  # named, so that an operator (or a test) finds the ingress replicas' relays
 
 
@@ -32,40 +32,60 @@ class TextSessionClosedError(Exception):
         super().__init__(message)
 
 
-@ray.remote(num_cpus=0)
-class TextRelay:
+class _SessionText:
+    """One session's pieces so far (None last once the text has ended), and the condition a `get` waits on."""
+
     def __init__(self) -> None:
-        self._sessions: dict[str, asyncio.Queue[list[int] | object]] = {}
+        self.pieces: list[list[int] | None] = []
+        self.closed = False
+        self.changed = asyncio.Condition()
+
+
+class SessionTexts:
+    """What a `TextRelay` holds and answers: every session's pieces (the actor is this class, for Ray)."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, _SessionText] = {}
         self._closed: dict[str, float] = {}  # session -> when it was closed
 
-    def _queue(self, session: str) -> asyncio.Queue[list[int] | object]:
+    def _text(self, session: str) -> _SessionText:
         if session in self._closed:
             raise TextSessionClosedError()
-        return self._sessions.setdefault(session, asyncio.Queue())
+        return self._sessions.setdefault(session, _SessionText())
 
     async def put(self, session: str, tokens: list[int] | None) -> None:
         """The next piece's text ids; None: the text has ended."""
-        self._queue(session).put_nowait(tokens)
+        text = self._text(session)
+        async with text.changed:
+            text.pieces.append(tokens)
+            text.changed.notify_all()
 
-    async def get(self, session: str) -> list[int] | None:
-        """The next piece's text ids, once they come; None at the end of the text; TextSessionClosedError once the
-        session is closed."""
-        item = await self._queue(session).get()
-        if item is _CLOSED:
+    async def get(self, session: str, index: int) -> list[int] | None:
+        """The text ids of piece `index` (0: the first), once it comes; None at the end of the text;
+        TextSessionClosedError once the session is closed."""
+        text = self._text(session)
+        async with text.changed:
+            await text.changed.wait_for(lambda: text.closed or index < len(text.pieces))
+        if text.closed:
             raise TextSessionClosedError()
-        return item  # type: ignore[return-value]
+        return text.pieces[index]
 
     async def close(self, session: str) -> None:
         """Forget the session; a `get` waiting on it, or asking for it later, raises TextSessionClosedError."""
         now = time.monotonic()
         self._closed = {closed: at for closed, at in self._closed.items() if now - at < CLOSED_SESSION_MEMORY_S}
         self._closed[session] = now
-        queue = self._sessions.pop(session, None)
-        if queue is not None:
-            queue.put_nowait(_CLOSED)
+        text = self._sessions.pop(session, None)
+        if text is not None:
+            async with text.changed:
+                text.closed = True
+                text.changed.notify_all()
 
     def ping(self) -> bool:
         return True
+
+
+TextRelay = ray.remote(num_cpus=0)(SessionTexts)
 
 
 class TextRelays:

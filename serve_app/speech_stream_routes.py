@@ -28,6 +28,7 @@ from functools import partial
 import ray
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentResponseGenerator
 
 from deployments.text_relay import TextRelays
 from engine.errors import InvalidInputError, TextTooLongError, UnknownVoiceError
@@ -37,7 +38,7 @@ from engine.text.frontend import complete_sentences, is_speakable
 from engine.voices.registry import is_voice_id
 from observability.http import SynthesisTimer, request_id_of
 from serve_app.audio import OPENAI_SAMPLE_RATE, StreamEncoder
-from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, ServiceUnavailableError, unavailable_error
+from serve_app.errors import ServiceUnavailableError, unavailable_error
 from serve_app.guard import WEBSOCKET_PROTOCOL
 from serve_app.health_routes import HEALTH_PROBE_TIMEOUT_S
 from serve_app.openai_routes import OpenAIRoutes
@@ -242,23 +243,19 @@ class SpeechStreamRoutes:
         timer: SynthesisTimer,
         request_id: str,
     ) -> None:
-        """The decoder's audio of the bi-streamed utterance, sent as it comes."""
-        response = (
-            self.synthesis.router.handle().bistream.options(stream=True).remote(start, relay, session, request_id)
-        )
-        try:
-            async for chunk in response:
+        """The decoder's audio of the bi-streamed utterance, sent as it comes. A call whose replica is lost before its
+        first audio is made again (`Synthesis.rerouted`): the relay keeps the session's pieces for it."""
+
+        def decode_call() -> DeploymentResponseGenerator:
+            handle = self.synthesis.router.handle()
+            return handle.bistream.options(stream=True).remote(start, relay, session, request_id)
+
+        async with contextlib.aclosing(self.synthesis.rerouted(decode_call, request_id)) as chunks:
+            async for chunk in chunks:
                 timer.audio(chunk)
                 stream.active()
                 if data := encoder.encode(chunk):
                     await stream.ws.send_bytes(data)
-        except (*REPLICA_LOST, *SERVE_UNAVAILABLE) as exc:  # a bi-streamed utterance cannot be sent again
-            raise unavailable_error(exc) from exc
-        finally:
-            # Serve goes on with a call whose iteration was cancelled: the client left or the session failed, so the
-            # decoder's call is cancelled (a no-op once it ended; one that failed re-raises its error here).
-            with contextlib.suppress(Exception):
-                response.cancel()
         if data := encoder.finish():
             await stream.ws.send_bytes(data)
 

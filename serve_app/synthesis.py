@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 
 from deployments.encoder import ModelInfo, SentencePlan
 from engine.errors import InvalidInputError
@@ -269,9 +269,7 @@ class Synthesis:
         """Audio chunks of the plan's sentences in order, through the decoder's streaming path (which ends the request
         at its ceilings: `limits.max_stream_s`, `limits.max_audio_s`): `first` (its first sentences, encoded) at once,
         the others as the encoder encodes them meanwhile."""
-        loop = asyncio.get_running_loop()
-        reroute_until = loop.time() + self.limits.reroute_s
-        rest = response = None
+        rest = None
         try:
             later = []
             if len(first) < plan.num_segments:
@@ -279,39 +277,57 @@ class Synthesis:
                 # An ObjectRef, which the decoder awaits: a DeploymentResponse passes only as a top-level argument,
                 # which Serve resolves before the call.
                 later = [await rest._to_object_ref()]
-            lost = False  # a decoder replica was lost under this stream before its first audio
-            while True:
-                # All sentences in one call: the decoder pipelines them (the next one generates while this one
-                # vocodes).
-                response = self.router.handle().stream.options(stream=True).remote(first, request_id, later)
-                started = False
-                try:
-                    async for chunk in response:
-                        started = True
-                        yield chunk
-                    return
-                except (*REPLICA_LOST, *SERVE_UNAVAILABLE) as exc:
-                    # A lost replica (or, with its node, the chunks it had made): a stream that sent nothing yet lost
-                    # nothing but time: it goes again, to another replica or
-                    # the replacement (whose queue the other re-sent streams may fill for a while), until
-                    # `limits.reroute_s`; one that has sent audio cannot be resumed. A full queue at the first try
-                    # is overload: 503 at once.
-                    overload = isinstance(exc, BackPressureError) and not lost
-                    if started or overload or loop.time() >= reroute_until:
-                        raise unavailable_error(exc) from exc
-                    lost = True
-                    logger.warning(
-                        "the decoder replica was lost before this stream's first audio (%s); sending it again",
-                        type(exc).__name__,
-                        extra={"request_id": request_id},
-                    )
-                    await asyncio.sleep(REROUTE_BACKOFF_S)
+
+            # All sentences in one call: the decoder pipelines them (the next one generates while this one vocodes).
+            def decode_call() -> DeploymentResponseGenerator:
+                return self.router.handle().stream.options(stream=True).remote(first, request_id, later)
+
+            async with contextlib.aclosing(self.rerouted(decode_call, request_id)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except SERVE_UNAVAILABLE as exc:
             raise unavailable_error(exc) from exc
-        finally:  # no-ops for finished calls; they stop the decoder's and the encoder's work if the client left
-            for call in (response, rest):
-                if call is not None:
-                    # Cancelling a call that failed re-raises its error (Serve's BackPressureError: a plain-text 503),
-                    # which would replace the translated one on its way out.
-                    with contextlib.suppress(Exception):
-                        call.cancel()
+        finally:  # a no-op for a finished call; it stops the encoder's work if the client left
+            if rest is not None:
+                _cancel(rest)
+
+    async def rerouted(
+        self, call: Callable[[], DeploymentResponseGenerator], request_id: str
+    ) -> AsyncIterator[np.ndarray]:
+        """The audio chunks of the streaming decoder call that `call()` makes. A lost replica (or, with its node, the
+        chunks it had made) costs a call that sent nothing yet nothing but time: it is made again, to another replica
+        or the replacement (whose queue the other re-sent calls may fill for a while), until `limits.reroute_s`; one
+        that has sent audio cannot be resumed (503). A full queue at the first try is overload: 503 at once. The call
+        is cancelled when its chunks are left unread (the client left)."""
+        loop = asyncio.get_running_loop()
+        reroute_until = loop.time() + self.limits.reroute_s
+        lost = False  # a decoder replica was lost under this call before its first audio
+        while True:
+            response = call()
+            started = False
+            try:
+                async for chunk in response:
+                    started = True
+                    yield chunk
+                return
+            except (*REPLICA_LOST, *SERVE_UNAVAILABLE) as exc:
+                overload = isinstance(exc, BackPressureError) and not lost
+                if started or overload or loop.time() >= reroute_until:
+                    raise unavailable_error(exc) from exc
+                lost = True
+                logger.warning(
+                    "the decoder replica was lost before this stream's first audio (%s); sending it again",
+                    type(exc).__name__,
+                    extra={"request_id": request_id},
+                )
+                await asyncio.sleep(REROUTE_BACKOFF_S)
+            finally:
+                _cancel(response)
+
+
+def _cancel(call: DeploymentResponse | DeploymentResponseGenerator) -> None:
+    """Cancel a Serve call: a no-op once it ended; it stops the replica's work for a client that left. Cancelling a
+    call that failed re-raises its error (Serve's BackPressureError: a plain-text 503), which would replace the
+    translated one on its way out."""
+    with contextlib.suppress(Exception):
+        call.cancel()

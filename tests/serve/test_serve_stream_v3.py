@@ -249,3 +249,36 @@ def test_a_lost_text_relay_fails_its_sessions_alone_and_healthz_says_so_until_it
     wait_until(lambda: client.get("/healthz").status_code == 200, 30, "/healthz to answer 200 with a new relay")
     _, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))
     assert done["type"] == "speech.audio.done" and audio
+
+
+def decoder_replica() -> Any:
+    prefix = f"SERVE_REPLICA::{APP}#Decoder#"
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    return ray.get_actor(name, namespace="serve")
+
+
+def test_a_text_stream_whose_decoder_dies_before_its_first_audio_is_spoken_by_the_replacement(
+    base_url: str,
+) -> None:
+    """The relay keeps the session's pieces, so the utterance's call, sent again to the replacement replica, reads
+    them from the first: the client sees its audio and the done event, as if nothing happened."""
+
+    async def session_across_the_kill() -> tuple[bytes, dict[str, Any]]:
+        start = {"type": "start", "model": KIT_MODEL.name, "voice": VOICE, "response_format": "pcm"}
+        async with websockets.connect(base_url.replace("http://", "ws://", 1) + TEXT_STREAM_PATH) as ws:
+            await ws.send(json.dumps(start))
+            await ws.send(json.dumps({"type": "text", "text": "Hello "}))  # too short to speak: the LM waits
+            await asyncio.to_thread(
+                wait_until, lambda: decoder_stats()["bistreams"] == 1, 60, "the decoder to hold the utterance"
+            )
+            await asyncio.to_thread(ray.kill, decoder_replica(), no_restart=True)
+            await ws.send(json.dumps({"type": "text", "text": "there, this text comes after the decoder died."}))
+            await ws.send(json.dumps({"type": "end"}))
+            audio: list[bytes] = []
+            while isinstance(frame := await asyncio.wait_for(ws.recv(), 300), bytes):
+                audio.append(frame)
+            return b"".join(audio), json.loads(frame)
+
+    audio, done = asyncio.run(session_across_the_kill())
+    assert done["type"] == "speech.audio.done", done
+    assert len(audio) > 2 * HOP and np.isfinite(pcm(audio)).all()

@@ -408,6 +408,55 @@ def test_a_stream_whose_first_chunks_were_lost_with_the_decoders_node_is_sent_ag
     assert tried == [["first sentence"]] * 2
 
 
+@pytest.mark.parametrize("lost_after_audio", [False, True])
+def test_a_text_stream_whose_decoder_is_lost_before_its_first_audio_is_sent_again(
+    monkeypatch: pytest.MonkeyPatch, lost_after_audio: bool
+) -> None:
+    """The bi-streamed utterance's call goes again (the relay replays the session's pieces to it) while it has sent
+    no audio; lost after its first audio, the session ends with 503 (1013), as a stream does."""
+    from serve_app import synthesis
+    from serve_app.errors import ServiceUnavailableError
+
+    monkeypatch.setattr(synthesis, "REROUTE_BACKOFF_S", 0.0)
+    chunk = np.ones(4, np.float32)
+
+    class _LostAfterItsChunks(_FakeCall):
+        async def __anext__(self) -> np.ndarray:
+            if self.chunks:
+                return self.chunks.pop(0)
+            raise RayActorError()
+
+    calls = [_LostAfterItsChunks([chunk] if lost_after_audio else []), _FakeCall([chunk, chunk])]
+    tried = []
+
+    def bistream_remote(*args: Any) -> _FakeCall:
+        tried.append(args)
+        return calls[len(tried) - 1]
+
+    decoder = SimpleNamespace(bistream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=bistream_remote)))
+    routes = SimpleNamespace(
+        synthesis=Synthesis(
+            None, SimpleNamespace(handle=lambda: decoder), "tiny", LimitsArgs(), OpenAIArgs(), AudioArgs()
+        )
+    )
+    sent: list[bytes] = []
+
+    async def send_bytes(data: bytes) -> None:
+        sent.append(data)
+
+    stream = SimpleNamespace(ws=SimpleNamespace(send_bytes=send_bytes), active=lambda: None)
+    encoder = SimpleNamespace(encode=lambda audio: audio.tobytes(), finish=lambda: b"")
+    timer = SimpleNamespace(audio=lambda audio: None)
+    speak = SpeechStreamRoutes.speak_relayed(routes, stream, "start", "relay", "s", encoder, timer, "req-1")
+    if lost_after_audio:
+        with pytest.raises(ServiceUnavailableError):
+            asyncio.run(speak)
+        assert len(tried) == 1 and len(sent) == 1
+    else:
+        asyncio.run(speak)
+        assert tried == [("start", "relay", "s", "req-1")] * 2 and len(sent) == 2
+
+
 def test_a_call_whose_result_was_lost_with_its_node_is_retried_once_then_503() -> None:
     from serve_app.errors import ServiceUnavailableError
 
@@ -543,15 +592,43 @@ def test_a_client_that_left_is_logged_at_info_without_a_traceback_even_when_a_se
     assert serve_log.records[0].levelno == logging.INFO and serve_log.records[0].exc_info is None
 
 
+def test_the_text_relay_keeps_a_sessions_pieces_for_a_call_sent_again() -> None:
+    """A decoder call reads the pieces in order, waiting for each; one sent again to another replica (the first was
+    lost before its first audio) reads them again from the first; closing the session wakes a waiting reader."""
+    from deployments.text_relay import SessionTexts
+
+    async def scenario() -> tuple[list, list, bool]:
+        texts = SessionTexts()
+        await texts.put("s", [1, 2])
+        waiting = asyncio.create_task(texts.get("s", 1))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # piece 1 has not come yet
+        await texts.put("s", [3])
+        await texts.put("s", None)
+        first_call = [await texts.get("s", 0), await waiting, await texts.get("s", 2)]
+        sent_again = [await texts.get("s", index) for index in range(3)]
+        reader = asyncio.create_task(texts.get("s", 3))
+        await asyncio.sleep(0)
+        await texts.close("s")
+        with pytest.raises(TextSessionClosedError):
+            await reader
+        with pytest.raises(TextSessionClosedError):
+            await texts.get("s", 0)  # a call that starts after the close
+        return first_call, sent_again, reader.done()
+
+    first_call, sent_again, woken = asyncio.run(scenario())
+    assert first_call == sent_again == [[1, 2], [3], None] and woken
+
+
 class FakeRelay:
-    """`TextRelay`'s `get` as the decoder calls it (`relay.get.remote(session)`, awaited), over a fixed list: an
-    exception in it is raised; past its end, `get` waits for ever (a client that sends nothing more)."""
+    """`TextRelay`'s `get` as the decoder calls it (`relay.get.remote(session, index)`, awaited), over a fixed list:
+    an exception in it is raised; past its end, `get` waits for ever (a client that sends nothing more)."""
 
     def __init__(self, items: list[list[int] | Exception | None]) -> None:
-        async def get(_session: str) -> list[int] | None:
-            if not items:
+        async def get(_session: str, index: int) -> list[int] | None:
+            if index >= len(items):
                 await asyncio.Event().wait()
-            item = items.pop(0)
+            item = items[index]
             if isinstance(item, Exception):
                 raise item
             return item
