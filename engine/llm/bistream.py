@@ -236,6 +236,9 @@ def step_together(decoders: Sequence[BistreamDecoder]) -> list[int | Exception |
             outcomes.append(decoder._next(row))
         except Exception as exc:
             outcomes.append(exc)
+        if not decoder.decoding and decoder.cache.shares_buffers:
+            # It waits for text now, its cache a view holding a whole batch's buffers alive: its own row only.
+            decoder.cache = decoder.cache.take([0])
     return outcomes
 
 

@@ -208,6 +208,11 @@ class KVCache:
         merged.length = length
         return merged
 
+    @property
+    def shares_buffers(self) -> bool:
+        """Whether this cache is one row of a larger batch's buffers (`split`), which it keeps alive."""
+        return self.valid.untyped_storage().nbytes() > self.valid.nbytes
+
     def split(self) -> list[KVCache]:
         """One cache per row, each a view of this one's buffers without the leading columns its row does not use (no
         copy: the rows' next columns are written into this cache's spare ones, which nothing else reads)."""

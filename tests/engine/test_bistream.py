@@ -177,6 +177,9 @@ def _decode_together(decoders: list[BistreamDecoder], pieces: list[list[int]]) -
             assert not isinstance(outcome, Exception)
             if outcome is not None:
                 spoken[i].append(outcome)
+            if not decoders[i].decoding:  # waiting for text, it holds its own row, not the batch's buffers
+                keys = [k for k in decoders[i].cache.keys if k is not None]
+                assert all(k.untyped_storage().nbytes() == k.numel() * k.element_size() for k in keys)
     return spoken
 
 
