@@ -89,7 +89,7 @@ def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals_but_not_
     busy = _stats(decoder)
     assert busy["loop_busy"] and busy["admission_wait_s"] == DecoderArgs().batch_wait_timeout_s
     # Whole requests would now wait an hour for their batch to fill; a stream joins the busy loop at once.
-    decoder.set_batch_wait_timeout_s.remote(3600.0).result()
+    decoder.reconfigure.remote({"batch_wait_timeout_s": 3600.0}).result()  # as a user_config change does
     short = decoder.stream.options(stream=True).remote(_encode("Short.", ratio=4, seed=4), "short")
     pool = ThreadPoolExecutor(1)
     try:
@@ -97,7 +97,7 @@ def test_an_idle_replica_admits_at_once_and_a_busy_one_gathers_arrivals_but_not_
     finally:
         short.cancel()  # ends a `next` still waiting
         pool.shutdown(wait=False)
-        decoder.set_batch_wait_timeout_s.remote(DecoderArgs().batch_wait_timeout_s).result()
+        decoder.reconfigure.remote({"batch_wait_timeout_s": DecoderArgs().batch_wait_timeout_s}).result()
     chunks.cancel()
     wait_until(lambda: not _stats(decoder)["loop_busy"], 30, "the loop to be idle again")
     assert _stats(decoder)["admission_wait_s"] == 0.0

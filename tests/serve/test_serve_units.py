@@ -8,7 +8,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,8 +25,9 @@ from ray.exceptions import (
 from ray.serve.exceptions import BackPressureError
 
 from autoscaling.metrics import ReplicaLoadTracker
-from deployments.decoder import Decoder, resolve_device_and_dtype
+from deployments.decoder import resolve_device_and_dtype
 from deployments.encoder import VoiceCloningNotConfiguredError
+from deployments.loop_bridge import LoopBridge
 from deployments.text_relay import TextSessionClosedError
 from engine.errors import (
     CosyVoiceError,
@@ -319,7 +319,7 @@ def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders
 
 
 def test_a_stream_whose_later_sentences_fail_ends_with_the_encoders_error_or_a_503() -> None:
-    from deployments.decoder import later_sentences_error
+    from deployments.loop_bridge import later_sentences_error
     from engine.errors import RequestFailedError
 
     refused = InvalidInputError("the text is too long")
@@ -644,43 +644,42 @@ def test_decoder_bistream_speaks_the_relayed_text_in_the_loop_within_the_ceiling
     sampling = SamplingOptions(seed=3, max_token_text_ratio=3.0)
     start = tts.encoder.bistream_start(SynthesisRequest(text="", voice=tts.voices[0], sampling=sampling))
     pieces = [tts.encoder.text_piece_tokens(word) for word in ("Hello ", "there, ", "this is ", "a test.")]
-    decoder_class = Decoder.func_or_class
 
-    def replica(max_audio_s: float | None = None, max_request_s: float | None = None) -> SimpleNamespace:
+    def replica(max_audio_s: float | None = None, max_request_s: float | None = None) -> LoopBridge:
         scheduler = Scheduler(tts.decoder, max_live=2, max_audio_s=max_audio_s, max_request_s=max_request_s)
-        loop = threading.Thread(target=scheduler.run, args=(lambda busy: None, as_request_error), daemon=True)
-        loop.start()
-        replica = SimpleNamespace(scheduler=scheduler, _loop_thread=loop, _bistreams=0, load=ReplicaLoadTracker(2))
-        replica._audio = partial(decoder_class._audio, replica)
-        replica._ensure_loop = partial(decoder_class._ensure_loop, replica)  # the loop above is running
-        replica._relay_text = partial(decoder_class._relay_text, replica)
-        replica.published = []  # the utterances in the loop each time the gauges were set
-        replica._publish_load = lambda: replica.published.append(replica._bistreams)
-        return replica
+        bridge = LoopBridge(scheduler, ReplicaLoadTracker(2), SimpleNamespace(), 2, 0.0, 1)
+        # A loop thread of its own, started here: the bridge's would call back into the first test's event loop.
+        bridge._loop_thread = threading.Thread(
+            target=scheduler.run, args=(lambda busy: None, as_request_error), daemon=True
+        )
+        bridge._loop_thread.start()
+        bridge.published = []  # the utterances in the loop each time the gauges were set
+        bridge.publish_load = lambda: bridge.published.append(bridge.bistreams)
+        return bridge
 
-    async def run(replica: SimpleNamespace, items: list[list[int] | Exception | None] | None = None) -> list:
+    async def run(bridge: LoopBridge, items: list[list[int] | Exception | None] | None = None) -> list:
         relay = FakeRelay([*pieces, None] if items is None else items)
-        return [chunk async for chunk in decoder_class.bistream(replica, start, relay, "s", "req-1")]
+        return [chunk async for chunk in bridge.bistream(start, relay, "s", "req-1")]
 
     spoken = replica()
     audio = np.concatenate(asyncio.run(run(spoken)))
     assert np.isfinite(audio).all() and len(audio) > tts.sample_rate // 10
-    assert spoken._bistreams == 0 and spoken.published == [1, 0]  # counted in, then out
+    assert spoken.bistreams == 0 and spoken.published == [1, 0]  # counted in, then out
     # A client that sends a piece and then nothing: the wall-clock ceiling ends it while it waits for text.
     waiting = replica(max_request_s=0.2)
     with pytest.raises(DecodeLimitError, match=r"longer than the limit of 0\.2 s"):
         asyncio.run(asyncio.wait_for(run(waiting, pieces[:1]), 30))
-    assert waiting._bistreams == 0
+    assert waiting.bistreams == 0
     # Its session closed by the ingress (the client left): it ends, quietly.
     closed = replica()
-    assert asyncio.run(run(closed, [TextSessionClosedError()])) == [] and closed._bistreams == 0
+    assert asyncio.run(run(closed, [TextSessionClosedError()])) == [] and closed.bistreams == 0
     limited = replica(max_audio_s=0.1)
     with pytest.raises(DecodeLimitError, match=r"0\.1 s of audio"):
         asyncio.run(run(limited))
     refused = replica()
     with pytest.raises(InvalidInputError, match="text ids"):
         asyncio.run(run(refused, [[-1]]))
-    assert refused._bistreams == 0
+    assert refused.bistreams == 0
     ended = time.monotonic() + 30  # the loop thread forgets the ended utterance at its step after handing on the error
     while refused.scheduler.live and time.monotonic() < ended:
         time.sleep(0.01)
