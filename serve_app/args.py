@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -16,7 +16,7 @@ from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
 from serve_app.args_base import CPU_REPLICA_SECTIONS, CPU_RESOURCES_MOVED, StrictArgs
 from serve_app.decoder_args import CpuFallbackArgs, DecoderArgs, SchedulerArgs
 from serve_app.replica_args import EncoderArgs, IngressArgs, TextArgs, WyomingArgs
-from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs, ProvisionedVoiceArgs, SecurityArgs
+from serve_app.request_args import LimitsArgs, OpenAIArgs, ProvisionedVoiceArgs, SecurityArgs
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,6 +50,11 @@ def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> Non
 class AppArgs(StrictArgs):
     """Everything `build_app` needs; every field has a default that runs on a laptop CPU."""
 
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "audio": "the whole section: the lossy formats' bit rates are fixed at mp3 160, aac 96 and opus 64 kbit/s "
+        "(serve_app.audio.LOSSY_BIT_RATES: clean speech at 22-24 kHz, mp3 at MPEG-2's maximum there)",
+    }
+
     model: str = Field(
         "tiny",
         description="an official CosyVoice model dir, a Hugging Face id of one (FunAudioLLM/Fun-CosyVoice3-0.5B-2512, "
@@ -79,7 +84,6 @@ class AppArgs(StrictArgs):
     scheduler: SchedulerArgs = SchedulerArgs()
     security: SecurityArgs = SecurityArgs()
     openai: OpenAIArgs = OpenAIArgs()
-    audio: AudioArgs = AudioArgs()
     wyoming: WyomingArgs = WyomingArgs()
     voices_dir: str | None = Field(
         None,

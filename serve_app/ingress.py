@@ -30,12 +30,12 @@ from observability import STRUCTURED_LOGGING
 from serve_app.api import RouteGroup, build_api
 from serve_app.args import AppArgs
 from serve_app.browser_rules import browser_rules
-from serve_app.guard import BodyTimeouts, GuardSettings, load_api_keys, load_keys, serving_warnings
+from serve_app.guard import BodyTimeouts, GuardSettings, load_admin_keys, load_api_keys, serving_warnings
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
 from serve_app.openai_routes import OpenAIRoutes
 from serve_app.replica_args import WYOMING_NUM_CPUS
-from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
+from serve_app.request_args import LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
 from serve_app.speech_stream_routes import SpeechStreamRoutes
 from serve_app.synthesis import Synthesis
@@ -67,7 +67,7 @@ def request_checks(
     """The middlewares' settings of an ingress replica whose HTTP proxies bind `bound_host` (its API keys read from
     `security` and this process's environment), and the warnings of how it serves."""
     keys = load_api_keys(security)
-    admin_keys = load_keys(security.admin_keys, security.admin_keys_env)
+    admin_keys = load_admin_keys(security)
     keys_on = bool(keys + admin_keys)
     upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
     guard = GuardSettings(
@@ -98,7 +98,6 @@ class IngressReplica:
         limits: LimitsArgs,
         security: SecurityArgs | None = None,
         openai: OpenAIArgs | None = None,
-        audio: AudioArgs | None = None,
         decoder_cpu: DeploymentHandle | None = None,
         routing_poll_s: float = 2.0,
         gpu_rules: ScalingRules | None = None,
@@ -111,7 +110,7 @@ class IngressReplica:
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
         router = DecoderRouter(decoders, routing_poll_s, gpu_rules, RayWakeBoard() if wake else None)
         router.start(serve.get_replica_context().app_name)
-        synthesis = Synthesis(encoder, router, model_name, limits, openai or OpenAIArgs(), audio or AudioArgs())
+        synthesis = Synthesis(encoder, router, model_name, limits, openai or OpenAIArgs())
         text_relays = TextRelays()  # the text streams' relay to the decoders (CosyVoice2/3)
         openai_routes = OpenAIRoutes(synthesis)
         self.route_groups: tuple[RouteGroup, ...] = (
@@ -311,7 +310,6 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         args.ingress_limits,
         security=args.security,
         openai=args.openai.model_copy(update={"voices": args.openai_voices}),
-        audio=args.audio,
         decoder_cpu=decoder_cpu,
         routing_poll_s=fallback.poll_interval_s,
         gpu_rules=gpu_rules,

@@ -1,5 +1,5 @@
-"""What the app args (`serve_app.args`) allow of a request and its caller: limits, API keys, the OpenAI names, audio
-encoding, provisioned voices."""
+"""What the app args (`serve_app.args`) allow of a request and its caller: limits, API keys, the OpenAI names,
+provisioned voices."""
 
 from __future__ import annotations
 
@@ -128,19 +128,28 @@ class LimitsArgs(StrictArgs):
         return self
 
 
+# The environment variables the ingress replicas read more keys from (comma-separated): the one every cluster profile,
+# the launcher (ray_cluster.yaml) and the KubeRay manifest set, and its admin twin. Keys stay out of config files.
+API_KEYS_ENV = "COSYVOICE_API_KEYS"
+ADMIN_KEYS_ENV = "COSYVOICE_ADMIN_KEYS"
+
+
 class SecurityArgs(StrictArgs):
-    api_keys: tuple[SecretStr, ...] = Field((), description="bearer tokens accepted on every endpoint but /healthz")
-    api_keys_env: str | None = Field(
-        "COSYVOICE_API_KEYS", description="env variable read by the ingress replicas: more keys, comma-separated"
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "api_keys_env": f"fixed at {API_KEYS_ENV} (serve_app.request_args.API_KEYS_ENV): the variable every cluster "
+        "profile, the launcher and the KubeRay manifest set; keys stay out of config files",
+        "admin_keys_env": f"fixed at {ADMIN_KEYS_ENV} (serve_app.request_args.ADMIN_KEYS_ENV), beside {API_KEYS_ENV}",
+    }
+
+    api_keys: tuple[SecretStr, ...] = Field(
+        (),
+        description=f"bearer tokens accepted on every endpoint but /healthz (and those, comma-separated, of the "
+        f"ingress replicas' {API_KEYS_ENV} environment variable)",
     )
     admin_keys: tuple[SecretStr, ...] = Field(
         (),
         description="bearer tokens accepted like api_keys that also see, use and delete every registered voice "
-        "(other keys: only their own and the shared ones)",
-    )
-    admin_keys_env: str | None = Field(
-        "COSYVOICE_ADMIN_KEYS",
-        description="env variable read by the ingress replicas: more admin keys, comma-separated",
+        f"(other keys: only their own and the shared ones); more, comma-separated, in {ADMIN_KEYS_ENV}",
     )
     allowed_model_roots: tuple[str, ...] | None = Field(
         None, description="directories a model dir must lie in (symlinks resolved); None: any path without '..'"
@@ -218,20 +227,6 @@ class OpenAIArgs(StrictArgs):
         if any(not name.strip() or not target.strip() for name, target in self.voices.items()):
             raise ValueError("openai.voices must map non-empty names to non-empty voices")
         return self
-
-
-class AudioArgs(StrictArgs):
-    """The bit rates of the lossy formats, chosen for clean speech at 22-24 kHz mono: mp3 at the 160 kbit/s MPEG-2
-    maximum at those rates, aac and opus where speech has no audible artefacts."""
-
-    mp3_kbps: int = Field(160, ge=32, le=160, description="mp3 (MPEG-2 layer III at 22.05/24 kHz: 160 at most)")
-    aac_kbps: int = Field(96, ge=16, le=256, description="aac (no audible artefacts on speech at 96)")
-    opus_kbps: int = Field(64, ge=6, le=256, description="opus (no audible artefacts on speech at 64)")
-
-    def bit_rate(self, format_name: str) -> int | None:
-        """Bits per second of a lossy format; None for the lossless ones."""
-        kbps = {"mp3": self.mp3_kbps, "aac": self.aac_kbps, "opus": self.opus_kbps}.get(format_name)
-        return None if kbps is None else kbps * 1000
 
 
 class ProvisionedVoiceArgs(StrictArgs):

@@ -129,7 +129,7 @@ class SpeechStreamRoutes:
                 f"unknown voice {request.voice!r}: neither a built-in speaker nor a registered voice (GET /v1/voices "
                 "lists both)"
             )
-        output = OutputAudio(fmt, info.sample_rate, OPENAI_SAMPLE_RATE, self.synthesis.audio.bit_rate(fmt.name))
+        output = OutputAudio(fmt, info.sample_rate, OPENAI_SAMPLE_RATE)
         timer = SynthesisTimer(STREAM_PATH, "websocket", info.sample_rate)
         usage = partial(usage_of, timer, info=info)
         if info.bistream:

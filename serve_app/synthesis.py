@@ -28,7 +28,7 @@ from observability.http import SynthesisTimer, endpoint_of, request_id_of
 from serve_app.audio import AudioFormat, audio_format
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import check_voice_name
-from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs
+from serve_app.request_args import LimitsArgs, OpenAIArgs
 from serve_app.responses import SSE_MEDIA_TYPE, OutputAudio, encoded_stream, iter_once, speech_usage, sse_body
 from serve_app.routing import DecoderRouter
 from serve_app.tenancy import caller_of
@@ -125,7 +125,6 @@ class Synthesis:
         model_name: str,
         limits: LimitsArgs,
         openai: OpenAIArgs,
-        audio: AudioArgs,
     ) -> None:
         self.encoder = encoder
         self.router = router
@@ -134,7 +133,6 @@ class Synthesis:
         self.model_names = (model_name, *(alias for alias in openai.model_aliases if alias != model_name))
         self.limits = limits
         self.openai = openai
-        self.audio = audio
         self._info: ModelInfo | None = None
 
     async def model_info(self) -> ModelInfo:
@@ -190,9 +188,7 @@ class Synthesis:
         request = self.checked(request, info)
         caller = caller_of(http.scope)
         mode, sample_rate = answer.mode, info.sample_rate
-        output = OutputAudio(
-            answer.format, sample_rate, output_rate or sample_rate, self.audio.bit_rate(answer.format.name)
-        )
+        output = OutputAudio(answer.format, sample_rate, output_rate or sample_rate)
         long_and_streams = len(request.text) > self.limits.long_text_chars and info.streams_at(request.speed)
         if not answer.streamed and not long_and_streams:
             segments: list[EncodedSegment] = await call(

@@ -67,11 +67,18 @@ def test_every_knob_is_documented() -> None:
         ("limits", "max_prompt_audio_channels", "MAX_PROMPT_CHANNELS"),
         ("wyoming", "num_cpus", "WYOMING_NUM_CPUS"),
         ("decoder", "resources", "cpu_resources"),
+        ("security", "api_keys_env", "fixed at COSYVOICE_API_KEYS"),
+        ("security", "admin_keys_env", "fixed at COSYVOICE_ADMIN_KEYS"),
     ],
 )
 def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:
     with pytest.raises(ValidationError, match=f"{field} was removed: .*{named}"):
         AppArgs.model_validate({section: {field: 1.0}})
+
+
+def test_the_removed_audio_section_is_refused_with_its_fixed_bit_rates() -> None:
+    with pytest.raises(ValidationError, match=r"audio was removed: .*mp3 160, aac 96 and opus 64 kbit/s"):
+        AppArgs.model_validate({"audio": {"mp3_kbps": 128}})
 
 
 def test_the_encoders_fixed_timing_names_the_serve_config_override() -> None:

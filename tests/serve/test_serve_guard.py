@@ -95,9 +95,10 @@ def test_body_over_the_limit_is_413_declared_or_streamed(guarded: httpx.AsyncCli
 
 
 def test_api_keys_from_config_and_environment() -> None:
-    security = SecurityArgs(api_keys=("from-config",), api_keys_env="TEST_KEYS")
-    assert load_api_keys(security, {"TEST_KEYS": " env-1, ,env-2 "}) == (b"from-config", b"env-1", b"env-2")
-    assert load_api_keys(SecurityArgs(api_keys_env=None), {"COSYVOICE_API_KEYS": "x"}) == ()
+    security = SecurityArgs(api_keys=("from-config",))
+    environ = {"COSYVOICE_API_KEYS": " env-1, ,env-2 ", "COSYVOICE_ADMIN_KEYS": "admin"}
+    assert load_api_keys(security, environ) == (b"from-config", b"env-1", b"env-2")
+    assert load_api_keys(SecurityArgs(), {}) == ()
     assert "from-config" not in repr(security) and "from-config" not in str(AppArgs(security=security))
 
 

@@ -34,7 +34,7 @@ from serve_app.bench.http_load import free_port
 from serve_app.cli import main as cli_main
 from serve_app.cli_client import API_KEY_ENV
 from serve_app.errors import error_body
-from serve_app.guard import load_keys
+from serve_app.guard import load_admin_keys
 from serve_app.request_args import SecurityArgs
 from serve_app.tenancy import (
     KeyTenancy,
@@ -65,8 +65,8 @@ def test_owner_ids_are_stable_distinct_and_hide_the_key() -> None:
 
 
 def test_admin_keys_from_config_and_environment() -> None:
-    security = SecurityArgs(admin_keys=("from-config",), admin_keys_env="TEST_ADMIN_KEYS")
-    assert load_keys(security.admin_keys, security.admin_keys_env, {"TEST_ADMIN_KEYS": " env-1, ,env-2 "}) == (
+    security = SecurityArgs(admin_keys=("from-config",))
+    assert load_admin_keys(security, {"COSYVOICE_ADMIN_KEYS": " env-1, ,env-2 ", "COSYVOICE_API_KEYS": "api"}) == (
         b"from-config",
         b"env-1",
         b"env-2",

@@ -51,7 +51,7 @@ from serve_app.decoder_args import DecoderArgs
 from serve_app.errors import StreamIdleError, error_payload, unavailable_error
 from serve_app.native_routes import default_voice
 from serve_app.openai_routes import served_model
-from serve_app.request_args import OPENAI_VOICE_NAMES, AudioArgs, LimitsArgs, OpenAIArgs
+from serve_app.request_args import OPENAI_VOICE_NAMES, LimitsArgs, OpenAIArgs
 from serve_app.responses import speech_usage
 from serve_app.schemas import StreamFlush
 from serve_app.speech_stream_routes import SpeechStreamRoutes
@@ -302,9 +302,7 @@ def test_a_stream_whose_client_leaves_cancels_the_decoders_call_and_the_encoders
         return stream
 
     decoder = SimpleNamespace(stream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=stream_remote)))
-    synthesis = Synthesis(
-        encoder, SimpleNamespace(handle=lambda: decoder), "tiny", LimitsArgs(), OpenAIArgs(), AudioArgs()
-    )
+    synthesis = Synthesis(encoder, SimpleNamespace(handle=lambda: decoder), "tiny", LimitsArgs(), OpenAIArgs())
 
     async def first_chunk_then_leave() -> None:
         plan = SimpleNamespace(num_segments=sentences)
@@ -398,7 +396,7 @@ def test_a_stream_whose_first_chunks_were_lost_with_the_decoders_node_is_sent_ag
 
     decoder = SimpleNamespace(stream=SimpleNamespace(options=lambda stream: SimpleNamespace(remote=stream_remote)))
     router = SimpleNamespace(handle=lambda: decoder)
-    synthesis = Synthesis(None, router, "tiny", LimitsArgs(), OpenAIArgs(), AudioArgs())
+    synthesis = Synthesis(None, router, "tiny", LimitsArgs(), OpenAIArgs())
 
     async def all_chunks() -> list[np.ndarray]:
         plan = SimpleNamespace(num_segments=1)
