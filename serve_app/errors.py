@@ -36,7 +36,7 @@ class StreamIdleError(CosyVoiceError):
 
 
 class UploadTooLargeError(CosyVoiceError):
-    """A voice upload over `limits.max_prompt_audio_bytes`."""
+    """A voice upload over `engine.voices.cloning.MAX_PROMPT_AUDIO_BYTES`."""
 
     http_status = 413
 

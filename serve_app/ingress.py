@@ -23,7 +23,7 @@ from deployments.decoder import Decoder
 from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
 from deployments.text_relay import TextRelays
 from engine.loading.model_source import hub_model, served_name
-from engine.voices.cloning import MAX_PROMPT_CHANNELS, PromptAudioLimits
+from engine.voices.cloning import MAX_PROMPT_AUDIO_BYTES
 from engine.voices.registry import Caller
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
@@ -69,7 +69,7 @@ def request_checks(
     keys = load_api_keys(security)
     admin_keys = load_admin_keys(security)
     keys_on = bool(keys + admin_keys)
-    upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
+    upload_limit = max(limits.max_body_bytes, MAX_PROMPT_AUDIO_BYTES + UPLOAD_FORM_OVERHEAD_BYTES)
     guard = GuardSettings(
         keys + admin_keys,
         limits.max_body_bytes,
@@ -161,12 +161,6 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
         models_dir=models_source if hub_model(models_source) else str(Path(models_source).resolve()),
         max_voices=args.limits.max_voices,
         max_voices_per_key=args.limits.max_voices_per_key,
-        prompt_audio=PromptAudioLimits(
-            min_seconds=args.limits.min_prompt_audio_s,
-            max_seconds=args.limits.max_prompt_audio_s,
-            max_channels=MAX_PROMPT_CHANNELS,
-            sample_rates=args.limits.prompt_audio_sample_rates,
-        ),
         voices=tuple(
             ProvisionedVoice(
                 file=voice.file if is_store_url(voice.file) else str(Path(voice.file).resolve()),

@@ -9,7 +9,13 @@ from typing import ClassVar
 
 from pydantic import Field, SecretStr, model_validator
 
-from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
+from engine.voices.cloning import (
+    MAX_PROMPT_AUDIO_BYTES,
+    MAX_PROMPT_CHANNELS,
+    MAX_PROMPT_SECONDS,
+    MIN_PROMPT_SECONDS,
+    PROMPT_SAMPLE_RATES,
+)
 from engine.voices.registry import provisioned_voice_id
 from engine.voices.store import is_store_url
 from serve_app.args_base import StrictArgs
@@ -27,6 +33,14 @@ class LimitsArgs(StrictArgs):
         "max_input_tokens": f"derived: {TOKENS_PER_INPUT_CHAR:g} x max_input_chars (LimitsArgs.max_input_tokens)",
         "max_prompt_audio_channels": f"the speech tokenizer's bound, {MAX_PROMPT_CHANNELS} "
         "(engine.voices.cloning.MAX_PROMPT_CHANNELS)",
+        "max_prompt_audio_bytes": f"fixed at {MAX_PROMPT_AUDIO_BYTES >> 20} MiB "
+        "(engine.voices.cloning.MAX_PROMPT_AUDIO_BYTES): the longest recording allowed, as uncompressed WAV",
+        "max_prompt_audio_s": f"fixed at {MAX_PROMPT_SECONDS:g} s (engine.voices.cloning.MAX_PROMPT_SECONDS): the "
+        "speech tokenizer's limit",
+        "min_prompt_audio_s": f"fixed at {MIN_PROMPT_SECONDS:g} s (engine.voices.cloning.MIN_PROMPT_SECONDS): "
+        "a shorter recording holds barely a word of the voice",
+        "prompt_audio_sample_rates": f"fixed at {', '.join(map(str, PROMPT_SAMPLE_RATES))} Hz "
+        "(engine.voices.cloning.PROMPT_SAMPLE_RATES): each resamples to the models' rates in bounded memory",
     }
 
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
@@ -60,23 +74,7 @@ class LimitsArgs(StrictArgs):
         description="a stream whose decoder replica is lost before its first audio is sent again (to another replica "
         "or the replacement) for up to this long, then answered 503 + Retry-After",
     )
-    # Voice registration (POST /v1/voices): the uploaded prompt recording and the registry.
-    max_prompt_audio_bytes: int = Field(
-        10 << 20, ge=1, description="larger voice uploads are rejected with 413, before decoding"
-    )
-    max_prompt_audio_s: float = Field(
-        MAX_PROMPT_SECONDS,
-        gt=0,
-        le=MAX_PROMPT_SECONDS,
-        description="longer prompt recordings are rejected with 400 (at most 30 s: the speech tokenizer's limit)",
-    )
-    min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
-    prompt_audio_sample_rates: tuple[int, ...] = Field(
-        PROMPT_SAMPLE_RATES,
-        min_length=1,
-        description="the sample rates (Hz) a prompt recording may have, others are rejected with 400; some of "
-        f"{', '.join(map(str, PROMPT_SAMPLE_RATES))} (each resamples to the models' rates in bounded memory)",
-    )
+    # Voice registration (POST /v1/voices): the registry.
     max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")
     max_voices_per_key: int | None = Field(
         20,
@@ -117,15 +115,6 @@ class LimitsArgs(StrictArgs):
         """Inputs with more tokens (a CosyVoice2/3 text stream's pieces in all, a v1 one's each sentence) are refused
         with 413 before anything else is done with them."""
         return int(TOKENS_PER_INPUT_CHAR * self.max_input_chars)
-
-    @model_validator(mode="after")
-    def _prompt_rates_are_supported(self) -> LimitsArgs:
-        unsupported = sorted(set(self.prompt_audio_sample_rates) - set(PROMPT_SAMPLE_RATES))
-        if unsupported:
-            raise ValueError(
-                f"prompt_audio_sample_rates: {unsupported} Hz not supported; choose from {list(PROMPT_SAMPLE_RATES)}"
-            )
-        return self
 
 
 # The environment variables the ingress replicas read more keys from (comma-separated): the one every cluster profile,
