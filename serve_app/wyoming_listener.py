@@ -282,14 +282,18 @@ def record_request(status: int, outcome: str) -> None:
     ingress_metrics().requests.inc(tags=tags)
 
 
+# Connections the listener holds at once: a Home Assistant holds a few, and each synthesis is bounded by the
+# ingress's own limits besides.
+MAX_CONNECTIONS = 16
+
+
 class WyomingListener:
-    """The TCP listener: a `WyomingConnection` per client, at most `max_connections` at once (one more is answered
+    """The TCP listener: a `WyomingConnection` per client, at most `MAX_CONNECTIONS` at once (one more is answered
     with an `error` event and closed)."""
 
-    def __init__(self, ingress: DeploymentHandle, caller: Caller, max_connections: int, limits: LimitsArgs) -> None:
+    def __init__(self, ingress: DeploymentHandle, caller: Caller, limits: LimitsArgs) -> None:
         self.ingress = ingress
         self.caller = caller
-        self.max_connections = max_connections
         self.limits = limits
         self.connections = 0
         self.server: asyncio.Server | None = None
@@ -304,10 +308,9 @@ class WyomingListener:
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = WyomingConnection(reader, writer, self)
-        if self.connections >= self.max_connections:
+        if self.connections >= MAX_CONNECTIONS:
             refusal = ServiceUnavailableError(
-                f"this server holds its most Wyoming connections at once ({self.max_connections}, "
-                "wyoming.max_connections); retry later"
+                f"this server holds its most Wyoming connections at once ({MAX_CONNECTIONS}); retry later"
             )
             await connection.fail(refusal)
             await connection.close()
