@@ -139,13 +139,6 @@ class SchedulerArgs(StrictArgs):
         "model's idle time to first audio is ~0.6 s, the real-size model's ~5 s: there the deadline orders, it "
         "cannot be met)",
     )
-    whole_deadline_factor: float = Field(
-        2.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="a whole request's deadline: its arrival + this x its estimated audio length (0.3 s per text "
-        "token)",
-    )
 
     # Tuned by measurement, not a deployment's choice (docs/performance.md, the late-short-stream runs on 2 CPU cores):
     # the loop keeps engine.runtime.playback.DeadlinePolicy's 1 s for each.
@@ -155,15 +148,15 @@ class SchedulerArgs(StrictArgs):
         "min_preempt_slack_s": "fixed at 1 s, lowered from 2 s by measurement (docs/history/performance-runs.md)",
         "first_audio_passover_s": "fixed at 1 s: 0.5 s made no difference beyond noise "
         "(docs/history/performance-runs.md, runs 30-31)",
+        "whole_deadline_factor": "fixed at 2 (engine.runtime.playback.WHOLE_DEADLINE_FACTOR): a whole request's "
+        "deadline is its arrival + 2 x its estimated audio, behind streams due sooner without starving it",
     }
 
     def decoder_policy(self) -> SchedulingPolicy:
         """The policy every decoder replica's loop orders its work by."""
         if self.policy == "fcfs":
             return FcfsPolicy()
-        return DeadlinePolicy(
-            target_first_audio_s=self.target_first_audio_s, whole_deadline_factor=self.whole_deadline_factor
-        )
+        return DeadlinePolicy(target_first_audio_s=self.target_first_audio_s)
 
 
 class CpuFallbackArgs(ReplicaArgs):
