@@ -69,6 +69,11 @@ def test_every_knob_is_documented() -> None:
         ("decoder", "resources", "cpu_resources"),
         ("security", "api_keys_env", "fixed at COSYVOICE_API_KEYS"),
         ("security", "admin_keys_env", "fixed at COSYVOICE_ADMIN_KEYS"),
+        ("limits", "max_prompt_audio_s", "fixed at 30 s .*speech tokenizer's limit"),
+        ("limits", "prompt_audio_sample_rates", "fixed at 16000, .* 48000 Hz"),
+        ("wyoming", "max_connections", "fixed at 16"),
+        ("wyoming", "zeroconf", "where the zeroconf package is installed"),
+        ("scheduler", "whole_deadline_factor", "fixed at 2 .*WHOLE_DEADLINE_FACTOR"),
     ],
 )
 def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:
