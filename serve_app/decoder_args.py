@@ -33,6 +33,13 @@ class DecoderAutoscalingArgs(StrictArgs):
 class DecoderArgs(ReplicaArgs):
     """Speech-token LM + flow + vocoder replicas; a GPU fraction each, or CPU with num_gpus 0."""
 
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        **ReplicaArgs.REMOVED_FIELDS,
+        "max_vocode_batch": "fixed at 8 on a GPU, 1 on CPU (engine.runtime.scheduler.DEFAULT_VOCODE_BATCH_CUDA, "
+        "_CPU): on CPU the flow and vocoder run only ~1.2x faster at batch 8, and a small job lets a first chunk "
+        "wait less (docs/performance.md)",
+    }
+
     num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
     autoscaling: DecoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPU fraction per replica; 0 runs on CPU")
@@ -59,13 +66,6 @@ class DecoderArgs(ReplicaArgs):
     )
     max_concurrent_batches: int = Field(
         2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
-    )
-    max_vocode_batch: int | None = Field(
-        None,
-        ge=1,
-        description="flow + vocoder batch: whole sentences, or streams whose new tokens it takes in, per job (a job "
-        "runs to its end, so this also bounds how long a new request's first chunk waits); None: 8 on a GPU, 1 on "
-        "CPU",
     )
     max_ongoing_requests: int | None = Field(  # type: ignore[assignment]  # None: derived from the batches
         None, ge=1, description="default: 2 x max_batch_size x max_concurrent_batches (batches must be able to fill)"

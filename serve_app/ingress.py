@@ -245,7 +245,6 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         memory_budget_gb=args.decoder.memory_budget_gb,
         max_concurrent_batches=args.decoder.max_concurrent_batches,
         gpu_fraction=args.decoder.num_gpus,
-        max_vocode_batch=args.decoder.max_vocode_batch,
         **decoder_loop,
     )
     fallback = args.decoder_cpu
