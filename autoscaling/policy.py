@@ -9,7 +9,7 @@ window.
 Rules (`ScalingRules`, through `policy_kwargs`): +1 replica when the time-weighted mean utilization over
 `scale_up_window_s` is above `scale_up_utilization` (after `scale_up_cooldown_s`); -1 when the mean over
 `scale_down_window_s` is below `scale_down_utilization` and nothing waits; at once, proportionally, when the queue per
-replica exceeds `target_queue_per_replica` (at most `queue_scale_up_factor` x per step); clipped to the active
+replica exceeds `target_queue_per_replica` (at most `QUEUE_SCALE_UP_FACTOR` x per step); clipped to the active
 schedule window. `WakeRule`: where the floor is 0 and a CPU fallback carries the work, the fallback's waits wake the
 GPU decoder through a `WakeBoard` in Ray's internal KV. Why each rule: docs/autoscaling.md, "How the policy works".
 """
@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,10 +50,21 @@ DEFAULT_SCHEDULE = Schedule(
 )
 
 
+# The queue rule's step, at most this x the running replicas: a queue built while replicas start does not jump to
+# max_replicas (docs/autoscaling.md, "How the policy works").
+QUEUE_SCALE_UP_FACTOR = 2.0
+
+
 class ScalingRules(BaseModel):
     """Thresholds, windows, cooldowns and bounds of the decoder policy (see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Rules these had and no longer have: name -> why; a config that still sets one is refused with that message.
+    REMOVED_RULES: ClassVar[Mapping[str, str]] = {
+        "queue_scale_up_factor": f"fixed at {QUEUE_SCALE_UP_FACTOR:g} (autoscaling.policy.QUEUE_SCALE_UP_FACTOR): "
+        "a queue built while replicas start does not jump to max_replicas",
+    }
 
     min_replicas: int = Field(1, ge=0, description="the floor outside the schedule's windows")
     max_replicas: int = Field(
@@ -74,19 +85,22 @@ class ScalingRules(BaseModel):
         4.0,
         gt=0,
         description="at once, without cooldown: waiting requests per replica above this scale up to "
-        "ceil(waiting / this)",
-    )
-    queue_scale_up_factor: float = Field(
-        2.0,
-        ge=1,
-        description="... at most this x the running replicas per step (a queue built while replicas "
-        "start does not jump to max_replicas)",
+        "ceil(waiting / this), at most 2 x the running replicas per step (QUEUE_SCALE_UP_FACTOR)",
     )
     scale_up_cooldown_s: float = Field(180.0, ge=0, description="since the target last changed, before +1")
     scale_down_cooldown_s: float = Field(600.0, ge=0, description="since the target last changed, before -1")
     schedule: Schedule = Field(
         DEFAULT_SCHEDULE, description="time-of-day windows with their own bounds (default: a peak at 2, a night at 0)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_rules(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            removed = [f"{name} was removed: {why}" for name, why in cls.REMOVED_RULES.items() if name in data]
+            if removed:
+                raise ValueError("; ".join(removed))
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> ScalingRules:
@@ -100,7 +114,7 @@ class ScalingRules(BaseModel):
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ScalingRules:
         """Build from JSON-style `policy_kwargs` (the schedule as a dict, see `Schedule.from_dict`)."""
         values = dict(kwargs)
-        unknown = set(values) - set(cls.model_fields)
+        unknown = set(values) - set(cls.model_fields) - set(cls.REMOVED_RULES)  # those: refused with their reason
         if unknown:
             raise ValueError(f"unknown scaling rule(s): {sorted(unknown)}")
         if "schedule" in values:
@@ -313,7 +327,7 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
     desired, reason = target, "hold"
     if waiting / running > rules.target_queue_per_replica:
         proportional = math.ceil(waiting / rules.target_queue_per_replica)
-        desired = max(target, min(proportional, math.ceil(rules.queue_scale_up_factor * running)))
+        desired = max(target, min(proportional, math.ceil(QUEUE_SCALE_UP_FACTOR * running)))
         reason = "queue_depth"
     elif up_mean is not None and up_mean > rules.scale_up_utilization and quiet_s >= rules.scale_up_cooldown_s:
         desired = target + 1  # asked for on every tick until Serve applies it (its delays need that)

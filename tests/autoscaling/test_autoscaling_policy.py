@@ -26,6 +26,7 @@ from autoscaling.metrics import (
     nvml_device_id,
 )
 from autoscaling.policy import (
+    QUEUE_SCALE_UP_FACTOR,
     CpuFallbackAutoscalingPolicy,
     DecoderAutoscalingPolicy,
     MemoryWakeBoard,
@@ -214,11 +215,11 @@ def test_cooldown_counts_from_any_change_of_the_target() -> None:
 
 
 def test_queue_above_target_scales_at_once_in_proportion() -> None:
-    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=4.0, queue_scale_up_factor=3.0).to_kwargs())
-    target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=10.0))
-    assert target == 5  # 20 waiting / 4 per replica
+    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=4.0).to_kwargs())
+    target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=5.0))
+    assert target == 3  # 10 waiting / 4 per replica
     target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=40.0))
-    assert target == 6  # capped at 3 x the 2 running replicas
+    assert target == 2 * QUEUE_SCALE_UP_FACTOR  # capped at 2 x the 2 running replicas
     target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=4.0))
     assert target == 2  # at the target: no change
 

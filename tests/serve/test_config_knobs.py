@@ -87,6 +87,11 @@ def test_the_removed_audio_section_is_refused_with_its_fixed_bit_rates() -> None
         AppArgs.model_validate({"audio": {"mp3_kbps": 128}})
 
 
+def test_a_removed_scaling_rule_is_refused_with_its_fixed_value() -> None:
+    with pytest.raises(ValidationError, match=r"queue_scale_up_factor was removed: fixed at 2 .*max_replicas"):
+        AppArgs.model_validate({"decoder": {"autoscaling": {"rules": {"queue_scale_up_factor": 3.0}}}})
+
+
 def test_the_encoders_fixed_timing_names_the_serve_config_override() -> None:
     with pytest.raises(ValidationError, match=r"upscale_delay_s was removed: fixed at 5 s.*deployments:"):
         AppArgs.model_validate({"encoder": {"autoscaling": {"upscale_delay_s": 1}}})
