@@ -186,26 +186,14 @@ class AppArgs(StrictArgs):
                 f"limits.max_text_streams ({limits.max_text_streams}) must be below ingress.max_ongoing_requests "
                 f"({ingress_slots}): text streams would take every slot plain requests need"
             )
-        per_key, per_key_requests = limits.max_text_streams_per_key, limits.max_concurrent_requests_per_key
-        if per_key is not None and per_key_requests is not None and per_key >= per_key_requests:
-            raise ValueError(
-                f"limits.max_text_streams_per_key ({per_key}) must be below limits.max_concurrent_requests_per_key "
-                f"({per_key_requests}), which counts a key's text streams too"
-            )
         return self
 
     @property
     def ingress_limits(self) -> LimitsArgs:
-        """`limits` with the text stream caps left to their defaults worked out: half of the ingress replica's slots,
-        and half of a key's requests in flight (at least 1)."""
+        """`limits` with the text stream cap left to its default worked out: half of the ingress replica's slots."""
         limits = self.limits
-        per_key_requests = limits.max_concurrent_requests_per_key
-        default_per_key = None if per_key_requests is None else max(1, per_key_requests // 2)
         return limits.model_copy(
-            update={
-                "max_text_streams": limits.max_text_streams or self.ingress.max_ongoing_requests // 2,
-                "max_text_streams_per_key": limits.max_text_streams_per_key or default_per_key,
-            }
+            update={"max_text_streams": limits.max_text_streams or self.ingress.max_ongoing_requests // 2}
         )
 
     @model_validator(mode="after")

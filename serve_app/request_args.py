@@ -33,6 +33,8 @@ class LimitsArgs(StrictArgs):
         "max_input_tokens": f"derived: {TOKENS_PER_INPUT_CHAR:g} x max_input_chars (LimitsArgs.max_input_tokens)",
         "max_prompt_audio_channels": f"the speech tokenizer's bound, {MAX_PROMPT_CHANNELS} "
         "(engine.voices.cloning.MAX_PROMPT_CHANNELS)",
+        "max_text_streams_per_key": "derived: half of max_concurrent_requests_per_key, at least 1, or no bound of "
+        "its own where that is None (LimitsArgs.max_text_streams_per_key)",
         "max_prompt_audio_bytes": f"fixed at {MAX_PROMPT_AUDIO_BYTES >> 20} MiB "
         "(engine.voices.cloning.MAX_PROMPT_AUDIO_BYTES): the longest recording allowed, as uncompressed WAV",
         "max_prompt_audio_s": f"fixed at {MAX_PROMPT_SECONDS:g} s (engine.voices.cloning.MAX_PROMPT_SECONDS): the "
@@ -96,19 +98,20 @@ class LimitsArgs(StrictArgs):
         "(1013 where the handshake cannot be answered). Below ingress.max_ongoing_requests, so that sockets never "
         "take the slots plain requests need; None: half of them (32 of the default 64)",
     )
-    max_text_streams_per_key: int | None = Field(
-        None,
-        ge=1,
-        description="with API keys on, text streams one key may hold at once in one ingress replica (one more: 503); "
-        "below max_concurrent_requests_per_key, which counts them too; None: half of that (4 of the default 8), or "
-        "no bound of its own where that is None",
-    )
     max_concurrent_requests_per_key: int | None = Field(
         8,
         ge=1,
         description="with API keys on, requests one key may have in flight in one ingress replica (a stream until "
         "its end); more: 429 + Retry-After; None: no limit",
     )
+
+    @property
+    def max_text_streams_per_key(self) -> int | None:
+        """With API keys on, the text streams one key may hold at once in one ingress replica (one more: 503): half
+        its requests in flight (at least 1), which count them too, so its streams leave it room for plain requests;
+        None (no bound of its own) where those have none."""
+        per_key = self.max_concurrent_requests_per_key
+        return None if per_key is None else max(1, per_key // 2)
 
     @property
     def max_input_tokens(self) -> int:

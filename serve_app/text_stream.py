@@ -126,7 +126,7 @@ class TextStream:
 class TextStreamSlots:
     """The text streams an ingress replica holds: at most `limit` (limits.max_text_streams, below the replica's
     max_ongoing_requests, so that sockets never take the slots plain requests need), and at most `per_key` of one API
-    key's (limits.max_text_streams_per_key; None: no bound per key)."""
+    key's (`LimitsArgs.max_text_streams_per_key`, half its requests in flight; None: no bound per key)."""
 
     def __init__(self, limit: int, per_key: int | None) -> None:
         self.limit = limit
@@ -140,7 +140,7 @@ class TextStreamSlots:
             return f"this server holds its most text streams at once ({self.limit}, limits.max_text_streams); retry"
         if owner is not None and self.per_key is not None and not self._keys.acquire(owner, self.per_key):
             return (
-                f"this API key holds its most text streams at once ({self.per_key}, limits.max_text_streams_per_key); "
+                f"this API key holds its most text streams at once ({self.per_key}, half its requests in flight); "
                 "retry when one has ended"
             )
         self.held += 1
