@@ -30,7 +30,7 @@ from observability import STRUCTURED_LOGGING
 from serve_app.api import RouteGroup, build_api
 from serve_app.args import AppArgs
 from serve_app.browser_rules import browser_rules
-from serve_app.guard import BodyTimeouts, GuardSettings, load_admin_keys, load_api_keys, serving_warnings
+from serve_app.guard import GuardSettings, load_admin_keys, load_api_keys, serving_warnings
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
 from serve_app.openai_routes import OpenAIRoutes
@@ -74,7 +74,6 @@ def request_checks(
         keys + admin_keys,
         limits.max_body_bytes,
         {VOICES_PATH: upload_limit},
-        body_timeouts=BodyTimeouts(limits.body_read_timeout_s, limits.body_read_deadline_s),
         browser=browser_rules(security, bound_host, keys_on),
     )
     tenancy = TenancySettings(

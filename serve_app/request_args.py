@@ -33,6 +33,10 @@ class LimitsArgs(StrictArgs):
         "max_input_tokens": f"derived: {TOKENS_PER_INPUT_CHAR:g} x max_input_chars (LimitsArgs.max_input_tokens)",
         "max_prompt_audio_channels": f"the speech tokenizer's bound, {MAX_PROMPT_CHANNELS} "
         "(engine.voices.cloning.MAX_PROMPT_CHANNELS)",
+        "body_read_timeout_s": "fixed at 10 s (serve_app.guard.BODY_READ_IDLE_S): a client that stalls mid-body "
+        "longer gets 408 and frees its ingress slot",
+        "body_read_deadline_s": "fixed at 120 s (serve_app.guard.BODY_READ_DEADLINE_S): the largest body, a 10 MiB "
+        "voice upload, arrives in it at 0.7 Mbit/s",
         "max_text_streams_per_key": "derived: half of max_concurrent_requests_per_key, at least 1, or no bound of "
         "its own where that is None (LimitsArgs.max_text_streams_per_key)",
         "max_prompt_audio_bytes": f"fixed at {MAX_PROMPT_AUDIO_BYTES >> 20} MiB "
@@ -48,15 +52,6 @@ class LimitsArgs(StrictArgs):
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
-    body_read_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="the longest wait for the next piece of a request body; a client that stalls longer gets 408 "
-        "and its connection is closed, freeing its ingress slot",
-    )
-    body_read_deadline_s: float = Field(
-        120.0, gt=0, description="the whole body must arrive within this (a client that trickles it in gets 408 too)"
-    )
     max_stream_s: float = Field(
         300.0,
         gt=0,

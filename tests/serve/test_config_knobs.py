@@ -76,6 +76,8 @@ def test_every_knob_is_documented() -> None:
         ("scheduler", "whole_deadline_factor", "fixed at 2 .*WHOLE_DEADLINE_FACTOR"),
         ("decoder", "max_vocode_batch", "fixed at 8 on a GPU, 1 on CPU"),
         ("limits", "max_text_streams_per_key", "derived: half of max_concurrent_requests_per_key"),
+        ("limits", "body_read_timeout_s", "fixed at 10 s .*BODY_READ_IDLE_S"),
+        ("limits", "body_read_deadline_s", "fixed at 120 s"),
     ],
 )
 def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:
