@@ -30,6 +30,7 @@ from observability import STRUCTURED_LOGGING
 from serve_app.api import RouteGroup, build_api
 from serve_app.args import AppArgs
 from serve_app.browser_rules import browser_rules
+from serve_app.errors import RETRY_AFTER_S
 from serve_app.guard import GuardSettings, load_admin_keys, load_api_keys, serving_warnings
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
@@ -80,7 +81,6 @@ def request_checks(
         keys_on=keys_on,
         admin_keys=admin_keys,
         max_concurrent_requests_per_key=limits.max_concurrent_requests_per_key,
-        retry_after_s=limits.retry_after_s,
     )
     return guard, tenancy, serving_warnings(security, bound_host, keys_on)
 
@@ -194,7 +194,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The Serve application: ingress -> Encoder (CPU) -> Decoder (GPU fraction or CPU)."""
     args = AppArgs.model_validate(args)
     # Bounded queues: a request over a bound is answered 503 with Retry-After instead of waiting without end.
-    backpressure = {"retry_after_s": args.limits.retry_after_s}
+    backpressure = {"retry_after_s": RETRY_AFTER_S}
     stopping = {
         "graceful_shutdown_timeout_s": args.limits.max_stream_s + SHUTDOWN_MARGIN_S,
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,

@@ -37,6 +37,8 @@ class LimitsArgs(StrictArgs):
         "longer gets 408 and frees its ingress slot",
         "body_read_deadline_s": "fixed at 120 s (serve_app.guard.BODY_READ_DEADLINE_S): the largest body, a 10 MiB "
         "voice upload, arrives in it at 0.7 Mbit/s",
+        "retry_after_s": "fixed at 1 s (serve_app.errors.RETRY_AFTER_S): Retry-After is in whole seconds, and a "
+        "slot frees as soon as any request ends",
         "max_text_streams_per_key": "derived: half of max_concurrent_requests_per_key, at least 1, or no bound of "
         "its own where that is None (LimitsArgs.max_text_streams_per_key)",
         "max_prompt_audio_bytes": f"fixed at {MAX_PROMPT_AUDIO_BYTES >> 20} MiB "
@@ -64,7 +66,6 @@ class LimitsArgs(StrictArgs):
         description="seconds of speech one decoder call (a stream, or a sentence of a whole request) may make; past "
         "it, it ends with 413 and frees its slot (sampling.max_token_text_ratio also bounds it per text length)",
     )
-    retry_after_s: float = Field(1.0, ge=0, description="the Retry-After of 503 answers (overload, replica lost)")
     reroute_s: float = Field(
         30.0,
         ge=0,

@@ -81,7 +81,7 @@ class SpeechStreamRoutes:
         owner = caller_of(ws.scope).owner
         refusal = self.text_stream_slots.acquire(owner)
         if refusal is not None:
-            await refuse_text_stream(ws, refusal, self.limits.retry_after_s)
+            await refuse_text_stream(ws, refusal)
             return
         try:
             await self.serve_text_stream(ws)

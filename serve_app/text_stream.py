@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
 from engine.errors import InvalidInputError
-from serve_app.errors import StreamIdleError, error_body, error_payload, validation_message, validation_param
+from serve_app.errors import (
+    RETRY_AFTER_S,
+    StreamIdleError,
+    error_body,
+    error_payload,
+    validation_message,
+    validation_param,
+)
 from serve_app.schemas import StreamMessage
 from serve_app.tenancy import KeySlots
 
@@ -33,10 +40,10 @@ def close_code(status: int) -> int:
     return CLOSE_POLICY if status < 500 else CLOSE_TRY_LATER if status == 503 else CLOSE_ERROR
 
 
-async def refuse_text_stream(ws: WebSocket, message: str, retry_after_s: float) -> None:
+async def refuse_text_stream(ws: WebSocket, message: str) -> None:
     """Refuse a handshake at once with a 503 and `Retry-After` (1013 where the server cannot answer a handshake with a
     response: it can only close it, which the client sees as a 403)."""
-    headers = {"Retry-After": str(max(0, math.ceil(retry_after_s)))}
+    headers = {"Retry-After": str(max(0, math.ceil(RETRY_AFTER_S)))}
     try:
         await ws.send_denial_response(JSONResponse(error_body(503, message, "text_streams_at_capacity"), 503, headers))
     except RuntimeError:  # no ASGI WebSocket denial response

@@ -78,6 +78,7 @@ def test_every_knob_is_documented() -> None:
         ("limits", "max_text_streams_per_key", "derived: half of max_concurrent_requests_per_key"),
         ("limits", "body_read_timeout_s", "fixed at 10 s .*BODY_READ_IDLE_S"),
         ("limits", "body_read_deadline_s", "fixed at 120 s"),
+        ("limits", "retry_after_s", "fixed at 1 s .*RETRY_AFTER_S"),
     ],
 )
 def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:

@@ -26,6 +26,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from ray import serve  # noqa: E402
 
 from serve_app import build_app  # noqa: E402
+from serve_app.errors import RETRY_AFTER_S  # noqa: E402
 from tests.serve.conftest import running_app  # noqa: E402
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
@@ -57,7 +58,6 @@ ARGS: dict[str, Any] = {
         "max_input_chars": 600,
         "long_text_chars": 120,
         "max_body_bytes": MAX_BODY_BYTES,
-        "retry_after_s": 2,
         "max_concurrent_requests_per_key": None,  # one key sends the bursts that fill the decoder queue
     },
     "security": {"api_keys": [API_KEY]},
@@ -178,7 +178,7 @@ def test_a_full_decoder_queue_answers_503_with_retry_after(base_url: str, voice:
     assert statuses == [200, 503], statuses
     for response in responses:
         if response.status_code == 503:
-            assert int(response.headers["retry-after"]) == 2
+            assert int(response.headers["retry-after"]) == RETRY_AFTER_S
             error = response.json()["error"]
             assert "capacity" in error["message"] and error["type"] == "server_error"
     assert sum(r.status_code == 200 for r in responses) >= DECODER_ONGOING
