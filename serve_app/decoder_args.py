@@ -165,6 +165,8 @@ class CpuFallbackArgs(ReplicaArgs):
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
         "batch_wait_timeout_s": "the fallback waits decoder.batch_wait_timeout_s, as the GPU decoder does",
         "resources": CPU_RESOURCES_MOVED,
+        "poll_interval_s": "fixed at 2 s (serve_app.routing.ROUTING_POLL_S): a read of the replica counts holds the "
+        "ingress's GIL for ~28 ms, and replicas start and drain in tens of seconds",
         "autoscaling_config": "decoder_cpu.max_replicas bounds the fallback's policy "
         "(autoscaling.policy.CpuFallbackAutoscalingPolicy, up while the GPU decoder's floor may be 0); "
         "decoder_cpu.num_replicas keeps a fixed count up instead",
@@ -181,7 +183,6 @@ class CpuFallbackArgs(ReplicaArgs):
         "while the GPU decoder's schedule may take it to 0 (from 10 minutes before to 15 after)",
     )
     max_replicas: int = Field(4, ge=1, description="the most fallback replicas the policy runs")
-    poll_interval_s: float = Field(2.0, gt=0, description="how often the ingress re-reads the replica counts")
 
     @property
     def scaling_rules(self) -> ScalingRules:

@@ -37,7 +37,7 @@ from serve_app.native_routes import NativeRoutes
 from serve_app.openai_routes import OpenAIRoutes
 from serve_app.replica_args import WYOMING_NUM_CPUS
 from serve_app.request_args import LimitsArgs, OpenAIArgs, SecurityArgs
-from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
+from serve_app.routing import CPU_DECODER, GPU_DECODER, ROUTING_POLL_S, DecoderRouter
 from serve_app.speech_stream_routes import SpeechStreamRoutes
 from serve_app.synthesis import Synthesis
 from serve_app.tenancy import TenancySettings
@@ -98,7 +98,6 @@ class IngressReplica:
         security: SecurityArgs | None = None,
         openai: OpenAIArgs | None = None,
         decoder_cpu: DeploymentHandle | None = None,
-        routing_poll_s: float = 2.0,
         gpu_rules: ScalingRules | None = None,
         wake: WakeRule | None = None,
         wyoming: DeploymentHandle | None = None,
@@ -107,7 +106,7 @@ class IngressReplica:
         for warning in warnings:
             logger.warning(warning)
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
-        router = DecoderRouter(decoders, routing_poll_s, gpu_rules, RayWakeBoard() if wake else None)
+        router = DecoderRouter(decoders, ROUTING_POLL_S, gpu_rules, RayWakeBoard() if wake else None)
         router.start(serve.get_replica_context().app_name)
         synthesis = Synthesis(encoder, router, model_name, limits, openai or OpenAIArgs())
         text_relays = TextRelays()  # the text streams' relay to the decoders (CosyVoice2/3)
@@ -303,7 +302,6 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         security=args.security,
         openai=args.openai.model_copy(update={"voices": args.openai_voices}),
         decoder_cpu=decoder_cpu,
-        routing_poll_s=fallback.poll_interval_s,
         gpu_rules=gpu_rules,
         wake=wake,
         wyoming=wyoming,

@@ -59,7 +59,7 @@ def profile_args(schedule: dict[str, Any], fallback: bool) -> dict[str, Any]:
         "look_back_period_s": 1.0,
         "metrics_interval_s": 0.5,
     }
-    args["decoder_cpu"].update(enabled=fallback, num_cpus=0.2, poll_interval_s=0.5)
+    args["decoder_cpu"].update(enabled=fallback, num_cpus=0.2)
     args["limits"]["max_stream_s"] = 30
     return args
 

@@ -79,6 +79,7 @@ def test_every_knob_is_documented() -> None:
         ("limits", "body_read_timeout_s", "fixed at 10 s .*BODY_READ_IDLE_S"),
         ("limits", "body_read_deadline_s", "fixed at 120 s"),
         ("limits", "retry_after_s", "fixed at 1 s .*RETRY_AFTER_S"),
+        ("decoder_cpu", "poll_interval_s", "fixed at 2 s .*ROUTING_POLL_S"),
     ],
 )
 def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:

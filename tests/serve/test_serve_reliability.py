@@ -53,7 +53,7 @@ ARGS: dict[str, Any] = {
         "max_ongoing_requests": DECODER_ONGOING,
         "max_queued_requests": DECODER_QUEUE,
     },
-    "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "poll_interval_s": 0.5, "num_replicas": 1},  # always one up
+    "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "num_replicas": 1},  # always one up
     "limits": {
         "max_input_chars": 600,
         "long_text_chars": 120,
@@ -146,7 +146,7 @@ def test_voice_names_that_look_like_paths_are_rejected(client: httpx.Client) -> 
 def test_app_runs_with_the_cpu_fallback(client: httpx.Client) -> None:
     _wait_for(lambda: _running("DecoderCPU") >= 1, 120, "a RUNNING DecoderCPU replica (its policy keeps one)")
 
-    def health_with_fallback() -> httpx.Response | None:  # /healthz answers from a view polled every 0.5 s
+    def health_with_fallback() -> httpx.Response | None:  # /healthz answers from a view polled every 2 s
         response = client.get("/healthz")
         return response if response.json()["running_replicas"].get("DecoderCPU", 0) >= 1 else None
 
