@@ -160,8 +160,8 @@ class AppArgs(StrictArgs):
         fallback = self.decoder_cpu
         if not (fallback.enabled and fallback.wake and self.decoder.autoscaling is not None):
             return None
-        wait_s = self.scheduler.target_first_audio_s if fallback.wake_wait_s is None else fallback.wake_wait_s
-        return WakeRule(wait_s=wait_s, hold_s=fallback.wake_hold_s, queued=fallback.wake_queued)
+        # a request at the fallback that has waited the first-audio SLO without audio has missed it
+        return WakeRule(wait_s=self.scheduler.target_first_audio_s)
 
     @model_validator(mode="after")
     def _wyoming_keyless_only_when_allowed(self) -> AppArgs:

@@ -165,6 +165,12 @@ class CpuFallbackArgs(ReplicaArgs):
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
         "batch_wait_timeout_s": "the fallback waits decoder.batch_wait_timeout_s, as the GPU decoder does",
         "resources": CPU_RESOURCES_MOVED,
+        "wake_wait_s": "derived: scheduler.target_first_audio_s, the first-audio SLO (a request that has waited "
+        "that long without audio has missed it)",
+        "wake_queued": "fixed at 1 (autoscaling.policy.WAKE_QUEUED): a request queues at the fallback's handles only "
+        "when every fallback replica is full",
+        "wake_hold_s": "fixed at 900 s (autoscaling.policy.WAKE_HOLD_S): ten times the GPU replica's 90 s start; "
+        "300 s or 1800 s simulate the same (docs/autoscaling.md)",
         "poll_interval_s": "fixed at 2 s (serve_app.routing.ROUTING_POLL_S): a read of the replica counts holds the "
         "ingress's GIL for ~28 ms, and replicas start and drain in tens of seconds",
         "autoscaling_config": "decoder_cpu.max_replicas bounds the fallback's policy "
@@ -193,26 +199,7 @@ class CpuFallbackArgs(ReplicaArgs):
     wake: bool = Field(
         True,
         description="inside the GPU decoder's 0-floor windows, waits at this fallback wake a GPU decoder replica "
-        "(autoscaling.policy.WakeRule; needs decoder.autoscaling)",
-    )
-    wake_wait_s: float | None = Field(
-        None,
-        ge=0,
-        allow_inf_nan=False,
-        description="wake when a fallback replica's oldest request without audio has waited this long (Serve's "
-        "average over look_back_period_s): its first audio comes later still; None: scheduler.target_first_audio_s",
-    )
-    wake_queued: float = Field(
-        1.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="wake too when this many requests (Serve's mean over look_back_period_s) queue at the fallback's "
-        "handles: every fallback replica holds max_ongoing_requests, and the queued ones' waits are not reported",
-    )
-    wake_hold_s: float = Field(
-        900.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="the GPU decoder's floor stays 1 this long after the load last passed the rule; then the night "
-        "floor again",
+        "(autoscaling.policy.WakeRule; needs decoder.autoscaling): a first audio waited for past "
+        "scheduler.target_first_audio_s, or any request queued at the fallback's handles; the GPU floor then stays 1 "
+        "until 900 s after the load last passed the rule",
     )
