@@ -2,15 +2,16 @@
 
 Serve calls a policy on the controller about every 0.1 s with an `AutoscalingContext` and then post-processes the
 returned count (scaling factors, delays, clipping to `min_replicas`/`max_replicas`). The policies keep their own
-windows and cooldowns in `policy_state`, so the recommended configs set Serve's delays to 0; and because Serve clips
+windows in `policy_state`, so the recommended configs set Serve's delays to 0; and because Serve clips
 to `min_replicas` last, that must be the lowest floor of any schedule window while the policy raises the floor per
 window.
 
 Rules (`ScalingRules`, through `policy_kwargs`): +1 replica when the time-weighted mean utilization over
-`scale_up_window_s` is above `scale_up_utilization` (after `scale_up_cooldown_s`); -1 when the mean over
+`scale_up_window_s` is above `scale_up_utilization`; -1 when the mean over
 `scale_down_window_s` is below `scale_down_utilization` and nothing waits; at once, proportionally, when the queue per
 replica exceeds `target_queue_per_replica` (at most `QUEUE_SCALE_UP_FACTOR` x per step); clipped to the active
-schedule window. `WakeRule`: where the floor is 0 and a CPU fallback carries the work, the fallback's waits wake the
+schedule window. After any change of the target both windows restart, so the next utilization step waits a whole
+window. `WakeRule`: where the floor is 0 and a CPU fallback carries the work, the fallback's waits wake the
 GPU decoder through a `WakeBoard` in Ray's internal KV. Why each rule: docs/autoscaling.md, "How the policy works".
 """
 
@@ -36,7 +37,6 @@ STATE_WINDOW_SINCE = "cosyvoice_window_since"
 STATE_LAST_TICK = "cosyvoice_last_tick"
 STATE_UTILIZATION_BUCKETS = "cosyvoice_utilization_buckets"
 STATE_LAST_TARGET = "cosyvoice_last_target"
-STATE_LAST_CHANGE = "cosyvoice_last_change"
 
 DECODER_POLICY_PATH = "autoscaling.policy:DecoderAutoscalingPolicy"
 CPU_FALLBACK_POLICY_PATH = "autoscaling.policy:CpuFallbackAutoscalingPolicy"
@@ -56,7 +56,7 @@ QUEUE_SCALE_UP_FACTOR = 2.0
 
 
 class ScalingRules(BaseModel):
-    """Thresholds, windows, cooldowns and bounds of the decoder policy (see the module docstring)."""
+    """Thresholds, windows and bounds of the decoder policy (see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -64,6 +64,10 @@ class ScalingRules(BaseModel):
     REMOVED_RULES: ClassVar[Mapping[str, str]] = {
         "queue_scale_up_factor": f"fixed at {QUEUE_SCALE_UP_FACTOR:g} (autoscaling.policy.QUEUE_SCALE_UP_FACTOR): "
         "a queue built while replicas start does not jump to max_replicas",
+        "scale_up_cooldown_s": "after any change of the target the windows restart, so a +1 waits a whole "
+        "scale_up_window_s (300 s) anyway: the 180 s cooldown, shorter, never held a step back",
+        "scale_down_cooldown_s": "after any change of the target the windows restart, so a -1 waits a whole "
+        "scale_down_window_s (1200 s) anyway: the 600 s cooldown, shorter, never held a step back",
     }
 
     min_replicas: int = Field(1, ge=0, description="the floor outside the schedule's windows")
@@ -84,11 +88,9 @@ class ScalingRules(BaseModel):
     target_queue_per_replica: float = Field(
         4.0,
         gt=0,
-        description="at once, without cooldown: waiting requests per replica above this scale up to "
+        description="at once, without a window: waiting requests per replica above this scale up to "
         "ceil(waiting / this), at most 2 x the running replicas per step (QUEUE_SCALE_UP_FACTOR)",
     )
-    scale_up_cooldown_s: float = Field(180.0, ge=0, description="since the target last changed, before +1")
-    scale_down_cooldown_s: float = Field(600.0, ge=0, description="since the target last changed, before -1")
     schedule: Schedule = Field(
         DEFAULT_SCHEDULE, description="time-of-day windows with their own bounds (default: a peak at 2, a night at 0)"
     )
@@ -306,15 +308,12 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
     state = dict(ctx.policy_state or {})
     target = ctx.target_num_replicas
 
-    # Cooldowns count from when Serve actually moved the target, whoever caused it; the windows restart
-    # then, since utilization measured at the old replica count says nothing about the new one.
+    # When Serve actually moved the target, whoever caused it, the windows restart: utilization measured at the old
+    # replica count says nothing about the new one (so a utilization step waits a whole window after any change).
     if state.get(STATE_LAST_TARGET) != target:
-        state[STATE_LAST_CHANGE] = now if STATE_LAST_TARGET in state else None
         state[STATE_LAST_TARGET] = target
         state[STATE_WINDOW_SINCE] = state[STATE_LAST_TICK] = now
         state[STATE_UTILIZATION_BUCKETS] = []
-    last_change = state.get(STATE_LAST_CHANGE)
-    quiet_s = math.inf if last_change is None else now - last_change
 
     history = UtilizationHistory(state, rules.bucket_s, max(rules.scale_up_window_s, rules.scale_down_window_s))
     utilization = mean_utilization(ctx)
@@ -339,15 +338,10 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
         proportional = math.ceil(waiting / rules.target_queue_per_replica)
         desired = max(target, min(proportional, math.ceil(QUEUE_SCALE_UP_FACTOR * running)))
         reason = "queue_depth"
-    elif up_mean is not None and up_mean > rules.scale_up_utilization and quiet_s >= rules.scale_up_cooldown_s:
+    elif up_mean is not None and up_mean > rules.scale_up_utilization:
         desired = target + 1  # asked for on every tick until Serve applies it (its delays need that)
         reason = "high_utilization"
-    elif (
-        down_mean is not None
-        and down_mean < rules.scale_down_utilization
-        and waiting == 0
-        and quiet_s >= rules.scale_down_cooldown_s
-    ):
+    elif down_mean is not None and down_mean < rules.scale_down_utilization and waiting == 0:
         desired = target - 1
         reason = "low_utilization"
 
@@ -530,7 +524,7 @@ def decoder_autoscaling_config(
         "min_replicas": rules.lowest_floor(),
         "initial_replicas": max(1, rules.min_replicas),
         "max_replicas": max(1, rules.highest_ceiling()),
-        "upscale_delay_s": 0.0,  # the policy's windows and cooldowns do the delaying
+        "upscale_delay_s": 0.0,  # the policy's windows do the delaying
         "downscale_delay_s": 0.0,
         "look_back_period_s": look_back_period_s,
         "metrics_interval_s": metrics_interval_s,

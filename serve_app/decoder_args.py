@@ -20,7 +20,7 @@ class DecoderAutoscalingArgs(StrictArgs):
 
     rules: ScalingRules = Field(
         default_factory=ScalingRules,
-        description="thresholds, windows, cooldowns, min/max_replicas, schedule (autoscaling.policy.ScalingRules)",
+        description="thresholds, windows, min/max_replicas, schedule (autoscaling.policy.ScalingRules)",
     )
     look_back_period_s: float = Field(30.0, gt=0, description="Serve averages each replica metric over this")
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas push their metrics")

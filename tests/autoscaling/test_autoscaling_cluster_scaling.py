@@ -31,13 +31,11 @@ pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 APP = "cosyvoice"
 PROFILE = Path(__file__).resolve().parents[2] / "configs" / "gpu_cluster.yaml"
 CPU_NODE = {"cpu_node": 100}
-SECONDS_RULES = {  # the seed's thresholds, windows and cooldowns shortened to seconds
+SECONDS_RULES = {  # the seed's thresholds and windows shortened to seconds
     "min_replicas": 1,
     "max_replicas": 2,
     "scale_up_window_s": 1.0,
     "scale_down_window_s": 3.0,
-    "scale_up_cooldown_s": 1.0,
-    "scale_down_cooldown_s": 2.0,
     "target_queue_per_replica": 2.0,
 }
 REQUEST = {"text": "Hello there.", "sampling": {"max_token_text_ratio": 3.0}}  # tiny weights: keep decodes short

@@ -20,7 +20,7 @@ from serve_app.full_config import knob_table, leaf_knobs, main
 from serve_app.request_args import LimitsArgs
 
 # The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
-MAX_LEAF_KNOBS = 87
+MAX_LEAF_KNOBS = 85
 
 
 def test_the_count_follows_the_rule() -> None:
@@ -94,9 +94,17 @@ def test_the_removed_audio_section_is_refused_with_its_fixed_bit_rates() -> None
         AppArgs.model_validate({"audio": {"mp3_kbps": 128}})
 
 
-def test_a_removed_scaling_rule_is_refused_with_its_fixed_value() -> None:
-    with pytest.raises(ValidationError, match=r"queue_scale_up_factor was removed: fixed at 2 .*max_replicas"):
-        AppArgs.model_validate({"decoder": {"autoscaling": {"rules": {"queue_scale_up_factor": 3.0}}}})
+@pytest.mark.parametrize(
+    ("rule", "named"),
+    [
+        ("queue_scale_up_factor", "fixed at 2 .*max_replicas"),
+        ("scale_up_cooldown_s", ".*the windows restart.*never held a step back"),
+        ("scale_down_cooldown_s", ".*a -1 waits a whole scale_down_window_s"),
+    ],
+)
+def test_a_removed_scaling_rule_is_refused_with_why(rule: str, named: str) -> None:
+    with pytest.raises(ValidationError, match=f"{rule} was removed: {named}"):
+        AppArgs.model_validate({"decoder": {"autoscaling": {"rules": {rule: 3.0}}}})
 
 
 def test_the_encoders_fixed_timing_names_the_serve_config_override() -> None:
