@@ -32,7 +32,7 @@ class ServiceUnavailableError(UnavailableError):
 
 
 class StreamIdleError(CosyVoiceError):
-    """A text stream that sent nothing for `limits.text_stream_idle_s` while no audio was in the making."""
+    """A text stream that sent nothing for `TEXT_STREAM_IDLE_S` while no audio was in the making."""
 
     http_status = 408
 

@@ -39,6 +39,8 @@ class LimitsArgs(StrictArgs):
         "voice upload, arrives in it at 0.7 Mbit/s",
         "retry_after_s": "fixed at 1 s (serve_app.errors.RETRY_AFTER_S): Retry-After is in whole seconds, and a "
         "slot frees as soon as any request ends",
+        "text_stream_idle_s": "fixed at 60 s (serve_app.text_stream.TEXT_STREAM_IDLE_S): a client between sentences "
+        "sends text well within it, and a forgotten socket gives its ingress slot back within a minute",
         "max_text_streams_per_key": "derived: half of max_concurrent_requests_per_key, at least 1, or no bound of "
         "its own where that is None (LimitsArgs.max_text_streams_per_key)",
         "max_prompt_audio_bytes": f"fixed at {MAX_PROMPT_AUDIO_BYTES >> 20} MiB "
@@ -79,13 +81,6 @@ class LimitsArgs(StrictArgs):
         ge=1,
         description="with API keys on, registered voices one key may own (shared ones count for none); past it, "
         "registering answers 409; None: only max_voices",
-    )
-    text_stream_idle_s: float = Field(
-        60.0,
-        gt=0,
-        description="a text stream (/v1/audio/speech/stream) that sends no text to speak for this long while it has "
-        "no audio in the making ends with an error event (408), freeing its ingress slot, whatever else it sends "
-        "(flush with nothing to speak, empty text)",
     )
     max_text_streams: int | None = Field(
         None,

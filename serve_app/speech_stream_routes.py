@@ -95,7 +95,7 @@ class SpeechStreamRoutes:
             subprotocol=WEBSOCKET_PROTOCOL if WEBSOCKET_PROTOCOL in ws.scope.get("subprotocols", ()) else None
         )
         request_id = request_id_of(ws.scope)
-        stream = TextStream(ws, self.limits.max_body_bytes, self.limits.text_stream_idle_s)
+        stream = TextStream(ws, self.limits.max_body_bytes)
         try:
             usage = await self.speak_stream(stream, request_id)
             await ws.send_json(done_event(usage, stream.ignored_instructions))

@@ -449,7 +449,7 @@ def test_a_silent_text_stream_ends_after_the_idle_time_but_not_while_its_audio_i
         await asyncio.sleep(0.3)
         assert not waiting.done()
         stream.pending = 0
-        with pytest.raises(StreamIdleError, match="text_stream_idle_s"):
+        with pytest.raises(StreamIdleError, match="no audio in the making"):
             await asyncio.wait_for(waiting, 1.0)
         stream.close()
 
