@@ -41,6 +41,8 @@ class LimitsArgs(StrictArgs):
         "slot frees as soon as any request ends",
         "text_stream_idle_s": "fixed at 60 s (serve_app.text_stream.TEXT_STREAM_IDLE_S): a client between sentences "
         "sends text well within it, and a forgotten socket gives its ingress slot back within a minute",
+        "reroute_s": "fixed at 30 s (serve_app.synthesis.REROUTE_S): it covers Ray declaring a lost node dead and a "
+        "replacement's start (10-24 s measured, docs/reliability.md)",
         "max_text_streams_per_key": "derived: half of max_concurrent_requests_per_key, at least 1, or no bound of "
         "its own where that is None (LimitsArgs.max_text_streams_per_key)",
         "max_prompt_audio_bytes": f"fixed at {MAX_PROMPT_AUDIO_BYTES >> 20} MiB "
@@ -67,12 +69,6 @@ class LimitsArgs(StrictArgs):
         gt=0,
         description="seconds of speech one decoder call (a stream, or a sentence of a whole request) may make; past "
         "it, it ends with 413 and frees its slot (sampling.max_token_text_ratio also bounds it per text length)",
-    )
-    reroute_s: float = Field(
-        30.0,
-        ge=0,
-        description="a stream whose decoder replica is lost before its first audio is sent again (to another replica "
-        "or the replacement) for up to this long, then answered 503 + Retry-After",
     )
     # Voice registration (POST /v1/voices): the registry.
     max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")

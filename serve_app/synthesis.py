@@ -41,6 +41,10 @@ Mode = Literal["whole", "stream", "sse"]
 # its speed) can stream, else whole.
 Asked = Literal["whole", "stream", "sse", "audio"]
 REROUTE_BACKOFF_S = 1.0  # between two tries of a stream whose decoder replica was lost (Serve replaces it in ~10 s)
+# How long a stream whose decoder replica was lost before its first audio is sent again, then answered 503: it covers
+# Ray declaring a lost node dead and a CPU replacement's start (10-24 s in the node-loss test, docs/reliability.md);
+# a replacement that waits for a new GPU node (minutes) comes after it.
+REROUTE_S = 30.0
 
 
 def instructions_refusal(info: ModelInfo, voice: str) -> str | None:
@@ -266,7 +270,7 @@ class Synthesis:
         at its ceilings: `limits.max_stream_s`, `limits.max_audio_s`): `first` (its first sentences, encoded) at once,
         the others as the encoder encodes them meanwhile."""
         loop = asyncio.get_running_loop()
-        reroute_until = loop.time() + self.limits.reroute_s
+        reroute_until = loop.time() + REROUTE_S
         rest = response = None
         try:
             later = []
@@ -290,7 +294,7 @@ class Synthesis:
                     # A lost replica (or, with its node, the chunks it had made): a stream that sent nothing yet lost
                     # nothing but time: it goes again, to another replica or
                     # the replacement (whose queue the other re-sent streams may fill for a while), until
-                    # `limits.reroute_s`; one that has sent audio cannot be resumed. A full queue at the first try
+                    # `REROUTE_S`; one that has sent audio cannot be resumed. A full queue at the first try
                     # is overload: 503 at once.
                     overload = isinstance(exc, BackPressureError) and not lost
                     if started or overload or loop.time() >= reroute_until:
