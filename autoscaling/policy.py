@@ -149,9 +149,6 @@ class ScalingRules(BaseModel):
 # 90 s start, so a wake is not undone by a lull (the simulator gives the same figures at 300 s or 1800 s:
 # docs/autoscaling.md).
 WAKE_HOLD_S = 900.0
-# Requests queued at the fallback's handles that wake it: any, since a request queues there only when every fallback
-# replica holds its max_ongoing_requests, and the waits of those queued are reported by no replica yet.
-WAKE_QUEUED = 1.0
 
 
 @dataclass(frozen=True)
@@ -159,11 +156,11 @@ class WakeRule:
     """When load at the CPU fallback wakes a GPU decoder replica inside a 0-floor window (module docstring):
     a fallback replica's `first_audio_wait_s` above `wait_s`, or at least `queued` requests queued at the
     fallback's handles (every replica at its `max_ongoing_requests`: their wait is not reported yet). The app's
-    rule waits the first-audio SLO with the defaults; the tests and the simulator pass their own."""
+    rule waits the first-audio SLO and holds `WAKE_HOLD_S`; the tests and the simulator pass their own."""
 
     wait_s: float
     hold_s: float = WAKE_HOLD_S
-    queued: float = WAKE_QUEUED
+    queued: float = 1.0
 
     def __post_init__(self) -> None:
         if self.wait_s < 0 or self.hold_s < 0 or self.queued <= 0:

@@ -161,7 +161,7 @@ class AppArgs(StrictArgs):
         if not (fallback.enabled and fallback.wake and self.decoder.autoscaling is not None):
             return None
         # a request at the fallback that has waited the first-audio SLO without audio has missed it
-        return WakeRule(wait_s=self.scheduler.target_first_audio_s)
+        return WakeRule(wait_s=self.scheduler.target_first_audio_s, queued=fallback.wake_queued)
 
     @model_validator(mode="after")
     def _wyoming_keyless_only_when_allowed(self) -> AppArgs:

@@ -167,8 +167,6 @@ class CpuFallbackArgs(ReplicaArgs):
         "resources": CPU_RESOURCES_MOVED,
         "wake_wait_s": "derived: scheduler.target_first_audio_s, the first-audio SLO (a request that has waited "
         "that long without audio has missed it)",
-        "wake_queued": "fixed at 1 (autoscaling.policy.WAKE_QUEUED): a request queues at the fallback's handles only "
-        "when every fallback replica is full",
         "wake_hold_s": "fixed at 900 s (autoscaling.policy.WAKE_HOLD_S): ten times the GPU replica's 90 s start; "
         "300 s or 1800 s simulate the same (docs/autoscaling.md)",
         "poll_interval_s": "fixed at 2 s (serve_app.routing.ROUTING_POLL_S): a read of the replica counts holds the "
@@ -200,6 +198,13 @@ class CpuFallbackArgs(ReplicaArgs):
         True,
         description="inside the GPU decoder's 0-floor windows, waits at this fallback wake a GPU decoder replica "
         "(autoscaling.policy.WakeRule; needs decoder.autoscaling): a first audio waited for past "
-        "scheduler.target_first_audio_s, or any request queued at the fallback's handles; the GPU floor then stays 1 "
-        "until 900 s after the load last passed the rule",
+        "scheduler.target_first_audio_s, or `wake_queued` requests queued at the fallback's handles; the GPU floor "
+        "then stays 1 until 900 s after the load last passed the rule",
+    )
+    wake_queued: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="wake too when this many requests (Serve's mean over look_back_period_s) queue at the fallback's "
+        "handles: every fallback replica holds max_ongoing_requests, and the queued ones' waits are not reported",
     )

@@ -114,9 +114,8 @@ def test_decoder_scales_from_its_floor_up_under_load_and_back_down(base_url: str
 @pytest.fixture(scope="module")
 def night_app(base_url: str) -> str:
     """The profile with a night window around now, the CPU fallback, and the wake rule at a fallback wait of
-    0.5 s (the first-audio SLO) or a request queued at its handles (means over the 1 s look-back): the night test's
-    two-at-a-time requests take ~0.1 s and queue only for a moment while a new handle learns its replicas; a burst
-    queues dozens."""
+    0.5 s (the first-audio SLO) or 4 requests queued at its handles (means over the 1 s look-back): the night test's
+    two-at-a-time requests take ~0.1 s and queue only while a new handle learns its replicas; a burst queues dozens."""
     now = dt.datetime.now(dt.timezone.utc)
     night = {
         "name": "night",
@@ -126,6 +125,7 @@ def night_app(base_url: str) -> str:
     }
     args = profile_args({"timezone": "UTC", "windows": [night]}, fallback=True)
     args["scheduler"] = {**args.get("scheduler", {}), "target_first_audio_s": 0.5}
+    args["decoder_cpu"].update(wake_queued=4.0)
     serve.run(build_app(args), name=APP, route_prefix="/")
     wait_until(lambda: running("DecoderCPU") >= 1, 60, "the CPU fallback (its policy is active at night)")
     wait_until(lambda: running("Decoder") == 0, 60, "the drained GPU decoder to go to 0")

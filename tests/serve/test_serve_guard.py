@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from autoscaling.policy import WAKE_HOLD_S, WAKE_QUEUED, MemoryWakeBoard, ScalingRules, WakeRule
+from autoscaling.policy import WAKE_HOLD_S, MemoryWakeBoard, ScalingRules, WakeRule
 from autoscaling.schedule import Schedule
 from engine.errors import InvalidInputError
 from serve_app import routing
@@ -193,8 +193,9 @@ def test_router_drains_the_gpu_decoder_while_its_schedule_floor_is_zero(monkeypa
 def test_wake_rule_waits_the_first_audio_slo() -> None:
     autoscaled = {"decoder": {"autoscaling": {}}, "scheduler": {"target_first_audio_s": 2.5}}
     rule = AppArgs(**autoscaled, decoder_cpu={"enabled": True}).wake_rule()
-    assert rule == WakeRule(wait_s=2.5, hold_s=WAKE_HOLD_S, queued=WAKE_QUEUED)
-    assert (rule.hold_s, rule.queued) == (900, 1)
+    assert rule == WakeRule(wait_s=2.5, hold_s=WAKE_HOLD_S, queued=1.0) and rule.hold_s == 900
+    queued = AppArgs(**autoscaled, decoder_cpu={"enabled": True, "wake_queued": 4}).wake_rule()
+    assert queued == WakeRule(wait_s=2.5, queued=4.0)
     assert AppArgs(**autoscaled, decoder_cpu={"enabled": True, "wake": False}).wake_rule() is None
     assert AppArgs(**autoscaled).wake_rule() is None  # no fallback
     assert AppArgs(decoder_cpu={"enabled": True}).wake_rule() is None  # a fixed-size GPU decoder
