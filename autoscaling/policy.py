@@ -2,15 +2,16 @@
 
 Serve calls a policy on the controller about every 0.1 s with an `AutoscalingContext` and then post-processes the
 returned count (scaling factors, delays, clipping to `min_replicas`/`max_replicas`). The policies keep their own
-windows and cooldowns in `policy_state`, so the recommended configs set Serve's delays to 0; and because Serve clips
+windows in `policy_state`, so the recommended configs set Serve's delays to 0; and because Serve clips
 to `min_replicas` last, that must be the lowest floor of any schedule window while the policy raises the floor per
 window.
 
 Rules (`ScalingRules`, through `policy_kwargs`): +1 replica when the time-weighted mean utilization over
-`scale_up_window_s` is above `scale_up_utilization` (after `scale_up_cooldown_s`); -1 when the mean over
+`scale_up_window_s` is above `scale_up_utilization`; -1 when the mean over
 `scale_down_window_s` is below `scale_down_utilization` and nothing waits; at once, proportionally, when the queue per
-replica exceeds `target_queue_per_replica` (at most `queue_scale_up_factor` x per step); clipped to the active
-schedule window. `WakeRule`: where the floor is 0 and a CPU fallback carries the work, the fallback's waits wake the
+replica exceeds `target_queue_per_replica` (at most `QUEUE_SCALE_UP_FACTOR` x per step); clipped to the active
+schedule window. After any change of the target both windows restart, so the next utilization step waits a whole
+window. `WakeRule`: where the floor is 0 and a CPU fallback carries the work, the fallback's waits wake the
 GPU decoder through a `WakeBoard` in Ray's internal KV. Why each rule: docs/autoscaling.md, "How the policy works".
 """
 
@@ -21,7 +22,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,7 +37,6 @@ STATE_WINDOW_SINCE = "cosyvoice_window_since"
 STATE_LAST_TICK = "cosyvoice_last_tick"
 STATE_UTILIZATION_BUCKETS = "cosyvoice_utilization_buckets"
 STATE_LAST_TARGET = "cosyvoice_last_target"
-STATE_LAST_CHANGE = "cosyvoice_last_change"
 
 DECODER_POLICY_PATH = "autoscaling.policy:DecoderAutoscalingPolicy"
 CPU_FALLBACK_POLICY_PATH = "autoscaling.policy:CpuFallbackAutoscalingPolicy"
@@ -50,10 +50,25 @@ DEFAULT_SCHEDULE = Schedule(
 )
 
 
+# The queue rule's step, at most this x the running replicas: a queue built while replicas start does not jump to
+# max_replicas (docs/autoscaling.md, "How the policy works").
+QUEUE_SCALE_UP_FACTOR = 2.0
+
+
 class ScalingRules(BaseModel):
-    """Thresholds, windows, cooldowns and bounds of the decoder policy (see the module docstring)."""
+    """Thresholds, windows and bounds of the decoder policy (see the module docstring)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Rules these had and no longer have: name -> why; a config that still sets one is refused with that message.
+    REMOVED_RULES: ClassVar[Mapping[str, str]] = {
+        "queue_scale_up_factor": f"fixed at {QUEUE_SCALE_UP_FACTOR:g} (autoscaling.policy.QUEUE_SCALE_UP_FACTOR): "
+        "a queue built while replicas start does not jump to max_replicas",
+        "scale_up_cooldown_s": "after any change of the target the windows restart, so a +1 waits a whole "
+        "scale_up_window_s (300 s) anyway: the 180 s cooldown, shorter, never held a step back",
+        "scale_down_cooldown_s": "after any change of the target the windows restart, so a -1 waits a whole "
+        "scale_down_window_s (1200 s) anyway: the 600 s cooldown, shorter, never held a step back",
+    }
 
     min_replicas: int = Field(1, ge=0, description="the floor outside the schedule's windows")
     max_replicas: int = Field(
@@ -73,20 +88,21 @@ class ScalingRules(BaseModel):
     target_queue_per_replica: float = Field(
         4.0,
         gt=0,
-        description="at once, without cooldown: waiting requests per replica above this scale up to "
-        "ceil(waiting / this)",
+        description="at once, without a window: waiting requests per replica above this scale up to "
+        "ceil(waiting / this), at most 2 x the running replicas per step (QUEUE_SCALE_UP_FACTOR)",
     )
-    queue_scale_up_factor: float = Field(
-        2.0,
-        ge=1,
-        description="... at most this x the running replicas per step (a queue built while replicas "
-        "start does not jump to max_replicas)",
-    )
-    scale_up_cooldown_s: float = Field(180.0, ge=0, description="since the target last changed, before +1")
-    scale_down_cooldown_s: float = Field(600.0, ge=0, description="since the target last changed, before -1")
     schedule: Schedule = Field(
         DEFAULT_SCHEDULE, description="time-of-day windows with their own bounds (default: a peak at 2, a night at 0)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_rules(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            removed = [f"{name} was removed: {why}" for name, why in cls.REMOVED_RULES.items() if name in data]
+            if removed:
+                raise ValueError("; ".join(removed))
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> ScalingRules:
@@ -100,7 +116,7 @@ class ScalingRules(BaseModel):
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ScalingRules:
         """Build from JSON-style `policy_kwargs` (the schedule as a dict, see `Schedule.from_dict`)."""
         values = dict(kwargs)
-        unknown = set(values) - set(cls.model_fields)
+        unknown = set(values) - set(cls.model_fields) - set(cls.REMOVED_RULES)  # those: refused with their reason
         if unknown:
             raise ValueError(f"unknown scaling rule(s): {sorted(unknown)}")
         if "schedule" in values:
@@ -129,14 +145,21 @@ class ScalingRules(BaseModel):
         return max([self.max_replicas, *window_ceilings])
 
 
+# How long a wake holds the GPU decoder's floor at 1 after the load last passed the rule: ten times the GPU replica's
+# 90 s start, so a wake is not undone by a lull (the simulator gives the same figures at 300 s or 1800 s:
+# docs/autoscaling.md).
+WAKE_HOLD_S = 900.0
+
+
 @dataclass(frozen=True)
 class WakeRule:
     """When load at the CPU fallback wakes a GPU decoder replica inside a 0-floor window (module docstring):
     a fallback replica's `first_audio_wait_s` above `wait_s`, or at least `queued` requests queued at the
-    fallback's handles (every replica at its `max_ongoing_requests`: their wait is not reported yet)."""
+    fallback's handles (every replica at its `max_ongoing_requests`: their wait is not reported yet). The app's
+    rule waits the first-audio SLO and holds `WAKE_HOLD_S`; the tests and the simulator pass their own."""
 
     wait_s: float
-    hold_s: float = 900.0
+    hold_s: float = WAKE_HOLD_S
     queued: float = 1.0
 
     def __post_init__(self) -> None:
@@ -282,15 +305,12 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
     state = dict(ctx.policy_state or {})
     target = ctx.target_num_replicas
 
-    # Cooldowns count from when Serve actually moved the target, whoever caused it; the windows restart
-    # then, since utilization measured at the old replica count says nothing about the new one.
+    # When Serve actually moved the target, whoever caused it, the windows restart: utilization measured at the old
+    # replica count says nothing about the new one (so a utilization step waits a whole window after any change).
     if state.get(STATE_LAST_TARGET) != target:
-        state[STATE_LAST_CHANGE] = now if STATE_LAST_TARGET in state else None
         state[STATE_LAST_TARGET] = target
         state[STATE_WINDOW_SINCE] = state[STATE_LAST_TICK] = now
         state[STATE_UTILIZATION_BUCKETS] = []
-    last_change = state.get(STATE_LAST_CHANGE)
-    quiet_s = math.inf if last_change is None else now - last_change
 
     history = UtilizationHistory(state, rules.bucket_s, max(rules.scale_up_window_s, rules.scale_down_window_s))
     utilization = mean_utilization(ctx)
@@ -313,17 +333,12 @@ def decide(ctx: Any, rules: ScalingRules, bounds: tuple[int, int]) -> tuple[int,
     desired, reason = target, "hold"
     if waiting / running > rules.target_queue_per_replica:
         proportional = math.ceil(waiting / rules.target_queue_per_replica)
-        desired = max(target, min(proportional, math.ceil(rules.queue_scale_up_factor * running)))
+        desired = max(target, min(proportional, math.ceil(QUEUE_SCALE_UP_FACTOR * running)))
         reason = "queue_depth"
-    elif up_mean is not None and up_mean > rules.scale_up_utilization and quiet_s >= rules.scale_up_cooldown_s:
+    elif up_mean is not None and up_mean > rules.scale_up_utilization:
         desired = target + 1  # asked for on every tick until Serve applies it (its delays need that)
         reason = "high_utilization"
-    elif (
-        down_mean is not None
-        and down_mean < rules.scale_down_utilization
-        and waiting == 0
-        and quiet_s >= rules.scale_down_cooldown_s
-    ):
+    elif down_mean is not None and down_mean < rules.scale_down_utilization and waiting == 0:
         desired = target - 1
         reason = "low_utilization"
 
@@ -506,7 +521,7 @@ def decoder_autoscaling_config(
         "min_replicas": rules.lowest_floor(),
         "initial_replicas": max(1, rules.min_replicas),
         "max_replicas": max(1, rules.highest_ceiling()),
-        "upscale_delay_s": 0.0,  # the policy's windows and cooldowns do the delaying
+        "upscale_delay_s": 0.0,  # the policy's windows do the delaying
         "downscale_delay_s": 0.0,
         "look_back_period_s": look_back_period_s,
         "metrics_interval_s": metrics_interval_s,

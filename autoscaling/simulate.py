@@ -40,6 +40,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from autoscaling.metrics import FIRST_AUDIO_WAIT_S, QUEUE_DEPTH, UTILIZATION
 from autoscaling.policy import (
+    WAKE_HOLD_S,
     CpuFallbackAutoscalingPolicy,
     DecoderAutoscalingPolicy,
     MemoryWakeBoard,
@@ -561,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--policy", choices=POLICIES, default="fallback_wake", help="reported at the top level")
     parser.add_argument("--slo-s", type=float, default=3.0, help="request latency SLO (queue + batch)")
     parser.add_argument("--wake-wait-s", type=float, help="fallback_wake: WakeRule.wait_s (default: the SLO)")
-    parser.add_argument("--wake-hold-s", type=float, default=900.0, help="fallback_wake: WakeRule.hold_s")
+    parser.add_argument("--wake-hold-s", type=float, default=WAKE_HOLD_S, help="fallback_wake: WakeRule.hold_s")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

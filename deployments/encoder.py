@@ -18,7 +18,7 @@ from engine.runtime.bistream import BistreamStart
 from engine.runtime.encoder_stage import TextEncoderStage
 from engine.runtime.segment import EncodedSegment
 from engine.runtime.synthesis_request import SegmentText, SynthesisRequest
-from engine.voices.cloning import PromptAudioLimits, VoiceCloner, VoicePrompt, decode_prompt_audio
+from engine.voices.cloning import VoiceCloner, VoicePrompt, decode_prompt_audio
 from engine.voices.default_voice import (
     DEFAULT_VOICE_FILE,
     DEFAULT_VOICE_ID,
@@ -60,13 +60,13 @@ class ProvisionedVoice:
 
 @dataclass(frozen=True)
 class VoiceCloningConfig:
-    """Where the cloning models and the registered voices are, and what an uploaded prompt recording may be."""
+    """Where the cloning models and the registered voices are (what an uploaded prompt recording may be:
+    `engine.voices.cloning.PromptAudioLimits`)."""
 
     voices_dir: str  # a local directory or an object-store URL (s3://bucket/prefix)
     models_dir: str  # a directory, or the hub id of the model whose directory holds them
     max_voices: int
     max_voices_per_key: int | None
-    prompt_audio: PromptAudioLimits
     voices: tuple[ProvisionedVoice, ...] = ()  # registered at start-up, idempotently
     default_voice: bool = True  # a model without built-in speakers is provisioned DEFAULT_VOICE too
 
@@ -236,7 +236,7 @@ class Encoder:
         if not transcript or len(transcript) > self.max_text_chars:
             raise InvalidInputError(f"the transcript must have 1 to {self.max_text_chars} characters")
         self.registry.check_admission(name, caller, shared, openai_name)  # before the costly decoding and cloning
-        waveform, sample_rate = decode_prompt_audio(audio, self.voice_cloning.prompt_audio)
+        waveform, sample_rate = decode_prompt_audio(audio)
         duration_s = len(waveform) / sample_rate
         prompt = self.cloner.clone(waveform, sample_rate, transcript)
         return self.registry.add(prompt, name, duration_s, caller, shared, openai_name).shown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -16,7 +16,7 @@ from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
 from serve_app.args_base import CPU_REPLICA_SECTIONS, CPU_RESOURCES_MOVED, StrictArgs
 from serve_app.decoder_args import CpuFallbackArgs, DecoderArgs, SchedulerArgs
 from serve_app.replica_args import EncoderArgs, IngressArgs, TextArgs, WyomingArgs
-from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs, ProvisionedVoiceArgs, SecurityArgs
+from serve_app.request_args import LimitsArgs, OpenAIArgs, ProvisionedVoiceArgs, SecurityArgs
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,6 +50,11 @@ def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> Non
 class AppArgs(StrictArgs):
     """Everything `build_app` needs; every field has a default that runs on a laptop CPU."""
 
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "audio": "the whole section: the lossy formats' bit rates are fixed at mp3 160, aac 96 and opus 64 kbit/s "
+        "(serve_app.audio.LOSSY_BIT_RATES: clean speech at 22-24 kHz, mp3 at MPEG-2's maximum there)",
+    }
+
     model: str = Field(
         "tiny",
         description="an official CosyVoice model dir, a Hugging Face id of one (FunAudioLLM/Fun-CosyVoice3-0.5B-2512, "
@@ -79,7 +84,6 @@ class AppArgs(StrictArgs):
     scheduler: SchedulerArgs = SchedulerArgs()
     security: SecurityArgs = SecurityArgs()
     openai: OpenAIArgs = OpenAIArgs()
-    audio: AudioArgs = AudioArgs()
     wyoming: WyomingArgs = WyomingArgs()
     voices_dir: str | None = Field(
         None,
@@ -156,8 +160,8 @@ class AppArgs(StrictArgs):
         fallback = self.decoder_cpu
         if not (fallback.enabled and fallback.wake and self.decoder.autoscaling is not None):
             return None
-        wait_s = self.scheduler.target_first_audio_s if fallback.wake_wait_s is None else fallback.wake_wait_s
-        return WakeRule(wait_s=wait_s, hold_s=fallback.wake_hold_s, queued=fallback.wake_queued)
+        # a request at the fallback that has waited the first-audio SLO without audio has missed it
+        return WakeRule(wait_s=self.scheduler.target_first_audio_s, queued=fallback.wake_queued)
 
     @model_validator(mode="after")
     def _wyoming_keyless_only_when_allowed(self) -> AppArgs:
@@ -182,26 +186,14 @@ class AppArgs(StrictArgs):
                 f"limits.max_text_streams ({limits.max_text_streams}) must be below ingress.max_ongoing_requests "
                 f"({ingress_slots}): text streams would take every slot plain requests need"
             )
-        per_key, per_key_requests = limits.max_text_streams_per_key, limits.max_concurrent_requests_per_key
-        if per_key is not None and per_key_requests is not None and per_key >= per_key_requests:
-            raise ValueError(
-                f"limits.max_text_streams_per_key ({per_key}) must be below limits.max_concurrent_requests_per_key "
-                f"({per_key_requests}), which counts a key's text streams too"
-            )
         return self
 
     @property
     def ingress_limits(self) -> LimitsArgs:
-        """`limits` with the text stream caps left to their defaults worked out: half of the ingress replica's slots,
-        and half of a key's requests in flight (at least 1)."""
+        """`limits` with the text stream cap left to its default worked out: half of the ingress replica's slots."""
         limits = self.limits
-        per_key_requests = limits.max_concurrent_requests_per_key
-        default_per_key = None if per_key_requests is None else max(1, per_key_requests // 2)
         return limits.model_copy(
-            update={
-                "max_text_streams": limits.max_text_streams or self.ingress.max_ongoing_requests // 2,
-                "max_text_streams_per_key": limits.max_text_streams_per_key or default_per_key,
-            }
+            update={"max_text_streams": limits.max_text_streams or self.ingress.max_ongoing_requests // 2}
         )
 
     @model_validator(mode="after")

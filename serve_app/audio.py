@@ -7,7 +7,7 @@
 * flac is written whole by libsndfile and cannot stream: its header holds the length and a checksum of the whole
   signal.
 * A whole wav has its true sizes; a streamed one the open-ended header (sizes 0xFFFFFFFF: read to the end).
-* mp3, aac and opus are encoded at explicit bit rates (the app args' `audio` section); `StreamResampler` brings
+* mp3, aac and opus are encoded at fixed bit rates (`LOSSY_BIT_RATES`); `StreamResampler` brings
   the model's rate to the rate a client asked for (OpenAI's 24 kHz), chunk by chunk.
 """
 
@@ -35,6 +35,9 @@ OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
 # Ogg holds pages back until they span this long (FFmpeg's default is 1 s, which would delay a stream by that).
 OGG_PAGE_DURATION_US = 20_000
 PCM_MAX = 32767
+# Bits per second of the lossy formats, chosen for clean speech at 22-24 kHz mono: mp3 at the 160 kbit/s maximum of
+# MPEG-2 layer III at those rates, aac and opus where speech has no audible artefacts.
+LOSSY_BIT_RATES = {"mp3": 160_000, "aac": 96_000, "opus": 64_000}
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class _ByteSink:
 
 class CodecStreamEncoder:
     """An FFmpeg encoder and muxer (PyAV) fed chunk by chunk, in the encoder's fixed frame size; `bit_rate` in bits
-    per second (None: the encoder's default)."""
+    per second (None: the format's in `LOSSY_BIT_RATES`)."""
 
     def __init__(self, fmt: AudioFormat, sample_rate: int, bit_rate: int | None = None) -> None:
         if fmt.codec is None or av is None:
@@ -153,8 +156,7 @@ class CodecStreamEncoder:
         self.container = av.open(self.sink, mode="w", format=muxer, options=options)
         self.stream = self.container.add_stream(encoder, rate=rate, layout="mono")
         context = self.stream.codec_context
-        if bit_rate is not None:
-            context.bit_rate = bit_rate
+        context.bit_rate = LOSSY_BIT_RATES[fmt.name] if bit_rate is None else bit_rate
         context.open()
         self.frame_size = context.frame_size
         self.time_base = Fraction(1, rate)
@@ -243,8 +245,8 @@ def resample(audio: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 def stream_encoder(
     format_name: str, sample_rate: int, bit_rate: int | None = None, input_rate: int | None = None
 ) -> StreamEncoder:
-    """The encoder of a stream in the named format at `sample_rate`, fed chunks at `input_rate` (default the same);
-    InvalidInputError if the format cannot stream."""
+    """The encoder of a stream in the named format at `sample_rate`, fed chunks at `input_rate` (default the same), a
+    lossy one at `bit_rate` (default its `LOSSY_BIT_RATES`); InvalidInputError if the format cannot stream."""
     fmt = audio_format(format_name, streaming=True)
     if fmt.codec is not None:
         encoder: StreamEncoder = CodecStreamEncoder(fmt, sample_rate, bit_rate)

@@ -20,7 +20,7 @@ class DecoderAutoscalingArgs(StrictArgs):
 
     rules: ScalingRules = Field(
         default_factory=ScalingRules,
-        description="thresholds, windows, cooldowns, min/max_replicas, schedule (autoscaling.policy.ScalingRules)",
+        description="thresholds, windows, min/max_replicas, schedule (autoscaling.policy.ScalingRules)",
     )
     look_back_period_s: float = Field(30.0, gt=0, description="Serve averages each replica metric over this")
     metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas push their metrics")
@@ -32,6 +32,13 @@ class DecoderAutoscalingArgs(StrictArgs):
 
 class DecoderArgs(ReplicaArgs):
     """Speech-token LM + flow + vocoder replicas; a GPU fraction each, or CPU with num_gpus 0."""
+
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        **ReplicaArgs.REMOVED_FIELDS,
+        "max_vocode_batch": "fixed at 8 on a GPU, 1 on CPU (engine.runtime.scheduler.DEFAULT_VOCODE_BATCH_CUDA, "
+        "_CPU): on CPU the flow and vocoder run only ~1.2x faster at batch 8, and a small job lets a first chunk "
+        "wait less (docs/performance.md)",
+    }
 
     num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
     autoscaling: DecoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
@@ -59,13 +66,6 @@ class DecoderArgs(ReplicaArgs):
     )
     max_concurrent_batches: int = Field(
         2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
-    )
-    max_vocode_batch: int | None = Field(
-        None,
-        ge=1,
-        description="flow + vocoder batch: whole sentences, or streams whose new tokens it takes in, per job (a job "
-        "runs to its end, so this also bounds how long a new request's first chunk waits); None: 8 on a GPU, 1 on "
-        "CPU",
     )
     max_ongoing_requests: int | None = Field(  # type: ignore[assignment]  # None: derived from the batches
         None, ge=1, description="default: 2 x max_batch_size x max_concurrent_batches (batches must be able to fill)"
@@ -139,13 +139,6 @@ class SchedulerArgs(StrictArgs):
         "model's idle time to first audio is ~0.6 s, the real-size model's ~5 s: there the deadline orders, it "
         "cannot be met)",
     )
-    whole_deadline_factor: float = Field(
-        2.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="a whole request's deadline: its arrival + this x its estimated audio length (0.3 s per text "
-        "token)",
-    )
 
     # Tuned by measurement, not a deployment's choice (docs/performance.md, the late-short-stream runs on 2 CPU cores):
     # the loop keeps engine.runtime.playback.DeadlinePolicy's 1 s for each.
@@ -155,15 +148,15 @@ class SchedulerArgs(StrictArgs):
         "min_preempt_slack_s": "fixed at 1 s, lowered from 2 s by measurement (docs/history/performance-runs.md)",
         "first_audio_passover_s": "fixed at 1 s: 0.5 s made no difference beyond noise "
         "(docs/history/performance-runs.md, runs 30-31)",
+        "whole_deadline_factor": "fixed at 2 (engine.runtime.playback.WHOLE_DEADLINE_FACTOR): a whole request's "
+        "deadline is its arrival + 2 x its estimated audio, behind streams due sooner without starving it",
     }
 
     def decoder_policy(self) -> SchedulingPolicy:
         """The policy every decoder replica's loop orders its work by."""
         if self.policy == "fcfs":
             return FcfsPolicy()
-        return DeadlinePolicy(
-            target_first_audio_s=self.target_first_audio_s, whole_deadline_factor=self.whole_deadline_factor
-        )
+        return DeadlinePolicy(target_first_audio_s=self.target_first_audio_s)
 
 
 class CpuFallbackArgs(ReplicaArgs):
@@ -172,6 +165,12 @@ class CpuFallbackArgs(ReplicaArgs):
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
         "batch_wait_timeout_s": "the fallback waits decoder.batch_wait_timeout_s, as the GPU decoder does",
         "resources": CPU_RESOURCES_MOVED,
+        "wake_wait_s": "derived: scheduler.target_first_audio_s, the first-audio SLO (a request that has waited "
+        "that long without audio has missed it)",
+        "wake_hold_s": "fixed at 900 s (autoscaling.policy.WAKE_HOLD_S): ten times the GPU replica's 90 s start; "
+        "300 s or 1800 s simulate the same (docs/autoscaling.md)",
+        "poll_interval_s": "fixed at 2 s (serve_app.routing.ROUTING_POLL_S): a read of the replica counts holds the "
+        "ingress's GIL for ~28 ms, and replicas start and drain in tens of seconds",
         "autoscaling_config": "decoder_cpu.max_replicas bounds the fallback's policy "
         "(autoscaling.policy.CpuFallbackAutoscalingPolicy, up while the GPU decoder's floor may be 0); "
         "decoder_cpu.num_replicas keeps a fixed count up instead",
@@ -188,7 +187,6 @@ class CpuFallbackArgs(ReplicaArgs):
         "while the GPU decoder's schedule may take it to 0 (from 10 minutes before to 15 after)",
     )
     max_replicas: int = Field(4, ge=1, description="the most fallback replicas the policy runs")
-    poll_interval_s: float = Field(2.0, gt=0, description="how often the ingress re-reads the replica counts")
 
     @property
     def scaling_rules(self) -> ScalingRules:
@@ -199,14 +197,9 @@ class CpuFallbackArgs(ReplicaArgs):
     wake: bool = Field(
         True,
         description="inside the GPU decoder's 0-floor windows, waits at this fallback wake a GPU decoder replica "
-        "(autoscaling.policy.WakeRule; needs decoder.autoscaling)",
-    )
-    wake_wait_s: float | None = Field(
-        None,
-        ge=0,
-        allow_inf_nan=False,
-        description="wake when a fallback replica's oldest request without audio has waited this long (Serve's "
-        "average over look_back_period_s): its first audio comes later still; None: scheduler.target_first_audio_s",
+        "(autoscaling.policy.WakeRule; needs decoder.autoscaling): a first audio waited for past "
+        "scheduler.target_first_audio_s, or `wake_queued` requests queued at the fallback's handles; the GPU floor "
+        "then stays 1 until 900 s after the load last passed the rule",
     )
     wake_queued: float = Field(
         1.0,
@@ -214,11 +207,4 @@ class CpuFallbackArgs(ReplicaArgs):
         allow_inf_nan=False,
         description="wake too when this many requests (Serve's mean over look_back_period_s) queue at the fallback's "
         "handles: every fallback replica holds max_ongoing_requests, and the queued ones' waits are not reported",
-    )
-    wake_hold_s: float = Field(
-        900.0,
-        ge=0,
-        allow_inf_nan=False,
-        description="the GPU decoder's floor stays 1 this long after the load last passed the rule; then the night "
-        "floor again",
     )

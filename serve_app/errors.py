@@ -18,7 +18,9 @@ class UnknownModelError(CosyVoiceError):
     http_status = 404
 
 
-DEFAULT_RETRY_AFTER_S = 1.0  # where Serve gives none (a lost replica, no backpressure_config)
+# The Retry-After of 503 (overload: Serve's backpressure, a text stream cap; a replica lost) and 429 answers: whole
+# seconds, and 1, the fewest, since a slot frees as soon as any request ends.
+RETRY_AFTER_S = 1.0
 
 
 class ServiceUnavailableError(UnavailableError):
@@ -26,17 +28,17 @@ class ServiceUnavailableError(UnavailableError):
 
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.retry_after_s = DEFAULT_RETRY_AFTER_S if retry_after_s is None else retry_after_s
+        self.retry_after_s = RETRY_AFTER_S if retry_after_s is None else retry_after_s
 
 
 class StreamIdleError(CosyVoiceError):
-    """A text stream that sent nothing for `limits.text_stream_idle_s` while no audio was in the making."""
+    """A text stream that sent nothing for `TEXT_STREAM_IDLE_S` while no audio was in the making."""
 
     http_status = 408
 
 
 class UploadTooLargeError(CosyVoiceError):
-    """A voice upload over `limits.max_prompt_audio_bytes`."""
+    """A voice upload over `engine.voices.cloning.MAX_PROMPT_AUDIO_BYTES`."""
 
     http_status = 413
 
@@ -96,7 +98,7 @@ def error_response(exc: BaseException, request_id: str) -> JSONResponse:
     error = engine_error(exc)
     headers = None
     if isinstance(error, UnavailableError):  # the engine's (a failed decoder loop) has no retry_after_s of its own
-        retry_after_s = getattr(error, "retry_after_s", DEFAULT_RETRY_AFTER_S)
+        retry_after_s = getattr(error, "retry_after_s", RETRY_AFTER_S)
         headers = {"Retry-After": str(max(0, math.ceil(retry_after_s)))}
     return JSONResponse(body, status_code=status, headers=headers)
 

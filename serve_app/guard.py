@@ -23,7 +23,7 @@ from pydantic import SecretStr
 from engine.errors import InvalidInputError
 from serve_app.browser_rules import WEBSOCKET, BrowserRules, header
 from serve_app.exposure import is_loopback
-from serve_app.request_args import SecurityArgs
+from serve_app.request_args import ADMIN_KEYS_ENV, API_KEYS_ENV, SecurityArgs
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,12 +51,19 @@ class BodyReadTimeoutError(Exception):
     """The client stopped sending its request body (answered 408, and the connection is closed)."""
 
 
+# How long the guard waits for a request body: a client that stalls longer gets 408 and its connection is closed,
+# freeing its ingress slot; one that trickles its body in is bounded by the whole body's deadline. A body is at most
+# a 10 MiB voice upload, which arrives within 120 s at 0.7 Mbit/s.
+BODY_READ_IDLE_S = 10.0
+BODY_READ_DEADLINE_S = 120.0
+
+
 @dataclass(frozen=True)
 class BodyTimeouts:
-    """How long the guard waits for a request body: a client that stalls must not hold an ingress slot."""
+    """How long the guard waits for a request body (the tests pass shorter ones)."""
 
-    idle_s: float = 10.0  # the longest wait for the next piece
-    total_s: float = 120.0  # the whole body
+    idle_s: float = BODY_READ_IDLE_S  # the longest wait for the next piece
+    total_s: float = BODY_READ_DEADLINE_S  # the whole body
 
     def bound(self, receive: Receive) -> Receive:
         """`receive` that raises BodyReadTimeoutError past either limit (the clock starts now)."""
@@ -80,12 +87,10 @@ def serving_warnings(security: SecurityArgs, bound_host: str | None, has_keys: b
     """What is unsafe in how the server runs: serving beyond loopback without API keys."""
     if has_keys or bound_host is None or is_loopback(bound_host):
         return ()
-    fix = "security.api_keys"
-    if security.api_keys_env:
-        fix += f" or the {security.api_keys_env} environment variable of the ingress replicas"
     return (
         f"serving HTTP on {bound_host}, beyond loopback, without API keys: anyone who can reach the port can "
-        f"synthesize and register or delete voices; set {fix}",
+        f"synthesize and register or delete voices; set security.api_keys or the {API_KEYS_ENV} environment variable "
+        "of the ingress replicas",
     )
 
 
@@ -102,24 +107,25 @@ class GuardSettings:
         return self.body_limits_by_path.get(path, self.max_body_bytes)
 
 
-def load_keys(
-    configured: tuple[SecretStr, ...], env_name: str | None, environ: Mapping[str, str] = os.environ
-) -> tuple[bytes, ...]:
-    """`configured` keys plus the comma-separated ones of the environment variable `env_name` in this process."""
-    keys = [key.get_secret_value() for key in configured]
-    if env_name:
-        keys += environ.get(env_name, "").split(",")
+def load_keys(configured: tuple[SecretStr, ...], env_name: str, environ: Mapping[str, str]) -> tuple[bytes, ...]:
+    """`configured` keys plus the comma-separated ones of the environment variable `env_name` in `environ`."""
+    keys = [key.get_secret_value() for key in configured] + environ.get(env_name, "").split(",")
     return tuple(key.strip().encode() for key in keys if key.strip())
 
 
 def load_api_keys(security: SecurityArgs, environ: Mapping[str, str] = os.environ) -> tuple[bytes, ...]:
-    """The API keys: `security.api_keys` plus those of `security.api_keys_env` in this process."""
-    return load_keys(security.api_keys, security.api_keys_env, environ)
+    """The API keys: `security.api_keys` plus those of `API_KEYS_ENV` in this process."""
+    return load_keys(security.api_keys, API_KEYS_ENV, environ)
+
+
+def load_admin_keys(security: SecurityArgs, environ: Mapping[str, str] = os.environ) -> tuple[bytes, ...]:
+    """The admin keys: `security.admin_keys` plus those of `ADMIN_KEYS_ENV` in this process."""
+    return load_keys(security.admin_keys, ADMIN_KEYS_ENV, environ)
 
 
 def keys_configured(security: SecurityArgs, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the server has API keys (admin keys count): from `security` and the environment of this process."""
-    return bool(load_api_keys(security, environ) + load_keys(security.admin_keys, security.admin_keys_env, environ))
+    return bool(load_api_keys(security, environ) + load_admin_keys(security, environ))
 
 
 def is_open(path: str) -> bool:

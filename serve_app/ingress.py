@@ -23,20 +23,21 @@ from deployments.decoder import Decoder
 from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
 from deployments.text_relay import TextRelays
 from engine.loading.model_source import hub_model, served_name
-from engine.voices.cloning import MAX_PROMPT_CHANNELS, PromptAudioLimits
+from engine.voices.cloning import MAX_PROMPT_AUDIO_BYTES
 from engine.voices.registry import Caller
 from engine.voices.store import is_store_url
 from observability import STRUCTURED_LOGGING
 from serve_app.api import RouteGroup, build_api
 from serve_app.args import AppArgs
 from serve_app.browser_rules import browser_rules
-from serve_app.guard import BodyTimeouts, GuardSettings, load_api_keys, load_keys, serving_warnings
+from serve_app.errors import RETRY_AFTER_S
+from serve_app.guard import GuardSettings, load_admin_keys, load_api_keys, serving_warnings
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
 from serve_app.openai_routes import OpenAIRoutes
 from serve_app.replica_args import WYOMING_NUM_CPUS
-from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs, SecurityArgs
-from serve_app.routing import CPU_DECODER, GPU_DECODER, DecoderRouter
+from serve_app.request_args import LimitsArgs, OpenAIArgs, SecurityArgs
+from serve_app.routing import CPU_DECODER, GPU_DECODER, ROUTING_POLL_S, DecoderRouter
 from serve_app.speech_stream_routes import SpeechStreamRoutes
 from serve_app.synthesis import Synthesis
 from serve_app.tenancy import TenancySettings
@@ -67,21 +68,19 @@ def request_checks(
     """The middlewares' settings of an ingress replica whose HTTP proxies bind `bound_host` (its API keys read from
     `security` and this process's environment), and the warnings of how it serves."""
     keys = load_api_keys(security)
-    admin_keys = load_keys(security.admin_keys, security.admin_keys_env)
+    admin_keys = load_admin_keys(security)
     keys_on = bool(keys + admin_keys)
-    upload_limit = max(limits.max_body_bytes, limits.max_prompt_audio_bytes + UPLOAD_FORM_OVERHEAD_BYTES)
+    upload_limit = max(limits.max_body_bytes, MAX_PROMPT_AUDIO_BYTES + UPLOAD_FORM_OVERHEAD_BYTES)
     guard = GuardSettings(
         keys + admin_keys,
         limits.max_body_bytes,
         {VOICES_PATH: upload_limit},
-        body_timeouts=BodyTimeouts(limits.body_read_timeout_s, limits.body_read_deadline_s),
         browser=browser_rules(security, bound_host, keys_on),
     )
     tenancy = TenancySettings(
         keys_on=keys_on,
         admin_keys=admin_keys,
         max_concurrent_requests_per_key=limits.max_concurrent_requests_per_key,
-        retry_after_s=limits.retry_after_s,
     )
     return guard, tenancy, serving_warnings(security, bound_host, keys_on)
 
@@ -98,9 +97,7 @@ class IngressReplica:
         limits: LimitsArgs,
         security: SecurityArgs | None = None,
         openai: OpenAIArgs | None = None,
-        audio: AudioArgs | None = None,
         decoder_cpu: DeploymentHandle | None = None,
-        routing_poll_s: float = 2.0,
         gpu_rules: ScalingRules | None = None,
         wake: WakeRule | None = None,
         wyoming: DeploymentHandle | None = None,
@@ -109,9 +106,9 @@ class IngressReplica:
         for warning in warnings:
             logger.warning(warning)
         decoders = {GPU_DECODER: decoder} | ({} if decoder_cpu is None else {CPU_DECODER: decoder_cpu})
-        router = DecoderRouter(decoders, routing_poll_s, gpu_rules, RayWakeBoard() if wake else None)
+        router = DecoderRouter(decoders, ROUTING_POLL_S, gpu_rules, RayWakeBoard() if wake else None)
         router.start(serve.get_replica_context().app_name)
-        synthesis = Synthesis(encoder, router, model_name, limits, openai or OpenAIArgs(), audio or AudioArgs())
+        synthesis = Synthesis(encoder, router, model_name, limits, openai or OpenAIArgs())
         text_relays = TextRelays()  # the text streams' relay to the decoders (CosyVoice2/3)
         openai_routes = OpenAIRoutes(synthesis)
         self.route_groups: tuple[RouteGroup, ...] = (
@@ -162,12 +159,6 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
         models_dir=models_source if hub_model(models_source) else str(Path(models_source).resolve()),
         max_voices=args.limits.max_voices,
         max_voices_per_key=args.limits.max_voices_per_key,
-        prompt_audio=PromptAudioLimits(
-            min_seconds=args.limits.min_prompt_audio_s,
-            max_seconds=args.limits.max_prompt_audio_s,
-            max_channels=MAX_PROMPT_CHANNELS,
-            sample_rates=args.limits.prompt_audio_sample_rates,
-        ),
         voices=tuple(
             ProvisionedVoice(
                 file=voice.file if is_store_url(voice.file) else str(Path(voice.file).resolve()),
@@ -202,7 +193,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     """The Serve application: ingress -> Encoder (CPU) -> Decoder (GPU fraction or CPU)."""
     args = AppArgs.model_validate(args)
     # Bounded queues: a request over a bound is answered 503 with Retry-After instead of waiting without end.
-    backpressure = {"retry_after_s": args.limits.retry_after_s}
+    backpressure = {"retry_after_s": RETRY_AFTER_S}
     stopping = {
         "graceful_shutdown_timeout_s": args.limits.max_stream_s + SHUTDOWN_MARGIN_S,
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
@@ -252,7 +243,6 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         memory_budget_gb=args.decoder.memory_budget_gb,
         max_concurrent_batches=args.decoder.max_concurrent_batches,
         gpu_fraction=args.decoder.num_gpus,
-        max_vocode_batch=args.decoder.max_vocode_batch,
         **decoder_loop,
     )
     fallback = args.decoder_cpu
@@ -311,9 +301,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         args.ingress_limits,
         security=args.security,
         openai=args.openai.model_copy(update={"voices": args.openai_voices}),
-        audio=args.audio,
         decoder_cpu=decoder_cpu,
-        routing_poll_s=fallback.poll_interval_s,
         gpu_rules=gpu_rules,
         wake=wake,
         wyoming=wyoming,

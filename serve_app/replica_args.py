@@ -72,10 +72,16 @@ WYOMING_NUM_CPUS = 0.1
 class WyomingArgs(StrictArgs):
     """The Wyoming listener: the protocol Home Assistant talks to local text-to-speech engines (docs/clients.md).
     Wyoming has no authentication, so it is off until `port` is set, binds `host` (loopback by default), and a server
-    with API keys serves it only with `allow_keyless`. Its replica reserves `WYOMING_NUM_CPUS`: it only relays."""
+    with API keys serves it only with `allow_keyless`. Its replica reserves `WYOMING_NUM_CPUS`: it only relays. It is
+    announced by mDNS (`_wyoming._tcp`, as Home Assistant discovers Wyoming services) on the interface it binds, where
+    the zeroconf package is installed."""
 
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
-        "num_cpus": "fixed at 0.1 (serve_app.replica_args.WYOMING_NUM_CPUS): the listener only relays text and audio"
+        "num_cpus": "fixed at 0.1 (serve_app.replica_args.WYOMING_NUM_CPUS): the listener only relays text and audio",
+        "max_connections": "fixed at 16 (serve_app.wyoming_listener.MAX_CONNECTIONS): a Home Assistant holds a few, "
+        "and each synthesis is bounded by the ingress's own limits",
+        "zeroconf": "always on where the zeroconf package is installed (serve_app.wyoming_zeroconf): the announcement "
+        "stays on the interface the listener binds, and Home Assistant discovers Wyoming services by it",
     }
 
     port: int | None = Field(
@@ -91,14 +97,6 @@ class WyomingArgs(StrictArgs):
         False,
         description="serve Wyoming on a server with API keys all the same: its clients send no key, so they use the "
         "built-in speakers, the OpenAI voice names and the shared registered voices, outside the per-key limits",
-    )
-    max_connections: int = Field(
-        16, ge=1, description="connections held at once; one more gets an error event and is closed"
-    )
-    zeroconf: bool = Field(
-        True,
-        description="announce the listener by mDNS (`_wyoming._tcp`), as Home Assistant discovers Wyoming services, "
-        "on the interface it binds (loopback: this machine only), where the zeroconf package is installed",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,

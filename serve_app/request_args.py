@@ -1,5 +1,5 @@
-"""What the app args (`serve_app.args`) allow of a request and its caller: limits, API keys, the OpenAI names, audio
-encoding, provisioned voices."""
+"""What the app args (`serve_app.args`) allow of a request and its caller: limits, API keys, the OpenAI names,
+provisioned voices."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from typing import ClassVar
 
 from pydantic import Field, SecretStr, model_validator
 
-from engine.voices.cloning import MAX_PROMPT_CHANNELS, MAX_PROMPT_SECONDS, PROMPT_SAMPLE_RATES
+from engine.voices.cloning import (
+    MAX_PROMPT_AUDIO_BYTES,
+    MAX_PROMPT_CHANNELS,
+    MAX_PROMPT_SECONDS,
+    MIN_PROMPT_SECONDS,
+    PROMPT_SAMPLE_RATES,
+)
 from engine.voices.registry import provisioned_voice_id
 from engine.voices.store import is_store_url
 from serve_app.args_base import StrictArgs
@@ -27,20 +33,31 @@ class LimitsArgs(StrictArgs):
         "max_input_tokens": f"derived: {TOKENS_PER_INPUT_CHAR:g} x max_input_chars (LimitsArgs.max_input_tokens)",
         "max_prompt_audio_channels": f"the speech tokenizer's bound, {MAX_PROMPT_CHANNELS} "
         "(engine.voices.cloning.MAX_PROMPT_CHANNELS)",
+        "body_read_timeout_s": "fixed at 10 s (serve_app.guard.BODY_READ_IDLE_S): a client that stalls mid-body "
+        "longer gets 408 and frees its ingress slot",
+        "body_read_deadline_s": "fixed at 120 s (serve_app.guard.BODY_READ_DEADLINE_S): the largest body, a 10 MiB "
+        "voice upload, arrives in it at 0.7 Mbit/s",
+        "retry_after_s": "fixed at 1 s (serve_app.errors.RETRY_AFTER_S): Retry-After is in whole seconds, and a "
+        "slot frees as soon as any request ends",
+        "text_stream_idle_s": "fixed at 60 s (serve_app.text_stream.TEXT_STREAM_IDLE_S): a client between sentences "
+        "sends text well within it, and a forgotten socket gives its ingress slot back within a minute",
+        "reroute_s": "fixed at 30 s (serve_app.synthesis.REROUTE_S): it covers Ray declaring a lost node dead and a "
+        "replacement's start (10-24 s measured, docs/reliability.md)",
+        "max_text_streams_per_key": "derived: half of max_concurrent_requests_per_key, at least 1, or no bound of "
+        "its own where that is None (LimitsArgs.max_text_streams_per_key)",
+        "max_prompt_audio_bytes": f"fixed at {MAX_PROMPT_AUDIO_BYTES >> 20} MiB "
+        "(engine.voices.cloning.MAX_PROMPT_AUDIO_BYTES): the longest recording allowed, as uncompressed WAV",
+        "max_prompt_audio_s": f"fixed at {MAX_PROMPT_SECONDS:g} s (engine.voices.cloning.MAX_PROMPT_SECONDS): the "
+        "speech tokenizer's limit",
+        "min_prompt_audio_s": f"fixed at {MIN_PROMPT_SECONDS:g} s (engine.voices.cloning.MIN_PROMPT_SECONDS): "
+        "a shorter recording holds barely a word of the voice",
+        "prompt_audio_sample_rates": f"fixed at {', '.join(map(str, PROMPT_SAMPLE_RATES))} Hz "
+        "(engine.voices.cloning.PROMPT_SAMPLE_RATES): each resamples to the models' rates in bounded memory",
     }
 
     max_input_chars: int = Field(4096, ge=1, description="longer inputs are rejected with 400")
     long_text_chars: int = Field(300, ge=1, description="inputs longer than this take the streaming path")
     max_body_bytes: int = Field(1 << 20, ge=1, description="larger request bodies are rejected with 413")
-    body_read_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="the longest wait for the next piece of a request body; a client that stalls longer gets 408 "
-        "and its connection is closed, freeing its ingress slot",
-    )
-    body_read_deadline_s: float = Field(
-        120.0, gt=0, description="the whole body must arrive within this (a client that trickles it in gets 408 too)"
-    )
     max_stream_s: float = Field(
         300.0,
         gt=0,
@@ -53,30 +70,7 @@ class LimitsArgs(StrictArgs):
         description="seconds of speech one decoder call (a stream, or a sentence of a whole request) may make; past "
         "it, it ends with 413 and frees its slot (sampling.max_token_text_ratio also bounds it per text length)",
     )
-    retry_after_s: float = Field(1.0, ge=0, description="the Retry-After of 503 answers (overload, replica lost)")
-    reroute_s: float = Field(
-        30.0,
-        ge=0,
-        description="a stream whose decoder replica is lost before its first audio is sent again (to another replica "
-        "or the replacement) for up to this long, then answered 503 + Retry-After",
-    )
-    # Voice registration (POST /v1/voices): the uploaded prompt recording and the registry.
-    max_prompt_audio_bytes: int = Field(
-        10 << 20, ge=1, description="larger voice uploads are rejected with 413, before decoding"
-    )
-    max_prompt_audio_s: float = Field(
-        MAX_PROMPT_SECONDS,
-        gt=0,
-        le=MAX_PROMPT_SECONDS,
-        description="longer prompt recordings are rejected with 400 (at most 30 s: the speech tokenizer's limit)",
-    )
-    min_prompt_audio_s: float = Field(1.0, ge=0, description="shorter prompt recordings are rejected with 400")
-    prompt_audio_sample_rates: tuple[int, ...] = Field(
-        PROMPT_SAMPLE_RATES,
-        min_length=1,
-        description="the sample rates (Hz) a prompt recording may have, others are rejected with 400; some of "
-        f"{', '.join(map(str, PROMPT_SAMPLE_RATES))} (each resamples to the models' rates in bounded memory)",
-    )
+    # Voice registration (POST /v1/voices): the registry.
     max_voices: int = Field(100, ge=1, description="registered voices at most; past it, registering answers 409")
     max_voices_per_key: int | None = Field(
         20,
@@ -84,26 +78,12 @@ class LimitsArgs(StrictArgs):
         description="with API keys on, registered voices one key may own (shared ones count for none); past it, "
         "registering answers 409; None: only max_voices",
     )
-    text_stream_idle_s: float = Field(
-        60.0,
-        gt=0,
-        description="a text stream (/v1/audio/speech/stream) that sends no text to speak for this long while it has "
-        "no audio in the making ends with an error event (408), freeing its ingress slot, whatever else it sends "
-        "(flush with nothing to speak, empty text)",
-    )
     max_text_streams: int | None = Field(
         None,
         ge=1,
         description="text streams one ingress replica holds at once; one more is refused at its handshake with 503 "
         "(1013 where the handshake cannot be answered). Below ingress.max_ongoing_requests, so that sockets never "
         "take the slots plain requests need; None: half of them (32 of the default 64)",
-    )
-    max_text_streams_per_key: int | None = Field(
-        None,
-        ge=1,
-        description="with API keys on, text streams one key may hold at once in one ingress replica (one more: 503); "
-        "below max_concurrent_requests_per_key, which counts them too; None: half of that (4 of the default 8), or "
-        "no bound of its own where that is None",
     )
     max_concurrent_requests_per_key: int | None = Field(
         8,
@@ -113,34 +93,42 @@ class LimitsArgs(StrictArgs):
     )
 
     @property
+    def max_text_streams_per_key(self) -> int | None:
+        """With API keys on, the text streams one key may hold at once in one ingress replica (one more: 503): half
+        its requests in flight (at least 1), which count them too, so its streams leave it room for plain requests;
+        None (no bound of its own) where those have none."""
+        per_key = self.max_concurrent_requests_per_key
+        return None if per_key is None else max(1, per_key // 2)
+
+    @property
     def max_input_tokens(self) -> int:
         """Inputs with more tokens (a CosyVoice2/3 text stream's pieces in all, a v1 one's each sentence) are refused
         with 413 before anything else is done with them."""
         return int(TOKENS_PER_INPUT_CHAR * self.max_input_chars)
 
-    @model_validator(mode="after")
-    def _prompt_rates_are_supported(self) -> LimitsArgs:
-        unsupported = sorted(set(self.prompt_audio_sample_rates) - set(PROMPT_SAMPLE_RATES))
-        if unsupported:
-            raise ValueError(
-                f"prompt_audio_sample_rates: {unsupported} Hz not supported; choose from {list(PROMPT_SAMPLE_RATES)}"
-            )
-        return self
+
+# The environment variables the ingress replicas read more keys from (comma-separated): the one every cluster profile,
+# the launcher (ray_cluster.yaml) and the KubeRay manifest set, and its admin twin. Keys stay out of config files.
+API_KEYS_ENV = "COSYVOICE_API_KEYS"
+ADMIN_KEYS_ENV = "COSYVOICE_ADMIN_KEYS"
 
 
 class SecurityArgs(StrictArgs):
-    api_keys: tuple[SecretStr, ...] = Field((), description="bearer tokens accepted on every endpoint but /healthz")
-    api_keys_env: str | None = Field(
-        "COSYVOICE_API_KEYS", description="env variable read by the ingress replicas: more keys, comma-separated"
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "api_keys_env": f"fixed at {API_KEYS_ENV} (serve_app.request_args.API_KEYS_ENV): the variable every cluster "
+        "profile, the launcher and the KubeRay manifest set; keys stay out of config files",
+        "admin_keys_env": f"fixed at {ADMIN_KEYS_ENV} (serve_app.request_args.ADMIN_KEYS_ENV), beside {API_KEYS_ENV}",
+    }
+
+    api_keys: tuple[SecretStr, ...] = Field(
+        (),
+        description=f"bearer tokens accepted on every endpoint but /healthz (and those, comma-separated, of the "
+        f"ingress replicas' {API_KEYS_ENV} environment variable)",
     )
     admin_keys: tuple[SecretStr, ...] = Field(
         (),
         description="bearer tokens accepted like api_keys that also see, use and delete every registered voice "
-        "(other keys: only their own and the shared ones)",
-    )
-    admin_keys_env: str | None = Field(
-        "COSYVOICE_ADMIN_KEYS",
-        description="env variable read by the ingress replicas: more admin keys, comma-separated",
+        f"(other keys: only their own and the shared ones); more, comma-separated, in {ADMIN_KEYS_ENV}",
     )
     allowed_model_roots: tuple[str, ...] | None = Field(
         None, description="directories a model dir must lie in (symlinks resolved); None: any path without '..'"
@@ -218,20 +206,6 @@ class OpenAIArgs(StrictArgs):
         if any(not name.strip() or not target.strip() for name, target in self.voices.items()):
             raise ValueError("openai.voices must map non-empty names to non-empty voices")
         return self
-
-
-class AudioArgs(StrictArgs):
-    """The bit rates of the lossy formats, chosen for clean speech at 22-24 kHz mono: mp3 at the 160 kbit/s MPEG-2
-    maximum at those rates, aac and opus where speech has no audible artefacts."""
-
-    mp3_kbps: int = Field(160, ge=32, le=160, description="mp3 (MPEG-2 layer III at 22.05/24 kHz: 160 at most)")
-    aac_kbps: int = Field(96, ge=16, le=256, description="aac (no audible artefacts on speech at 96)")
-    opus_kbps: int = Field(64, ge=6, le=256, description="opus (no audible artefacts on speech at 64)")
-
-    def bit_rate(self, format_name: str) -> int | None:
-        """Bits per second of a lossy format; None for the lossless ones."""
-        kbps = {"mp3": self.mp3_kbps, "aac": self.aac_kbps, "opus": self.opus_kbps}.get(format_name)
-        return None if kbps is None else kbps * 1000
 
 
 class ProvisionedVoiceArgs(StrictArgs):

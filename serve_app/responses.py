@@ -49,12 +49,11 @@ async def encoded_stream(
 
 @dataclass(frozen=True)
 class OutputAudio:
-    """How a response's audio is written: its format, the model's rate and the rate sent, the format's bit rate."""
+    """How a response's audio is written: its format, the model's rate and the rate sent."""
 
     format: AudioFormat
     model_rate: int
     rate: int
-    bit_rate: int | None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -62,10 +61,10 @@ class OutputAudio:
 
     def encode(self, audio: np.ndarray) -> bytes:
         """A whole file (true sizes in a wav header)."""
-        return encode_audio(resample(audio, self.model_rate, self.rate), self.rate, self.format.name, self.bit_rate)
+        return encode_audio(resample(audio, self.model_rate, self.rate), self.rate, self.format.name)
 
     def stream_encoder(self) -> StreamEncoder:
-        return stream_encoder(self.format.name, self.rate, self.bit_rate, input_rate=self.model_rate)
+        return stream_encoder(self.format.name, self.rate, input_rate=self.model_rate)
 
 
 def speech_usage(input_tokens: int, audio_s: float, speech_tokens_per_s: int) -> dict[str, int]:

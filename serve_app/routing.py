@@ -7,7 +7,7 @@ replica, else `DecoderCPU` if that has one, else `Decoder` (Serve cold-starts a 
 While the CPU fallback's policy marks the GPU decoder woken (`autoscaling.policy.WakeRule`, on the `WakeBoard`), the
 GPU decoder is not drained: new work goes to it once it runs (requests already at the fallback finish there).
 The RUNNING counts come from `serve.status()` and the live replica actors (the wake mark from the board). With a
-fallback, a background task re-reads them every `poll_interval_s` (a controller round trip per request would cost
+fallback, a background task re-reads them every `ROUTING_POLL_S` (a controller round trip per request would cost
 more than it is worth); between reads the last view holds. Without one there is no choice to make, so nothing polls
 (a read holds the ingress' GIL for ~28 ms on 2 cores): /healthz re-reads a view older than a second.
 """
@@ -58,6 +58,12 @@ def live_replica_actors(app_name: str) -> Counter[str]:
     prefix = f"SERVE_REPLICA::{app_name}#"
     names = (actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True))
     return Counter(name[len(prefix) :].split("#")[0] for name in names if name.startswith(prefix))
+
+
+# How often the ingress re-reads the replica counts while a CPU fallback runs: a read holds the ingress's GIL for ~28 ms
+# on 2 cores (~1.4% of it at this rate), and replicas start and drain in tens of seconds, so a view 2 s old routes as
+# well as a fresh one.
+ROUTING_POLL_S = 2.0
 
 
 class DecoderRouter:

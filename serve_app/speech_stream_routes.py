@@ -82,7 +82,7 @@ class SpeechStreamRoutes:
         owner = caller_of(ws.scope).owner
         refusal = self.text_stream_slots.acquire(owner)
         if refusal is not None:
-            await refuse_text_stream(ws, refusal, self.limits.retry_after_s)
+            await refuse_text_stream(ws, refusal)
             return
         try:
             await self.serve_text_stream(ws)
@@ -96,7 +96,7 @@ class SpeechStreamRoutes:
             subprotocol=WEBSOCKET_PROTOCOL if WEBSOCKET_PROTOCOL in ws.scope.get("subprotocols", ()) else None
         )
         request_id = request_id_of(ws.scope)
-        stream = TextStream(ws, self.limits.max_body_bytes, self.limits.text_stream_idle_s)
+        stream = TextStream(ws, self.limits.max_body_bytes)
         try:
             usage = await self.speak_stream(stream, request_id)
             await ws.send_json(done_event(usage, stream.ignored_instructions))
@@ -130,7 +130,7 @@ class SpeechStreamRoutes:
                 f"unknown voice {request.voice!r}: neither a built-in speaker nor a registered voice (GET /v1/voices "
                 "lists both)"
             )
-        output = OutputAudio(fmt, info.sample_rate, OPENAI_SAMPLE_RATE, self.synthesis.audio.bit_rate(fmt.name))
+        output = OutputAudio(fmt, info.sample_rate, OPENAI_SAMPLE_RATE)
         timer = SynthesisTimer(STREAM_PATH, "websocket", info.sample_rate)
         usage = partial(usage_of, timer, info=info)
         if info.bistream:

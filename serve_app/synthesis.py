@@ -28,7 +28,7 @@ from observability.http import SynthesisTimer, endpoint_of, request_id_of
 from serve_app.audio import AudioFormat, audio_format
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import check_voice_name
-from serve_app.request_args import AudioArgs, LimitsArgs, OpenAIArgs
+from serve_app.request_args import LimitsArgs, OpenAIArgs
 from serve_app.responses import SSE_MEDIA_TYPE, OutputAudio, encoded_stream, iter_once, speech_usage, sse_body
 from serve_app.routing import DecoderRouter
 from serve_app.tenancy import caller_of
@@ -41,6 +41,10 @@ Mode = Literal["whole", "stream", "sse"]
 # its speed) can stream, else whole.
 Asked = Literal["whole", "stream", "sse", "audio"]
 REROUTE_BACKOFF_S = 1.0  # between two tries of a stream whose decoder replica was lost (Serve replaces it in ~10 s)
+# How long a stream whose decoder replica was lost before its first audio is sent again, then answered 503: it covers
+# Ray declaring a lost node dead and a CPU replacement's start (10-24 s in the node-loss test, docs/reliability.md);
+# a replacement that waits for a new GPU node (minutes) comes after it.
+REROUTE_S = 30.0
 
 
 def instructions_refusal(info: ModelInfo, voice: str) -> str | None:
@@ -125,7 +129,6 @@ class Synthesis:
         model_name: str,
         limits: LimitsArgs,
         openai: OpenAIArgs,
-        audio: AudioArgs,
     ) -> None:
         self.encoder = encoder
         self.router = router
@@ -134,7 +137,6 @@ class Synthesis:
         self.model_names = (model_name, *(alias for alias in openai.model_aliases if alias != model_name))
         self.limits = limits
         self.openai = openai
-        self.audio = audio
         self._info: ModelInfo | None = None
 
     async def model_info(self) -> ModelInfo:
@@ -190,9 +192,7 @@ class Synthesis:
         request = self.checked(request, info)
         caller = caller_of(http.scope)
         mode, sample_rate = answer.mode, info.sample_rate
-        output = OutputAudio(
-            answer.format, sample_rate, output_rate or sample_rate, self.audio.bit_rate(answer.format.name)
-        )
+        output = OutputAudio(answer.format, sample_rate, output_rate or sample_rate)
         long_and_streams = len(request.text) > self.limits.long_text_chars and info.streams_at(request.speed)
         if not answer.streamed and not long_and_streams:
             segments: list[EncodedSegment] = await call(
@@ -296,11 +296,11 @@ class Synthesis:
     ) -> AsyncIterator[np.ndarray]:
         """The audio chunks of the streaming decoder call that `call()` makes. A lost replica (or, with its node, the
         chunks it had made) costs a call that sent nothing yet nothing but time: it is made again, to another replica
-        or the replacement (whose queue the other re-sent calls may fill for a while), until `limits.reroute_s`; one
+        or the replacement (whose queue the other re-sent calls may fill for a while), until `REROUTE_S`; one
         that has sent audio cannot be resumed (503). A full queue at the first try is overload: 503 at once. The call
         is cancelled when its chunks are left unread (the client left)."""
         loop = asyncio.get_running_loop()
-        reroute_until = loop.time() + self.limits.reroute_s
+        reroute_until = loop.time() + REROUTE_S
         lost = False  # a decoder replica was lost under this call before its first audio
         while True:
             response = call()

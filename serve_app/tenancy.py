@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from engine.voices.registry import EVERYONE, Caller
 from serve_app.browser_rules import WEBSOCKET
+from serve_app.errors import RETRY_AFTER_S
 from serve_app.guard import (
     ASGIApp,
     ErrorBody,
@@ -49,7 +50,7 @@ class TenancySettings:
     keys_on: bool  # False: every caller is `EVERYONE` and nothing is limited per key
     admin_keys: tuple[bytes, ...]  # keys that see, use and delete every registered voice
     max_concurrent_requests_per_key: int | None  # None: no limit
-    retry_after_s: float  # the Retry-After of the 429
+    retry_after_s: float = RETRY_AFTER_S  # the Retry-After of the 429
 
 
 def caller_of(scope: Scope) -> Caller:

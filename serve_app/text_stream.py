@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
 from engine.errors import InvalidInputError
-from serve_app.errors import StreamIdleError, error_body, error_payload, validation_message, validation_param
+from serve_app.errors import (
+    RETRY_AFTER_S,
+    StreamIdleError,
+    error_body,
+    error_payload,
+    validation_message,
+    validation_param,
+)
 from serve_app.schemas import StreamMessage
 from serve_app.tenancy import KeySlots
 
@@ -33,10 +40,16 @@ def close_code(status: int) -> int:
     return CLOSE_POLICY if status < 500 else CLOSE_TRY_LATER if status == 503 else CLOSE_ERROR
 
 
-async def refuse_text_stream(ws: WebSocket, message: str, retry_after_s: float) -> None:
+# A text stream (or a Wyoming connection) that asks for nothing to speak this long while none of its audio is being
+# made is ended, freeing its ingress slot: a client between sentences sends text well within it, and a socket left
+# open gives its slot back within a minute (the value since text streams came; no measurement tuned it).
+TEXT_STREAM_IDLE_S = 60.0
+
+
+async def refuse_text_stream(ws: WebSocket, message: str) -> None:
     """Refuse a handshake at once with a 503 and `Retry-After` (1013 where the server cannot answer a handshake with a
     response: it can only close it, which the client sees as a 403)."""
-    headers = {"Retry-After": str(max(0, math.ceil(retry_after_s)))}
+    headers = {"Retry-After": str(max(0, math.ceil(RETRY_AFTER_S)))}
     try:
         await ws.send_denial_response(JSONResponse(error_body(503, message, "text_streams_at_capacity"), 503, headers))
     except RuntimeError:  # no ASGI WebSocket denial response
@@ -72,7 +85,7 @@ class TextStream:
     message, so a session that sends `flush` or empty text forever still ends; it does not run out while a sentence
     waits to be spoken or is spoken."""
 
-    def __init__(self, ws: WebSocket, max_frame_bytes: int, idle_s: float) -> None:
+    def __init__(self, ws: WebSocket, max_frame_bytes: int, idle_s: float = TEXT_STREAM_IDLE_S) -> None:
         self.ws = ws
         self.max_frame_bytes = max_frame_bytes
         self.idle_s = idle_s
@@ -99,9 +112,7 @@ class TextStream:
             if self.pending:  # a sentence waits or is spoken: the client may wait for its audio
                 self.active()
             elif time.monotonic() >= self._active_at + self.idle_s:
-                raise StreamIdleError(
-                    f"nothing to speak for {self.idle_s:g} s and no audio in the making (limits.text_stream_idle_s)"
-                )
+                raise StreamIdleError(f"nothing to speak for {self.idle_s:g} s and no audio in the making")
         message, self._receiving = self._receiving.result(), None
         if message["type"] == "websocket.disconnect":
             raise ClientLeftError
@@ -126,7 +137,7 @@ class TextStream:
 class TextStreamSlots:
     """The text streams an ingress replica holds: at most `limit` (limits.max_text_streams, below the replica's
     max_ongoing_requests, so that sockets never take the slots plain requests need), and at most `per_key` of one API
-    key's (limits.max_text_streams_per_key; None: no bound per key)."""
+    key's (`LimitsArgs.max_text_streams_per_key`, half its requests in flight; None: no bound per key)."""
 
     def __init__(self, limit: int, per_key: int | None) -> None:
         self.limit = limit
@@ -140,7 +151,7 @@ class TextStreamSlots:
             return f"this server holds its most text streams at once ({self.limit}, limits.max_text_streams); retry"
         if owner is not None and self.per_key is not None and not self._keys.acquire(owner, self.per_key):
             return (
-                f"this API key holds its most text streams at once ({self.per_key}, limits.max_text_streams_per_key); "
+                f"this API key holds its most text streams at once ({self.per_key}, half its requests in flight); "
                 "retry when one has ended"
             )
         self.held += 1

@@ -7,6 +7,7 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 
 from deployments.encoder import VoiceCloningNotConfiguredError
 from engine.errors import UnknownVoiceError
+from engine.voices.cloning import MAX_PROMPT_AUDIO_BYTES
 from engine.voices.registry import check_choices
 from serve_app.audio import FORMATS
 from serve_app.errors import UploadTooLargeError
@@ -73,10 +74,9 @@ class VoiceRoutes:
             raise VoiceCloningNotConfiguredError()
         caller = caller_of(http.scope)
         check_choices(name, caller, shared, openai_name)  # the cheap refusals first (the encoder's per-key cap too)
-        limit = self.synthesis.limits.max_prompt_audio_bytes
-        audio = await file.read(limit + 1)  # the size is checked before anything decodes the file
-        if len(audio) > limit:
-            raise UploadTooLargeError(f"the audio file is larger than the limit of {limit} bytes")
+        audio = await file.read(MAX_PROMPT_AUDIO_BYTES + 1)  # the size is checked before anything decodes the file
+        if len(audio) > MAX_PROMPT_AUDIO_BYTES:
+            raise UploadTooLargeError(f"the audio file is larger than the limit of {MAX_PROMPT_AUDIO_BYTES} bytes")
         register = partial(
             self.synthesis.encoder.register_voice.remote, audio, transcript, name, caller, shared, openai_name
         )

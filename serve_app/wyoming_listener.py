@@ -37,6 +37,7 @@ from engine.voices.registry import Caller
 from observability.http import ABORTED, COMPLETE, ingress_metrics
 from serve_app.errors import ServiceUnavailableError, StreamIdleError, error_payload
 from serve_app.request_args import LimitsArgs
+from serve_app.text_stream import TEXT_STREAM_IDLE_S
 from serve_app.wyoming_events import check_plain_text, event_text, event_voice, info_event, read_event
 from serve_app.wyoming_speech import WYOMING_ENDPOINT
 
@@ -208,9 +209,9 @@ class WyomingConnection:
 
     async def next_event(self) -> Event:
         """The client's next event; ClientLeftError once it has closed the connection; StreamIdleError once it has
-        asked for nothing to speak for `limits.text_stream_idle_s` while no audio is in the making; a failure of the
+        asked for nothing to speak for the listener's `idle_s` while no audio is in the making; a failure of the
         text stream's speaker as soon as it fails."""
-        idle_s = self.listener.limits.text_stream_idle_s
+        idle_s = self.listener.idle_s
         while True:
             reading = self.reading()
             speaker = self.stream.speaker if self.stream is not None else None
@@ -225,9 +226,7 @@ class WyomingConnection:
                 if self.stream is not None and self.stream.pending:  # the client may wait for its audio
                     self.active()
                 else:
-                    raise StreamIdleError(
-                        f"nothing to speak for {idle_s:g} s and no audio in the making (limits.text_stream_idle_s)"
-                    )
+                    raise StreamIdleError(f"nothing to speak for {idle_s:g} s and no audio in the making")
         event, self._reading = reading.result(), None
         if event is None:
             raise ClientLeftError
@@ -282,14 +281,22 @@ def record_request(status: int, outcome: str) -> None:
     ingress_metrics().requests.inc(tags=tags)
 
 
-class WyomingListener:
-    """The TCP listener: a `WyomingConnection` per client, at most `max_connections` at once (one more is answered
-    with an `error` event and closed)."""
+# Connections the listener holds at once: a Home Assistant holds a few, and each synthesis is bounded by the
+# ingress's own limits besides.
+MAX_CONNECTIONS = 16
 
-    def __init__(self, ingress: DeploymentHandle, caller: Caller, max_connections: int, limits: LimitsArgs) -> None:
+
+class WyomingListener:
+    """The TCP listener: a `WyomingConnection` per client, at most `MAX_CONNECTIONS` at once (one more is answered
+    with an `error` event and closed), each ended after `idle_s` without anything to speak (the tests pass a short
+    one)."""
+
+    def __init__(
+        self, ingress: DeploymentHandle, caller: Caller, limits: LimitsArgs, idle_s: float = TEXT_STREAM_IDLE_S
+    ) -> None:
         self.ingress = ingress
         self.caller = caller
-        self.max_connections = max_connections
+        self.idle_s = idle_s
         self.limits = limits
         self.connections = 0
         self.server: asyncio.Server | None = None
@@ -304,10 +311,9 @@ class WyomingListener:
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = WyomingConnection(reader, writer, self)
-        if self.connections >= self.max_connections:
+        if self.connections >= MAX_CONNECTIONS:
             refusal = ServiceUnavailableError(
-                f"this server holds its most Wyoming connections at once ({self.max_connections}, "
-                "wyoming.max_connections); retry later"
+                f"this server holds its most Wyoming connections at once ({MAX_CONNECTIONS}); retry later"
             )
             await connection.fail(refusal)
             await connection.close()

@@ -4,7 +4,7 @@ port of its own (app args `wyoming`, `cosyvoice-serve run --wyoming-port`; docs/
 `WyomingServer` is a deployment of one replica that holds the listener (`serve_app.wyoming_listener`, the events it
 reads and sends in `serve_app.wyoming_events`) and speaks through the ingress's deployment handle
 (`serve_app.wyoming_speech`), so a Wyoming synthesis takes the path, limits and metrics of an HTTP one. It announces
-the listener over zeroconf where asked (`serve_app.wyoming_zeroconf`).
+the listener over zeroconf where that package is installed (`serve_app.wyoming_zeroconf`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ class WyomingServer:
             logger.warning(warning)
         # The ingress's handle by name: the ingress holds this deployment's (its /healthz asks for the warnings).
         ingress = serve.get_deployment_handle(ingress_deployment)
-        self.listener = WyomingListener(ingress, KEYLESS if keys_on else EVERYONE, settings.max_connections, limits)
+        self.listener = WyomingListener(ingress, KEYLESS if keys_on else EVERYONE, limits)
         await self.listener.start(settings.host, settings.port)
         logger.info("Wyoming listening on %s:%d", settings.host, settings.port)
-        self.announcement = await Announcement.start(settings.host, settings.port) if settings.zeroconf else None
+        self.announcement = await Announcement.start(settings.host, settings.port)
 
     async def __del__(self) -> None:
         announcement = getattr(self, "announcement", None)  # None also where __init__ failed before it

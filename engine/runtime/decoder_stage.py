@@ -21,8 +21,8 @@ from engine.runtime.streaming import DecodeStream
 from engine.runtime.synthesis_request import MAX_SPEED, MIN_SPEED
 
 # Sizes a decoder takes in one segment, checked before any of it is computed. The encoder's own inputs stay far below:
-# a sentence of `limits.max_input_chars` text, a voice prompt of at most `limits.max_prompt_audio_s` (30 s: 1500
-# speech tokens at 50 per second, 2600 mel frames).
+# a sentence of `limits.max_input_chars` text, a voice prompt of at most 30 s
+# (`engine.voices.cloning.MAX_PROMPT_SECONDS`: 1500 speech tokens at 50 per second, 2600 mel frames).
 MAX_SEGMENT_TEXT_TOKENS = 8192
 MAX_PROMPT_SPEECH_TOKENS = 4096
 MAX_PROMPT_MEL_FRAMES = 8192

@@ -46,6 +46,9 @@ from engine.runtime.streaming import DecodeStream
 
 __all__ = ["Output", "Scheduler", "Sink", "Ticket"]
 
+# Sentences (or streams) per flow + vocoder job, at most: on a GPU a job takes milliseconds and batching pays; on CPU
+# the flow and vocoder run only ~1.2x faster at batch 8 than 1 (docs/performance.md), and a job runs to its end, so
+# small ones let a new request's first chunk wait less. The tests pass their own.
 DEFAULT_VOCODE_BATCH_CUDA, DEFAULT_VOCODE_BATCH_CPU = 8, 1
 
 
@@ -82,8 +85,6 @@ class Scheduler:
         self.max_speech_tokens = None if max_audio_s is None else stage.model.config.speech_tokens_for(max_audio_s)
         self.failure: Exception | None = None  # what ended the loop: the replica should be replaced
         device = stage.model.decoder_device
-        # On CPU the flow and vocoder run ~1.2x faster at batch 8 than 1 (docs/performance.md): small jobs cost little
-        # and let a first chunk wait less; on a GPU batching pays and a job takes milliseconds.
         self.max_vocode_batch = max_vocode_batch or (
             DEFAULT_VOCODE_BATCH_CUDA if device.type == "cuda" else DEFAULT_VOCODE_BATCH_CPU
         )

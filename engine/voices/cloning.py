@@ -36,8 +36,11 @@ from engine.errors import CheckpointError, InvalidInputError
 from engine.families import ModelFamily, families
 from engine.voices.spec import CAMPPLUS_FILE, MEL_BINS, PromptMelConfig
 
-MIN_PROMPT_SECONDS = 1.0
+MIN_PROMPT_SECONDS = 1.0  # a shorter recording holds barely a word of the voice
 MAX_PROMPT_SECONDS = 30.0  # the official speech tokenizer refuses longer audio
+# The largest upload: the longest recording as it is likely sent, uncompressed (30 s of 48 kHz stereo WAV: 5.8 MB at
+# 16 bits, 8.6 MB at 24), refused before it is read further; its header then bounds what is decoded.
+MAX_PROMPT_AUDIO_BYTES = 10 << 20
 MIN_SAMPLE_RATE = 16000  # the official loader refuses to upsample to the 16 kHz the tokenizer needs
 # The rates an uploaded recording may have: each resamples to 16 kHz and to every model rate with a small kernel.
 PROMPT_SAMPLE_RATES = (16000, 22050, 24000, 32000, 44100, 48000)

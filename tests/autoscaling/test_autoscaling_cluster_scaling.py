@@ -31,13 +31,11 @@ pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 APP = "cosyvoice"
 PROFILE = Path(__file__).resolve().parents[2] / "configs" / "gpu_cluster.yaml"
 CPU_NODE = {"cpu_node": 100}
-SECONDS_RULES = {  # the seed's thresholds, windows and cooldowns shortened to seconds
+SECONDS_RULES = {  # the seed's thresholds and windows shortened to seconds
     "min_replicas": 1,
     "max_replicas": 2,
     "scale_up_window_s": 1.0,
     "scale_down_window_s": 3.0,
-    "scale_up_cooldown_s": 1.0,
-    "scale_down_cooldown_s": 2.0,
     "target_queue_per_replica": 2.0,
 }
 REQUEST = {"text": "Hello there.", "sampling": {"max_token_text_ratio": 3.0}}  # tiny weights: keep decodes short
@@ -59,7 +57,7 @@ def profile_args(schedule: dict[str, Any], fallback: bool) -> dict[str, Any]:
         "look_back_period_s": 1.0,
         "metrics_interval_s": 0.5,
     }
-    args["decoder_cpu"].update(enabled=fallback, num_cpus=0.2, poll_interval_s=0.5)
+    args["decoder_cpu"].update(enabled=fallback, num_cpus=0.2)
     args["limits"]["max_stream_s"] = 30
     return args
 
@@ -116,8 +114,8 @@ def test_decoder_scales_from_its_floor_up_under_load_and_back_down(base_url: str
 @pytest.fixture(scope="module")
 def night_app(base_url: str) -> str:
     """The profile with a night window around now, the CPU fallback, and the wake rule at a fallback wait of
-    0.5 s or 4 requests queued at its handles (means over the 1 s look-back): the night test's two-at-a-time
-    requests take ~0.1 s and queue only while a new handle learns its replicas; a burst queues dozens."""
+    0.5 s (the first-audio SLO) or 4 requests queued at its handles (means over the 1 s look-back): the night test's
+    two-at-a-time requests take ~0.1 s and queue only while a new handle learns its replicas; a burst queues dozens."""
     now = dt.datetime.now(dt.timezone.utc)
     night = {
         "name": "night",
@@ -126,7 +124,8 @@ def night_app(base_url: str) -> str:
         "min_replicas": 0,
     }
     args = profile_args({"timezone": "UTC", "windows": [night]}, fallback=True)
-    args["decoder_cpu"].update(wake_wait_s=0.5, wake_queued=4.0, wake_hold_s=120.0)
+    args["scheduler"] = {**args.get("scheduler", {}), "target_first_audio_s": 0.5}
+    args["decoder_cpu"].update(wake_queued=4.0)
     serve.run(build_app(args), name=APP, route_prefix="/")
     wait_until(lambda: running("DecoderCPU") >= 1, 60, "the CPU fallback (its policy is active at night)")
     wait_until(lambda: running("Decoder") == 0, 60, "the drained GPU decoder to go to 0")

@@ -26,6 +26,7 @@ from autoscaling.metrics import (
     nvml_device_id,
 )
 from autoscaling.policy import (
+    QUEUE_SCALE_UP_FACTOR,
     CpuFallbackAutoscalingPolicy,
     DecoderAutoscalingPolicy,
     MemoryWakeBoard,
@@ -189,36 +190,35 @@ def test_dead_band_between_thresholds_holds() -> None:
     assert {n for _, n in history} == {2}
 
 
-def test_repeated_steps_respect_the_cooldown_and_a_fresh_window() -> None:
-    policy = DecoderAutoscalingPolicy(**rules(scale_up_cooldown_s=400.0).to_kwargs())
+def test_repeated_steps_wait_a_fresh_window() -> None:
+    policy = DecoderAutoscalingPolicy(**rules().to_kwargs())
     history = drive(policy, NOON, 1200, target=1, utilization=lambda _: 0.9)
     changes = [(t, n) for (t, n), (_, previous) in zip(history[1:], history, strict=False) if n != previous]
     assert changes[0] == (300.0, 2)
-    # the window restarts at the step and is satisfied at 600 s; the cooldown counts from 305 s, the
-    # first tick that sees the new target, and holds until 705 s
-    assert changes[1] == (705.0, 3)
+    # the window restarts at 305 s, the first tick that sees the new target, and is whole again 300 s later
+    assert changes[1] == (605.0, 3)
 
 
-def test_cooldown_counts_from_any_change_of_the_target() -> None:
-    policy = DecoderAutoscalingPolicy(**rules(scale_down_window_s=300.0, scale_down_cooldown_s=600.0).to_kwargs())
+def test_any_change_of_the_target_restarts_the_windows() -> None:
+    policy = DecoderAutoscalingPolicy(**rules(scale_down_window_s=300.0).to_kwargs())
     state: dict = {}
     for elapsed in range(0, 301, 5):
         target, state = policy(make_context(NOON + elapsed, 3, 0.1, policy_state=state))
     assert target == 2  # the low window elapsed while the target stayed 3
-    # Serve moved the target (e.g. an operator or a burst) at t=1300: downscale waits for the cooldown
+    # Serve moved the target (e.g. an operator or a burst) at t=1300: downscale waits a whole low window again
     history = []
     for elapsed in range(1300, 2000, 5):
         target, state = policy(make_context(NOON + elapsed, 4, 0.1, policy_state=state))
         history.append((elapsed, target))
-    assert first_change(history, 4) == (1900, 3)
+    assert first_change(history, 4) == (1600, 3)
 
 
 def test_queue_above_target_scales_at_once_in_proportion() -> None:
-    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=4.0, queue_scale_up_factor=3.0).to_kwargs())
-    target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=10.0))
-    assert target == 5  # 20 waiting / 4 per replica
+    policy = DecoderAutoscalingPolicy(**rules(target_queue_per_replica=4.0).to_kwargs())
+    target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=5.0))
+    assert target == 3  # 10 waiting / 4 per replica
     target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=40.0))
-    assert target == 6  # capped at 3 x the 2 running replicas
+    assert target == 2 * QUEUE_SCALE_UP_FACTOR  # capped at 2 x the 2 running replicas
     target, _ = policy(make_context(NOON, 2, 0.5, queue_per_replica=4.0))
     assert target == 2  # at the target: no change
 
@@ -326,11 +326,9 @@ def test_cpu_fallback_margins_and_scale_to_zero() -> None:
     assert fallback(make_context(day + 3 * 3600, 1, 0.9, queue_per_replica=20.0))[0] > 1  # scales while active
 
 
-# A night window around NOON, with second-long windows and no cooldowns, so a tick can scale down at once.
+# A night window around NOON, with second-long windows, so a tick can scale down soon.
 NOON_NIGHT = ScalingRules(
     scale_down_window_s=10.0,
-    scale_up_cooldown_s=0.0,
-    scale_down_cooldown_s=0.0,
     schedule=Schedule(
         timezone="UTC", windows=(ScheduleWindow(name="night", start="11:00", end="13:00", min_replicas=0),)
     ),

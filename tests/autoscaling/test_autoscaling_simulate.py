@@ -90,8 +90,6 @@ def test_serve_decision_equals_serves_own_wrapper(monkeypatch: pytest.MonkeyPatc
     rules = ScalingRules(
         scale_up_window_s=10.0,
         scale_down_window_s=30.0,
-        scale_up_cooldown_s=0.0,
-        scale_down_cooldown_s=0.0,
         schedule=Schedule(),
     )
     from autoscaling.policy import DecoderAutoscalingPolicy

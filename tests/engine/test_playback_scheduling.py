@@ -190,7 +190,7 @@ def test_the_playback_clock() -> None:
     clock.deliver(1.0, now=12.0)  # 0.5 s to spare
     clock.deliver(1.0, now=14.0)  # due at 13.5: an underrun
     assert clock.underruns == 1 and clock.min_slack_s == -0.5 and clock.audio_s == 4.0
-    policy = DeadlinePolicy(target_first_audio_s=1.0, whole_deadline_factor=2.0)
+    policy = DeadlinePolicy(target_first_audio_s=1.0)
 
     class Request:
         def __init__(self, streaming: bool, playback: PlaybackClock) -> None:

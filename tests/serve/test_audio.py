@@ -13,6 +13,7 @@ import soundfile as sf
 from engine.errors import InvalidInputError
 from serve_app.audio import (
     FORMATS,
+    LOSSY_BIT_RATES,
     OPENAI_SAMPLE_RATE,
     OPUS_SAMPLE_RATES,
     PCM_MAX,
@@ -124,11 +125,12 @@ def test_a_resampled_stream_decodes_at_the_rate_asked(tone: np.ndarray) -> None:
 
 @pytest.mark.parametrize(("name", "bit_rate"), [("mp3", 160_000), ("aac", 96_000), ("opus", 64_000)])
 def test_lossy_formats_are_encoded_at_their_bit_rate(name: str, bit_rate: int) -> None:
+    assert LOSSY_BIT_RATES[name] == bit_rate
     t = np.arange(4 * OPENAI_SAMPLE_RATE) / OPENAI_SAMPLE_RATE  # 4 s: container overhead is small beside the audio
     signal = (0.3 * np.sin(2 * np.pi * 220 * t) + 0.05 * np.random.default_rng(0).standard_normal(len(t))).astype(
         np.float32
     )
-    data = encode_audio(signal, OPENAI_SAMPLE_RATE, name, bit_rate)
+    data = encode_audio(signal, OPENAI_SAMPLE_RATE, name)  # at its LOSSY_BIT_RATES rate
     measured = len(data) * 8 / 4.0
     assert 0.75 * bit_rate <= measured <= 1.25 * bit_rate, measured  # the size the bit rate gives, give or take
     low = encode_audio(signal, OPENAI_SAMPLE_RATE, name, bit_rate // 2)

@@ -20,7 +20,7 @@ from serve_app.full_config import knob_table, leaf_knobs, main
 from serve_app.request_args import LimitsArgs
 
 # The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
-MAX_LEAF_KNOBS = 109
+MAX_LEAF_KNOBS = 84
 
 
 def test_the_count_follows_the_rule() -> None:
@@ -67,11 +67,45 @@ def test_every_knob_is_documented() -> None:
         ("limits", "max_prompt_audio_channels", "MAX_PROMPT_CHANNELS"),
         ("wyoming", "num_cpus", "WYOMING_NUM_CPUS"),
         ("decoder", "resources", "cpu_resources"),
+        ("security", "api_keys_env", "fixed at COSYVOICE_API_KEYS"),
+        ("security", "admin_keys_env", "fixed at COSYVOICE_ADMIN_KEYS"),
+        ("limits", "max_prompt_audio_s", "fixed at 30 s .*speech tokenizer's limit"),
+        ("limits", "prompt_audio_sample_rates", "fixed at 16000, .* 48000 Hz"),
+        ("wyoming", "max_connections", "fixed at 16"),
+        ("wyoming", "zeroconf", "where the zeroconf package is installed"),
+        ("scheduler", "whole_deadline_factor", "fixed at 2 .*WHOLE_DEADLINE_FACTOR"),
+        ("decoder", "max_vocode_batch", "fixed at 8 on a GPU, 1 on CPU"),
+        ("limits", "max_text_streams_per_key", "derived: half of max_concurrent_requests_per_key"),
+        ("limits", "body_read_timeout_s", "fixed at 10 s .*BODY_READ_IDLE_S"),
+        ("limits", "body_read_deadline_s", "fixed at 120 s"),
+        ("limits", "retry_after_s", "fixed at 1 s .*RETRY_AFTER_S"),
+        ("decoder_cpu", "poll_interval_s", "fixed at 2 s .*ROUTING_POLL_S"),
+        ("decoder_cpu", "wake_hold_s", "fixed at 900 s .*WAKE_HOLD_S"),
+        ("limits", "text_stream_idle_s", "fixed at 60 s .*TEXT_STREAM_IDLE_S"),
+        ("limits", "reroute_s", "fixed at 30 s .*REROUTE_S"),
     ],
 )
 def test_a_removed_field_is_refused_with_what_replaced_it(section: str, field: str, named: str) -> None:
     with pytest.raises(ValidationError, match=f"{field} was removed: .*{named}"):
         AppArgs.model_validate({section: {field: 1.0}})
+
+
+def test_the_removed_audio_section_is_refused_with_its_fixed_bit_rates() -> None:
+    with pytest.raises(ValidationError, match=r"audio was removed: .*mp3 160, aac 96 and opus 64 kbit/s"):
+        AppArgs.model_validate({"audio": {"mp3_kbps": 128}})
+
+
+@pytest.mark.parametrize(
+    ("rule", "named"),
+    [
+        ("queue_scale_up_factor", "fixed at 2 .*max_replicas"),
+        ("scale_up_cooldown_s", ".*the windows restart.*never held a step back"),
+        ("scale_down_cooldown_s", ".*a -1 waits a whole scale_down_window_s"),
+    ],
+)
+def test_a_removed_scaling_rule_is_refused_with_why(rule: str, named: str) -> None:
+    with pytest.raises(ValidationError, match=f"{rule} was removed: {named}"):
+        AppArgs.model_validate({"decoder": {"autoscaling": {"rules": {rule: 3.0}}}})
 
 
 def test_the_encoders_fixed_timing_names_the_serve_config_override() -> None:

@@ -58,10 +58,9 @@ ARGS: dict[str, Any] = {
             "metrics_interval_s": 0.5,
         },
     },
-    "decoder_cpu": {"poll_interval_s": 0.5},  # the ingress's replica view (routing, /healthz)
-    # Beyond the default 30 s: a stream re-sent at once waits for Ray to declare the node dead (~10 s), then for a
-    # replacement on the new node (measured here ~20 s after the removal, on 2 CPU cores shared with other work).
-    "limits": {"max_stream_s": 60, "reroute_s": 60},
+    # The ingress re-sends a stream for REROUTE_S (30 s): it waits for Ray to declare the node dead (~10 s), then for
+    # a replacement on the new node (measured here ~20 s after the removal, on 2 CPU cores shared with other work).
+    "limits": {"max_stream_s": 60},
 }
 
 

@@ -23,7 +23,7 @@ from engine.voices.default_voice import DEFAULT_VOICE_ID
 from engine.voices.registry import EVERYONE, Caller, VoiceRegistry
 from serve_app import openai_routes
 from serve_app.openai_routes import OpenAIRoutes, ignored_instructions_headers
-from serve_app.request_args import DEFAULT_MODEL_ALIASES, OPENAI_VOICE_NAMES, AudioArgs, LimitsArgs, OpenAIArgs
+from serve_app.request_args import DEFAULT_MODEL_ALIASES, OPENAI_VOICE_NAMES, LimitsArgs, OpenAIArgs
 from serve_app.schemas import SpeechRequest
 from serve_app.synthesis import Synthesis, instructions_refusal
 from serve_app.text_stream import done_event
@@ -68,9 +68,7 @@ class EncoderVoiceCalls:
 def routes_of(info: ModelInfo, registry: VoiceRegistry, **openai: Any) -> OpenAIRoutes:
     """The OpenAI route group on an ingress replica's `Synthesis` (voices from `registry`, no decoders), serving a
     model that `info` describes."""
-    synthesis = Synthesis(
-        EncoderVoiceCalls(registry), None, info.model, LimitsArgs(), OpenAIArgs(**openai), AudioArgs()
-    )
+    synthesis = Synthesis(EncoderVoiceCalls(registry), None, info.model, LimitsArgs(), OpenAIArgs(**openai))
     synthesis._info = info  # as if asked of an encoder replica
     return OpenAIRoutes(synthesis)
 

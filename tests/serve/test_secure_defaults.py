@@ -15,6 +15,7 @@ import yaml
 from serve_app import cli, cli_run
 from serve_app.args import AppArgs
 from serve_app.exposure import RAY_LOOPBACK_ENV, is_loopback, on_every_interface
+from serve_app.request_args import API_KEYS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS_FILE = "~/.cosyvoice/api_keys"
@@ -70,8 +71,8 @@ def _profile_args(name: str) -> tuple[AppArgs, str]:
 def test_the_gpu_profile_reads_its_keys_from_the_variable_the_cluster_files_set() -> None:
     args, host = _profile_args("gpu_cluster.yaml")
     assert not is_loopback(host)
-    assert args.security.api_keys_env == "COSYVOICE_API_KEYS" and not args.security.api_keys  # no key in a file
-    env = args.security.api_keys_env
+    assert not args.security.api_keys  # no key in a file: the ingress reads API_KEYS_ENV
+    env = API_KEYS_ENV
 
     cluster = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
     workers = [command for command in cluster["worker_start_ray_commands"] if "ray start" in command]

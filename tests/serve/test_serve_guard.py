@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
-from autoscaling.policy import MemoryWakeBoard, ScalingRules, WakeRule
+from autoscaling.policy import WAKE_HOLD_S, MemoryWakeBoard, ScalingRules, WakeRule
 from autoscaling.schedule import Schedule
 from engine.errors import InvalidInputError
 from serve_app import routing
@@ -95,9 +95,10 @@ def test_body_over_the_limit_is_413_declared_or_streamed(guarded: httpx.AsyncCli
 
 
 def test_api_keys_from_config_and_environment() -> None:
-    security = SecurityArgs(api_keys=("from-config",), api_keys_env="TEST_KEYS")
-    assert load_api_keys(security, {"TEST_KEYS": " env-1, ,env-2 "}) == (b"from-config", b"env-1", b"env-2")
-    assert load_api_keys(SecurityArgs(api_keys_env=None), {"COSYVOICE_API_KEYS": "x"}) == ()
+    security = SecurityArgs(api_keys=("from-config",))
+    environ = {"COSYVOICE_API_KEYS": " env-1, ,env-2 ", "COSYVOICE_ADMIN_KEYS": "admin"}
+    assert load_api_keys(security, environ) == (b"from-config", b"env-1", b"env-2")
+    assert load_api_keys(SecurityArgs(), {}) == ()
     assert "from-config" not in repr(security) and "from-config" not in str(AppArgs(security=security))
 
 
@@ -189,16 +190,17 @@ def test_router_drains_the_gpu_decoder_while_its_schedule_floor_is_zero(monkeypa
     assert _run(choice(None)) == "gpu"  # a fixed-size GPU decoder is never drained
 
 
-def test_wake_rule_defaults_to_the_first_audio_slo() -> None:
+def test_wake_rule_waits_the_first_audio_slo() -> None:
     autoscaled = {"decoder": {"autoscaling": {}}, "scheduler": {"target_first_audio_s": 2.5}}
-    assert AppArgs(**autoscaled, decoder_cpu={"enabled": True}).wake_rule() == WakeRule(wait_s=2.5, hold_s=900.0)
-    chosen = {"enabled": True, "wake_wait_s": 0.5, "wake_hold_s": 60}
-    assert AppArgs(**autoscaled, decoder_cpu=chosen).wake_rule() == WakeRule(wait_s=0.5, hold_s=60.0)
+    rule = AppArgs(**autoscaled, decoder_cpu={"enabled": True}).wake_rule()
+    assert rule == WakeRule(wait_s=2.5, hold_s=WAKE_HOLD_S, queued=1.0) and rule.hold_s == 900
+    queued = AppArgs(**autoscaled, decoder_cpu={"enabled": True, "wake_queued": 4}).wake_rule()
+    assert queued == WakeRule(wait_s=2.5, queued=4.0)
     assert AppArgs(**autoscaled, decoder_cpu={"enabled": True, "wake": False}).wake_rule() is None
     assert AppArgs(**autoscaled).wake_rule() is None  # no fallback
     assert AppArgs(decoder_cpu={"enabled": True}).wake_rule() is None  # a fixed-size GPU decoder
-    with pytest.raises(ValidationError):
-        AppArgs(decoder_cpu={"enabled": True, "wake_wait_s": -1})
+    with pytest.raises(ValidationError, match=r"wake_wait_s was removed: derived: scheduler\.target_first_audio_s"):
+        AppArgs(decoder_cpu={"enabled": True, "wake_wait_s": 0.5})
 
 
 def test_router_sends_new_work_to_a_woken_gpu_decoder_once_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from ray import serve  # noqa: E402
 
 from serve_app import build_app  # noqa: E402
+from serve_app.errors import RETRY_AFTER_S  # noqa: E402
 from tests.serve.conftest import running_app  # noqa: E402
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
@@ -52,12 +53,11 @@ ARGS: dict[str, Any] = {
         "max_ongoing_requests": DECODER_ONGOING,
         "max_queued_requests": DECODER_QUEUE,
     },
-    "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "poll_interval_s": 0.5, "num_replicas": 1},  # always one up
+    "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "num_replicas": 1},  # always one up
     "limits": {
         "max_input_chars": 600,
         "long_text_chars": 120,
         "max_body_bytes": MAX_BODY_BYTES,
-        "retry_after_s": 2,
         "max_concurrent_requests_per_key": None,  # one key sends the bursts that fill the decoder queue
     },
     "security": {"api_keys": [API_KEY]},
@@ -146,7 +146,7 @@ def test_voice_names_that_look_like_paths_are_rejected(client: httpx.Client) -> 
 def test_app_runs_with_the_cpu_fallback(client: httpx.Client) -> None:
     _wait_for(lambda: _running("DecoderCPU") >= 1, 120, "a RUNNING DecoderCPU replica (its policy keeps one)")
 
-    def health_with_fallback() -> httpx.Response | None:  # /healthz answers from a view polled every 0.5 s
+    def health_with_fallback() -> httpx.Response | None:  # /healthz answers from a view polled every 2 s
         response = client.get("/healthz")
         return response if response.json()["running_replicas"].get("DecoderCPU", 0) >= 1 else None
 
@@ -178,7 +178,7 @@ def test_a_full_decoder_queue_answers_503_with_retry_after(base_url: str, voice:
     assert statuses == [200, 503], statuses
     for response in responses:
         if response.status_code == 503:
-            assert int(response.headers["retry-after"]) == 2
+            assert int(response.headers["retry-after"]) == RETRY_AFTER_S
             error = response.json()["error"]
             assert "capacity" in error["message"] and error["type"] == "server_error"
     assert sum(r.status_code == 200 for r in responses) >= DECODER_ONGOING

@@ -20,7 +20,6 @@ from engine.voices.cloning import PROMPT_SAMPLE_RATES, PromptAudioLimits, VoiceC
 from engine.voices.registry import EVERYONE, Caller, VoiceForbiddenError, VoiceRegistryFullError
 from serve_app.args import AppArgs
 from serve_app.ingress import voice_cloning_config
-from serve_app.request_args import LimitsArgs
 from tests.serve.conftest import bounded_in_time_and_memory, constant_flac
 
 MAX_GROWTH_BYTES = 200 << 20  # the refused uploads below would take 300 MB to gigabytes if decoded whole
@@ -89,14 +88,6 @@ def test_the_configured_limits_apply() -> None:
     assert decode_prompt_audio(tone_wav(3.0, 16000), limits)[0].shape == (48000,)
 
 
-def test_the_settings_only_narrow_the_bounded_limits() -> None:
-    assert LimitsArgs(prompt_audio_sample_rates=(16000, 48000)).prompt_audio_sample_rates == (16000, 48000)
-    with pytest.raises(ValueError, match=re.escape("[16001] Hz not supported")):
-        LimitsArgs(prompt_audio_sample_rates=(16000, 16001))
-    with pytest.raises(ValueError, match="max_prompt_audio_s"):
-        LimitsArgs(max_prompt_audio_s=31)
-
-
 # --- cloning: the resampling itself is bounded --------------------------------------------------------------
 
 
@@ -125,17 +116,17 @@ def test_every_listed_rate_clones_in_bounded_memory(cloners: dict[str, VoiceClon
     assert prompt.sample_rate == cloners[family].sample_rate and prompt.speech_tokens.size > 0
 
 
-# --- the Encoder deployment's register_voice, with the app's configured limits ------------------------------
+# --- the Encoder deployment's register_voice, with the app's limits ------------------------------
 
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory: pytest.TempPathFactory) -> Encoder:
-    args = AppArgs(model="tiny", voices_dir=str(tmp_path_factory.mktemp("voices")), limits={"max_prompt_audio_s": 10})
+    args = AppArgs(model="tiny", voices_dir=str(tmp_path_factory.mktemp("voices")))
     return Encoder.func_or_class("tiny", False, args.limits.max_input_chars, voice_cloning_config(args))
 
 
 UPLOADS = {  # name: (file, message)
-    "a FLAC bomb": (lambda: constant_flac(600.0, channels=2), "lasts 600.00 s; it must last 1 to 10 s"),
+    "a FLAC bomb": (lambda: constant_flac(600.0, channels=2), "lasts 600.00 s; it must last 1 to 30 s"),
     "an 8-channel FLAC": (lambda: constant_flac(2.0, channels=8), "has 8 channels"),
     "an odd-rate WAV": (lambda: tone_wav(2.0, 16001), "sample rate is 16001 Hz"),
 }
