@@ -91,12 +91,12 @@ class LimitsArgs(StrictArgs):
         "no audio in the making ends with an error event (408), freeing its ingress slot, whatever else it sends "
         "(flush with nothing to speak, empty text)",
     )
-    max_text_streams: int | None = Field(
-        None,
+    max_text_streams: int = Field(
+        32,
         ge=1,
         description="text streams one ingress replica holds at once; one more is refused at its handshake with 503 "
-        "(1013 where the handshake cannot be answered). Below ingress.max_ongoing_requests, so that sockets never "
-        "take the slots plain requests need; None: half of them (32 of the default 64)",
+        "(1013 where the handshake cannot be answered). Below deployment TTSIngress's max_ongoing_requests (64 by "
+        "default), so that sockets never take the slots plain requests need",
     )
     max_text_streams_per_key: int | None = Field(
         None,
