@@ -86,6 +86,7 @@ def test_the_alternative_profiles_are_the_gpu_profile_with_another_model(name: s
     (profile,) = _load("gpu_cluster.yaml")["applications"]
     args, profile_args = application["args"], dict(profile["args"])
     assert args["model"] == model and args["decoder"]["dtype"] == "float16"
+    assert application["deployments"] == profile["deployments"]  # Serve's options, the same on the same cluster
     for key in ("model", "voices_dir"):
         profile_args.pop(key)
     args = {key: value for key, value in args.items() if key != "model"}
