@@ -67,7 +67,8 @@ def sections_in(annotation: object) -> list[type[BaseModel]]:
 def leaf_knobs(model: type[BaseModel] = AppArgs, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
     """Every leaf knob of the app args by its dotted path: a field whose type holds a model (itself, optional, or a
     tuple of them, such as `voices` and a schedule's `windows`) is a section, walked into; every other field is a
-    leaf, once per place a config can set it (`ingress.num_cpus` and `encoder.num_cpus` are two)."""
+    leaf, once per place a config can set it (`decoder.autoscaling.rules.max_replicas` and
+    `decoder_cpu.max_replicas` are two)."""
     for name, info in model.model_fields.items():
         sections = sections_in(info.annotation)
         if not sections:
