@@ -11,6 +11,7 @@ budget read: an override of them is refused.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from copy import deepcopy
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,7 +25,8 @@ WYOMING = "WyomingServer"
 DEPLOYMENT_NAMES = (INGRESS, ENCODER, GPU_DECODER, CPU_DECODER, WYOMING)
 
 DOCS = "docs/deploy.md, Deployment options"
-# Serve's own default when ray_actor_options name no CPUs (an override replaces the code's options whole).
+# Serve's own default when ray_actor_options name no CPUs (an override replaces the code's options whole):
+# ray.serve._private.config.ReplicaConfig.
 SERVE_DEFAULT_NUM_CPUS = 1.0
 
 
@@ -93,7 +95,7 @@ def effective_options(code: Mapping[str, Any], override: Mapping[str, Any]) -> d
     """The options a deployment runs with, as Serve applies a config's override to the code's: each option given
     replaces the code's whole (`ray_actor_options` too); where an autoscaling_config ends up set, a fixed replica count
     beside it is not in force (Serve keeps the autoscaling), so it is left out."""
-    options = {**code, **override}
+    options = deepcopy({**code, **override})  # Ray may fill in the dicts it is given: never the shared defaults
     if options.get("autoscaling_config") is not None and isinstance(options.get("num_replicas"), int):
         del options["num_replicas"]
     return options
@@ -103,7 +105,7 @@ def replica_floor(options: Mapping[str, Any]) -> int:
     """The fewest replicas a deployment with `options` runs: its autoscaling floor, else its fixed count."""
     scaling = options.get("autoscaling_config")
     if scaling is not None:
-        return int(scaling.get("min_replicas", 1) if isinstance(scaling, Mapping) else scaling.min_replicas)
+        return int(scaling.get("min_replicas", 1))
     count = options.get("num_replicas", 1)
     return count if isinstance(count, int) else 1  # "auto": Serve's autoscaling floor, 1
 

@@ -154,11 +154,6 @@ class IngressReplica:
 TTSIngress = serve.deployment(name=INGRESS, logging_config=STRUCTURED_LOGGING)(IngressReplica)
 
 
-def queue_bound(max_queued_requests: int | None) -> int:
-    """Serve's spelling of an unbounded queue is -1."""
-    return -1 if max_queued_requests is None else max_queued_requests
-
-
 def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
     """The encoders' cloning setup; None (registering answers 501) without `voices_dir`."""
     models_source = args.voice_models_source
@@ -251,8 +246,7 @@ def build_app_with_overrides(
     }
 
     def options(name: str, code: Mapping[str, Any]) -> dict[str, Any]:
-        merged = effective_options({**DEFAULT_OPTIONS[name], **code}, overrides.get(name, {}))
-        return {**merged, "max_queued_requests": queue_bound(merged.get("max_queued_requests"))}
+        return effective_options({**DEFAULT_OPTIONS[name], **code}, overrides.get(name, {}))
 
     encoder = Encoder.options(
         # its requests are short: Serve's default timeout (20 s)
@@ -325,8 +319,7 @@ def build_app_with_overrides(
         # Imported only when asked for: it needs the optional `wyoming` package.
         from serve_app.wyoming_server import WyomingServer
 
-        wyoming_options = effective_options(DEFAULT_OPTIONS[WYOMING], overrides.get(WYOMING, {}))
-        wyoming = WyomingServer.options(**wyoming_options).bind(
+        wyoming = WyomingServer.options(**options(WYOMING, {})).bind(
             args.wyoming, args.ingress_limits, args.security, TTSIngress.name
         )
     ingress_options = options(INGRESS, {"backpressure_config": backpressure, **stopping})
