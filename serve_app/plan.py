@@ -2,12 +2,14 @@
 GPU and at which fraction, their dtypes and memory, and the decoders' autoscaling range.
 
 `plan_for` is a pure function of the inventory (the GPUs and CPUs Ray sees), the model's sizes
-(`engine.loading.loader.model_sizes`) and the app args. The ingress and the encoders run on CPU. With a GPU the
-decoders go on it (`decoder.dtype` auto: float16, CosyVoice3 bfloat16 where the card has it natively), as many per
-card as its memory holds replicas of the model's footprint (`DecoderMemory`: the weights in those dtypes, the loop's
-memory budget for `decoder.max_batch_size` live sentences and its reserve, which the replica's allocator share must
-hold, and the CUDA context outside it) and the CPUs leave room for, scaled between 1 and that count on the decoder
-policy (`autoscaling.policy`). A card too small for one replica is a `PlanError` with the numbers and the CPU choice.
+(`engine.loading.loader.model_sizes`), the app args and the Serve config's `deployments:` overrides (the CPUs the
+ingress and the encoders take are their deployments' options: `serve_app.deployment_options`). The ingress and the
+encoders run on CPU. With a GPU the decoders go on it (`decoder.dtype` auto: float16, CosyVoice3 bfloat16 where the
+card has it natively), as many per card as its memory holds replicas of the model's footprint (`DecoderMemory`: the
+weights in those dtypes, the loop's memory budget for `decoder.max_batch_size` live sentences and its reserve, which
+the replica's allocator share must hold, and the CUDA context outside it) and the CPUs leave room for, scaled between
+1 and that count on the decoder policy (`autoscaling.policy`), or fixed at 1 (the `Decoder`'s num_replicas override)
+where only one fits. A card too small for one replica is a `PlanError` with the numbers and the CPU choice.
 `decoder.num_gpus` set in the args is kept (and checked); `device` cpu or cuda overrides the choice.
 
 A footprint measured on a card (`serve_app.footprints`) replaces that estimate where one matches; the plan says which
