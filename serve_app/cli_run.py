@@ -109,7 +109,6 @@ def wyoming_refusal(args: AppArgs, environ: Mapping[str, str] = os.environ) -> s
 def run(options: argparse.Namespace) -> int:
     application, http_options = read_serve_config(options.config)
     args = app_args_of(application, options)
-    deployments = deployment_overrides_of(application)
     for key in ("voices_dir", "voice_models_dir"):
         if getattr(options, key) is not None:
             args[key] = str(getattr(options, key))
@@ -132,6 +131,7 @@ def run(options: argparse.Namespace) -> int:
         from serve_app.ingress import build_app_with_overrides
 
         app_args = AppArgs.model_validate(args)
+        deployments = deployment_overrides_of(application)  # imports Ray: after its loopback setting above
         build_app_with_overrides(app_args, deployments)  # its deployment overrides checked before Ray starts
         refusal = wyoming_refusal(app_args)
         if refusal is not None:
