@@ -16,8 +16,8 @@ from serve_app.args_base import StrictArgs
 from serve_app.deployment_options import moved_to_deployment
 from serve_app.routing import CPU_DECODER, GPU_DECODER
 
-# How the decoder replicas (the GPU's and the CPU fallback's) report to their policies: Serve's defaults, which the
-# policies' windows (minutes) do not need shorter.
+# How the decoder replicas (the GPU's and the CPU fallback's) report to their policies: Serve's own defaults, the
+# values the app args defaulted to before they left them.
 DECODER_LOOK_BACK_PERIOD_S = 30.0
 DECODER_METRICS_INTERVAL_S = 10.0
 
