@@ -1,7 +1,7 @@
 """Bi-streaming benchmark: the first audio of text that arrives as it is written, against the same text sent whole.
 
     python -m benchmarks.bistream_bench --model cosyvoice3-0.5b --out out/bistream_v3.json [--tokens-per-second 20]
-        [--prompt-seconds 10] [--repeats 3] [--warmup 1] [--threads 2]
+        [--prompt-seconds 10] [--repeats 3] [--warmup 1] [--threads 2] [--concurrent 3] [--parts first-audio lm-steps]
 
 Two runs on the same decoder, alternating (order swapped every pair, so load on a shared machine hits both alike):
 bi-streamed, the text's ids arriving one every 1 / `--tokens-per-second` s and pushed to the LM as they come
@@ -12,8 +12,8 @@ utterances' LMs decode the text's first sentence (given 5 ids whenever one waits
 stepped together (`step_together`, one batched forward a step, as a replica's loop steps them) and one after another
 (each alone, as the loop did before); `lm_steps_speedup` is one after another / together, pair by pair (at most
 `--concurrent`).
-`--prompt-seconds` > 0 speaks in a voice cloned from a synthetic prompt that long, else in the first built-in voice.
-The default run takes about 5 minutes on the 2-core machine (AMD EPYC, 2026-12-07).
+`--prompt-seconds` > 0 speaks in a voice cloned from a synthetic prompt that long, else in the first built-in voice;
+`--parts` runs one of the two measurements only.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def measure_bistream(
     }
 
 
+PARTS = ("first-audio", "lm-steps")
 TEXT_GROUP = 5  # text ids an LM waiting for text is given at once: the families' mix ratio's text group
 
 
@@ -226,6 +227,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-second", type=float, default=20.0, help="how fast the text arrives")
     parser.add_argument("--prompt-seconds", type=float, default=0.0, help="a cloned voice's prompt (0: a speaker)")
     parser.add_argument("--concurrent", type=int, default=3, help="utterances whose LM steps are batched")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which measurements to run")
     args = parser.parse_args()
     bench = BenchmarkRun("bistream", args.out)
     bench.record(
@@ -241,19 +243,27 @@ def main() -> None:
     model = load_model(args.model)
     encoder, decoder = TextEncoderStage(model), SpeechDecoderStage(model)
     prompt = synthetic_prompt(encoder, args.prompt_seconds) if args.prompt_seconds > 0 else None
-    timing = measure_bistream(encoder, decoder, prompt, args.tokens_per_second, args.repeats, args.warmup, bench)
-    lm_steps = measure_lm_steps(encoder, decoder, prompt, args.concurrent, args.repeats, args.warmup, bench)
     failed = FailedMeasurements()
-    speedup = (
-        Timing(tuple(lm_steps["seconds_samples"]["one_by_one"])),
-        Timing(tuple(lm_steps["seconds_samples"]["together"])),
-    )
-    figures = {
-        "bistream_first_audio_ratio": timing["ratio"],
-        "bistream_first_audio_ratio_spread": timing["ratio_spread"],
-        **failed.bounded_fields("lm_steps_speedup", paired(ratio, *speedup), 0.0, args.concurrent, BATCH_RATIO_BOUND),
-    }
-    report = {"bistream": timing, "lm_steps": lm_steps, **figures, "failed_measurements": failed.entries}
+    report: dict[str, Any] = {}
+    if "first-audio" in args.parts:
+        timing = measure_bistream(encoder, decoder, prompt, args.tokens_per_second, args.repeats, args.warmup, bench)
+        report |= {
+            "bistream": timing,
+            "bistream_first_audio_ratio": timing["ratio"],
+            "bistream_first_audio_ratio_spread": timing["ratio_spread"],
+        }
+    if "lm-steps" in args.parts:
+        lm_steps = measure_lm_steps(encoder, decoder, prompt, args.concurrent, args.repeats, args.warmup, bench)
+        speedup = paired(
+            ratio,
+            Timing(tuple(lm_steps["seconds_samples"]["one_by_one"])),
+            Timing(tuple(lm_steps["seconds_samples"]["together"])),
+        )
+        report |= {
+            "lm_steps": lm_steps,
+            **failed.bounded_fields("lm_steps_speedup", speedup, 0.0, args.concurrent, BATCH_RATIO_BOUND),
+        }
+    report["failed_measurements"] = failed.entries
     print(json.dumps(bench.finish(report), indent=2))
 
 

@@ -13,9 +13,10 @@ from autoscaling.policy import WakeRule
 from engine.errors import CheckpointError
 from engine.loading.loader import PRESET_VOICE_MODELS, PRESETS
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO, hub_model
-from serve_app.args_base import CPU_REPLICA_SECTIONS, CPU_RESOURCES_MOVED, StrictArgs
+from serve_app.args_base import StrictArgs
 from serve_app.decoder_args import CpuFallbackArgs, DecoderArgs, SchedulerArgs
-from serve_app.replica_args import EncoderArgs, IngressArgs, TextArgs, WyomingArgs
+from serve_app.deployment_options import CPU_DECODER, ENCODER, INGRESS, moved_to_deployment
+from serve_app.replica_args import EncoderArgs, TextArgs, WyomingArgs
 from serve_app.request_args import LimitsArgs, OpenAIArgs, ProvisionedVoiceArgs, SecurityArgs
 
 logger = logging.getLogger("ray.serve")
@@ -48,9 +49,16 @@ def check_model_source(model: str, allowed_roots: tuple[str, ...] | None) -> Non
 
 
 class AppArgs(StrictArgs):
-    """Everything `build_app` needs; every field has a default that runs on a laptop CPU."""
+    """Everything `build_app` needs; every field has a default that runs on a laptop CPU. Serve's own options of the
+    deployments (replicas, CPUs, request bounds, custom resources) are the Serve config's `deployments:`
+    (`serve_app.deployment_options`)."""
 
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "ingress": "its num_replicas, max_ongoing_requests, max_queued_requests and num_cpus: "
+        + moved_to_deployment("num_replicas, max_ongoing_requests, max_queued_requests, ray_actor_options", INGRESS),
+        "cpu_resources": moved_to_deployment(
+            "ray_actor_options: {num_cpus: ..., resources: {cpu_node: 1}}", f"{INGRESS}, {ENCODER} and {CPU_DECODER}"
+        ),
         "audio": "the whole section: the lossy formats' bit rates are fixed at mp3 160, aac 96 and opus 64 kbit/s "
         "(serve_app.audio.LOSSY_BIT_RATES: clean speech at 22-24 kHz, mp3 at MPEG-2's maximum there)",
     }
@@ -70,12 +78,6 @@ class AppArgs(StrictArgs):
     served_model_name: str | None = Field(
         None, description="name shown by /v1/models (default: from `model`: a hub id's repo name, a dir's name)"
     )
-    cpu_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="custom Ray resources each CPU replica (ingress, encoders, the CPU fallback decoder) needs, e.g. "
-        "{cpu_node: 1} to keep them on nodes that declare `cpu_node` (the cluster files give it to CPU nodes only)",
-    )
-    ingress: IngressArgs = IngressArgs()
     encoder: EncoderArgs = EncoderArgs()
     decoder: DecoderArgs = DecoderArgs()
     limits: LimitsArgs = LimitsArgs()
@@ -126,35 +128,6 @@ class AppArgs(StrictArgs):
         logger.warning("scheduler.prompt_cache_share is deprecated: it is read as decoder.prompt_cache_share")
         return {**data, "scheduler": scheduler, "decoder": {**decoder, "prompt_cache_share": share}}
 
-    @model_validator(mode="before")
-    @classmethod
-    def _cpu_resources_moved(cls, data: Any) -> Any:
-        """`resources` of ingress, encoder and decoder_cpu (their old place) are read as `cpu_resources`, with a
-        warning, where every deployed CPU section gives the same."""
-        if not isinstance(data, Mapping):
-            return data
-        sections = {name: data.get(name) for name in CPU_REPLICA_SECTIONS}
-        given = {
-            name: section["resources"]
-            for name, section in sections.items()
-            if isinstance(section, Mapping) and "resources" in section
-        }
-        if not given:
-            return data
-        fallback = sections["decoder_cpu"]
-        fallback_on = (
-            fallback.get("enabled", False) if isinstance(fallback, Mapping) else bool(fallback and fallback.enabled)
-        )
-        deployed = {"ingress", "encoder"} | ({"decoder_cpu"} if fallback_on else set())
-        first = next(iter(given.values()))
-        if "cpu_resources" in data or not deployed <= given.keys() or any(value != first for value in given.values()):
-            raise ValueError(
-                f"{', '.join(f'{name}.resources' for name in given)}: {CPU_RESOURCES_MOVED}; set it once instead"
-            )
-        logger.warning("%s.resources are deprecated: they are read as cpu_resources", "/".join(given))
-        moved = {name: {k: v for k, v in sections[name].items() if k != "resources"} for name in given}
-        return {**data, **moved, "cpu_resources": first}
-
     def wake_rule(self) -> WakeRule | None:
         """When the CPU fallback's load wakes the GPU decoder (None: fallback, wake or decoder autoscaling off)."""
         fallback = self.decoder_cpu
@@ -175,26 +148,6 @@ class AppArgs(StrictArgs):
     def _model_inside_allowed_roots(self) -> AppArgs:
         check_model_source(self.model, self.security.allowed_model_roots)
         return self
-
-    @model_validator(mode="after")
-    def _text_streams_leave_slots_to_requests(self) -> AppArgs:
-        limits, ingress_slots = self.limits, self.ingress.max_ongoing_requests
-        if ingress_slots < 2:
-            raise ValueError("ingress.max_ongoing_requests must be at least 2: text streams may hold only some")
-        if limits.max_text_streams is not None and limits.max_text_streams >= ingress_slots:
-            raise ValueError(
-                f"limits.max_text_streams ({limits.max_text_streams}) must be below ingress.max_ongoing_requests "
-                f"({ingress_slots}): text streams would take every slot plain requests need"
-            )
-        return self
-
-    @property
-    def ingress_limits(self) -> LimitsArgs:
-        """`limits` with the text stream cap left to its default worked out: half of the ingress replica's slots."""
-        limits = self.limits
-        return limits.model_copy(
-            update={"max_text_streams": limits.max_text_streams or self.ingress.max_ongoing_requests // 2}
-        )
 
     @model_validator(mode="after")
     def _voice_models_located(self) -> AppArgs:

@@ -1,13 +1,12 @@
 """The base of every section of the app args (`serve_app.args`): strict, frozen, removed fields refused with
-what replaced them; the Serve options every request-serving replica kind has."""
+what replaced them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class StrictArgs(BaseModel):
@@ -26,26 +25,3 @@ class StrictArgs(BaseModel):
             if removed:
                 raise ValueError("; ".join(removed))
         return data
-
-
-QUEUE_DESCRIPTION = "requests waiting for a replica beyond this are answered 503 + Retry-After; None: unbounded"
-
-CPU_RESOURCES_MOVED = "cpu_resources (a top-level field) places every CPU replica: ingress, encoders, CPU fallback"
-
-CPU_REPLICA_SECTIONS = ("ingress", "encoder", "decoder_cpu")
-
-
-class ReplicaArgs(StrictArgs):
-    """The Serve options every request-serving deployment has (where a replica may run: `AppArgs.cpu_resources`)."""
-
-    REMOVED_FIELDS = {"resources": CPU_RESOURCES_MOVED}
-
-    num_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for each replica")
-    max_ongoing_requests: int = Field(8, ge=1, description="requests one replica takes at once (Serve's)")
-    max_queued_requests: int | None = Field(64, ge=1, description=QUEUE_DESCRIPTION)
-
-
-def inherited(base: type[BaseModel], name: str, default: Any) -> Any:
-    """`base`'s field `name` with another default: its constraints and description stay the base's (one
-    documentation for every replica kind)."""
-    return FieldInfo.merge_field_infos(base.model_fields[name], default=default)

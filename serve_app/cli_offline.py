@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from engine.errors import CosyVoiceError
 from engine.loading.model_source import model_directory
-from serve_app.cli_run import app_args_of, error_line, read_serve_config
+from serve_app.cli_run import app_args_of, deployment_overrides_of, error_line, read_serve_config
 
 
 def show_plan(options: argparse.Namespace) -> int:
@@ -33,7 +33,10 @@ def show_plan(options: argparse.Namespace) -> int:
         inventory = replace(inventory, gpus=(card,) * options.gpus)
     try:
         app_args = AppArgs.model_validate(app_args_of(application, options))
-        plan = plan_for(inventory, model_sizes(app_args.model), app_args, options.device, recorded_footprints())
+        deployments = deployment_overrides_of(application)
+        plan = plan_for(
+            inventory, model_sizes(app_args.model), app_args, options.device, recorded_footprints(), deployments
+        )
     except (ValueError, CosyVoiceError) as exc:
         print(f"error: {error_line(exc)}", file=sys.stderr)
         return 2

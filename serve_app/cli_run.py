@@ -33,20 +33,15 @@ URL_ENV = "COSYVOICE_URL"  # the server `say`, `voices` and `bench` talk to (and
 
 
 def read_serve_config(path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(application entry, http_options) of a Serve config file's first application; defaults without one."""
+    """(application entry, http_options) of a Serve config file's first application (its `args` and `deployments`
+    overrides are what `run` serves); defaults without one."""
     if path is None:
         return {"name": "cosyvoice", "route_prefix": "/", "args": {}}, {}
     config = yaml.safe_load(path.read_text()) or {}
     applications = config.get("applications") or []
     if not applications:
         raise SystemExit(f"{path} has no applications")
-    application = applications[0]
-    if application.get("deployments"):
-        print(
-            f"note: `run` applies only the `args` of {path}; for its deployment overrides use `serve run {path}`",
-            file=sys.stderr,
-        )
-    return application, config.get("http_options") or {}
+    return applications[0], config.get("http_options") or {}
 
 
 def default_voices_dir(model: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
@@ -133,8 +128,11 @@ def run(options: argparse.Namespace) -> int:
         model_directory(args.get("model", "tiny"))
         # Imported here so that `say` stays light; Ray and the app only once the model is there.
         from serve_app.args import AppArgs
+        from serve_app.ingress import build_app_with_overrides
 
         app_args = AppArgs.model_validate(args)
+        deployments = deployment_overrides_of(application)  # imports Ray: after its loopback setting above
+        build_app_with_overrides(app_args, deployments)  # its deployment overrides checked before Ray starts
         refusal = wyoming_refusal(app_args)
         if refusal is not None:
             print(f"error: {refusal}", file=sys.stderr)
@@ -148,7 +146,7 @@ def run(options: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from serve_app.ingress import SHUTDOWN_MARGIN_S, build_app
+    from serve_app.ingress import SHUTDOWN_MARGIN_S
     from serve_app.inventory import inventory_here
 
     for warning in startup_warnings(args, host):
@@ -164,7 +162,8 @@ def run(options: argparse.Namespace) -> int:
         signal.signal(stop_signal, _interrupt)
     resources = ray.cluster_resources()
     try:
-        args = follow_plan(args, options.device, inventory_here(int(resources.get("GPU", 0)), resources["CPU"]))
+        inventory = inventory_here(int(resources.get("GPU", 0)), resources["CPU"])
+        args, deployments = follow_plan(args, deployments, options.device, inventory)
     except (ValueError, CosyVoiceError) as exc:  # PlanError, a ValueError
         print(f"error: {error_line(exc)}", file=sys.stderr)
         ray.shutdown()
@@ -174,7 +173,9 @@ def run(options: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": host, "port": port})
         serving = True
-        serve.run(build_app(args), name=name, route_prefix=application.get("route_prefix", "/"))
+        serve.run(
+            build_app_with_overrides(args, deployments), name=name, route_prefix=application.get("route_prefix", "/")
+        )
         url = f"http://{host}:{port}"
         print(f"cosyvoice-serve is up at {url} (model: {served_name(args.get('model', 'tiny'))}); Ctrl-C stops it")
         print(f"  export {URL_ENV}={url}   # for cosyvoice-serve say / voices / bench and the examples")
@@ -216,11 +217,8 @@ def error_line(exc: Exception) -> str:
 
 
 def app_args_of(application: dict[str, Any], options: argparse.Namespace) -> dict[str, Any]:
-    """The app args of a Serve config's application with the command line's model and LLM checkpoint over them, and
-    two ingress replicas where they give no number: a lost one then costs its own requests, not an outage (one
-    alone: the first 200 came 26 s after it was killed)."""
+    """The app args of a Serve config's application with the command line's model and LLM checkpoint over them."""
     args = dict(application.get("args") or {})
-    args["ingress"] = {"num_replicas": DEFAULT_INGRESS_REPLICAS, **(args.get("ingress") or {})}
     if options.model is not None:
         args["model"] = options.model
     if options.llm_checkpoint is not None:
@@ -228,18 +226,33 @@ def app_args_of(application: dict[str, Any], options: argparse.Namespace) -> dic
     return args
 
 
-def follow_plan(args: dict[str, Any], device: Device, inventory: Inventory) -> dict[str, Any]:
-    """`args` with the decoder section of the plan for `inventory` (printed), with the footprints the GPU check
-    recorded; PlanError where the machine cannot."""
+def deployment_overrides_of(application: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `deployments:` overrides of a Serve config's application, with two ingress replicas where they give no
+    count: a lost one then costs its own requests, not an outage (one alone: the first 200 came 26 s after it was
+    killed)."""
+    from serve_app.deployment_options import INGRESS, with_options
+
+    deployments = list(application.get("deployments") or [])
+    ingress = next((entry for entry in deployments if entry.get("name") == INGRESS), {})
+    if {"num_replicas", "autoscaling_config"} & ingress.keys():
+        return deployments
+    return with_options(deployments, INGRESS, {"num_replicas": DEFAULT_INGRESS_REPLICAS})
+
+
+def follow_plan(
+    args: dict[str, Any], deployments: list[dict[str, Any]], device: Device, inventory: Inventory
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`args` with the decoder section, and `deployments` with the overrides, of the plan for `inventory` (printed),
+    with the footprints the GPU check recorded; PlanError where the machine cannot."""
     from engine.loading.loader import model_sizes
     from serve_app.args import AppArgs
     from serve_app.footprints import recorded_footprints
     from serve_app.plan import plan_for
 
     app_args = AppArgs.model_validate(args)
-    plan = plan_for(inventory, model_sizes(app_args.model), app_args, device, recorded_footprints())
+    plan = plan_for(inventory, model_sizes(app_args.model), app_args, device, recorded_footprints(), deployments)
     print("\n".join(plan.lines()), flush=True)
-    return {**args, "decoder": plan.decoder_args}
+    return {**args, "decoder": plan.decoder_args}, plan.deployments
 
 
 def fetch_model(args: AppArgs) -> str:

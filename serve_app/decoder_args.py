@@ -12,36 +12,56 @@ from autoscaling.policy import ScalingRules, WakeRule, decoder_autoscaling_confi
 from autoscaling.schedule import Schedule
 from engine.nn.precision import AUTO_INT4_DTYPE
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
-from serve_app.args_base import CPU_RESOURCES_MOVED, ReplicaArgs, StrictArgs, inherited
+from serve_app.args_base import StrictArgs
+from serve_app.deployment_options import moved_to_deployment
+from serve_app.routing import CPU_DECODER, GPU_DECODER
+
+# How the decoder replicas (the GPU's and the CPU fallback's) report to their policies: Serve's own defaults, the
+# values the app args defaulted to before they left them.
+DECODER_LOOK_BACK_PERIOD_S = 30.0
+DECODER_METRICS_INTERVAL_S = 10.0
 
 
 class DecoderAutoscalingArgs(StrictArgs):
-    """The decoder policy (`autoscaling.policy.DecoderAutoscalingPolicy`) and how often replicas report to it."""
+    """The decoder policy (`autoscaling.policy.DecoderAutoscalingPolicy`)."""
+
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "look_back_period_s": f"fixed at Serve's default, {DECODER_LOOK_BACK_PERIOD_S:g} s "
+        "(serve_app.decoder_args.DECODER_LOOK_BACK_PERIOD_S)",
+        "metrics_interval_s": f"fixed at Serve's default, {DECODER_METRICS_INTERVAL_S:g} s "
+        "(serve_app.decoder_args.DECODER_METRICS_INTERVAL_S)",
+    }
 
     rules: ScalingRules = Field(
         default_factory=ScalingRules,
         description="thresholds, windows, min/max_replicas, schedule (autoscaling.policy.ScalingRules)",
     )
-    look_back_period_s: float = Field(30.0, gt=0, description="Serve averages each replica metric over this")
-    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas push their metrics")
 
     def serve_config(self, wake: WakeRule | None = None) -> dict[str, Any]:
         """The GPU decoder deployment's Serve `autoscaling_config` (woken under `wake`, see `AppArgs.wake_rule`)."""
-        return decoder_autoscaling_config(self.rules, self.look_back_period_s, self.metrics_interval_s, wake)
+        return decoder_autoscaling_config(self.rules, DECODER_LOOK_BACK_PERIOD_S, DECODER_METRICS_INTERVAL_S, wake)
 
 
-class DecoderArgs(ReplicaArgs):
-    """Speech-token LM + flow + vocoder replicas; a GPU fraction each, or CPU with num_gpus 0."""
+class DecoderArgs(StrictArgs):
+    """Speech-token LM + flow + vocoder replicas; a GPU fraction each, or CPU with num_gpus 0 (their request bounds
+    and fixed replica count: deployment `Decoder`)."""
 
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
-        **ReplicaArgs.REMOVED_FIELDS,
+        "max_ongoing_requests": moved_to_deployment("max_ongoing_requests", GPU_DECODER)
+        + "; its default stays 2 x max_batch_size x max_concurrent_batches",
+        "max_queued_requests": moved_to_deployment("max_queued_requests", GPU_DECODER),
+        "num_replicas": moved_to_deployment("num_replicas", GPU_DECODER) + " (without decoder.autoscaling)",
+        "resources": "the GPU Decoder's ray_actor_options are built from decoder.num_cpus and decoder.num_gpus; "
+        + moved_to_deployment("ray_actor_options: {resources: {...}}", "TTSIngress, Encoder or DecoderCPU"),
         "max_vocode_batch": "fixed at 8 on a GPU, 1 on CPU (engine.runtime.scheduler.DEFAULT_VOCODE_BATCH_CUDA, "
         "_CPU): on CPU the flow and vocoder run only ~1.2x faster at batch 8, and a small job lets a first chunk "
         "wait less (docs/performance.md)",
     }
 
-    num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
-    autoscaling: DecoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
+    num_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for each replica")
+    autoscaling: DecoderAutoscalingArgs | None = Field(
+        None, description="None: a fixed count (deployment Decoder's num_replicas, 1 by default)"
+    )
     num_gpus: float = Field(0.0, ge=0, le=1, description="GPU fraction per replica; 0 runs on CPU")
     dtype: Literal["auto", "auto-int4", "float32", "float16", "bfloat16"] = Field(
         "auto",
@@ -66,9 +86,6 @@ class DecoderArgs(ReplicaArgs):
     )
     max_concurrent_batches: int = Field(
         2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
-    )
-    max_ongoing_requests: int | None = Field(  # type: ignore[assignment]  # None: derived from the batches
-        None, ge=1, description="default: 2 x max_batch_size x max_concurrent_batches (batches must be able to fill)"
     )
     memory_budget_gb: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
         "auto",
@@ -108,19 +125,16 @@ class DecoderArgs(ReplicaArgs):
             return {}
         return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, round(self.num_gpus * 100)))}
 
-    @model_validator(mode="after")
-    def _batches_can_fill(self) -> DecoderArgs:
-        needed = self.max_batch_size * self.max_concurrent_batches
-        if self.max_ongoing_requests is not None and self.max_ongoing_requests < needed:
-            raise ValueError(
-                f"max_ongoing_requests ({self.max_ongoing_requests}) must be >= max_batch_size x "
-                f"max_concurrent_batches ({needed}), or batches never fill"
-            )
-        return self
-
     @property
     def ongoing_requests_limit(self) -> int:
-        return self.max_ongoing_requests or 2 * self.max_batch_size * self.max_concurrent_batches
+        """Deployment Decoder's default max_ongoing_requests: room for two of every admission batch, so that
+        batches can fill."""
+        return 2 * self.batches_fill_at
+
+    @property
+    def batches_fill_at(self) -> int:
+        """The fewest requests a replica must take at once for its admission batches to fill."""
+        return self.max_batch_size * self.max_concurrent_batches
 
 
 class SchedulerArgs(StrictArgs):
@@ -159,12 +173,14 @@ class SchedulerArgs(StrictArgs):
         return DeadlinePolicy(target_first_audio_s=self.target_first_audio_s)
 
 
-class CpuFallbackArgs(ReplicaArgs):
-    """The optional `DecoderCPU` deployment: the Decoder on CPU (fp32), up while the GPU decoders may be at 0."""
+class CpuFallbackArgs(StrictArgs):
+    """The optional `DecoderCPU` deployment: the Decoder on CPU (fp32), scaled by
+    autoscaling.policy.CpuFallbackAutoscalingPolicy, up while the GPU decoder's schedule may take it to 0 (from 10
+    minutes before to 15 after). Its CPUs and request bounds: deployment `DecoderCPU`."""
 
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
         "batch_wait_timeout_s": "the fallback waits decoder.batch_wait_timeout_s, as the GPU decoder does",
-        "resources": CPU_RESOURCES_MOVED,
+        "resources": moved_to_deployment("ray_actor_options: {num_cpus: ..., resources: {...}}", CPU_DECODER),
         "wake_wait_s": "derived: scheduler.target_first_audio_s, the first-audio SLO (a request that has waited "
         "that long without audio has missed it)",
         "wake_hold_s": "fixed at 900 s (autoscaling.policy.WAKE_HOLD_S): ten times the GPU replica's 90 s start; "
@@ -172,20 +188,16 @@ class CpuFallbackArgs(ReplicaArgs):
         "poll_interval_s": "fixed at 2 s (serve_app.routing.ROUTING_POLL_S): a read of the replica counts holds the "
         "ingress's GIL for ~28 ms, and replicas start and drain in tens of seconds",
         "autoscaling_config": "decoder_cpu.max_replicas bounds the fallback's policy "
-        "(autoscaling.policy.CpuFallbackAutoscalingPolicy, up while the GPU decoder's floor may be 0); "
-        "decoder_cpu.num_replicas keeps a fixed count up instead",
+        "(autoscaling.policy.CpuFallbackAutoscalingPolicy, up while the GPU decoder's floor may be 0)",
+        "num_cpus": moved_to_deployment("ray_actor_options: {num_cpus: ...}", CPU_DECODER),
+        "max_ongoing_requests": moved_to_deployment("max_ongoing_requests", CPU_DECODER),
+        "max_queued_requests": moved_to_deployment("max_queued_requests", CPU_DECODER),
+        "num_replicas": moved_to_deployment("num_replicas", CPU_DECODER)
+        + " with `autoscaling_config: null` (a fixed count, always up)",
     }
 
     enabled: bool = Field(False, description="deploy DecoderCPU")
-    num_cpus: float = inherited(ReplicaArgs, "num_cpus", 1.0)
     max_batch_size: int = Field(4, ge=1, description="sentences decoding at once in a fallback replica's loop")
-    max_queued_requests: int | None = inherited(ReplicaArgs, "max_queued_requests", 32)
-    num_replicas: int | None = Field(
-        None,
-        ge=1,
-        description="a fixed count, always up; None: scaled by autoscaling.policy.CpuFallbackAutoscalingPolicy, up "
-        "while the GPU decoder's schedule may take it to 0 (from 10 minutes before to 15 after)",
-    )
     max_replicas: int = Field(4, ge=1, description="the most fallback replicas the policy runs")
 
     @property

@@ -4,9 +4,10 @@
     python -m serve_app.full_config --knobs          # every app arg: its default and what it does, as a table
 
 `serve build` imports an application object and cannot pass builder args; this builds each
-`serve_app:build_app` application from its `args` and converts the deployments with Serve's own
-`deployment_to_schema`, as `serve build` does. The `args` stay, so `serve deploy` of the output
-builds the same app, and the blocks (equal to what the args build) show every option in force.
+`serve_app:build_app` application from its `args` with its `deployments:` overrides and converts the
+deployments with Serve's own `deployment_to_schema`, as `serve build` does. The `args` stay, so
+`serve deploy` of the output builds the same app, and the blocks (what the args build with the
+overrides) show every option in force.
 """
 
 from __future__ import annotations
@@ -27,17 +28,19 @@ from ray.serve.schema import ServeDeploySchema
 from ray.serve.scripts import ServeDeploySchemaDumper
 
 from serve_app.args import AppArgs
-from serve_app.ingress import build_app
+from serve_app.ingress import build_app_with_overrides
 
 BUILDER = "serve_app:build_app"
 
 
 def with_deployments(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with each builder application's `deployments` list as its `args` build them."""
+    """`config` with each builder application's `deployments` list as its `args` build them with its own
+    `deployments` overrides."""
     applications = []
     for application in config["applications"]:
         if application.get("import_path") == BUILDER:
-            built = build_deployments(build_app(application.get("args") or {}), name=application["name"])
+            app = build_app_with_overrides(application.get("args") or {}, application.get("deployments"))
+            built = build_deployments(app, name=application["name"])
             schemas = [deployment_to_schema(d).model_dump(exclude_unset=True) for d in built.deployments]
             application = {**application, "deployments": schemas}
         applications.append(application)
@@ -64,7 +67,8 @@ def sections_in(annotation: object) -> list[type[BaseModel]]:
 def leaf_knobs(model: type[BaseModel] = AppArgs, prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
     """Every leaf knob of the app args by its dotted path: a field whose type holds a model (itself, optional, or a
     tuple of them, such as `voices` and a schedule's `windows`) is a section, walked into; every other field is a
-    leaf, once per place a config can set it (`ingress.num_cpus` and `encoder.num_cpus` are two)."""
+    leaf, once per place a config can set it (`decoder.autoscaling.rules.max_replicas` and
+    `decoder_cpu.max_replicas` are two)."""
     for name, info in model.model_fields.items():
         sections = sections_in(info.annotation)
         if not sections:

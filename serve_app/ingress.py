@@ -9,7 +9,7 @@ middlewares' settings of this replica) once it is made. Its own methods are what
 """
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,21 @@ from observability import STRUCTURED_LOGGING
 from serve_app.api import RouteGroup, build_api
 from serve_app.args import AppArgs
 from serve_app.browser_rules import browser_rules
+from serve_app.decoder_args import DECODER_LOOK_BACK_PERIOD_S, DECODER_METRICS_INTERVAL_S
+from serve_app.deployment_options import (
+    DEFAULT_OPTIONS,
+    DEPLOYMENT_NAMES,
+    ENCODER,
+    INGRESS,
+    WYOMING,
+    effective_options,
+    parse_overrides,
+)
 from serve_app.errors import RETRY_AFTER_S
 from serve_app.guard import GuardSettings, load_admin_keys, load_api_keys, serving_warnings
 from serve_app.health_routes import HealthRoutes
 from serve_app.native_routes import NativeRoutes
 from serve_app.openai_routes import OpenAIRoutes
-from serve_app.replica_args import WYOMING_NUM_CPUS
 from serve_app.request_args import LimitsArgs, OpenAIArgs, SecurityArgs
 from serve_app.routing import CPU_DECODER, GPU_DECODER, ROUTING_POLL_S, DecoderRouter
 from serve_app.speech_stream_routes import SpeechStreamRoutes
@@ -139,12 +148,7 @@ class IngressReplica:
 # A module attribute of its own (the deployment is not a class): a replica unpickling the deployment imports this
 # module, and so the classes its replica is made of. The serve_app package builds nothing on import (the CLI must
 # start at once).
-TTSIngress = serve.deployment(name="TTSIngress", logging_config=STRUCTURED_LOGGING)(IngressReplica)
-
-
-def queue_bound(max_queued_requests: int | None) -> int:
-    """Serve's spelling of an unbounded queue is -1."""
-    return -1 if max_queued_requests is None else max_queued_requests
+TTSIngress = serve.deployment(name=INGRESS, logging_config=STRUCTURED_LOGGING)(IngressReplica)
 
 
 def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
@@ -172,16 +176,6 @@ def voice_cloning_config(args: AppArgs) -> VoiceCloningConfig | None:
     )
 
 
-def replica_count(num_replicas: int, autoscaling_config: dict[str, Any] | None) -> dict[str, Any]:
-    """Serve takes either a fixed replica count or an autoscaling config."""
-    return {"num_replicas": num_replicas} if autoscaling_config is None else {"autoscaling_config": autoscaling_config}
-
-
-def cpu_actor_options(num_cpus: float, resources: dict[str, float]) -> dict[str, Any]:
-    """A CPU-only replica; custom `resources` pin it to the nodes that declare them (off the GPU nodes)."""
-    return {"num_cpus": num_cpus, "num_gpus": 0} | ({"resources": resources} if resources else {})
-
-
 # Beyond the longest stream: a replica being removed (scale-down, redeploy) first finishes what it serves.
 SHUTDOWN_MARGIN_S = 30.0
 # How often a replica being removed checks whether its last request is done: Serve's default (2 s) is waited out
@@ -190,22 +184,64 @@ SHUTDOWN_POLL_S = 0.25
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
-    """The Serve application: ingress -> Encoder (CPU) -> Decoder (GPU fraction or CPU)."""
+    """The Serve application: ingress -> Encoder (CPU) -> Decoder (GPU fraction or CPU). Serve's builder: it takes
+    the args only (a Serve config's `deployments:` section is applied by Serve itself)."""
+    return build_app_with_overrides(args)
+
+
+def deployed_names(args: AppArgs) -> tuple[str, ...]:
+    """The deployments `args` build."""
+    optional = {CPU_DECODER: args.decoder_cpu.enabled, WYOMING: args.wyoming.port is not None}
+    return tuple(name for name in DEPLOYMENT_NAMES if optional.get(name, True))
+
+
+def _decoder_checks(args: AppArgs, decoder: dict[str, Any], code: dict[str, Any]) -> None:
+    """The GPU Decoder's effective options against the decoder args they must agree with."""
+    if decoder["ray_actor_options"] != code["ray_actor_options"]:
+        raise ValueError(
+            f"deployments: {GPU_DECODER}'s ray_actor_options are built from decoder.num_cpus and decoder.num_gpus "
+            "(the plan, the memory budget and the MPS share read them): set those instead"
+        )
+    needed = args.decoder.batches_fill_at
+    if decoder["max_ongoing_requests"] < needed:
+        raise ValueError(
+            f"deployments: {GPU_DECODER}'s max_ongoing_requests ({decoder['max_ongoing_requests']}) must be >= "
+            f"decoder.max_batch_size x decoder.max_concurrent_batches ({needed}), or batches never fill"
+        )
+
+
+def _text_stream_checks(args: AppArgs, ingress: dict[str, Any]) -> None:
+    ingress_slots = ingress["max_ongoing_requests"]
+    if ingress_slots < 2:
+        raise ValueError(f"deployments: {INGRESS}'s max_ongoing_requests must be at least 2: text streams hold some")
+    if args.limits.max_text_streams >= ingress_slots:
+        raise ValueError(
+            f"limits.max_text_streams ({args.limits.max_text_streams}) must be below {INGRESS}'s max_ongoing_requests "
+            f"({ingress_slots}): text streams would take every slot plain requests need"
+        )
+
+
+def build_app_with_overrides(
+    args: AppArgs | dict[str, Any], deployments: Sequence[Mapping[str, Any]] | None = None
+) -> Application:
+    """`build_app` with a Serve config's `deployments:` section applied as Serve applies it (`cosyvoice-serve run`,
+    `serve_app.full_config`): unknown deployments or options, and an override of the GPU Decoder's
+    ray_actor_options, are a ValueError."""
     args = AppArgs.model_validate(args)
+    overrides = parse_overrides(deployments, deployed_names(args))
     # Bounded queues: a request over a bound is answered 503 with Retry-After instead of waiting without end.
     backpressure = {"retry_after_s": RETRY_AFTER_S}
     stopping = {
         "graceful_shutdown_timeout_s": args.limits.max_stream_s + SHUTDOWN_MARGIN_S,
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
     }
-    encoder_scaling = args.encoder.autoscaling
+
+    def options(name: str, code: Mapping[str, Any]) -> dict[str, Any]:
+        return effective_options({**DEFAULT_OPTIONS[name], **code}, overrides.get(name, {}))
+
     encoder = Encoder.options(
-        **replica_count(args.encoder.num_replicas, encoder_scaling and encoder_scaling.serve_config()),
-        max_ongoing_requests=args.encoder.max_ongoing_requests,
-        max_queued_requests=queue_bound(args.encoder.max_queued_requests),
-        backpressure_config=backpressure,
-        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,  # its requests are short: Serve's default timeout (20 s)
-        ray_actor_options=cpu_actor_options(args.encoder.num_cpus, args.cpu_resources),
+        # its requests are short: Serve's default timeout (20 s)
+        **options(ENCODER, {"backpressure_config": backpressure, "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S})
     ).bind(
         args.model,
         args.encoder.int8,
@@ -225,16 +261,17 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     decoder_scaling = args.decoder.autoscaling
     gpu_rules = decoder_scaling.rules if decoder_scaling else None
     wake = args.wake_rule()
-    decoder = Decoder.options(
-        **replica_count(args.decoder.num_replicas, decoder_scaling and decoder_scaling.serve_config(wake)),
-        max_ongoing_requests=args.decoder.ongoing_requests_limit,
-        max_queued_requests=queue_bound(args.decoder.max_queued_requests),
-        backpressure_config=backpressure,
+    decoder_code = {
+        "max_ongoing_requests": args.decoder.ongoing_requests_limit,
+        "backpressure_config": backpressure,
         **stopping,
-        ray_actor_options={"num_cpus": args.decoder.num_cpus, "num_gpus": args.decoder.num_gpus}
+        "ray_actor_options": {"num_cpus": args.decoder.num_cpus, "num_gpus": args.decoder.num_gpus}
         # set before the replica's process starts, so before CUDA reads it (at the first CUDA call)
         | ({"runtime_env": {"env_vars": args.decoder.mps_env}} if args.decoder.mps_env else {}),
-    ).bind(
+    } | ({"autoscaling_config": decoder_scaling.serve_config(wake)} if decoder_scaling else {})
+    decoder_options = options(GPU_DECODER, decoder_code)
+    _decoder_checks(args, decoder_options, decoder_code)
+    decoder = Decoder.options(**decoder_options).bind(
         args.model,
         use_gpu=args.decoder.num_gpus > 0,
         dtype=args.decoder.dtype,
@@ -247,31 +284,19 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
     )
     fallback = args.decoder_cpu
     decoder_cpu = None
-    # The fallback's replicas report as often as the GPU decoder's: their waits are what wake a GPU replica.
-    reporting = (
-        decoder_scaling.model_dump(include={"look_back_period_s", "metrics_interval_s"}) if decoder_scaling else {}
-    )
     if fallback.enabled:
         # The same Decoder class on CPU, each stage's precision chosen for the CPU (`auto`: bfloat16 flow where the
         # CPU has native bfloat16, INT8 LLM; float32 for the tiny models), scaled by its own policy (up while the GPU
-        # decoders may be at 0).
-        decoder_cpu = Decoder.options(
-            name=CPU_DECODER,
-            max_ongoing_requests=fallback.max_ongoing_requests,
-            max_queued_requests=queue_bound(fallback.max_queued_requests),
-            backpressure_config=backpressure,
-            **stopping,
-            **(
-                {"num_replicas": fallback.num_replicas}
-                if fallback.num_replicas is not None
-                else {
-                    "autoscaling_config": cpu_fallback_autoscaling_config(
-                        gpu_rules, fallback.scaling_rules, **reporting, wake=wake
-                    )
-                }
-            ),
-            ray_actor_options=cpu_actor_options(fallback.num_cpus, args.cpu_resources),
-        ).bind(
+        # decoders may be at 0), whose replicas report as often as the GPU decoder's: their waits wake a GPU replica.
+        scaling = cpu_fallback_autoscaling_config(
+            gpu_rules,
+            fallback.scaling_rules,
+            look_back_period_s=DECODER_LOOK_BACK_PERIOD_S,
+            metrics_interval_s=DECODER_METRICS_INTERVAL_S,
+            wake=wake,
+        )
+        fallback_code = {"backpressure_config": backpressure, **stopping, "autoscaling_config": scaling}
+        decoder_cpu = Decoder.options(name=CPU_DECODER, **options(CPU_DECODER, fallback_code)).bind(
             args.model,
             use_gpu=False,
             dtype="auto",
@@ -284,21 +309,16 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         # Imported only when asked for: it needs the optional `wyoming` package.
         from serve_app.wyoming_server import WyomingServer
 
-        wyoming = WyomingServer.options(
-            ray_actor_options=cpu_actor_options(WYOMING_NUM_CPUS, args.wyoming.resources)
-        ).bind(args.wyoming, args.ingress_limits, args.security, TTSIngress.name)
-    return TTSIngress.options(
-        num_replicas=args.ingress.num_replicas,
-        max_ongoing_requests=args.ingress.max_ongoing_requests,
-        max_queued_requests=queue_bound(args.ingress.max_queued_requests),
-        backpressure_config=backpressure,
-        **stopping,
-        ray_actor_options=cpu_actor_options(args.ingress.num_cpus, args.cpu_resources),
-    ).bind(
+        wyoming = WyomingServer.options(**options(WYOMING, {})).bind(
+            args.wyoming, args.limits, args.security, TTSIngress.name
+        )
+    ingress_options = options(INGRESS, {"backpressure_config": backpressure, **stopping})
+    _text_stream_checks(args, ingress_options)
+    return TTSIngress.options(**ingress_options).bind(
         encoder,
         decoder,
         args.served_model_name or served_name(args.model),
-        args.ingress_limits,
+        args.limits,
         security=args.security,
         openai=args.openai.model_copy(update={"voices": args.openai_voices}),
         decoder_cpu=decoder_cpu,

@@ -2,12 +2,14 @@
 GPU and at which fraction, their dtypes and memory, and the decoders' autoscaling range.
 
 `plan_for` is a pure function of the inventory (the GPUs and CPUs Ray sees), the model's sizes
-(`engine.loading.loader.model_sizes`) and the app args. The ingress and the encoders run on CPU. With a GPU the
-decoders go on it (`decoder.dtype` auto: float16, CosyVoice3 bfloat16 where the card has it natively), as many per
-card as its memory holds replicas of the model's footprint (`DecoderMemory`: the weights in those dtypes, the loop's
-memory budget for `decoder.max_batch_size` live sentences and its reserve, which the replica's allocator share must
-hold, and the CUDA context outside it) and the CPUs leave room for, scaled between 1 and that count on the decoder
-policy (`autoscaling.policy`). A card too small for one replica is a `PlanError` with the numbers and the CPU choice.
+(`engine.loading.loader.model_sizes`), the app args and the Serve config's `deployments:` overrides (the CPUs the
+ingress and the encoders take are their deployments' options: `serve_app.deployment_options`). The ingress and the
+encoders run on CPU. With a GPU the decoders go on it (`decoder.dtype` auto: float16, CosyVoice3 bfloat16 where the
+card has it natively), as many per card as its memory holds replicas of the model's footprint (`DecoderMemory`: the
+weights in those dtypes, the loop's memory budget for `decoder.max_batch_size` live sentences and its reserve, which
+the replica's allocator share must hold, and the CUDA context outside it) and the CPUs leave room for, scaled between
+1 and that count on the decoder policy (`autoscaling.policy`), or fixed at 1 (the `Decoder`'s num_replicas override)
+where only one fits. A card too small for one replica is a `PlanError` with the numbers and the CPU choice.
 `decoder.num_gpus` set in the args is kept (and checked); `device` cpu or cuda overrides the choice.
 
 A footprint measured on a card (`serve_app.footprints`) replaces that estimate where one matches; the plan says which
@@ -17,7 +19,7 @@ it used. The inventory comes from `serve_app.inventory`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -39,8 +41,20 @@ from engine.runtime.memory import (
 )
 from serve_app.args import AppArgs
 from serve_app.decoder_args import DecoderArgs
+from serve_app.deployment_options import (
+    DEFAULT_OPTIONS,
+    DEPLOYMENT_NAMES,
+    ENCODER,
+    INGRESS,
+    effective_options,
+    parse_overrides,
+    replica_floor,
+    replica_num_cpus,
+    with_options,
+)
 from serve_app.footprints import DecoderMemory, MeasuredFootprint, PlanError
 from serve_app.inventory import GIB, Gpu, Inventory
+from serve_app.routing import GPU_DECODER
 
 Device = Literal["auto", "cpu", "cuda"]
 GPU_FRACTION_STEPS = 10_000  # Ray keeps fractional resources to 1e-4
@@ -58,6 +72,7 @@ class Plan:
     memory: DecoderMemory | None  # None on CPU
     max_batch_size: int
     decoder_args: dict[str, Any]  # the app args' `decoder` section that runs it
+    deployments: list[dict[str, Any]]  # the Serve config's `deployments:` overrides that run it
     min_replicas: int
     max_replicas: int
     windows: tuple[str, ...]  # the autoscaling schedule's windows, in words
@@ -109,10 +124,12 @@ def plan_for(
     args: AppArgs,
     device: Device = "auto",
     measured: Sequence[MeasuredFootprint] = (),
+    deployments: Sequence[Mapping[str, Any]] = (),
 ) -> Plan:
-    """Where the app runs on `inventory`, with the footprints `measured` on cards where one matches (see the module
-    docstring). PlanError where it cannot."""
+    """Where the app runs on `inventory`, with the footprints `measured` on cards where one matches and the Serve
+    config's `deployments` overrides (see the module docstring). PlanError where it cannot."""
     decoder = args.decoder
+    overrides = parse_overrides(deployments, DEPLOYMENT_NAMES)
     pinned_fraction = decoder.num_gpus if "num_gpus" in decoder.model_fields_set else None
     cpu_only_dtype = decoder.dtype == AUTO_INT4_DTYPE  # torch's int4 kernel is a CPU one
     gpu_by_default = bool(inventory.gpus) and pinned_fraction != 0 and not cpu_only_dtype
@@ -122,7 +139,7 @@ def plan_for(
     if on_gpu and cpu_only_dtype:
         raise PlanError(f"decoder.dtype {AUTO_INT4_DTYPE} is for CPU decoders: run with --device cpu, or use auto")
     if not on_gpu:
-        return _cpu_plan(inventory, sizes, args)
+        return _cpu_plan(inventory, sizes, args, deployments)
     if pinned_fraction == 0:
         raise PlanError("--device cuda, but the app args pin decoder.num_gpus to 0")
     native_bfloat16 = all(gpu.native_bfloat16 for gpu in inventory.gpus)
@@ -146,10 +163,13 @@ def plan_for(
     if pinned_fraction is not None:
         per_gpu, fraction = _pinned_share(pinned_fraction, card, memory)
     else:
-        per_gpu, fraction = _shares(card, memory, _decoders_the_cpus_hold(inventory, args) // len(inventory.gpus))
+        cpu_bound = _decoders_the_cpus_hold(inventory, args, overrides) // len(inventory.gpus)
+        per_gpu, fraction = _shares(card, memory, cpu_bound)
     count = per_gpu * len(inventory.gpus)
     decoder_args = _scaled(args, count) | {"num_gpus": fraction, "max_batch_size": batch}
-    return _plan(args, inventory, dtypes, decoder_args, memory=memory, per_gpu=per_gpu, fraction=fraction)
+    if "autoscaling" not in decoder_args:  # one replica fits: fixed at 1, whatever count the config gives
+        deployments = with_options(deployments, GPU_DECODER, {"num_replicas": 1})
+    return _plan(args, inventory, dtypes, decoder_args, deployments, memory=memory, per_gpu=per_gpu, fraction=fraction)
 
 
 def _dtypes(name: str, auto: Callable[[], DecoderDtypes]) -> DecoderDtypes:
@@ -165,12 +185,17 @@ def _plan(
     inventory: Inventory,
     dtypes: DecoderDtypes,
     decoder_args: dict[str, Any],
+    deployments: Sequence[Mapping[str, Any]],
     memory: DecoderMemory | None = None,
     per_gpu: int = 0,
     fraction: float = 0.0,
 ) -> Plan:
-    """The plan of a decoder section: on the GPUs with a `memory` footprint, else on CPU."""
+    """The plan of a decoder section and the deployments' overrides: on the GPUs with a `memory` footprint, else on
+    CPU."""
     decoder = DecoderArgs.model_validate(decoder_args)
+    decoder_options = effective_options(
+        DEFAULT_OPTIONS[GPU_DECODER], parse_overrides(deployments, DEPLOYMENT_NAMES).get(GPU_DECODER, {})
+    )
     return Plan(
         model=args.model,
         inventory=inventory,
@@ -182,7 +207,8 @@ def _plan(
         memory=memory,
         max_batch_size=decoder.max_batch_size,
         decoder_args=decoder_args,
-        **_replica_range(decoder, args.decoder_cpu.enabled),
+        deployments=[dict(entry) for entry in deployments],
+        **_replica_range(decoder, replica_floor(decoder_options), args.decoder_cpu.enabled),
     )
 
 
@@ -234,40 +260,42 @@ def _pinned_share(fraction: float, card: int, memory: DecoderMemory) -> tuple[in
     return int(1 // fraction), fraction
 
 
-def _decoders_the_cpus_hold(inventory: Inventory, args: AppArgs) -> int:
-    """How many decoder replicas Ray can place beside the ingress and the encoders' floor, by their num_cpus."""
-    encoders = args.encoder.autoscaling.min_replicas if args.encoder.autoscaling else args.encoder.num_replicas
-    taken = args.ingress.num_replicas * args.ingress.num_cpus + encoders * args.encoder.num_cpus
+def _decoders_the_cpus_hold(inventory: Inventory, args: AppArgs, overrides: Mapping[str, Mapping[str, Any]]) -> int:
+    """How many decoder replicas Ray can place beside the ingress's and the encoders' floors, by their num_cpus (the
+    deployments' options: the code's with the config's overrides)."""
+    taken = 0.0
+    for name in (INGRESS, ENCODER):
+        options = effective_options(DEFAULT_OPTIONS[name], overrides.get(name, {}))
+        taken += replica_floor(options) * replica_num_cpus(options)
     return int((inventory.cpus - taken) // args.decoder.num_cpus)
 
 
 def _scaled(args: AppArgs, count: int) -> dict[str, Any]:
     """The decoder section with its replicas: autoscaled 1-`count` on the decoder policy (the args' own rules kept,
     their max capped at `count`; a schedule of the args' own, else none: a night at 0 needs the CPU fallback), or
-    fixed at 1 where only one fits."""
-    section = args.decoder.model_dump(exclude={"autoscaling", "num_replicas", "num_gpus"}, exclude_unset=True)
+    fixed where only one fits (no `autoscaling`: `plan_for` fixes the Decoder's num_replicas at 1)."""
+    section = args.decoder.model_dump(exclude={"autoscaling", "num_gpus"}, exclude_unset=True)
     scaling = args.decoder.autoscaling
     if scaling is None and count == 1:
-        return section | {"num_replicas": 1}
+        return section
     own_rules = scaling.rules.model_dump(mode="json", exclude_unset=True) if scaling else {}
     rules = {"min_replicas": 1, "schedule": {"windows": []}} | own_rules
     rules["max_replicas"] = min(rules.get("max_replicas", count), count)
     rules["min_replicas"] = min(rules["min_replicas"], rules["max_replicas"])
-    reporting = scaling.model_dump(exclude={"rules"}) if scaling else {}
-    return section | {"autoscaling": reporting | {"rules": rules}}
+    return section | {"autoscaling": {"rules": rules}}
 
 
-def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs) -> Plan:
+def _cpu_plan(inventory: Inventory, sizes: ModelSizes, args: AppArgs, deployments: Sequence[Mapping[str, Any]]) -> Plan:
     llm_int4 = args.decoder.dtype == AUTO_INT4_DTYPE
     dtypes = _dtypes(args.decoder.dtype, lambda: cpu_auto_choice(inventory.cpu, sizes.gemm, llm_int4))
     section = args.decoder.model_dump(mode="json", exclude={"num_gpus"}, exclude_unset=True) | {"num_gpus": 0}
-    return _plan(args, inventory, dtypes, section)
+    return _plan(args, inventory, dtypes, section, deployments)
 
 
-def _replica_range(decoder: DecoderArgs, fallback: bool) -> dict[str, Any]:
-    """The decoders' replica bounds, and the schedule's windows in words."""
+def _replica_range(decoder: DecoderArgs, fixed_count: int, fallback: bool) -> dict[str, Any]:
+    """The decoders' replica bounds (`fixed_count` without autoscaling), and the schedule's windows in words."""
     if decoder.autoscaling is None:
-        return {"min_replicas": decoder.num_replicas, "max_replicas": decoder.num_replicas, "windows": ()}
+        return {"min_replicas": fixed_count, "max_replicas": fixed_count, "windows": ()}
     rules = decoder.autoscaling.rules
     windows = tuple(
         f"{window.name} {window.start}-{window.end} {rules.schedule.timezone}: "

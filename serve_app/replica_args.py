@@ -1,57 +1,33 @@
-"""The CPU replicas' sections of the app args (`serve_app.args`): the encoders, the text front end, the ingress and
-the Wyoming listener."""
+"""The CPU replicas' sections of the app args (`serve_app.args`): the encoders, the text front end and the Wyoming
+listener."""
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from serve_app.args_base import ReplicaArgs, StrictArgs, inherited
+from serve_app.args_base import StrictArgs
+from serve_app.deployment_options import ENCODER, WYOMING, moved_to_deployment
 from serve_app.exposure import is_loopback
 
-# The encoders' Serve autoscaling timing, fixed: a short up delay (a burst must not wait at the encoders while the
-# decoders idle), a long down delay, and Serve's look-back and report interval for requests that take ~0.1 s.
-ENCODER_SCALING_TIMING = {
-    "upscale_delay_s": 5.0,
-    "downscale_delay_s": 300.0,
-    "look_back_period_s": 10.0,
-    "metrics_interval_s": 2.0,
-}
 
-
-class EncoderAutoscalingArgs(StrictArgs):
-    """Serve's built-in policy on the encoders' ongoing + queued requests (the fields are Serve's
-    `autoscaling_config` keys; its timing is `ENCODER_SCALING_TIMING`)."""
+class EncoderArgs(StrictArgs):
+    """CPU replicas: frontend, text encoder, voice features (their replicas and CPUs: deployment `Encoder`)."""
 
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
-        name: f"fixed at {value:g} s (serve_app.replica_args.ENCODER_SCALING_TIMING); to tune it anyway, give the "
-        "Encoder an autoscaling_config in the Serve config's `deployments:` section, which overrides the app's"
-        for name, value in ENCODER_SCALING_TIMING.items()
-    } | {"initial_replicas": "the encoders start at min_replicas (Serve's own default)"}
+        "num_cpus": moved_to_deployment("ray_actor_options: {num_cpus: ...}", ENCODER),
+        "max_ongoing_requests": moved_to_deployment("max_ongoing_requests", ENCODER),
+        "max_queued_requests": moved_to_deployment("max_queued_requests", ENCODER),
+        "num_replicas": moved_to_deployment("num_replicas", ENCODER),
+        "autoscaling": moved_to_deployment(
+            "autoscaling_config: {min_replicas, max_replicas, target_ongoing_requests, ...}", ENCODER
+        ),
+        "resources": moved_to_deployment("ray_actor_options: {num_cpus: ..., resources: {...}}", ENCODER),
+    }
 
-    min_replicas: int = Field(1, ge=1, description="the fewest encoder replicas")
-    max_replicas: int = Field(16, ge=1, description="the most encoder replicas")
-    target_ongoing_requests: float = Field(2.0, gt=0, description="per replica; the text encoder runs ~1 at a time")
-
-    @model_validator(mode="after")
-    def _bounds(self) -> EncoderAutoscalingArgs:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        return self
-
-    def serve_config(self) -> dict[str, Any]:
-        """The Encoder deployment's Serve `autoscaling_config`."""
-        return self.model_dump() | ENCODER_SCALING_TIMING
-
-
-class EncoderArgs(ReplicaArgs):
-    """CPU replicas: frontend, text encoder, voice features."""
-
-    num_replicas: int = Field(1, ge=1, description="fixed replica count, when `autoscaling` is not set")
-    autoscaling: EncoderAutoscalingArgs | None = Field(None, description="None: `num_replicas` fixed")
     int8: bool = Field(False, description="INT8 dynamic quantization of the text encoder's Linear layers")
 
 
@@ -66,18 +42,16 @@ class TextArgs(StrictArgs):
     )
 
 
-WYOMING_NUM_CPUS = 0.1
-
-
 class WyomingArgs(StrictArgs):
     """The Wyoming listener: the protocol Home Assistant talks to local text-to-speech engines (docs/clients.md).
     Wyoming has no authentication, so it is off until `port` is set, binds `host` (loopback by default), and a server
-    with API keys serves it only with `allow_keyless`. Its replica reserves `WYOMING_NUM_CPUS`: it only relays. It is
-    announced by mDNS (`_wyoming._tcp`, as Home Assistant discovers Wyoming services) on the interface it binds, where
-    the zeroconf package is installed."""
+    with API keys serves it only with `allow_keyless`. It is announced by mDNS (`_wyoming._tcp`, as Home Assistant
+    discovers Wyoming services) on the interface it binds, where the zeroconf package is installed. Its replica's
+    options: deployment `WyomingServer`."""
 
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
-        "num_cpus": "fixed at 0.1 (serve_app.replica_args.WYOMING_NUM_CPUS): the listener only relays text and audio",
+        "num_cpus": moved_to_deployment("ray_actor_options: {num_cpus: ...}", WYOMING),
+        "resources": moved_to_deployment("ray_actor_options: {num_cpus: ..., resources: {...}}", WYOMING),
         "max_connections": "fixed at 16 (serve_app.wyoming_listener.MAX_CONNECTIONS): a Home Assistant holds a few, "
         "and each synthesis is bounded by the ingress's own limits",
         "zeroconf": "always on where the zeroconf package is installed (serve_app.wyoming_zeroconf): the announcement "
@@ -97,11 +71,6 @@ class WyomingArgs(StrictArgs):
         False,
         description="serve Wyoming on a server with API keys all the same: its clients send no key, so they use the "
         "built-in speakers, the OpenAI voice names and the shared registered voices, outside the per-key limits",
-    )
-    resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="custom Ray resources the listener's replica needs: one only the node Home Assistant connects to "
-        "has",
     )
 
     @model_validator(mode="after")
@@ -137,12 +106,3 @@ class WyomingArgs(StrictArgs):
                 "every voice",
             )
         return ()
-
-
-class IngressArgs(ReplicaArgs):
-    """The HTTP ingress replicas (their queue is the HTTP proxy's)."""
-
-    num_replicas: int = Field(1, ge=1, description="ingress replicas (fixed)")
-    num_cpus: float = inherited(ReplicaArgs, "num_cpus", 0.25)
-    max_ongoing_requests: int = inherited(ReplicaArgs, "max_ongoing_requests", 64)
-    max_queued_requests: int | None = inherited(ReplicaArgs, "max_queued_requests", 256)

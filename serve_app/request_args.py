@@ -78,12 +78,12 @@ class LimitsArgs(StrictArgs):
         description="with API keys on, registered voices one key may own (shared ones count for none); past it, "
         "registering answers 409; None: only max_voices",
     )
-    max_text_streams: int | None = Field(
-        None,
+    max_text_streams: int = Field(
+        32,
         ge=1,
         description="text streams one ingress replica holds at once; one more is refused at its handshake with 503 "
-        "(1013 where the handshake cannot be answered). Below ingress.max_ongoing_requests, so that sockets never "
-        "take the slots plain requests need; None: half of them (32 of the default 64)",
+        "(1013 where the handshake cannot be answered). Below deployment TTSIngress's max_ongoing_requests (64 by "
+        "default), so that sockets never take the slots plain requests need",
     )
     max_concurrent_requests_per_key: int | None = Field(
         8,

@@ -113,7 +113,7 @@ def test_cpu_replicas_ask_for_the_cpu_node_resource() -> None:
     deployments = built_deployments(gpu_profile())
     for name in CPU_DEPLOYMENTS:
         options = deployments[name].ray_actor_options
-        assert options["num_gpus"] == 0 and options["resources"][CPU_NODE] > 0, name
+        assert options.get("num_gpus", 0) == 0 and options["resources"][CPU_NODE] > 0, name  # Ray's default: none
     assert CPU_NODE not in deployments["Decoder"].ray_actor_options.get("resources", {})
 
 

@@ -20,10 +20,12 @@ import ray
 import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.serve import Application
 
-from autoscaling.policy import RayWakeBoard
-from serve_app import build_app
+from autoscaling.policy import RayWakeBoard, cpu_fallback_autoscaling_config, decoder_autoscaling_config
+from serve_app.args import AppArgs
 from serve_app.bench.http_load import free_port
+from serve_app.ingress import build_app_with_overrides
 from tests.serve.conftest import OBJECT_STORE_BYTES, wait_until
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
@@ -47,19 +49,48 @@ def profile_args(schedule: dict[str, Any], fallback: bool) -> dict[str, Any]:
     args = deepcopy(application["args"])
     args["model"] = "tiny"
     args.pop("voices_dir")  # the profile's S3 store: this test clones no voice
-    args["ingress"].update(num_replicas=1, num_cpus=0.1)
-    args["encoder"].update(num_cpus=0.2, int8=False, autoscaling={"min_replicas": 1, "max_replicas": 1})
+    args["encoder"].update(int8=False)
     decoder = args["decoder"]
     assert decoder["num_gpus"] == 0.25  # scheduled on the fake GPU, as on the cluster
-    decoder.update(dtype="float32", num_cpus=0.2, max_batch_size=2, max_ongoing_requests=4, memory_budget_gb=None)
-    decoder["autoscaling"] = {
-        "rules": {**SECONDS_RULES, "schedule": schedule},
-        "look_back_period_s": 1.0,
-        "metrics_interval_s": 0.5,
-    }
-    args["decoder_cpu"].update(enabled=fallback, num_cpus=0.2)
+    decoder.update(dtype="float32", num_cpus=0.2, max_batch_size=2, memory_budget_gb=None)
+    decoder["autoscaling"] = {"rules": {**SECONDS_RULES, "schedule": schedule}}
+    args["decoder_cpu"].update(enabled=fallback)
     args["limits"]["max_stream_s"] = 30
     return args
+
+
+def profile_app(args: dict[str, Any]) -> Application:
+    """The app of `args` with configs/gpu_cluster.yaml's deployment overrides sized for a 2-core machine, and the
+    decoders' policies fed every 0.5 s over a 1 s look-back (their autoscaling_config overridden whole, as a Serve
+    config would: the code's, with that timing)."""
+    app_args = AppArgs.model_validate(args)
+    rules, wake = app_args.decoder.autoscaling.rules, app_args.wake_rule()
+    on_cpu_node = {"resources": {"cpu_node": 1}}
+    deployments = [
+        {"name": "TTSIngress", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1, **on_cpu_node}},
+        {
+            "name": "Encoder",
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 1},
+            "ray_actor_options": {"num_cpus": 0.2, **on_cpu_node},
+        },
+        {
+            "name": "Decoder",
+            "max_ongoing_requests": 4,
+            "autoscaling_config": decoder_autoscaling_config(rules, 1.0, 0.5, wake),
+        },
+    ]
+    if app_args.decoder_cpu.enabled:
+        fallback = cpu_fallback_autoscaling_config(
+            rules, app_args.decoder_cpu.scaling_rules, look_back_period_s=1.0, metrics_interval_s=0.5, wake=wake
+        )
+        deployments.append(
+            {
+                "name": "DecoderCPU",
+                "autoscaling_config": fallback,
+                "ray_actor_options": {"num_cpus": 0.2, **on_cpu_node},
+            }
+        )
+    return build_app_with_overrides(args, deployments)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +130,7 @@ async def send(base: str, count: int, concurrency: int) -> list[int]:
 
 
 def test_decoder_scales_from_its_floor_up_under_load_and_back_down(base_url: str) -> None:
-    serve.run(build_app(profile_args({"timezone": "UTC", "windows": []}, fallback=False)), name=APP, route_prefix="/")
+    serve.run(profile_app(profile_args({"timezone": "UTC", "windows": []}, fallback=False)), name=APP, route_prefix="/")
     assert running("Decoder") == 1  # the floor (initial_replicas)
     peak = 1
     deadline = time.monotonic() + 60
@@ -126,7 +157,7 @@ def night_app(base_url: str) -> str:
     args = profile_args({"timezone": "UTC", "windows": [night]}, fallback=True)
     args["scheduler"] = {**args.get("scheduler", {}), "target_first_audio_s": 0.5}
     args["decoder_cpu"].update(wake_queued=4.0)
-    serve.run(build_app(args), name=APP, route_prefix="/")
+    serve.run(profile_app(args), name=APP, route_prefix="/")
     wait_until(lambda: running("DecoderCPU") >= 1, 60, "the CPU fallback (its policy is active at night)")
     wait_until(lambda: running("Decoder") == 0, 60, "the drained GPU decoder to go to 0")
     return base_url

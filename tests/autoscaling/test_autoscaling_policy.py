@@ -8,9 +8,11 @@ import logging
 import random
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+import yaml
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -38,12 +40,13 @@ from autoscaling.policy import (
     gpu_draining,
 )
 from autoscaling.schedule import Schedule, ScheduleWindow
-from serve_app.replica_args import ENCODER_SCALING_TIMING, EncoderAutoscalingArgs
 
 UTC = ZoneInfo("UTC")
 NO_SCHEDULE = Schedule()
 # A Monday noon in UTC: outside the windows used below unless a test sets its own.
 NOON = dt.datetime(2025, 1, 6, 12, 0, tzinfo=UTC).timestamp()
+
+GPU_PROFILE = Path(__file__).resolve().parents[2] / "configs" / "gpu_cluster.yaml"
 
 
 def make_context(
@@ -451,10 +454,6 @@ def test_recommended_configs_validate_with_serve() -> None:
     ):
         kwargs = AutoscalingConfig(**config).policy.policy_kwargs
         assert policy_class(**json.loads(json.dumps(kwargs))).wake == wake
-    encoder_args = EncoderAutoscalingArgs()
-    encoder = AutoscalingConfig(**encoder_args.model_dump(exclude_none=True))
-    assert encoder.policy.is_default_policy_function()
-    assert encoder.get_target_ongoing_requests() == encoder_args.target_ongoing_requests
 
 
 class FakeClock:
@@ -606,14 +605,16 @@ def test_missing_nvml_is_logged_and_falls_back_to_busy_time() -> None:
 
 
 def test_an_encoder_burst_scales_the_encoders_within_the_up_delay() -> None:
-    """Serve's default policy with the encoder args: 32 requests at 1 replica (target 2 each) ask for 16
-    replicas once `upscale_delay_s` passed, so a burst does not wait at the encoders while decoders idle."""
+    """Serve's default policy with the GPU profile's Encoder autoscaling_config (configs/gpu_cluster.yaml's
+    `deployments:`): 32 requests at 1 replica (target 2 each) ask for 16 replicas once `upscale_delay_s` passed, so a
+    burst does not wait at the encoders while decoders idle."""
     from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
     from autoscaling.simulate import serve_decision
 
-    encoder = EncoderAutoscalingArgs()
-    config = AutoscalingConfig(**encoder.serve_config())  # what the Encoder deployment gets
+    (application,) = yaml.safe_load(GPU_PROFILE.read_text())["applications"]
+    (encoder,) = [entry for entry in application["deployments"] if entry["name"] == "Encoder"]
+    config = AutoscalingConfig(**encoder["autoscaling_config"])  # what the Encoder deployment gets
     target, state, history = 1, {}, []
     for tick in range(80):  # 8 s of 0.1 s controller ticks
         now = NOON + 0.1 * tick
@@ -622,6 +623,6 @@ def test_an_encoder_burst_scales_the_encoders_within_the_up_delay() -> None:
         target, state = serve_decision(replica_queue_length_autoscaling_policy, ctx, now)
         history.append((round(0.1 * tick, 1), target))
     first = first_change(history, 1)
-    assert first is not None and first[1] == encoder.max_replicas == 16
-    up_delay_s = ENCODER_SCALING_TIMING["upscale_delay_s"]
+    assert first is not None and first[1] == config.max_replicas == 16
+    up_delay_s = config.upscale_delay_s
     assert up_delay_s <= first[0] <= up_delay_s + 0.5

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -28,8 +28,8 @@ import websockets
 from ray import serve
 
 from engine.voices.registry import EVERYONE, VoiceRegistryFullError
-from serve_app import build_app
 from serve_app.bench.http_load import free_port
+from serve_app.ingress import build_app_with_overrides
 
 OBJECT_STORE_BYTES = 256 * 2**20  # the default (30% of RAM) is far more than the tiny model needs
 READY_TIMEOUT_S = 60.0
@@ -51,10 +51,22 @@ def wait_until_healthy(base_url: str, timeout_s: float = READY_TIMEOUT_S) -> Non
     wait_until(healthy, timeout_s, "/healthz to answer 200", interval_s=0.1)
 
 
+def on_cpus(**num_cpus: float) -> list[dict[str, Any]]:
+    """Deployment overrides that reserve `num_cpus` for each replica of the deployments named (TTSIngress=0.1, ...):
+    the apps of a test fit a 2-CPU Ray."""
+    return [{"name": name, "ray_actor_options": {"num_cpus": cpus}} for name, cpus in num_cpus.items()]
+
+
 @contextmanager
-def running_app(app_args: dict[str, Any], app_name: str, host: str = "127.0.0.1", **ray_options: Any) -> Iterator[str]:
-    """`build_app(app_args)` served at route "/" on a 2-CPU Ray, HTTP on `host` (a loopback address); yields the
-    base URL, shuts both down after."""
+def running_app(
+    app_args: dict[str, Any],
+    app_name: str,
+    host: str = "127.0.0.1",
+    deployments: Sequence[Mapping[str, Any]] = (),
+    **ray_options: Any,
+) -> Iterator[str]:
+    """`app_args` with the Serve config's `deployments` overrides served at route "/" on a 2-CPU Ray, HTTP on `host`
+    (a loopback address); yields the base URL, shuts both down after."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a new local Ray would otherwise want a token
     # address="local": a new Ray of our own, even while another process runs a cluster on this machine.
     ray.init(
@@ -68,7 +80,7 @@ def running_app(app_args: dict[str, Any], app_name: str, host: str = "127.0.0.1"
     try:
         port = free_port()
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(app_args), name=app_name, route_prefix="/")
+        serve.run(build_app_with_overrides(app_args, deployments), name=app_name, route_prefix="/")
         base_url = f"http://{host}:{port}"
         wait_until_healthy(base_url)
         yield base_url

@@ -3,33 +3,38 @@ sets a removed or moved field is told.
 
 Counting rule (`serve_app.full_config.leaf_knobs`): walk `AppArgs` from the top; a field whose type holds a pydantic
 model (itself, optional, or a tuple of them, such as `voices` and a schedule's `windows`) is a section, walked into;
-every other field is a leaf knob, counted once per place a config can set it (`ingress.num_cpus` and
-`encoder.num_cpus` are two knobs, though the replica base documents them once).
+every other field is a leaf knob, counted once per place a config can set it (`decoder.autoscaling.rules.max_replicas`
+and `decoder_cpu.max_replicas` are two knobs). Serve's own options of the deployments are not app args: a Serve
+config's `deployments:` section sets them (`serve_app.deployment_options`).
 """
 
 from __future__ import annotations
 
 import logging
 import types
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from ray.serve._private.build_app import build_app as build_deployments
 
 from serve_app.args import AppArgs
 from serve_app.full_config import knob_table, leaf_knobs, main
+from serve_app.ingress import build_app_with_overrides
 from serve_app.request_args import LimitsArgs
 
 # The most leaf knobs the app args may have. Only lower it: a new knob must replace one (or be derived instead).
-MAX_LEAF_KNOBS = 84
+MAX_LEAF_KNOBS = 62
 
 
 def test_the_count_follows_the_rule() -> None:
     """The walk finds nested sections (optional ones and tuples of them too) and counts none of them as a knob."""
     knobs = dict(leaf_knobs())
     assert "decoder.autoscaling.rules.schedule.windows.start" in knobs  # a tuple of models, walked into
-    assert "encoder.autoscaling.max_replicas" in knobs  # an optional section
-    assert "ingress.num_cpus" in knobs and "encoder.num_cpus" in knobs  # one base, counted where each is set
+    assert "decoder.autoscaling.rules.max_replicas" in knobs  # inside an optional section
+    assert "decoder_cpu.max_replicas" in knobs  # a field of the same name, counted where each is set
     assert not {"decoder", "decoder.autoscaling", "voices", "decoder.autoscaling.rules.schedule"} & knobs.keys()
+    assert not {"ingress.num_cpus", "encoder.num_replicas", "decoder.max_ongoing_requests"} & knobs.keys()  # Serve's
     assert isinstance(AppArgs.model_fields["voices"].annotation, types.GenericAlias)
 
 
@@ -65,8 +70,19 @@ def test_every_knob_is_documented() -> None:
         ("decoder_cpu", "batch_wait_timeout_s", "decoder.batch_wait_timeout_s"),
         ("limits", "max_input_tokens", "1.5 x max_input_chars"),
         ("limits", "max_prompt_audio_channels", "MAX_PROMPT_CHANNELS"),
-        ("wyoming", "num_cpus", "WYOMING_NUM_CPUS"),
-        ("decoder", "resources", "cpu_resources"),
+        ("wyoming", "num_cpus", "`ray_actor_options: {num_cpus: ...}` of deployment `WyomingServer`"),
+        ("wyoming", "resources", "`ray_actor_options: .*` of deployment `WyomingServer`"),
+        (
+            "encoder",
+            "num_cpus",
+            "`ray_actor_options: {num_cpus: ...}` of deployment `Encoder` in the Serve config's `deployments:`",
+        ),
+        ("encoder", "autoscaling", "`autoscaling_config: .*` of deployment `Encoder`"),
+        ("decoder", "max_ongoing_requests", "of deployment `Decoder`.*2 x max_batch_size x max_concurrent_batches"),
+        ("decoder", "num_replicas", "`num_replicas` of deployment `Decoder`"),
+        ("decoder", "resources", "decoder.num_cpus and decoder.num_gpus"),
+        ("decoder_cpu", "num_cpus", "of deployment `DecoderCPU`"),
+        ("decoder_cpu", "num_replicas", "`num_replicas` of deployment `DecoderCPU`.*autoscaling_config: null"),
         ("security", "api_keys_env", "fixed at COSYVOICE_API_KEYS"),
         ("security", "admin_keys_env", "fixed at COSYVOICE_ADMIN_KEYS"),
         ("limits", "max_prompt_audio_s", "fixed at 30 s .*speech tokenizer's limit"),
@@ -108,11 +124,18 @@ def test_a_removed_scaling_rule_is_refused_with_why(rule: str, named: str) -> No
         AppArgs.model_validate({"decoder": {"autoscaling": {"rules": {rule: 3.0}}}})
 
 
-def test_the_encoders_fixed_timing_names_the_serve_config_override() -> None:
-    with pytest.raises(ValidationError, match=r"upscale_delay_s was removed: fixed at 5 s.*deployments:"):
-        AppArgs.model_validate({"encoder": {"autoscaling": {"upscale_delay_s": 1}}})
-    scaling = AppArgs.model_validate({"encoder": {"autoscaling": {"max_replicas": 3}}}).encoder.autoscaling
-    assert scaling is not None and scaling.serve_config()["upscale_delay_s"] == 5.0
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"ingress": {"num_replicas": 2}}, "ingress was removed: .*of deployment `TTSIngress`"),
+        ({"cpu_resources": {"cpu_node": 1}}, "cpu_resources was removed: .*resources: {cpu_node: 1}.*`TTSIngress, "),
+        ({"decoder": {"autoscaling": {"look_back_period_s": 5}}}, "look_back_period_s was removed: .*30 s"),
+        ({"decoder": {"autoscaling": {"metrics_interval_s": 5}}}, "metrics_interval_s was removed: .*10 s"),
+    ],
+)
+def test_a_removed_section_or_setting_is_refused_with_what_replaced_it(config: dict, named: str) -> None:
+    with pytest.raises(ValidationError, match=named):
+        AppArgs.model_validate(config)
 
 
 def test_the_prompt_cache_share_moved_to_the_decoder(caplog: pytest.LogCaptureFixture) -> None:
@@ -128,27 +151,59 @@ def test_the_prompt_cache_share_moved_to_the_decoder(caplog: pytest.LogCaptureFi
         AppArgs.model_validate({"scheduler": {"prompt_cache_share": 0.2}, "decoder": {"prompt_cache_share": 0.3}})
 
 
-def test_the_cpu_replicas_resources_moved_to_one_field(caplog: pytest.LogCaptureFixture) -> None:
-    """An old config's equal `resources` on every deployed CPU section are read as `cpu_resources`; one that leaves a
-    deployed section out, or gives two, is refused (moving it would pin that section too, or pick one)."""
-    pinned = {"resources": {"cpu_node": 1}}
-    serve_logger = logging.getLogger("ray.serve")
-    serve_logger.addHandler(caplog.handler)
-    try:
-        args = AppArgs.model_validate({"ingress": pinned, "encoder": {**pinned, "int8": True}})
-    finally:
-        serve_logger.removeHandler(caplog.handler)
-    assert args.cpu_resources == {"cpu_node": 1} and args.encoder.int8
-    assert "read as cpu_resources" in caplog.text
-    for refused in (
-        {"ingress": pinned},
-        {"ingress": pinned, "encoder": pinned, "decoder_cpu": {"enabled": True}},
-        {"ingress": pinned, "encoder": {"resources": {"other": 1}}},
-        {"ingress": pinned, "encoder": pinned, "cpu_resources": {"cpu_node": 1}},
-    ):
-        with pytest.raises(ValidationError, match="places every CPU replica"):
-            AppArgs.model_validate(refused)
-
-
 def test_the_token_bound_follows_the_character_bound() -> None:
     assert LimitsArgs(max_input_chars=200).max_input_tokens == 300
+
+
+def built(args: dict[str, Any], deployments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The deployments `build_app_with_overrides` makes of `args` and `deployments`, by name (no Ray needed)."""
+    app = build_app_with_overrides(args, deployments)
+    return {deployment.name: deployment for deployment in build_deployments(app, name="app").deployments}
+
+
+def test_a_deployment_override_reaches_the_deployment_as_serve_applies_it() -> None:
+    deployments = built(
+        {"decoder_cpu": {"enabled": True}},
+        [
+            {"name": "TTSIngress", "num_replicas": 3, "max_ongoing_requests": 100},
+            {"name": "Encoder", "ray_actor_options": {"num_cpus": 2, "resources": {"cpu_node": 1}}},
+            {"name": "DecoderCPU", "autoscaling_config": None, "num_replicas": 2, "max_queued_requests": 5},
+        ],
+    )
+    ingress = deployments["TTSIngress"]
+    assert (ingress.num_replicas, ingress.max_ongoing_requests) == (3, 100)
+    assert ingress._deployment_config.max_queued_requests == 256  # the code's, where the override says nothing
+    # ray_actor_options replaced whole, as Serve replaces them (num_gpus: Ray's default)
+    assert deployments["Encoder"].ray_actor_options == {"num_cpus": 2.0, "resources": {"cpu_node": 1}}
+    fallback = deployments["DecoderCPU"]._deployment_config
+    assert fallback.autoscaling_config is None and fallback.num_replicas == 2 and fallback.max_queued_requests == 5
+    decoder = deployments["Decoder"]
+    assert decoder.max_ongoing_requests == 2 * 8 * 2  # the derived default: 2 x max_batch_size x max_concurrent
+    assert decoder.ray_actor_options == {"num_cpus": 0.5, "num_gpus": 0.0}
+
+
+def test_a_replica_count_beside_the_codes_autoscaling_leaves_the_autoscaling_in_force() -> None:
+    """As Serve's override does (it keeps the code's autoscaling_config): an autoscaling_config set by either wins."""
+    scaled = {"decoder": {"autoscaling": {"rules": {"max_replicas": 3}}}}
+    decoder = built(scaled, [{"name": "Decoder", "num_replicas": 2}])["Decoder"]._deployment_config
+    assert decoder.autoscaling_config is not None and decoder.autoscaling_config.max_replicas == 3
+    encoder = built({}, [{"name": "Encoder", "autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}])
+    assert encoder["Encoder"]._deployment_config.autoscaling_config.max_replicas == 4
+
+
+@pytest.mark.parametrize(
+    ("deployments", "named"),
+    [
+        ([{"name": "Ingress"}], r"no deployment 'Ingress' in this app; its deployments: \['Decoder', 'Encoder', "),
+        ([{"name": "DecoderCPU"}], "no deployment 'DecoderCPU'"),  # not deployed: decoder_cpu.enabled is off
+        ([{"name": "Encoder", "num_cpus": 2}], r"Encoder has no option num_cpus; Serve's options: \[.*'ray_actor_"),
+        ([{"name": "Encoder", "max_ongoing_requests": "many"}], "Encoder: .*max_ongoing_requests"),
+        ([{"name": "Encoder"}, {"name": "Encoder"}], "Encoder is listed twice"),
+        ([{"name": "Decoder", "ray_actor_options": {"num_cpus": 4}}], "decoder.num_cpus and decoder.num_gpus"),
+        ([{"name": "Decoder", "max_ongoing_requests": 4}], r"max_batch_size x decoder.max_concurrent_batches \(16\)"),
+        ([{"name": "TTSIngress", "max_ongoing_requests": 32}], r"max_text_streams \(32\) must be below TTSIngress"),
+    ],
+)
+def test_a_bad_deployment_override_is_a_clear_error(deployments: list[dict[str, Any]], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        build_app_with_overrides({}, deployments)

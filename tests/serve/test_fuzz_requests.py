@@ -27,7 +27,7 @@ from ray import serve
 
 from serve_app.audio import FORMATS
 from serve_app.text_stream import TEXT_STREAM_IDLE_S
-from tests.serve.conftest import TEXT_STREAM_PATH, running_app, text_stream_exchange
+from tests.serve.conftest import TEXT_STREAM_PATH, on_cpus, running_app, text_stream_exchange
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -42,8 +42,6 @@ EXAMPLES = 80
 def base_url() -> Iterator[str]:
     args = {
         "model": "tiny",
-        "ingress": {"num_cpus": 0.25},
-        "encoder": {"num_cpus": 0.25},
         "decoder": {"num_cpus": 0.5, "max_batch_size": 4},
         "limits": {
             "max_input_chars": MAX_INPUT_CHARS,
@@ -52,7 +50,7 @@ def base_url() -> Iterator[str]:
             "max_stream_s": 60,
         },
     }
-    with running_app(args, APP) as url:
+    with running_app(args, APP, deployments=on_cpus(TTSIngress=0.25, Encoder=0.25)) as url:
         yield url
 
 

@@ -25,7 +25,7 @@ from serve_app.cli_run import follow_plan
 from serve_app.inventory import Gpu, Inventory
 from serve_app.request_args import OPENAI_VOICE_NAMES
 from tests.engine.conftest import REPO_ID, V3_KIT_MODEL, hugging_face_cache
-from tests.serve.conftest import running_app
+from tests.serve.conftest import on_cpus, running_app
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -58,10 +58,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
         patch.setattr(constants, "HF_HUB_OFFLINE", True)
-        args = {"model": REPO_ID, "voices_dir": str(root / "voices"), "encoder": {"num_cpus": 0.25}}
+        args = {"model": REPO_ID, "voices_dir": str(root / "voices")}
         machine = Inventory(gpus=(EIGHT_GB_CARD,), cpus=2, cpu=CpuCapabilities(frozenset()))
-        planned = follow_plan(args, "auto", machine)
-        with running_app(planned, "one_gpu", num_gpus=1) as url:
+        planned, deployments = follow_plan(args, on_cpus(Encoder=0.25), "auto", machine)
+        with running_app(planned, "one_gpu", deployments=deployments, num_gpus=1) as url:
             yield url, planned
 
 

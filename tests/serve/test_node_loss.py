@@ -25,8 +25,9 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from serve_app import build_app
+from autoscaling.policy import ScalingRules, decoder_autoscaling_config
 from serve_app.bench.http_load import free_port
+from serve_app.ingress import build_app_with_overrides
 from tests.serve.conftest import OBJECT_STORE_BYTES, wait_until, wait_until_healthy
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
@@ -41,9 +42,6 @@ WHOLE = 2
 CLIENT_TIMEOUT_S = 120.0  # generous: a hang shows as a timeout, never as a stuck test
 ARGS: dict[str, Any] = {
     "model": "tiny",
-    "cpu_resources": {"cpu_node": 1},
-    "ingress": {"num_cpus": 0.1},
-    "encoder": {"num_cpus": 0.2},
     "decoder": {
         "num_gpus": 0.25,  # only the worker has a (fake) GPU: no CUDA here, so it computes on CPU in fp32
         "num_cpus": 0.2,
@@ -51,17 +49,23 @@ ARGS: dict[str, Any] = {
         "memory_budget_gb": None,
         "max_batch_size": 2,
         "max_concurrent_batches": 1,
-        "max_ongoing_requests": 2,
-        "autoscaling": {
-            "rules": {"min_replicas": 1, "max_replicas": 1},
-            "look_back_period_s": 1.0,
-            "metrics_interval_s": 0.5,
-        },
+        "autoscaling": {"rules": {"min_replicas": 1, "max_replicas": 1}},
     },
     # The ingress re-sends a stream for REROUTE_S (30 s): it waits for Ray to declare the node dead (~10 s), then for
     # a replacement on the new node (measured here ~20 s after the removal, on 2 CPU cores shared with other work).
     "limits": {"max_stream_s": 60},
 }
+ON_CPU_NODE = {"resources": {"cpu_node": 1}}
+DEPLOYMENTS: list[dict[str, Any]] = [
+    {"name": "TTSIngress", "ray_actor_options": {"num_cpus": 0.1, **ON_CPU_NODE}},
+    {"name": "Encoder", "ray_actor_options": {"num_cpus": 0.2, **ON_CPU_NODE}},
+    {
+        "name": "Decoder",
+        "max_ongoing_requests": 2,
+        # the code's policy, its replicas reporting every 0.5 s over a 1 s look-back
+        "autoscaling_config": decoder_autoscaling_config(ScalingRules(min_replicas=1, max_replicas=1), 1.0, 0.5),
+    },
+]
 
 
 def add_gpu_worker(cluster: Cluster) -> Any:
@@ -132,7 +136,7 @@ class HealthWatch(threading.Thread):
 def test_a_node_lost_under_load(cluster: Cluster) -> None:
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(ARGS), name=APP, route_prefix="/")
+    serve.run(build_app_with_overrides(ARGS, DEPLOYMENTS), name=APP, route_prefix="/")
     base_url = f"http://127.0.0.1:{port}"
     wait_until_healthy(base_url)
     (worker,) = cluster.worker_nodes

@@ -23,7 +23,7 @@ from observability.http import is_valid_request_id  # noqa: E402
 from serve_app.bench.http_load import free_port, percentiles  # noqa: E402
 from serve_app.cli import main as cli_main  # noqa: E402
 from tests.autoscaling.test_autoscaling_policy import NO_SCHEDULE, NOON, make_context  # noqa: E402
-from tests.serve.conftest import running_app  # noqa: E402
+from tests.serve.conftest import on_cpus, running_app  # noqa: E402
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -39,11 +39,11 @@ def server() -> Iterator[tuple[str, int]]:
     metrics_port = free_port()
     args = {
         "model": "tiny",
-        "ingress": {"num_cpus": 0.25},
-        "encoder": {"num_cpus": 0.25},
         "decoder": {"num_cpus": 0.5, "max_batch_size": 4, "batch_wait_timeout_s": 0.2},
     }
-    with running_app(args, APP_NAME, _metrics_export_port=metrics_port) as url:
+    with running_app(
+        args, APP_NAME, deployments=on_cpus(TTSIngress=0.25, Encoder=0.25), _metrics_export_port=metrics_port
+    ) as url:
         yield url, metrics_port
 
 

@@ -92,7 +92,7 @@ def test_each_card_holds_the_replicas_it_is_given_and_no_more(version: str, card
     decoder = AppArgs.model_validate({"model": MODELS[version], "decoder": plan.decoder_args}).decoder
     assert decoder.num_gpus == plan.gpu_fraction
     if n == 1:
-        assert decoder.autoscaling is None and decoder.num_replicas == 1
+        assert decoder.autoscaling is None and plan.deployments == [{"name": "Decoder", "num_replicas": 1}]
     else:  # 1 to the card's count, on the decoder policy (its 70%/5 min up, 30%/20 min down rules)
         rules = decoder.autoscaling.rules
         assert (rules.min_replicas, rules.max_replicas) == (1, n) == (plan.min_replicas, plan.max_replicas)
@@ -115,6 +115,18 @@ def test_the_cpus_bound_the_replicas() -> None:
     6 decoders fit, whatever the card holds."""
     plan = plan_for(machine(CARDS[80], cpus=4), sizes_of("v1"), args_for("v1"))
     assert plan.replicas_per_gpu == 6
+
+
+def test_the_cpus_the_deployment_overrides_give_bound_the_replicas() -> None:
+    """The ingress's and the encoders' CPUs are their deployments' options: 2 ingress replicas at 0.5 and an
+    encoder floor of 2 at 0.5 take 2 of 4 CPUs, which leave 4 decoders at 0.5."""
+    deployments = [
+        {"name": "TTSIngress", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
+        {"name": "Encoder", "autoscaling_config": {"min_replicas": 2, "max_replicas": 4}},  # 0.5 CPU: the code's
+    ]
+    plan = plan_for(machine(CARDS[80], cpus=4), sizes_of("v1"), args_for("v1"), deployments=deployments)
+    assert plan.replicas_per_gpu == 4
+    assert plan.deployments == deployments  # nothing fixed: the decoders scale 1-4
 
 
 def test_without_a_gpu_the_decoders_run_on_cpu() -> None:

@@ -18,10 +18,10 @@ from ray import serve
 
 from engine.errors import UnknownVoiceError
 from engine.voices.registry import is_voice_id, provisioned_voice_id
-from serve_app import build_app
 from serve_app.args import AppArgs
+from serve_app.ingress import build_app_with_overrides
 from serve_app.voice_names import mapped_voice, openai_voice_table
-from tests.serve.conftest import running_app
+from tests.serve.conftest import on_cpus, running_app
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -83,7 +83,7 @@ def test_a_model_without_built_in_speakers_maps_openai_names_to_registered_voice
 
 # --- a real app ---------------------------------------------------------------------------------------------
 
-SMALL = {"ingress": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
+SMALL = {"decoder": {"num_cpus": 0.3}}
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}
 
 
@@ -94,11 +94,15 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, di
     args = {
         "model": "cosyvoice3-tiny",
         **SMALL,
-        "encoder": {"num_cpus": 0.1, "num_replicas": 2},  # both provision it at start: one voice
         "voices_dir": str(voices_dir),
         "voices": [voice_args(str(wav_file(root / "narrator.wav")), name="The narrator")],
     }
-    with running_app(args, "provisioned") as url:
+    # two encoder replicas: both provision it at start, one voice
+    deployments = [
+        *on_cpus(TTSIngress=0.1),
+        {"name": "Encoder", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}},
+    ]
+    with running_app(args, "provisioned", deployments=deployments) as url:
         yield url, args, voices_dir
 
 
@@ -127,9 +131,8 @@ def test_one_voice_across_replicas_and_redeploys(deployed: tuple[str, dict[str, 
     ]
     before = (voices_dir / f"{NARRATOR}.json").read_text()
     # A redeploy with new encoder replicas (another replica count) finds the voice and keeps it as it was.
-    serve.run(
-        build_app({**args, "encoder": {"num_cpus": 0.1, "num_replicas": 1}}), name="provisioned", route_prefix="/"
-    )
+    one_encoder = on_cpus(TTSIngress=0.1, Encoder=0.1)
+    serve.run(build_app_with_overrides(args, one_encoder), name="provisioned", route_prefix="/")
     with httpx.Client(base_url=url, timeout=300) as client:
         response = client.post("/v1/tts", json={"text": "Again.", "voice": "alloy", "format": "wav", **SHORT})
         assert response.status_code == 200, response.text

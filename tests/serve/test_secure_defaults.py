@@ -50,10 +50,16 @@ def test_run_leaves_ray_token_auth_on_and_binds_ray_to_loopback_with_http(
 
 
 def test_run_starts_two_ingress_replicas_unless_told_otherwise() -> None:
-    options = cli.parser().parse_args(["run"])
-    assert cli_run.app_args_of({}, options)["ingress"] == {"num_replicas": 2}
-    configured = {"args": {"ingress": {"num_replicas": 1, "num_cpus": 0.5}}}
-    assert cli_run.app_args_of(configured, options)["ingress"] == {"num_replicas": 1, "num_cpus": 0.5}
+    assert cli_run.deployment_overrides_of({}) == [{"name": "TTSIngress", "num_replicas": 2}]
+    encoder = {"name": "Encoder", "ray_actor_options": {"num_cpus": 1}}
+    assert cli_run.deployment_overrides_of({"deployments": [encoder]}) == [
+        encoder,
+        {"name": "TTSIngress", "num_replicas": 2},
+    ]
+    configured = {"deployments": [{"name": "TTSIngress", "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}}]}
+    assert cli_run.deployment_overrides_of(configured) == configured["deployments"]
+    scaled = {"deployments": [{"name": "TTSIngress", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}]}
+    assert cli_run.deployment_overrides_of(scaled) == scaled["deployments"]
 
 
 def test_a_port_on_every_interface_is_told_from_one_on_loopback() -> None:

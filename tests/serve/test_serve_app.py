@@ -25,12 +25,11 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from autoscaling.metrics import METRIC_NAMES  # noqa: E402
-from serve_app import build_app  # noqa: E402
 from serve_app.audio import FORMATS, OPENAI_SAMPLE_RATE  # noqa: E402
 from serve_app.cli import main as cli_main  # noqa: E402
-from serve_app.ingress import TTSIngress  # noqa: E402
+from serve_app.ingress import TTSIngress, build_app_with_overrides  # noqa: E402
 from serve_app.request_args import DEFAULT_OPENAI_VOICES, LimitsArgs  # noqa: E402
-from tests.serve.conftest import text_stream_exchange, wait_until_healthy  # noqa: E402
+from tests.serve.conftest import on_cpus, text_stream_exchange, wait_until_healthy  # noqa: E402
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -69,13 +68,11 @@ def base_url() -> Iterator[str]:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": "tiny",
-        "ingress": {"num_cpus": 0.25},
-        "encoder": {"num_cpus": 0.25},
         # A long batch window so that concurrent requests provably share batches.
         "decoder": {"num_cpus": 0.5, "max_batch_size": 4, "batch_wait_timeout_s": 0.5},
         "limits": {"max_input_chars": MAX_INPUT_CHARS, "long_text_chars": LONG_TEXT_CHARS},
     }
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    serve.run(build_app_with_overrides(args, on_cpus(TTSIngress=0.25, Encoder=0.25)), name=APP_NAME, route_prefix="/")
     # An ingress whose other stages fail in unexpected ways, beside it, for the generic 500s.
     broken = BrokenStage.bind()
     serve.run(TTSIngress.bind(broken, broken, "broken", LimitsArgs()), name=BROKEN_APP, route_prefix="/broken")

@@ -69,7 +69,8 @@ def test_gpu_cluster_profile() -> None:
     assert args.decoder.dtype == "auto" and 0 < args.decoder.num_gpus < 1
     assert args.voices_dir is not None and args.voices_dir.startswith("s3://")
     assert args.decoder.max_batch_size == 4
-    assert args.decoder.ongoing_requests_limit >= args.decoder.max_batch_size
+    decoder = built_deployments(_load("gpu_cluster.yaml"))["Decoder"]  # its max_ongoing_requests: the deployments'
+    assert decoder.max_ongoing_requests >= args.decoder.max_batch_size * args.decoder.max_concurrent_batches
     rules = args.decoder.autoscaling.rules
     assert rules.lowest_floor() == 0 and args.decoder_cpu.enabled  # a night at 0 GPUs, served by the fallback
 
@@ -86,6 +87,7 @@ def test_the_alternative_profiles_are_the_gpu_profile_with_another_model(name: s
     (profile,) = _load("gpu_cluster.yaml")["applications"]
     args, profile_args = application["args"], dict(profile["args"])
     assert args["model"] == model and args["decoder"]["dtype"] == "float16"
+    assert application["deployments"] == profile["deployments"]  # Serve's options, the same on the same cluster
     for key in ("model", "voices_dir"):
         profile_args.pop(key)
     args = {key: value for key, value in args.items() if key != "model"}

@@ -25,9 +25,9 @@ ray = pytest.importorskip("ray")
 schemathesis = pytest.importorskip("schemathesis")
 from ray import serve  # noqa: E402
 
-from serve_app import build_app  # noqa: E402
 from serve_app.errors import RETRY_AFTER_S  # noqa: E402
-from tests.serve.conftest import running_app  # noqa: E402
+from serve_app.ingress import build_app_with_overrides  # noqa: E402
+from tests.serve.conftest import on_cpus, running_app  # noqa: E402
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -44,16 +44,8 @@ DECODER_ONGOING = 2
 
 ARGS: dict[str, Any] = {
     "model": "tiny",
-    "ingress": {"num_cpus": 0.1},
-    "encoder": {"num_cpus": 0.2},
-    "decoder": {
-        "num_cpus": 0.4,
-        "max_batch_size": 2,
-        "max_concurrent_batches": 1,  # ongoing 2 = one admission batch of 2
-        "max_ongoing_requests": DECODER_ONGOING,
-        "max_queued_requests": DECODER_QUEUE,
-    },
-    "decoder_cpu": {"enabled": True, "num_cpus": 0.2, "num_replicas": 1},  # always one up
+    "decoder": {"num_cpus": 0.4, "max_batch_size": 2, "max_concurrent_batches": 1},  # one admission batch of 2
+    "decoder_cpu": {"enabled": True},
     "limits": {
         "max_input_chars": 600,
         "long_text_chars": 120,
@@ -62,6 +54,12 @@ ARGS: dict[str, Any] = {
     },
     "security": {"api_keys": [API_KEY]},
 }
+DEPLOYMENTS = [
+    *on_cpus(TTSIngress=0.1, Encoder=0.2),
+    {"name": "Decoder", "max_ongoing_requests": DECODER_ONGOING, "max_queued_requests": DECODER_QUEUE},
+    # always one up: a fixed count instead of the fallback's policy
+    {"name": "DecoderCPU", "autoscaling_config": None, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.2}},
+]
 
 
 def _wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.25) -> Any:
@@ -80,7 +78,7 @@ def _wait_for(condition, timeout_s: float, what: str, interval_s: float = 0.25) 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with running_app(ARGS, APP) as url:
+    with running_app(ARGS, APP, deployments=DEPLOYMENTS) as url:
         yield url
 
 
@@ -277,12 +275,11 @@ def test_a_model_whose_vocoder_outputs_nan_answers_a_generic_500(base_url: str, 
     torch.save(hift, model_dir / "hift.pt")
     args = {
         "model": str(model_dir),  # loaded through the normal `official` path, inside the allowed root
-        "ingress": {"num_cpus": 0.1},
-        "encoder": {"num_cpus": 0.1},
         "decoder": {"num_cpus": 0.2},
         "security": {"api_keys": [API_KEY], "allowed_model_roots": [str(tmp_path / "models")]},
     }
-    serve.run(build_app(args), name="poisoned", route_prefix="/poisoned")
+    poisoned = build_app_with_overrides(args, on_cpus(TTSIngress=0.1, Encoder=0.1))
+    serve.run(poisoned, name="poisoned", route_prefix="/poisoned")
     try:
         with httpx.Client(base_url=f"{base_url}/poisoned", timeout=120, headers=AUTH) as http:
             voice = http.get("/v1/voices").json()["voices"][0]

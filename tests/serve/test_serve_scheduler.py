@@ -26,7 +26,7 @@ from engine.voices.registry import EVERYONE
 from serve_app.audio import PCM_MAX
 from serve_app.decoder_args import DecoderArgs
 from serve_app.errors import engine_error
-from tests.serve.conftest import running_app, wait_until
+from tests.serve.conftest import on_cpus, running_app, wait_until
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -37,11 +37,9 @@ BUDGET_GB = 0.3  # the tiny model's long stream below needs ~160 MiB; the 29-tok
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     args = {
-        "ingress": {"num_cpus": 0.1},
-        "encoder": {"num_cpus": 0.1},
         "decoder": {"num_cpus": 0.2, "memory_budget_gb": BUDGET_GB},
     }
-    with running_app(args, APP) as url:
+    with running_app(args, APP, deployments=on_cpus(TTSIngress=0.1, Encoder=0.1)) as url:
         yield url
 
 

@@ -32,16 +32,19 @@ DECLARED_BYTES = 1000
 HOST = "127.0.0.2"
 ARGS = {
     "model": "tiny",
-    "ingress": {"num_cpus": 0.1, "max_ongoing_requests": INGRESS_ONGOING},
-    "encoder": {"num_cpus": 0.2},
     "decoder": {"num_cpus": 0.4},
+    "limits": {"max_text_streams": INGRESS_ONGOING // 2},
 }
+DEPLOYMENTS = [
+    {"name": "TTSIngress", "max_ongoing_requests": INGRESS_ONGOING, "ray_actor_options": {"num_cpus": 0.1}},
+    {"name": "Encoder", "ray_actor_options": {"num_cpus": 0.2}},
+]
 SHORT = {"text": "Hello there.", "sampling": {"max_token_text_ratio": 3.0}}  # tiny weights: keep decodes short
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with running_app(ARGS, APP, host=HOST) as url:
+    with running_app(ARGS, APP, host=HOST, deployments=DEPLOYMENTS) as url:
         yield url
 
 

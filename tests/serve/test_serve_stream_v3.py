@@ -27,7 +27,7 @@ from deployments.text_relay import RELAY_NAME_PREFIX
 from engine.llm.sampling import SamplingOptions
 from engine.runtime.pipeline import CosyVoice
 from engine.runtime.synthesis_request import SynthesisRequest
-from tests.serve.conftest import TEXT_STREAM_PATH, running_app, wait_until
+from tests.serve.conftest import TEXT_STREAM_PATH, on_cpus, running_app, wait_until
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -44,11 +44,9 @@ SLOTS_BACK_S = 10.0  # generous: the ingress cancels a left client's decoder cal
 def base_url() -> Iterator[str]:
     args = {
         "model": str(KIT_MODEL),
-        "ingress": {"num_cpus": 0.1},
-        "encoder": {"num_cpus": 0.1},
         "decoder": {"num_cpus": 0.2},
     }
-    with running_app(args, APP) as url:
+    with running_app(args, APP, deployments=on_cpus(TTSIngress=0.1, Encoder=0.1)) as url:
         yield url
 
 

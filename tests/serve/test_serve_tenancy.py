@@ -45,7 +45,7 @@ from serve_app.tenancy import (
 )
 from serve_app.wyoming_listener import WyomingListener
 from serve_app.wyoming_zeroconf import MDNS_GROUP, service_name
-from tests.serve.conftest import running_app, wait_until
+from tests.serve.conftest import on_cpus, running_app, wait_until
 from tests.serve.test_voice_registry import wav_bytes
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
@@ -276,8 +276,6 @@ def served(tmp_path_factory: pytest.TempPathFactory, wyoming_port: int) -> Itera
     voices_dir = tmp_path_factory.mktemp("tenancy") / "voices"
     args = {
         "model": "tiny",
-        "ingress": {"num_cpus": 0.1},
-        "encoder": {"num_cpus": 0.1},
         "decoder": {"num_cpus": 0.3},
         "voices_dir": str(voices_dir),  # the cloning models: those the tiny preset ships
         "limits": {
@@ -287,7 +285,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, wyoming_port: int) -> Itera
         "security": {"api_keys": [ALICE, BOB], "admin_keys": [ADMIN]},
         "wyoming": {"port": wyoming_port, "allow_keyless": True},
     }
-    with running_app(args, "tenancy") as url:
+    with running_app(args, "tenancy", deployments=on_cpus(TTSIngress=0.1, Encoder=0.1)) as url:
         yield url, voices_dir
 
 

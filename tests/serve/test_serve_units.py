@@ -124,7 +124,7 @@ def test_500s_say_internal_error_and_log_the_traceback_with_the_request_id(
 def test_app_args_defaults_and_validation() -> None:
     args = AppArgs.model_validate({"model": "tiny", "decoder": {"max_batch_size": 8}})
     assert args.decoder.num_gpus == 0 and args.decoder.ongoing_requests_limit >= 8
-    with pytest.raises(ValidationError, match="max_ongoing_requests"):
+    with pytest.raises(ValidationError, match=r"max_ongoing_requests was removed: set .* of deployment `Decoder`"):
         DecoderArgs(max_batch_size=8, max_ongoing_requests=4)
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"decoder": {"num_gpus": 1.5}})
@@ -535,13 +535,12 @@ def test_a_text_stream_that_sends_only_flush_still_ends_after_the_idle_time() ->
 
 
 def test_text_streams_are_capped_below_the_slots_of_requests_by_default_and_by_choice() -> None:
-    limits = AppArgs().ingress_limits
+    limits = AppArgs().limits
     assert (limits.max_text_streams, limits.max_text_streams_per_key) == (32, 4)  # of 64 slots, of 8 per key
-    small = AppArgs(ingress={"max_ongoing_requests": 8}, limits={"max_concurrent_requests_per_key": 2}).ingress_limits
+    small = AppArgs(limits={"max_text_streams": 4, "max_concurrent_requests_per_key": 2}).limits
     assert (small.max_text_streams, small.max_text_streams_per_key) == (4, 1)
-    assert AppArgs(limits={"max_concurrent_requests_per_key": None}).ingress_limits.max_text_streams_per_key is None
-    with pytest.raises(ValidationError, match=r"must be below ingress\.max_ongoing_requests"):
-        AppArgs(limits={"max_text_streams": 64})
+    assert AppArgs(limits={"max_concurrent_requests_per_key": None}).limits.max_text_streams_per_key is None
+    # below the ingress's slots: checked where its deployment's options are known (test_config_knobs)
 
 
 def test_text_streams_are_held_to_their_replicas_and_their_keys_caps() -> None:

@@ -17,15 +17,16 @@ import pytest
 import soundfile as sf
 from ray import serve
 
-from serve_app import build_app
 from serve_app.cli import main as cli_main
 from serve_app.cli import parser
 from serve_app.cli_run import with_default_voices_dir
-from tests.serve.conftest import running_app, text_stream_exchange
+from serve_app.ingress import build_app_with_overrides
+from tests.serve.conftest import on_cpus, running_app, text_stream_exchange
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
-SMALL = {"ingress": {"num_cpus": 0.1}, "encoder": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
+SMALL = {"decoder": {"num_cpus": 0.3}}
+SMALL_DEPLOYMENTS = on_cpus(TTSIngress=0.1, Encoder=0.1)
 SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights speak until max_len
 
 
@@ -49,10 +50,13 @@ def test_run_takes_a_preset_name_and_gives_it_a_voices_dir(tmp_path: Path, monke
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`cosyvoice3-tiny` at "/", and `cosyvoice2-tiny` at "/v2" sharing its voices dir."""
     voices = tmp_path_factory.mktemp("voices")
-    with running_app({"model": "cosyvoice3-tiny", **SMALL, "voices_dir": str(voices)}, "v3-test") as url:
-        serve.run(
-            build_app({"model": "cosyvoice2-tiny", **SMALL, "voices_dir": str(voices)}), name="v2", route_prefix="/v2"
+    with running_app(
+        {"model": "cosyvoice3-tiny", **SMALL, "voices_dir": str(voices)}, "v3-test", deployments=SMALL_DEPLOYMENTS
+    ) as url:
+        v2 = build_app_with_overrides(
+            {"model": "cosyvoice2-tiny", **SMALL, "voices_dir": str(voices)}, SMALL_DEPLOYMENTS
         )
+        serve.run(v2, name="v2", route_prefix="/v2")
         yield url
 
 

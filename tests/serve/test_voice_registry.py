@@ -29,10 +29,10 @@ from engine.voices.registry import (
     VoiceRegistryFullError,
     is_voice_id,
 )
-from serve_app import build_app
 from serve_app.cli import main as cli_main
 from serve_app.guard import check_voice_name
-from tests.serve.conftest import concurrent_adds, constant_flac, running_app
+from serve_app.ingress import build_app_with_overrides
+from tests.serve.conftest import concurrent_adds, constant_flac, on_cpus, running_app
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -290,7 +290,8 @@ def wav_bytes(seconds: float, sample_rate: int = 16000, channels: int = 1) -> by
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("cloning")
-    small = {"ingress": {"num_cpus": 0.1}, "encoder": {"num_cpus": 0.1}, "decoder": {"num_cpus": 0.3}}
+    small = {"decoder": {"num_cpus": 0.3}}
+    deployments = on_cpus(TTSIngress=0.1, Encoder=0.1)
     args = {
         "model": "tiny",
         **small,
@@ -298,10 +299,11 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "limits": {"max_voices": 3},
     }
     v2_args = {**args, "model": "cosyvoice2-tiny", "voices_dir": str(root / "voices_v2")}
-    with running_app(args, "voices-test") as url:
+    with running_app(args, "voices-test", deployments=deployments) as url:
         # The same model without voice cloning, beside it, for the 501; and a CosyVoice2 model with cloning.
-        serve.run(build_app({"model": "tiny", **small}), name="no-cloning", route_prefix="/plain")
-        serve.run(build_app(v2_args), name="cloning-v2", route_prefix="/v2")
+        plain = build_app_with_overrides({"model": "tiny", **small}, deployments)
+        serve.run(plain, name="no-cloning", route_prefix="/plain")
+        serve.run(build_app_with_overrides(v2_args, deployments), name="cloning-v2", route_prefix="/v2")
         yield url
 
 

@@ -16,7 +16,6 @@ import os
 from collections.abc import Iterator
 from copy import deepcopy
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -27,11 +26,12 @@ import soundfile as sf
 import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
+from ray.serve import Application
 from ray.util.state import list_actors
 
 from engine.voices.registry import provisioned_voice_id
-from serve_app import build_app
 from serve_app.bench.http_load import free_port
+from serve_app.ingress import build_app_with_overrides
 from tests.serve.conftest import OBJECT_STORE_BYTES, s3_server, wait_until_healthy
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
@@ -48,14 +48,14 @@ def wav_bytes(seconds: float = 2.0, sample_rate: int = 16000, hz: float = 180.0)
     return buffer.getvalue()
 
 
-def app_args(node: str, bucket: str) -> dict[str, Any]:
+def app_of(node: str, bucket: str) -> Application:
     """configs/gpu_cluster.yaml's app (Fun-CosyVoice3-0.5B, voices on S3) with the tiny v3 model and this test's
-    bucket, sized for 2 cores: one replica of each stage, the ingress and the encoder on `node`, the decoder on CPU."""
+    bucket, sized for 2 cores: one replica of each stage, the ingress and the encoder on `node` (their deployments'
+    overrides), the decoder on CPU."""
     (application,) = yaml.safe_load(PROFILE.read_text())["applications"]
     args = deepcopy(application["args"])
     assert args["model"].endswith("/Fun-CosyVoice3-0.5B-2512") and args["voices_dir"].startswith("s3://")
-    on_node = {"num_cpus": 0.1}
-    args.update(model="cosyvoice3-tiny", voices_dir=f"{bucket}/registry", cpu_resources={node: 1})
+    args.update(model="cosyvoice3-tiny", voices_dir=f"{bucket}/registry")
     args["voices"] = [
         {
             "file": f"{bucket}/recordings/narrator.wav",
@@ -64,12 +64,16 @@ def app_args(node: str, bucket: str) -> dict[str, Any]:
             "openai_name": "alloy",
         }
     ]
-    args["ingress"].update(num_replicas=1, **on_node)
-    args["encoder"].update(int8=False, autoscaling={"min_replicas": 1, "max_replicas": 1}, **on_node)
+    args["encoder"].update(int8=False)
     args["decoder"].update(num_gpus=0, num_cpus=0.3, dtype="float32")
     del args["decoder"]["autoscaling"]  # one replica, whatever the hour of the profile's schedule
     args["decoder_cpu"]["enabled"] = False
-    return args
+    on_node = {"num_cpus": 0.1, "resources": {node: 1}}
+    deployments = [
+        {"name": "TTSIngress", "num_replicas": 1, "ray_actor_options": on_node},
+        {"name": "Encoder", "num_replicas": 1, "ray_actor_options": on_node},
+    ]
+    return build_app_with_overrides(args, deployments)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +92,8 @@ def urls() -> Iterator[tuple[str, str]]:
             ray.init(address=cluster.address, log_to_driver=False)
             port = free_port()
             serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-            serve.run(build_app(app_args("node_a", bucket)), name="a", route_prefix="/a")
-            serve.run(build_app(app_args("node_b", bucket)), name="b", route_prefix="/b")
+            serve.run(app_of("node_a", bucket), name="a", route_prefix="/a")
+            serve.run(app_of("node_b", bucket), name="b", route_prefix="/b")
             base = f"http://127.0.0.1:{port}"
             for prefix in ("/a", "/b"):
                 wait_until_healthy(base + prefix, timeout_s=120.0)  # two apps on 2 shared cores

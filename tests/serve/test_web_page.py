@@ -37,7 +37,7 @@ pytest.importorskip("ray")
 from ray import serve
 
 from serve_app.guard import WEBSOCKET_KEY_PROTOCOL_PREFIX, WEBSOCKET_PROTOCOL
-from tests.serve.conftest import running_app, wait_until
+from tests.serve.conftest import on_cpus, running_app, wait_until
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -84,13 +84,11 @@ def _prompt_wav(seconds: float = 2.0) -> bytes:
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = {
         "model": "tiny",
-        "ingress": {"num_cpus": 0.25},
-        "encoder": {"num_cpus": 0.25},
         "decoder": {"num_cpus": 0.5},
         "security": {"api_keys": [API_KEY]},
         "voices_dir": str(tmp_path_factory.mktemp("voices")),
     }
-    with running_app(args, APP) as url:
+    with running_app(args, APP, deployments=on_cpus(TTSIngress=0.25, Encoder=0.25)) as url:
         yield url
 
 
