@@ -60,7 +60,6 @@ class Decoder:
         max_batch_size: int,
         batch_wait_timeout_s: float,
         memory_budget_gb: float | str | None = "auto",
-        max_concurrent_batches: int = 2,
         gpu_fraction: float | None = None,
         max_audio_s: float | None = None,
         max_request_s: float | None = None,
@@ -105,7 +104,6 @@ class Decoder:
             self.metrics,
             max_batch_size,
             batch_wait_timeout_s,
-            max_concurrent_batches,
             gpu=gpu,
             busy_time_utilization=sampler is None,
         )

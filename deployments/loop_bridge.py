@@ -37,6 +37,9 @@ from observability.metrics import DecoderMetrics
 logger = logging.getLogger("ray.serve")
 
 GAUGE_REFRESH_S = 5.0  # well inside the time Ray keeps a gauge it was not given again
+# Admission batches handed to the loop at once: two, so that one forming never waits for another (the loop takes a
+# batch in at its next step, so more would only hold requests it has no slot for).
+MAX_CONCURRENT_BATCHES = 2
 
 
 @dataclass(eq=False)
@@ -96,17 +99,16 @@ class LoopBridge:
         metrics: DecoderMetrics,
         max_batch_size: int,
         batch_wait_timeout_s: float,
-        max_concurrent_batches: int,
         gpu: GpuProbe | None = None,
         busy_time_utilization: bool = True,
     ) -> None:
         self.scheduler, self.load, self.metrics, self.gpu = scheduler, load, metrics, gpu
         self.busy_time_utilization = busy_time_utilization
-        # Built per replica so that max_concurrent_batches comes from the app's arguments. The loop starts idle: the
-        # queues wait for no batch to fill until the loop is busy (`_loop_busy`).
+        # Built per replica, around its own `_admit_batch`. The loop starts idle: the queues wait for no batch to fill
+        # until the loop is busy (`_loop_busy`).
         self._admit = {
             path: serve.batch(
-                max_batch_size=max_batch_size, batch_wait_timeout_s=0.0, max_concurrent_batches=max_concurrent_batches
+                max_batch_size=max_batch_size, batch_wait_timeout_s=0.0, max_concurrent_batches=MAX_CONCURRENT_BATCHES
             )(self._admit_batch)
             for path in ("whole", "stream")
         }

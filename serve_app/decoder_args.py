@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from autoscaling.policy import ScalingRules, WakeRule, decoder_autoscaling_config
 from autoscaling.schedule import Schedule
+from deployments.loop_bridge import MAX_CONCURRENT_BATCHES
 from engine.nn.precision import AUTO_INT4_DTYPE
 from engine.runtime.playback import DeadlinePolicy, FcfsPolicy, SchedulingPolicy
 from serve_app.args_base import StrictArgs
@@ -48,11 +49,14 @@ class DecoderArgs(StrictArgs):
 
     REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
         "max_ongoing_requests": moved_to_deployment("max_ongoing_requests", GPU_DECODER)
-        + "; its default stays 2 x max_batch_size x max_concurrent_batches",
+        + f"; its default stays 2 x max_batch_size x {MAX_CONCURRENT_BATCHES} admission batches",
         "max_queued_requests": moved_to_deployment("max_queued_requests", GPU_DECODER),
         "num_replicas": moved_to_deployment("num_replicas", GPU_DECODER) + " (without decoder.autoscaling)",
         "resources": "the GPU Decoder's ray_actor_options are built from decoder.num_cpus and decoder.num_gpus; "
         + moved_to_deployment("ray_actor_options: {resources: {...}}", "TTSIngress, Encoder or DecoderCPU"),
+        "max_concurrent_batches": f"fixed at {MAX_CONCURRENT_BATCHES} "
+        "(deployments.loop_bridge.MAX_CONCURRENT_BATCHES): one forming never waits for another, and the loop takes "
+        "each in at its next step",
         "max_vocode_batch": "fixed at 8 on a GPU, 1 on CPU (engine.runtime.scheduler.DEFAULT_VOCODE_BATCH_CUDA, "
         "_CPU): on CPU the flow and vocoder run only ~1.2x faster at batch 8, and a small job lets a first chunk "
         "wait less (docs/performance.md)",
@@ -83,9 +87,6 @@ class DecoderArgs(StrictArgs):
         ge=0,
         description="how long an admission batch of whole requests waits to fill while the loop is busy (an idle "
         "loop admits at once; streams never wait: the loop takes them in at its next step)",
-    )
-    max_concurrent_batches: int = Field(
-        2, ge=1, description="admission batches handed to the loop at once: one forming never waits for another"
     )
     memory_budget_gb: Annotated[float, Field(gt=0)] | Literal["auto"] | None = Field(
         "auto",
@@ -134,7 +135,7 @@ class DecoderArgs(StrictArgs):
     @property
     def batches_fill_at(self) -> int:
         """The fewest requests a replica must take at once for its admission batches to fill."""
-        return self.max_batch_size * self.max_concurrent_batches
+        return self.max_batch_size * MAX_CONCURRENT_BATCHES
 
 
 class SchedulerArgs(StrictArgs):

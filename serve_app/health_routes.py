@@ -97,8 +97,8 @@ class HealthRoutes:
         return self._wyoming_warnings
 
     async def models(self) -> dict[str, Any]:
-        """The served model, then its aliases (openai.model_aliases): `model` may be any of them; each says which LLM
-        checkpoint the model runs (None: dummy weights)."""
+        """The served model, then OpenAI's model names (`OPENAI_TTS_MODELS`): `model` may be any of them; each says
+        which LLM checkpoint the model runs (None: dummy weights)."""
         checkpoint = (await self.synthesis.model_info()).llm_checkpoint
         data = [
             {"id": name, "object": "model", "owned_by": "cosyvoice-serve", "llm_checkpoint": checkpoint}

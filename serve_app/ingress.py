@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from autoscaling.policy import RayWakeBoard, ScalingRules, WakeRule, cpu_fallback_autoscaling_config
 from deployments.decoder import Decoder
 from deployments.encoder import Encoder, ProvisionedVoice, VoiceCloningConfig
+from deployments.loop_bridge import MAX_CONCURRENT_BATCHES
 from deployments.text_relay import TextRelays
 from engine.loading.model_source import hub_model, served_name
 from engine.voices.cloning import MAX_PROMPT_AUDIO_BYTES
@@ -206,7 +207,8 @@ def _decoder_checks(args: AppArgs, decoder: dict[str, Any], code: dict[str, Any]
     if decoder["max_ongoing_requests"] < needed:
         raise ValueError(
             f"deployments: {GPU_DECODER}'s max_ongoing_requests ({decoder['max_ongoing_requests']}) must be >= "
-            f"decoder.max_batch_size x decoder.max_concurrent_batches ({needed}), or batches never fill"
+            f"decoder.max_batch_size x {MAX_CONCURRENT_BATCHES} admission batches at once ({needed}), or batches never "
+            "fill"
         )
 
 
@@ -278,7 +280,6 @@ def build_app_with_overrides(
         max_batch_size=args.decoder.max_batch_size,
         batch_wait_timeout_s=args.decoder.batch_wait_timeout_s,
         memory_budget_gb=args.decoder.memory_budget_gb,
-        max_concurrent_batches=args.decoder.max_concurrent_batches,
         gpu_fraction=args.decoder.num_gpus,
         **decoder_loop,
     )

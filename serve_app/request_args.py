@@ -179,16 +179,19 @@ DEFAULT_OPENAI_VOICES = {
     "cedar": "dummy_male",
 }
 
-DEFAULT_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+# OpenAI's speech models: the `model` names its clients send, accepted (and listed) besides the served model's own.
+OPENAI_TTS_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
 
 class OpenAIArgs(StrictArgs):
     """What lets code written for OpenAI's speech endpoint run unchanged: its model and voice names, and instructions
     that a voice cannot follow."""
 
-    model_aliases: tuple[str, ...] = Field(
-        DEFAULT_MODEL_ALIASES, description="`model` values accepted besides the served model name (and listed)"
-    )
+    REMOVED_FIELDS: ClassVar[Mapping[str, str]] = {
+        "model_aliases": f"fixed at {', '.join(OPENAI_TTS_MODELS)} (serve_app.request_args.OPENAI_TTS_MODELS): the "
+        "names OpenAI's clients send; any other client names the served model (served_model_name)",
+    }
+
     voices: dict[str, str] = Field(
         default_factory=lambda: dict(DEFAULT_OPENAI_VOICES),
         description="voice name -> a built-in speaker or registered voice id of the served model",
@@ -201,8 +204,6 @@ class OpenAIArgs(StrictArgs):
 
     @model_validator(mode="after")
     def _names_are_not_empty(self) -> OpenAIArgs:
-        if any(not alias.strip() for alias in self.model_aliases):
-            raise ValueError("openai.model_aliases must not hold empty names")
         if any(not name.strip() or not target.strip() for name, target in self.voices.items()):
             raise ValueError("openai.voices must map non-empty names to non-empty voices")
         return self

@@ -28,7 +28,7 @@ from observability.http import SynthesisTimer, endpoint_of, request_id_of
 from serve_app.audio import AudioFormat, audio_format
 from serve_app.errors import REPLICA_LOST, SERVE_UNAVAILABLE, unavailable_error
 from serve_app.guard import check_voice_name
-from serve_app.request_args import LimitsArgs, OpenAIArgs
+from serve_app.request_args import OPENAI_TTS_MODELS, LimitsArgs, OpenAIArgs
 from serve_app.responses import SSE_MEDIA_TYPE, OutputAudio, encoded_stream, iter_once, speech_usage, sse_body
 from serve_app.routing import DecoderRouter
 from serve_app.tenancy import caller_of
@@ -134,7 +134,7 @@ class Synthesis:
         self.router = router
         self.model_name = model_name
         # the served model, then its aliases: what `model` may name
-        self.model_names = (model_name, *(alias for alias in openai.model_aliases if alias != model_name))
+        self.model_names = (model_name, *(alias for alias in OPENAI_TTS_MODELS if alias != model_name))
         self.limits = limits
         self.openai = openai
         self._info: ModelInfo | None = None

@@ -48,7 +48,6 @@ ARGS: dict[str, Any] = {
         "dtype": "float32",
         "memory_budget_gb": None,
         "max_batch_size": 2,
-        "max_concurrent_batches": 1,
         "autoscaling": {"rules": {"min_replicas": 1, "max_replicas": 1}},
     },
     # The ingress re-sends a stream for REROUTE_S (30 s): it waits for Ray to declare the node dead (~10 s), then for
@@ -61,7 +60,7 @@ DEPLOYMENTS: list[dict[str, Any]] = [
     {"name": "Encoder", "ray_actor_options": {"num_cpus": 0.2, **ON_CPU_NODE}},
     {
         "name": "Decoder",
-        "max_ongoing_requests": 2,
+        "max_ongoing_requests": 4,  # the fewest that let its admission batches of 2 fill
         # the code's policy, its replicas reporting every 0.5 s over a 1 s look-back
         "autoscaling_config": decoder_autoscaling_config(ScalingRules(min_replicas=1, max_replicas=1), 1.0, 0.5),
     },

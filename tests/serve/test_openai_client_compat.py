@@ -23,7 +23,7 @@ from engine.voices.default_voice import DEFAULT_VOICE_ID
 from engine.voices.registry import EVERYONE, Caller, VoiceRegistry
 from serve_app import openai_routes
 from serve_app.openai_routes import OpenAIRoutes, ignored_instructions_headers
-from serve_app.request_args import DEFAULT_MODEL_ALIASES, OPENAI_VOICE_NAMES, LimitsArgs, OpenAIArgs
+from serve_app.request_args import OPENAI_TTS_MODELS, OPENAI_VOICE_NAMES, LimitsArgs, OpenAIArgs
 from serve_app.schemas import SpeechRequest
 from serve_app.synthesis import Synthesis, instructions_refusal
 from serve_app.text_stream import done_event
@@ -160,7 +160,7 @@ def test_open_webui_reads_the_models_and_the_voices_the_caller_may_use(tmp_path:
     http = SimpleNamespace(scope={"state": {"caller": ALICE}})
 
     models = [model["id"] for model in asyncio.run(routes.audio_models()).get("models", [])]
-    assert models == ["tiny", *DEFAULT_MODEL_ALIASES]
+    assert models == ["tiny", *OPENAI_TTS_MODELS]
     voices = {voice["id"]: voice["name"] for voice in asyncio.run(routes.audio_voices(http)).get("voices", [])}
     # The registered voices oldest first; those of the same second by id (the registry's order).
     registered = [record.id for record in sorted([shared, own_record], key=lambda r: (r.created_at, r.id))]

@@ -70,7 +70,7 @@ def test_gpu_cluster_profile() -> None:
     assert args.voices_dir is not None and args.voices_dir.startswith("s3://")
     assert args.decoder.max_batch_size == 4
     decoder = built_deployments(_load("gpu_cluster.yaml"))["Decoder"]  # its max_ongoing_requests: the deployments'
-    assert decoder.max_ongoing_requests >= args.decoder.max_batch_size * args.decoder.max_concurrent_batches
+    assert decoder.max_ongoing_requests >= args.decoder.batches_fill_at
     rules = args.decoder.autoscaling.rules
     assert rules.lowest_floor() == 0 and args.decoder_cpu.enabled  # a night at 0 GPUs, served by the fallback
 

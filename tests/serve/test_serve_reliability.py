@@ -40,11 +40,11 @@ SHORT = {"sampling": {"max_token_text_ratio": 3.0}}  # dummy weights rarely emit
 LONG = {"sampling": {"min_token_text_ratio": 15.0, "max_token_text_ratio": 15.0}}
 KIT_MODEL = Path(__file__).parents[1] / "fixtures" / "cosyvoice1-tiny" / "model"
 DECODER_QUEUE = 2
-DECODER_ONGOING = 2
+DECODER_ONGOING = 4  # one admission batch of 2 and the next forming: the fewest that let batches fill
 
 ARGS: dict[str, Any] = {
     "model": "tiny",
-    "decoder": {"num_cpus": 0.4, "max_batch_size": 2, "max_concurrent_batches": 1},  # one admission batch of 2
+    "decoder": {"num_cpus": 0.4, "max_batch_size": 2},
     "decoder_cpu": {"enabled": True},
     "limits": {
         "max_input_chars": 600,

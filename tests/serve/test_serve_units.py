@@ -175,7 +175,6 @@ def test_openai_args_cover_every_openai_voice_for_the_presets() -> None:
     openai = AppArgs().openai
     assert set(openai.voices) == set(OPENAI_VOICE_NAMES)
     assert set(openai.voices.values()) <= set(DUMMY_VOICES)  # the built-in speakers of every preset
-    assert openai.model_aliases == ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
     with pytest.raises(ValidationError, match="non-empty"):
         AppArgs.model_validate({"openai": {"voices": {"alloy": " "}}})
 
