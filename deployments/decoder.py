@@ -21,9 +21,7 @@ from ray import serve
 
 from autoscaling.metrics import GpuProbe, ReplicaLoadTracker, gpu_utilization_sampler
 from deployments.loop_bridge import LoopBridge
-from engine.errors import (
-    CosyVoiceError,
-)
+from engine.errors import CosyVoiceError
 from engine.loading.loader import load_model
 from engine.loading.model_source import LLM_CHECKPOINT_AUTO
 from engine.nn.precision import FALLBACKS

@@ -116,7 +116,6 @@ class LoopBridge:
         self.loop_is_busy = False
         self._loop_thread: threading.Thread | None = None
         self.bistreams = 0  # bi-streamed utterances in the loop now
-        self.max_batch_size = max_batch_size
         self.set_max_batch_size(max_batch_size)
 
     def set_max_batch_size(self, size: int) -> int:
