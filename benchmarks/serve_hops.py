@@ -17,7 +17,9 @@ of a path the app has no route for (the proxy, its hop and the ingress's middlew
 it); `floor_ms` = `http_floor_ms` + 2 x `handle_floor_ms` is the least a whole request's three hops cost. Each figure
 is the median over `--repeats` rounds of each round's p50 (ms), with its spread, after `--warmup` untimed rounds.
 
-The default run (tiny, 16 requests per round, 1 + 3 rounds) takes about a minute on the 2-core machine.
+The default run (tiny, 16 requests per round, 1 + 3 rounds) takes about a minute on the 2-core machine (44 s of
+rounds, AMD EPYC, 2026-12-07); the time budget (`--budget-minutes`, default 14) cuts the rounds it leaves no time for,
+named in `stopped`.
 
     python -m benchmarks.serve_hops --out out/serve_hops.json [--model tiny] [--requests 16]
 """

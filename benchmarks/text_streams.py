@@ -3,9 +3,9 @@ sends them: one sentence a word every `--pause-s`, then `end`; time to the first
 
 After `--warmup` untimed sessions, `--repeats` rounds: one session alone, then `--concurrent` at once. Headline keys
 (median with `_spread` beside it): `alone_first_audio_s`, `alone_total_s`, `concurrent_first_audio_s`,
-`concurrent_total_s`. The default run takes about 10 minutes on the 2-core machine with `cosyvoice3-tiny`, whose
-random weights speak each session's sentence for ~25 s (AMD EPYC, 2026-12-07); the time budget (`--budget-minutes`,
-default 14) cuts the rounds it leaves no time for, named in `stopped`.
+`concurrent_total_s`. The default run takes about 5 minutes on the 2-core machine with `cosyvoice3-tiny`, whose
+random weights speak each session's sentence for ~25 s (311 s, AMD EPYC, 2026-12-07); the time budget
+(`--budget-minutes`, default 14) cuts the rounds it leaves no time for, named in `stopped`.
 
     cosyvoice-serve run --model cosyvoice3-tiny &
     python -m benchmarks.text_streams --url http://127.0.0.1:8000 --out out/text_streams.json
