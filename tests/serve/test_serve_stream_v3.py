@@ -239,7 +239,7 @@ def test_a_lost_text_relay_fails_its_sessions_alone_and_healthz_says_so_until_it
     events, _, code = asyncio.run(in_flight_when_the_relay_dies())
     assert code == 1013 and events[-1]["type"] == "error", events
     _, _, audio, done = asyncio.run(bistream_session(base_url, pause_s=0.0))  # the next session: a new relay
-    assert done["type"] == "speech.audio.done" and audio
+    assert done["type"] == "speech.audio.done" and audio, done
     kill_text_relay()  # with no session to notice: /healthz's probe does
     degraded = client.get("/healthz")
     assert degraded.status_code == 503 and degraded.json()["status"] == "degraded", degraded.text
