@@ -175,9 +175,7 @@ def summary(rounds: Rounds, spans: dict[str, dict[str, float]]) -> dict[str, Any
     figures: dict[str, Any] = {"unmatched_requests": unmatched}
     for key, values in per_round.items():
         figures |= Timing(tuple(values)).fields(key) if values else {key: None}
-    floors = {
-        key: Timing(tuple(round_[key] for round_ in rounds.floors)) for key in ("http_floor_ms", "handle_floor_ms")
-    }
+    floors = {key: Timing(tuple(round_[key] for round_ in rounds.floors)) for key in FLOORS}
     for key, timing in floors.items():
         figures |= timing.fields(key)
     least = [http + 2 * handle for http, handle in zip(*(t.samples for t in floors.values()), strict=True)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 from ray import serve
 
 from serve_app.audio import FORMATS
-from tests.serve.conftest import TEXT_STREAM_PATH, on_cpus, running_app, text_stream_exchange
+from tests.serve.conftest import TEXT_STREAM_PATH, on_cpus, running_app, text_stream_exchange, wait_until
 
 pytestmark = pytest.mark.serve  # starts Ray and a Serve app
 
@@ -223,22 +222,21 @@ def test_silent_and_flush_only_text_streams_never_take_the_slots_requests_need(
         refused = sockets.result()
     assert refused == 503  # the one over the cap, at its handshake
     assert beside.status_code == 200 and beside.content == quiet.content
-    assert code_of_a_text_stream_once_the_slots_are_back(base_url) == 1000  # their slots came back
+    spoken: list[tuple[list[dict[str, Any]], bytes, int | None]] = []
 
-
-def code_of_a_text_stream_once_the_slots_are_back(base_url: str, within_s: float = 10.0) -> int:
-    """The close code of a text stream that speaks "Hi.", sent again while its handshake is refused with 503 (sockets
-    that just left free their slots as the ingress sees them go), for at most `within_s`."""
-    deadline = time.monotonic() + within_s
-    while True:
+    def spoken_once_a_slot_is_back() -> bool:
+        """A text stream that speaks "Hi."; False while its handshake is refused with 503 (the sockets that just left
+        free their slots as the ingress sees them go)."""
         try:
-            events, audio, code = asyncio.run(
-                text_stream_exchange(base_url, [START, {"type": "text", "text": "Hi."}, {"type": "end"}])
+            spoken.append(
+                asyncio.run(text_stream_exchange(base_url, [START, {"type": "text", "text": "Hi."}, {"type": "end"}]))
             )
         except websockets.InvalidStatus as exc:
-            if exc.response.status_code != 503 or time.monotonic() > deadline:
+            if exc.response.status_code != 503:
                 raise
-            time.sleep(0.2)
-            continue
-        assert audio and events[-1]["type"] == "speech.audio.done"
-        return code
+            return False
+        return True
+
+    wait_until(spoken_once_a_slot_is_back, 10, "a text stream slot once the held sockets left", interval_s=0.2)
+    events, audio, code = spoken[-1]
+    assert code == 1000 and audio and events[-1]["type"] == "speech.audio.done"  # their slots came back
